@@ -1,0 +1,19 @@
+"""kvdex: long-context decoding that attends to a small budget of the most relevant KV pages.
+
+    model, tok = kvdex.load("Qwen/Qwen2.5-0.5B-Instruct")
+    cache = kvdex.Cache(model, policy="quest", budget=256)
+    out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+    print(cache.stats())
+"""
+
+from kvdex.config import CacheConfig
+from kvdex.integration import Cache, enable, load
+from kvdex.policies import Policy, make_policy, policies, register_policy
+from kvdex.selection import Selection
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cache", "CacheConfig", "Policy", "Selection", "enable", "load", "make_policy", "policies",
+    "register_policy", "__version__",
+]

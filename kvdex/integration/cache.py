@@ -1,0 +1,294 @@
+"""``kvdex.Cache``: a transformers ``Cache`` that stores KV in pages and attends to a budget.
+
+Data flow of one decoding step through one sparse layer (docs/architecture.md draws it):
+
+1. the model computes q, k, v and calls ``cache.update(k, v, layer)`` ->
+   :meth:`KVDexLayer.update` appends k/v to the layer's store; pages leaving the window join the
+   middle and the policy indexes them (``policy.index``);
+2. the model calls the attention function registered as ``"kvdex"``, which finds this layer
+   through the tag on ``k`` and calls :meth:`KVDexLayer.attention` ->
+   ``policy.select`` -> ``store.attend`` (fetching offloaded pages) -> the decode kernel;
+3. after the forward, the logits hook calls ``policy.on_step`` (CHESS's trigger, PRKV's refresh).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+from transformers.cache_utils import Cache as HFCache
+from transformers.cache_utils import CacheLayerMixin
+
+from kvdex.config import CacheConfig
+from kvdex.integration.attention import TAG
+from kvdex.kernels import dense_attention, sparse_decode_attention
+from kvdex.policies import PolicyInfo, make_policy
+from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
+
+
+class KVDexLayer(CacheLayerMixin):
+    """The cache of one transformer layer: a store plus the glue to the policy."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, parent: Cache, layer_idx: int, dense: bool):
+        super().__init__()
+        self._parent = weakref.ref(parent)
+        self.layer_idx = layer_idx
+        self.dense = dense
+        self.store = None
+        self.seen = 0  # columns seen, padding included (transformers' sequence length)
+
+    @property
+    def parent(self) -> Cache:
+        p = self._parent()
+        if p is None:
+            raise RuntimeError("the kvdex.Cache owning this layer was garbage-collected")
+        return p
+
+    # ---- transformers' layer protocol ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        parent = self.parent
+        parent._on_update(self.layer_idx, key_states)
+        if self.store is not None:
+            self._lengths_before = self.store.lengths.clone()
+            update = self.store.append(key_states, value_states)
+            if not self.dense and not update.empty:
+                parent.policy.index(self.layer_idx, update)
+        self.seen += key_states.shape[2]
+        tagged = key_states.view(key_states.shape)
+        setattr(tagged, TAG, self)
+        return tagged, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store, self.seen = None, 0
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.store is None else self.store.batch
+
+    # ---- attention -------------------------------------------------------------------------------
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """q [B, Hq, T, D]; k/v as returned by ``update``. Returns [B, T, Hq, D]."""
+        parent = self.parent
+        parent._check_module(module, self.layer_idx)
+        b, t = q.shape[0], q.shape[2]
+        if self.store is None:  # prefill: dense attention, then ingest the prompt
+            L = k.shape[2]
+            q_pos = torch.arange(L, device=q.device).expand(b, L)
+            out = dense_attention(q, k, v, q_pos, key_mask, scale, parent.config.prefill_chunk)
+            self._ingest(k, v, left_padding(key_mask, b, L), q)
+            return out
+        if t == 1:
+            return self._decode(q[:, :, 0], scale).unsqueeze(1)
+        # several new tokens on top of a filled cache (e.g. a second turn): dense over everything
+        kd, vd = self.store.dense()
+        q_pos = self._lengths_before[:, None] + torch.arange(t, device=q.device)[None, :]
+        key_mask = torch.arange(kd.shape[2], device=q.device)[None, :] < self.store.lengths[:, None]
+        return dense_attention(q, kd, vd, q_pos, key_mask, scale, parent.config.prefill_chunk)
+
+    def _ingest(self, k, v, pads, q) -> None:
+        parent = self.parent
+        lengths = k.shape[2] - pads
+        self.store = parent._new_store(self, k)
+        update = self.store.ingest(strip_left_padding(k, pads), strip_left_padding(v, pads), lengths)
+        if self.dense:
+            return
+        w = parent.policy.obs_window
+        if w:
+            w = min(w, q.shape[2])
+            update.obs_queries = q[:, :, -w:]  # left padding: the last rows are real for every sequence
+            cols = torch.arange(q.shape[2] - w, q.shape[2])
+            update.obs_valid = (cols[None, :] >= pads[:, None]).to(q.device)
+        parent.policy.index(self.layer_idx, update)
+
+    def _decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        parent, store = self.parent, self.store
+        if self.dense:
+            return self._dense_decode(q, scale)
+        with parent._timed("selection"):
+            sel = parent.policy.select(self.layer_idx, q, store, scale)
+        if sel.everything and isinstance(store, DeviceStore):
+            return self._dense_decode(q, scale)
+        with parent._timed("transfer"):
+            aset = store.attend(sel)
+        with parent._timed("attention"):
+            out = sparse_decode_attention(q, aset.k, aset.v, aset.idx, aset.valid, scale)
+        parent._count_attended(aset.valid.sum())
+        return out
+
+    def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        parent, store = self.parent, self.store
+        with parent._timed("attention"):
+            k, v = store.dense()
+            pos = (store.lengths - 1)[:, None]
+            key_mask = torch.arange(k.shape[2], device=q.device)[None, :] < store.lengths[:, None]
+            out = dense_attention(q[:, :, None], k, v, pos, key_mask, scale)[:, 0]
+        if not self.dense:
+            parent._count_attended(store.lengths.sum() * store.kv_heads)
+        return out
+
+
+class Cache(HFCache):
+    """A kvdex cache for one model. Pass it to ``model.generate(past_key_values=...)``.
+
+    ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
+    are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
+    """
+
+    def __init__(self, model, policy="quest", budget: int = 256, *, page_size: int = 16, sink: int = 16,
+                 window: int = 32, offload: bool = False, dense_layers: int = 2, timing: bool = False,
+                 prefill_chunk: int = 2048, **policy_options):
+        from kvdex.integration.loading import attention_modules, enable, text_config
+
+        self.config = CacheConfig(budget=budget, page_size=page_size, sink=sink, window=window, offload=offload,
+                                  dense_layers=dense_layers, prefill_chunk=prefill_chunk, timing=timing)
+        enable(model)
+        cfg = text_config(model)
+        self._modules = attention_modules(model)
+        n = cfg.num_hidden_layers
+        self.policy = make_policy(policy, **policy_options)
+        q_heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+        dense = [i < dense_layers for i in range(n)]
+        self.policy.bind(PolicyInfo(self.config, n, tuple(i for i in range(n) if not dense[i]),
+                                    q_heads, kv_heads, head_dim))
+        self.grid = Grid(sink, page_size, self.config.window_pages)
+        self.transfer = TransferStats()
+        self.step = -1
+        self._timing: dict[str, float] = {}
+        self._attended = None
+        self._attended_calls = 0
+        self._hook = None
+        self._model_name = getattr(model.config, "_name_or_path", type(model).__name__)
+        super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
+        self._install_logits_hook(model)
+
+    # ---- construction helpers --------------------------------------------------------------------
+    def _new_store(self, layer: KVDexLayer, k: torch.Tensor):
+        b, h, _, d = k.shape
+        args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
+        if self.config.offload and not layer.dense:
+            work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
+            return OffloadStore(*args, work_tokens=work)
+        return DeviceStore(*args)
+
+    def _install_logits_hook(self, model) -> None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            return
+        ref = weakref.ref(self)
+
+        def hook(_module, _inputs, output):
+            cache = ref()
+            if cache is not None and cache._in_forward:
+                cache._in_forward = False
+                logits = output[:, -1] if isinstance(output, torch.Tensor) else None
+                cache.policy.on_step(cache.step, logits)
+
+        self._hook = head.register_forward_hook(hook)
+        weakref.finalize(self, self._hook.remove)
+        self._in_forward = False
+
+    def _check_module(self, module, layer_idx: int) -> None:
+        if self._modules.get(layer_idx) is not module:
+            raise ValueError(
+                f"this kvdex.Cache was made for another model ({self._model_name}); "
+                "create a new kvdex.Cache(model, ...) for each model"
+            )
+
+    def _on_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        if layer_idx == 0:
+            self.step += 1
+            self._in_forward = True
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, name: str):
+        if not self.config.timing:
+            yield
+            return
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        yield
+        sync()
+        self._timing[name] = self._timing.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    def _count_attended(self, total: torch.Tensor) -> None:
+        self._attended = total if self._attended is None else self._attended + total
+        self._attended_calls += 1
+
+    # ---- transformers' cache protocol that kvdex does not support --------------------------------
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("kvdex caches do not support beam search; use greedy or sampling (num_beams=1)")
+
+    def crop(self, max_length: int):
+        raise NotImplementedError("kvdex caches cannot be cropped (assisted / speculative decoding is not supported)")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("kvdex caches do not support selecting batch rows after prefill")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError(
+            "kvdex caches do not support num_return_sequences > 1; repeat the prompt in the batch instead"
+        )
+
+    # ---- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Sizes, memory, transfers, attended tokens and (with ``timing=True``) time per phase."""
+        layers = [lay for lay in self.layers if lay.store is not None]
+        dev = sum(lay.store.device_bytes() for lay in layers)
+        host = sum(lay.store.host_bytes() for lay in layers)
+        lengths = layers[0].store.lengths_host.tolist() if layers else []
+        sparse = [lay for lay in layers if not lay.dense]
+        per_head = None
+        if self._attended is not None and sparse:
+            b, h = sparse[0].store.batch, sparse[0].store.kv_heads
+            per_head = float(self._attended) / (self._attended_calls * b * h)
+        c = self.config
+        out = {
+            "policy": self.policy.name,
+            "policy_options": self.policy.options(),
+            "budget": c.budget if self.policy.uses_budget else None,
+            "page_size": c.page_size,
+            "sink": c.sink,
+            "window": c.window,
+            "retrieval_tokens": c.retrieval_tokens if self.policy.uses_budget else None,
+            "dense_layers": c.dense_layers,
+            "sparse_layers": len(self.policy.info.sparse_layers),
+            "offload": c.offload,
+            "context_tokens": lengths,
+            "decode_steps": max(self.step, 0),
+            "kv_bytes_device": dev,
+            "kv_bytes_host": host,
+            "bytes_host_to_device": self.transfer.h2d_bytes,
+            "bytes_device_to_host": self.transfer.d2h_bytes,
+            "host_to_device_transfers": self.transfer.h2d_calls,
+            "attended_tokens_per_step": per_head,
+        }
+        if c.timing:
+            steps = max(self.step, 1)
+            out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self._timing.items())}
+        return out

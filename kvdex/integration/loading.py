@@ -1,0 +1,95 @@
+"""``kvdex.load`` and ``kvdex.enable``: get a transformers model ready for kvdex caches."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvdex.integration.attention import ATTN_NAME, kvdex_attention, padding_mask
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """The attention module of each layer, by ``layer_idx``."""
+    found = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if idx is not None and hasattr(m, "o_proj") and "Attention" in type(m).__name__:
+            found[idx] = m
+    return found
+
+
+def _check_supported(model) -> None:
+    cfg = text_config(model)
+    types = getattr(cfg, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in types)
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) is not False:
+        sliding = True
+    if sliding:
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention layers (sliding_window={window}, "
+            f"layer_types={sorted(set(types)) or None}); kvdex supports full-attention layers only. "
+            "If the model's context never exceeds the window, set config.sliding_window = None "
+            "(and config.layer_types = None) before calling kvdex.enable"
+        )
+    if not attention_modules(model):
+        raise ValueError(
+            f"{type(model).__name__}: no attention modules with q/k/v/o projections and a layer_idx were found; "
+            "kvdex supports decoder-only Llama / Qwen2 / Qwen3 / Mistral style models"
+        )
+
+
+def enable(model):
+    """Register kvdex's attention (transformers' public AttentionInterface) and switch ``model`` to it.
+
+    Idempotent. Without a kvdex cache the model attends densely, exactly as before.
+    """
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, kvdex_attention)
+        AttentionMaskInterface.register(ATTN_NAME, padding_mask)
+    _check_supported(model)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTN_NAME)
+        else:  # pragma: no cover - older transformers
+            model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def load(model: str | os.PathLike, *, gguf_file: str | None = None, dtype: torch.dtype | str = "auto",
+         device: str | torch.device | None = None):
+    """Load a causal LM and its tokenizer, ready for kvdex.
+
+    ``model``: a Hugging Face id, a local directory, or a ``.gguf`` file (loaded through
+    transformers' own GGUF support, which needs the ``gguf`` package). Returns ``(model, tokenizer)``;
+    the tokenizer pads on the left, which batched generation needs.
+    """
+    path = Path(model)
+    if gguf_file is None and path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        gguf_file, model = path.name, str(path.parent)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(model, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kw)
+    lm = lm.to(device).eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return enable(lm), tok

@@ -1,0 +1,59 @@
+"""Attention kernels: the PyTorch reference implementations (the spec, run by CPU CI).
+
+Fast Triton versions plug in behind the same functions (``sparse_decode_attention`` is the
+seam): they must match these twins on every shape the tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                            valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step over a per-(sequence, kv head) set of slots.
+
+    q [B, Hq, D]; k/v [B, H, S, D] slot buffers; idx/valid [B, H, N]. Hq = H * G (GQA: the G
+    query heads of a group share their kv head's slots). Softmax in fp32. Returns [B, Hq, D].
+    """
+    b, hq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    gi = idx[..., None].expand(-1, -1, -1, d)
+    ks = k.gather(2, gi).float()  # [B, H, N, D]
+    vs = v.gather(2, gi).float()
+    qg = q.view(b, h, g, d).float()
+    s = torch.einsum("bhgd,bhnd->bhgn", qg, ks) * scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", p, vs)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    key_mask: torch.Tensor | None, scale: float, chunk: int = 2048) -> torch.Tensor:
+    """Causal dense attention, chunked over query rows (SDPA).
+
+    q [B, Hq, T, D] at key-index positions q_pos [B, T]; k/v [B, H, L, D]; key_mask [B, L] bool
+    (False = padding) or None. Key j is visible to query i of sequence b iff
+    ``j <= q_pos[b, i]`` and ``key_mask[b, j]``. A row that sees no key (a padding query) attends
+    to its own slot, so no NaN appears. Returns [B, T, Hq, D] (transformers' output layout).
+    """
+    b, hq, t, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    # Bound the score matrix a chunk materialises on backends without fused masking.
+    rows = max(1, min(chunk, (1 << 27) // max(1, b * hq * L)))
+    j = torch.arange(L, device=q.device)
+    km = None if key_mask is None else key_mask.to(device=q.device, dtype=torch.bool)[:, None, :]
+    out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    for i0 in range(0, t, rows):
+        qp = q_pos[:, i0 : i0 + rows].to(q.device)[:, :, None]  # [B, c, 1]
+        mask = j <= qp
+        if km is not None:
+            mask = (mask & km) | (j == qp)
+        o = F.scaled_dot_product_attention(
+            q[:, :, i0 : i0 + rows], k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=h != hq
+        )
+        out[:, i0 : i0 + rows] = o.transpose(1, 2)
+    return out

@@ -1,0 +1,143 @@
+"""The policy interface and the mechanics every policy shares.
+
+A policy is one dataclass in one file (its fields are its options, so ``str(policy)`` records
+its settings). One instance serves one cache, all layers; it keeps per-layer index state itself,
+which lets a policy share work across layers (IceCache's reuse, CHESS's one selection per step).
+
+Life cycle, driven by :class:`kvdex.Cache`:
+
+* ``bind(info)``                     once, with the cache's sizes;
+* ``index(layer, update)``           pages joined the middle region: all of them at prefill
+                                     (with the observation-window queries when ``obs_window``),
+                                     then one page at a time as the window moves on;
+* ``select(layer, q, store, scale)`` every decode step, per sparse layer -> :class:`Selection`;
+* ``on_step(step, logits)``          after every decode step, with the last-position logits.
+
+Sink and window are always attended and are never part of a selection. GQA: ``select`` gets the
+queries of all heads, ``q`` [B, Hq, D]; it returns one selection per kv head. ``group_reduce`` is
+the one place where query-head scores become kv-head scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvdex.config import CacheConfig
+from kvdex.selection import Selection
+from kvdex.storage import LayerStore, MiddleUpdate
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """What a policy knows about its cache."""
+
+    config: CacheConfig
+    num_layers: int
+    sparse_layers: tuple[int, ...]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+@dataclass
+class Policy:
+    name: ClassVar[str] = ""
+    granularity: ClassVar[str] = "page"  # "page" | "token"
+    obs_window: ClassVar[int] = 0  # prompt queries kept for ``index`` at prefill
+    uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
+
+    def bind(self, info: PolicyInfo) -> None:
+        self.info = info
+        self.cfg = info.config
+
+    def index(self, layer: int, update: MiddleUpdate) -> None:
+        """Pages joined the middle region of ``layer``. Default: nothing to index."""
+
+    def select(self, layer: int, q: torch.Tensor, store: LayerStore, scale: float) -> Selection:
+        raise NotImplementedError
+
+    def on_step(self, step: int, logits: torch.Tensor | None) -> None:
+        """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""
+
+    def options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# ---- shared mechanics --------------------------------------------------------------------------
+
+def group_reduce(x: torch.Tensor, kv_heads: int, mode: str = "max") -> torch.Tensor:
+    """[B, Hq, ...] per query head -> [B, H, ...] per kv head (max / sum / mean over the group)."""
+    b, hq = x.shape[:2]
+    xg = x.view(b, kv_heads, hq // kv_heads, *x.shape[2:])
+    if mode == "max":
+        return xg.amax(dim=2)
+    if mode == "sum":
+        return xg.sum(dim=2)
+    if mode == "mean":
+        return xg.mean(dim=2)
+    raise ValueError(f"unknown group reduction {mode!r}; use 'max', 'sum' or 'mean'")
+
+
+def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k indices along the last dim, ``-1`` where the score is ``-inf`` (invalid entries).
+
+    score [B, H, N] -> [B, H, min(k, N)] (int64), ordered by descending score.
+    """
+    k = min(k, score.shape[-1])
+    if k <= 0:
+        return torch.empty(*score.shape[:-1], 0, dtype=torch.long, device=score.device)
+    val, ids = torch.topk(score, k, dim=-1)
+    return torch.where(torch.isfinite(val), ids, -1)
+
+
+def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B]."""
+    p = torch.arange(score.shape[-1], device=score.device)
+    return score.masked_fill(p[None, None, :] >= num_pages.to(score.device)[:, None, None], float("-inf"))
+
+
+# ---- registry ----------------------------------------------------------------------------------
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name`")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policies() -> list[str]:
+    """Names of the registered policies."""
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[Policy]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(policies())}")
+    return _REGISTRY[name]
+
+
+def make_policy(name: str | Policy, **options) -> Policy:
+    """A fresh policy instance from a name (or a copy of an instance) and its options."""
+    if isinstance(name, Policy):
+        if options:
+            return dataclasses.replace(name, **options)
+        return dataclasses.replace(name)
+    cls = policy_class(name)
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise TypeError(
+            f"policy {name!r} has no option(s) {', '.join(unknown)}; "
+            f"its options are: {', '.join(sorted(valid)) or '(none)'}"
+        )
+    return cls(**options)

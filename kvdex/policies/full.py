@@ -1,0 +1,18 @@
+"""``full``: dense attention over every token (the reference every policy is compared with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdex.policies.base import Policy, register_policy
+from kvdex.selection import Selection
+
+
+@register_policy
+@dataclass
+class FullPolicy(Policy):
+    name = "full"
+    uses_budget = False
+
+    def select(self, layer, q, store, scale) -> Selection:
+        return Selection(everything=True)

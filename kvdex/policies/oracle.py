@@ -1,0 +1,42 @@
+"""``oracle``: the exact top-k tokens by true attention weight -- the upper bound of every method.
+
+Per kv head the oracle keeps the ``budget - sink - window`` middle tokens with the largest
+attention weight summed over the query heads of its group. The weights are the true softmax
+probabilities over the whole context (sink and window included), so this choice maximises the
+summed attention recall of the group among all token sets of that size. It reads every key every
+step (with ``offload=True`` it copies the whole middle to the device): a yardstick, not a system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.policies.base import Policy, group_reduce, register_policy, topk_ids
+from kvdex.selection import Selection
+
+
+def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax weights of one query per head over all keys: q [B, Hq, D], k [B, H, L, D] -> [B, Hq, L]."""
+    b, hq, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    s = torch.einsum("bhgd,bhld->bhgl", q.view(b, h, hq // h, d).float(), k.float()) * scale
+    live = torch.arange(L, device=k.device)[None, :] < lengths.to(k.device)[:, None]
+    s = s.masked_fill(~live[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1).reshape(b, hq, L)
+
+
+@register_policy
+@dataclass
+class OraclePolicy(Policy):
+    name = "oracle"
+    granularity = "token"
+
+    def select(self, layer, q, store, scale) -> Selection:
+        k, _ = store.dense()
+        p = group_reduce(true_attention(q, k, store.lengths, scale), store.kv_heads, "sum")  # [B, H, L]
+        pos = torch.arange(k.shape[2], device=k.device)
+        middle = (pos[None, :] >= store.grid.sink) & (pos[None, :] < store.grid.window_start(store.lengths)[:, None])
+        score = p.masked_fill(~middle[:, None, :], float("-inf"))
+        return Selection(tokens=topk_ids(score, self.cfg.retrieval_tokens))

@@ -1,0 +1,76 @@
+"""``quest``: Quest (Tang et al., 2024) -- per-page key min/max and an upper bound on q.k.
+
+For every middle page and channel the index keeps the min and max key. For a query q the bound
+``sum_d max(q_d * min_d, q_d * max_d)`` is >= q.k for every key of the page; it is computed as
+``relu(q) . max + min(q, 0) . min`` (two matrix products). Quest scores per head; with GQA a page's
+score for a kv head is the max of its group's bounds (still an upper bound for every query head
+of the group), and the top ``(budget - sink - window) / page_size`` pages are attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.policies.base import Policy, group_reduce, mask_pages, register_policy, topk_ids
+from kvdex.selection import Selection
+
+_GROW = 256  # pages of index capacity added at a time
+
+
+def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
+    b, hq, d = q.shape
+    h = kmin.shape[1]
+    qg = q.view(b, h, hq // h, d).float()
+    ub = torch.einsum("bhgd,bhpd->bhgp", qg.clamp(min=0), kmax.float())
+    ub = ub + torch.einsum("bhgd,bhpd->bhgp", qg.clamp(max=0), kmin.float())
+    return ub.reshape(b, hq, -1)
+
+
+@register_policy
+@dataclass
+class QuestPolicy(Policy):
+    name = "quest"
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        self.kmin: dict[int, torch.Tensor] = {}
+        self.kmax: dict[int, torch.Tensor] = {}
+
+    def index(self, layer, update) -> None:
+        if update.empty:
+            return
+        lo = update.keys.amin(dim=3)  # [B, H, Pn, D]
+        hi = update.keys.amax(dim=3)
+        need = int((update.start + update.count).max())
+        kmin, kmax = self._reserve(layer, need, lo)
+        for b in torch.nonzero(update.count).flatten().tolist():
+            s, c = int(update.start[b]), int(update.count[b])
+            kmin[b, :, s : s + c] = lo[b, :, :c]
+            kmax[b, :, s : s + c] = hi[b, :, :c]
+
+    def _reserve(self, layer, pages, like):
+        cur = self.kmin.get(layer)
+        cap = 0 if cur is None else cur.shape[2]
+        if pages > cap:
+            b, h, _, d = like.shape
+            new_cap = max(pages, cap + max(_GROW, cap // 4))
+            kmin = like.new_zeros(b, h, new_cap, d)
+            kmax = like.new_zeros(b, h, new_cap, d)
+            if cur is not None:
+                kmin[:, :, :cap] = cur
+                kmax[:, :, :cap] = self.kmax[layer]
+            self.kmin[layer], self.kmax[layer] = kmin, kmax
+        return self.kmin[layer], self.kmax[layer]
+
+    def select(self, layer, q, store, scale) -> Selection:
+        k = self.cfg.retrieval_pages
+        nmid = store.grid.num_middle_pages(store.lengths)
+        if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
+            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
+        p = int(store.grid.num_middle_pages(store.lengths_host).max())
+        ub = page_bounds(q, self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p])
+        score = mask_pages(group_reduce(ub, store.kv_heads, "max"), nmid)
+        return Selection(pages=topk_ids(score, k))

@@ -1,0 +1,154 @@
+"""What every layer store provides, and the small objects it hands to policies and kernels."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdex.selection import Selection
+from kvdex.storage.layout import Grid
+
+
+@dataclass
+class MiddleUpdate:
+    """Pages that joined the middle region (at prefill, or as the window moves on).
+
+    start [B] / count [B] (CPU): the new middle page ids of sequence b are
+    ``start[b] ... start[b] + count[b] - 1``. keys [B, H, Pn, ps, D] (device) hold their keys,
+    page ``start[b] + j`` at ``keys[b, :, j]``; entries past ``count[b]`` are padding.
+    ``obs_queries`` [B, Hq, W, D]: the last W prompt queries (prefill only, for policies that
+    declare an observation window); ``obs_valid`` [B, W] marks real (non-padding) rows.
+    """
+
+    start: torch.Tensor
+    count: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor | None = None
+    obs_queries: torch.Tensor | None = None
+    obs_valid: torch.Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        return int(self.count.sum()) == 0
+
+    def page_ids(self) -> torch.Tensor:
+        """[B, Pn] page id of each entry of ``keys`` (``-1`` for padding), on the keys' device."""
+        j = torch.arange(self.keys.shape[2])
+        ids = self.start[:, None] + j[None, :]
+        ids = torch.where(j[None, :] < self.count[:, None], ids, -1)
+        return ids.to(self.keys.device)
+
+
+@dataclass
+class AttendSet:
+    """Device-resident K/V buffers and, per (sequence, kv head), the slots to attend.
+
+    k, v: [B, H, S, D]; idx: [B, H, N] slot ids into S; valid: [B, H, N] bool.
+    ``positions`` [B, H, N] are the token positions of those slots (for metrics).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    idx: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_calls: int = 0
+    fields: dict = field(default_factory=dict)
+
+
+class LayerStore(ABC):
+    """KV of one layer for a batch, in HND layout: per (sequence, kv head) a run of pages."""
+
+    def __init__(self, grid: Grid, batch: int, kv_heads: int, head_dim: int, dtype, device, stats: TransferStats):
+        self.grid = grid
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.stats = stats
+        self.lengths_host = torch.zeros(batch, dtype=torch.long)  # real tokens per sequence (CPU)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    # ---- writes -------------------------------------------------------------------------
+    @abstractmethod
+    def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
+        """First tokens of every sequence, left-aligned: k/v [B, H, L, D]; ``lengths`` [B] (CPU)."""
+
+    @abstractmethod
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
+        """New tokens, one column per step for every sequence: k/v [B, H, t, D]."""
+
+    # ---- reads --------------------------------------------------------------------------
+    @abstractmethod
+    def attend(self, sel: Selection) -> AttendSet:
+        """Sink + window + the selected middle, as device slots."""
+
+    @abstractmethod
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All tokens on the device, left-aligned: k/v [B, H, Lmax, D] (rows past a length are junk)."""
+
+    def middle_keys(self) -> torch.Tensor:
+        """Keys of the middle region on the device, [B, H, Pmax*ps, D] (slot j == position sink+j)."""
+        k, _ = self.dense()
+        nmid = int(self.grid.num_middle_pages(self.lengths_host).max())
+        s = self.grid.sink
+        return k[:, :, s : s + nmid * self.grid.page_size]
+
+    @abstractmethod
+    def device_bytes(self) -> int: ...
+
+    def host_bytes(self) -> int:
+        return 0
+
+    # ---- shared helpers -----------------------------------------------------------------
+    def _advance(self, t: int) -> None:
+        self.lengths_host += t
+        self.lengths += t
+
+    def _window_slots_positions(self) -> torch.Tensor:
+        """[B, W] positions of the window rows (some past the length: invalid)."""
+        start = self.grid.window_start(self.lengths)
+        return start[:, None] + torch.arange(self.grid.window, device=self.device)[None, :]
+
+    def _middle_update(self, start: torch.Tensor, count: torch.Tensor, k_pos: torch.Tensor,
+                       v_pos: torch.Tensor | None = None) -> MiddleUpdate:
+        """Build an update from position-indexed k_pos [B, H, >=..., D] (slot == position)."""
+        ps, s = self.grid.page_size, self.grid.sink
+        pn = int(count.max()) if count.numel() else 0
+        b, h, d = self.batch, self.kv_heads, self.head_dim
+        if pn == 0:
+            empty = k_pos.new_zeros(b, h, 0, ps, d)
+            return MiddleUpdate(start, count, empty, empty if v_pos is not None else None)
+        first = int(start[count > 0].min())
+        last = int((start + count).max())
+        # Slice the covering range once, then shift rows per sequence only when starts differ.
+        def pages(x):
+            span = x[:, :, s + first * ps : s + last * ps].reshape(b, h, last - first, ps, d)
+            if bool((start[count > 0] == first).all()):
+                return span[:, :, :pn]
+            out = x.new_zeros(b, h, pn, ps, d)
+            for bi in range(b):
+                c = int(count[bi])
+                if c:
+                    o = int(start[bi]) - first
+                    out[bi, :, :c] = span[bi, :, o : o + c]
+            return out
+        return MiddleUpdate(start, count, pages(k_pos), pages(v_pos) if v_pos is not None else None)
+
+
+def strip_left_padding(x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] left-padded -> left-aligned (rows past each length are left as they were)."""
+    if int(pads.max()) == 0:
+        return x
+    out = torch.empty_like(x)
+    width = x.shape[2]
+    for b, p in enumerate(pads.tolist()):
+        out[b, :, : width - p] = x[b, :, p:]
+        out[b, :, width - p :] = 0
+    return out

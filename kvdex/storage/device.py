@@ -1,0 +1,87 @@
+"""GPU-resident store (``offload=False``): every token stays on the device; selection only
+changes which slots the attention reads (CHESS's zero-copy reconstruction)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.selection import Selection
+from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
+
+# Capacity grows in steps of at least this many tokens (and 25%), so a decode step
+# almost never reallocates.
+_GROW_TOKENS = 1024
+
+
+class DeviceStore(LayerStore):
+    """k/v: [B, H, capacity, D]; slot == token position (left padding stripped)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.k = self.v = None
+
+    def _reserve(self, need: int) -> None:
+        cap = 0 if self.k is None else self.k.shape[2]
+        if need <= cap:
+            return
+        ps = self.grid.page_size
+        new_cap = max(need, cap + max(_GROW_TOKENS, cap // 4))
+        new_cap = -(-new_cap // ps) * ps
+        shape = (self.batch, self.kv_heads, new_cap, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.k is not None:
+            n = int(self.lengths_host.max())
+            k[:, :, :n] = self.k[:, :, :n]
+            v[:, :, :n] = self.v[:, :, :n]
+        self.k, self.v = k, v
+
+    def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
+        self.lengths_host = lengths.clone()
+        self._reserve(k.shape[2])
+        n = k.shape[2]
+        self.k[:, :, :n] = k
+        self.v[:, :, :n] = v
+        nmid = self.grid.num_middle_pages(self.lengths_host)
+        self.lengths.copy_(self.lengths_host)
+        return self._middle_update(torch.zeros_like(nmid), nmid, self.k, self.v)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
+        t = k.shape[2]
+        before = self.grid.num_middle_pages(self.lengths_host)
+        self._reserve(int(self.lengths_host.max()) + t)
+        pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]
+        bi = torch.arange(self.batch, device=self.device)[:, None].expand_as(pos)
+        self.k[bi, :, pos] = k.permute(0, 2, 1, 3)
+        self.v[bi, :, pos] = v.permute(0, 2, 1, 3)
+        self._advance(t)
+        after = self.grid.num_middle_pages(self.lengths_host)
+        return self._middle_update(before, after - before, self.k, self.v)
+
+    def attend(self, sel: Selection) -> AttendSet:
+        g, dev = self.grid, self.device
+        b, h = self.batch, self.kv_heads
+        sink = torch.arange(g.sink, device=dev).expand(b, g.sink)
+        win = self._window_slots_positions()
+        fixed = torch.cat([sink, win], dim=1)  # [B, sink + window]
+        fixed_valid = fixed < self.lengths[:, None]
+        fixed = fixed[:, None, :].expand(b, h, -1)
+        fixed_valid = fixed_valid[:, None, :].expand(b, h, -1)
+        if sel.everything:
+            mid = torch.arange(g.sink, int(g.window_start(self.lengths_host).max()), device=dev)
+            mid = mid.expand(b, h, -1)
+            mid_valid = mid < g.window_start(self.lengths)[:, None, None]
+        else:
+            mid = sel.token_positions(g.sink, g.page_size)
+            mid_valid = mid >= 0
+            mid = mid.clamp(min=0)
+        idx = torch.cat([fixed, mid], dim=-1)
+        valid = torch.cat([fixed_valid, mid_valid], dim=-1)
+        return AttendSet(self.k, self.v, idx, valid, idx)
+
+    def dense(self):
+        n = int(self.lengths_host.max())
+        return self.k[:, :, :n], self.v[:, :, :n]
+
+    def device_bytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()

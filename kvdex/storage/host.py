@@ -1,0 +1,102 @@
+"""Host-memory page store and the batched host -> device transfer.
+
+Pages live in HND layout ``[B, H, P, 2, page_size, D]`` (K and V of one (sequence, head, page)
+side by side), so one (sequence, kv head, page) is one contiguous block and one
+``index_select`` gathers every selected page of every head (PRKV's contiguous memory indexing).
+The gathered blocks land in a reusable pinned staging buffer and cross PCIe in one copy
+(IceCache's bulk loading, PRKV's batched transfer). On a CPU-only machine host and device are
+the same memory and the copy is a plain copy, so CI runs the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.storage.base import TransferStats
+
+_GROW_PAGES = 64
+
+
+class HostPages:
+    def __init__(self, batch: int, kv_heads: int, page_size: int, head_dim: int, dtype, device, stats: TransferStats):
+        self.batch, self.kv_heads, self.page_size, self.head_dim = batch, kv_heads, page_size, head_dim
+        self.dtype, self.device, self.stats = dtype, torch.device(device), stats
+        self.pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.data = self._alloc(0)
+        self._staging = None
+        self._copied = None  # CUDA event: the last host->device copy out of the staging buffer
+
+    # ---- memory ------------------------------------------------------------------------
+    def _alloc(self, pages: int) -> torch.Tensor:
+        shape = (self.batch, self.kv_heads, pages, 2, self.page_size, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    def reserve(self, pages: int) -> None:
+        if pages <= self.capacity:
+            return
+        new = self._alloc(max(pages, self.capacity + max(_GROW_PAGES, self.capacity // 4)))
+        new[:, :, : self.capacity] = self.data
+        self.data = new
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def _stage(self, shape) -> torch.Tensor:
+        if self._copied is not None:  # the previous async copy must finish reading the buffer
+            self._copied.synchronize()
+        n = 1
+        for s in shape:
+            n *= s
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.pin)
+        return self._staging[:n].view(shape)
+
+    # ---- device -> host ------------------------------------------------------------------
+    def write(self, b: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store pages ``first_page...`` of sequence b: k/v [H, n, ps, D] (any device)."""
+        n = k.shape[1]
+        self.reserve(first_page + n)
+        dst = self.data[b, :, first_page : first_page + n]
+        dst[:, :, 0].copy_(k)
+        dst[:, :, 1].copy_(v)
+        self.stats.d2h_bytes += 2 * k.numel() * k.element_size()
+
+    # ---- host -> device ------------------------------------------------------------------
+    def fetch_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """pages [B, H, P] page ids (>= 0) -> device tensor [B, H, P, 2, ps, D] in one transfer."""
+        b, h, p = pages.shape
+        flat = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity
+        ids = (flat + pages.cpu()).reshape(-1)
+        src = self.data.view(b * h * self.capacity, 2, self.page_size, self.head_dim)
+        stage = self._stage((ids.numel(), 2, self.page_size, self.head_dim))
+        torch.index_select(src, 0, ids, out=stage)
+        out = stage.to(self.device, non_blocking=True)
+        self._count(stage)
+        return out.view(b, h, p, 2, self.page_size, self.head_dim)
+
+    def fetch_rows(self, positions: torch.Tensor, sink: int) -> torch.Tensor:
+        """positions [B, H, T] middle token positions (>= sink) -> device [B, H, T, 2, D]."""
+        b, h, t = positions.shape
+        rel = positions.cpu() - sink
+        page, off = rel // self.page_size, rel % self.page_size
+        base = ((torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity + page) * 2
+        ids_k = (base * self.page_size + off).reshape(-1)
+        ids_v = ((base + 1) * self.page_size + off).reshape(-1)
+        src = self.data.view(-1, self.head_dim)
+        stage = self._stage((2, ids_k.numel(), self.head_dim))
+        torch.index_select(src, 0, ids_k, out=stage[0])
+        torch.index_select(src, 0, ids_v, out=stage[1])
+        out = stage.to(self.device, non_blocking=True)
+        self._count(stage)
+        return out.view(2, b, h, t, self.head_dim).permute(1, 2, 3, 0, 4)
+
+    def _count(self, stage: torch.Tensor) -> None:
+        if self.pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.stats.h2d_bytes += stage.numel() * stage.element_size()
+        self.stats.h2d_calls += 1
