@@ -14,6 +14,7 @@ Data flow of one decoding step through one sparse layer (docs/architecture.md dr
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 
@@ -26,6 +27,9 @@ from kvdex.integration.attention import TAG
 from kvdex.kernels import dense_attention, sparse_decode_attention
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
+
+# Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
+OBS_KEEP = 128
 
 
 class KVDexLayer(CacheLayerMixin):
@@ -108,18 +112,22 @@ class KVDexLayer(CacheLayerMixin):
         return dense_attention(q, kd, vd, q_pos, key_mask, scale, parent.config.prefill_chunk)
 
     def _ingest(self, k, v, pads, q) -> None:
+        self._adopt(strip_left_padding(k, pads), strip_left_padding(v, pads), k.shape[2] - pads, pads, q)
+
+    def _adopt(self, k, v, lengths, pads, q) -> None:
+        """Store left-aligned prompt k/v [B, H, L, D] and index it; q: the prompt's last queries."""
         parent = self.parent
-        lengths = k.shape[2] - pads
         self.store = parent._new_store(self, k)
-        update = self.store.ingest(strip_left_padding(k, pads), strip_left_padding(v, pads), lengths)
+        update = self.store.ingest(k, v, lengths)
+        self._obs_q = q[:, :, -OBS_KEEP:]  # kept for fork(): policies with an observation window
+        self._pads = pads
         if self.dense:
             return
-        w = parent.policy.obs_window
+        w = min(parent.policy.obs_window, q.shape[2])
         if w:
-            w = min(w, q.shape[2])
-            update.obs_queries = q[:, :, -w:]  # left padding: the last rows are real for every sequence
-            cols = torch.arange(q.shape[2] - w, q.shape[2])
-            update.obs_valid = (cols[None, :] >= pads[:, None]).to(q.device)
+            update.obs_queries = q[:, :, -w:]  # left padding: the last rows are the newest real tokens
+            j = torch.arange(w)
+            update.obs_valid = (j[None, :] >= (w - lengths)[:, None]).to(q.device)
         parent.policy.index(self.layer_idx, update)
 
     def _decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -135,6 +143,8 @@ class KVDexLayer(CacheLayerMixin):
         with parent._timed("attention"):
             out = sparse_decode_attention(q, aset.k, aset.v, aset.idx, aset.valid, scale)
         parent._count_attended(aset.valid.sum())
+        if parent.observer is not None:
+            parent.observer(self.layer_idx, q, store, aset, scale)
         return out
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -181,7 +191,15 @@ class Cache(HFCache):
         self._attended = None
         self._attended_calls = 0
         self._hook = None
+        # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode
+        # attention; the evaluation harness uses it to measure recall against the dense truth.
+        self.observer = None
+        self._max_positions = getattr(cfg, "max_position_embeddings", None)
+        self._warned_long = False
         self._model_name = getattr(model.config, "_name_or_path", type(model).__name__)
+        self._model = weakref.ref(model)
+        self._init_args = dict(page_size=page_size, sink=sink, window=window, offload=offload,
+                               dense_layers=dense_layers, timing=timing, prefill_chunk=prefill_chunk)
         super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
         self._install_logits_hook(model)
 
@@ -222,6 +240,14 @@ class Cache(HFCache):
         if layer_idx == 0:
             self.step += 1
             self._in_forward = True
+            total = self.layers[0].seen + key_states.shape[2]
+            if self._max_positions and total > self._max_positions and not self._warned_long:
+                self._warned_long = True
+                warnings.warn(
+                    f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
+                    f"({self._max_positions}); quality past the trained context is not guaranteed",
+                    stacklevel=4,
+                )
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     @contextmanager
@@ -239,6 +265,31 @@ class Cache(HFCache):
     def _count_attended(self, total: torch.Tensor) -> None:
         self._attended = total if self._attended is None else self._attended + total
         self._attended_calls += 1
+
+    # ---- prefill once, decode many ----------------------------------------------------------------
+    def fork(self, policy=None, budget: int | None = None, **overrides) -> Cache:
+        """A new cache holding this cache's prefill, for another policy / budget / storage.
+
+        Only a cache that has prefilled and not decoded can be forked; the fork re-indexes the
+        prompt with its own policy (and observation window), so policies never share state.
+        This is how the evaluation harness prefills once per sample and decodes per policy.
+        """
+        if self.step != 0 or self.layers[0].store is None:
+            raise ValueError("fork() needs a cache that has prefilled a prompt and not decoded yet")
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this cache was garbage-collected")
+        args = {**self._init_args, **overrides}
+        policy = self.policy if policy is None else policy
+        budget = self.config.budget if budget is None else budget
+        new = Cache(model, policy, budget, **args)
+        for src, dst in zip(self.layers, new.layers):
+            k, v = src.store.dense()
+            dst.lazy_initialization(k, v)
+            dst.seen = src.seen
+            dst._adopt(k, v, src.store.lengths_host, src._pads, src._obs_q)
+        new.step = 0
+        return new
 
     # ---- transformers' cache protocol that kvdex does not support --------------------------------
     def reorder_cache(self, beam_idx):
