@@ -1,9 +1,9 @@
 """kvdex: long-context decoding that attends to a small budget of the most relevant KV pages.
 
-    model, tok = kvdex.load("Qwen/Qwen2.5-0.5B-Instruct")
-    cache = kvdex.Cache(model, policy="quest", budget=256)
-    out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
-    print(cache.stats())
+model, tok = kvdex.load("Qwen/Qwen2.5-0.5B-Instruct")
+cache = kvdex.Cache(model, policy="quest", budget=256)
+out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+print(cache.stats())
 """
 
 from kvdex.config import CacheConfig
@@ -14,6 +14,14 @@ from kvdex.selection import Selection
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cache", "CacheConfig", "Policy", "Selection", "enable", "load", "make_policy", "policies",
-    "register_policy", "__version__",
+    "Cache",
+    "CacheConfig",
+    "Policy",
+    "Selection",
+    "enable",
+    "load",
+    "make_policy",
+    "policies",
+    "register_policy",
+    "__version__",
 ]

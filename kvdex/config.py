@@ -50,8 +50,7 @@ class CacheConfig:
         ps = self.page_size
         if ps < 1 or ps & (ps - 1):
             raise ValueError(
-                f"page_size must be a power of two (e.g. 16 or 32), got {ps}; "
-                f"pass page_size={_next_pow2(ps)}"
+                f"page_size must be a power of two (e.g. 16 or 32), got {ps}; pass page_size={_next_pow2(ps)}"
             )
         if self.sink < 0 or self.dense_layers < 0 or self.prefill_chunk < 1:
             raise ValueError("sink and dense_layers must be >= 0 and prefill_chunk >= 1")

@@ -30,7 +30,9 @@ class Selection:
         for name in ("pages", "tokens"):
             t = getattr(self, name)
             if t is not None and (t.dim() != 3 or t.dtype not in (torch.int32, torch.int64)):
-                raise ValueError(f"Selection.{name} must be an integer tensor [B, H, N], got {tuple(t.shape)} {t.dtype}")
+                raise ValueError(
+                    f"Selection.{name} must be an integer tensor [B, H, N], got {tuple(t.shape)} {t.dtype}"
+                )
 
     def num_pages(self) -> torch.Tensor | None:
         """Selected pages per (sequence, kv head), [B, H]."""

@@ -21,8 +21,14 @@ ATTN_NAME = "kvdex"
 TAG = "_kvdex_layer"
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
-                 kv_offset: int = 0, **kwargs) -> torch.Tensor | None:
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    kv_offset: int = 0,
+    **kwargs,
+) -> torch.Tensor | None:
     """Mask function: the key-padding mask [B, 1, 1, kv_length] (bool), or None without padding."""
     if attention_mask is None:
         return None
@@ -36,9 +42,17 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, attention_mask:
     return m[:, None, None, :]
 
 
-def kvdex_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    sliding_window: int | None = None, **kwargs):
+def kvdex_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+):
     """query [B, Hq, T, D]; key/value [B, H, L, D] -> ([B, T, Hq, D], None)."""
     if sliding_window is not None:
         raise ValueError(

@@ -91,8 +91,9 @@ class KVDexLayer(CacheLayerMixin):
         return -1 if self.store is None else self.store.batch
 
     # ---- attention -------------------------------------------------------------------------------
-    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attention(
+        self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         """q [B, Hq, T, D]; k/v as returned by ``update``. Returns [B, T, Hq, D]."""
         parent = self.parent
         parent._check_module(module, self.layer_idx)
@@ -166,13 +167,33 @@ class Cache(HFCache):
     are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
     """
 
-    def __init__(self, model, policy="quest", budget: int = 256, *, page_size: int = 16, sink: int = 16,
-                 window: int = 32, offload: bool = False, dense_layers: int = 2, timing: bool = False,
-                 prefill_chunk: int = 2048, **policy_options):
+    def __init__(
+        self,
+        model,
+        policy="quest",
+        budget: int = 256,
+        *,
+        page_size: int = 16,
+        sink: int = 16,
+        window: int = 32,
+        offload: bool = False,
+        dense_layers: int = 2,
+        timing: bool = False,
+        prefill_chunk: int = 2048,
+        **policy_options,
+    ):
         from kvdex.integration.loading import attention_modules, enable, text_config
 
-        self.config = CacheConfig(budget=budget, page_size=page_size, sink=sink, window=window, offload=offload,
-                                  dense_layers=dense_layers, prefill_chunk=prefill_chunk, timing=timing)
+        self.config = CacheConfig(
+            budget=budget,
+            page_size=page_size,
+            sink=sink,
+            window=window,
+            offload=offload,
+            dense_layers=dense_layers,
+            prefill_chunk=prefill_chunk,
+            timing=timing,
+        )
         enable(model)
         cfg = text_config(model)
         self._modules = attention_modules(model)
@@ -182,8 +203,9 @@ class Cache(HFCache):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
         dense = [i < dense_layers for i in range(n)]
-        self.policy.bind(PolicyInfo(self.config, n, tuple(i for i in range(n) if not dense[i]),
-                                    q_heads, kv_heads, head_dim))
+        self.policy.bind(
+            PolicyInfo(self.config, n, tuple(i for i in range(n) if not dense[i]), q_heads, kv_heads, head_dim)
+        )
         self.grid = Grid(sink, page_size, self.config.window_pages)
         self.transfer = TransferStats()
         self.step = -1
@@ -198,8 +220,15 @@ class Cache(HFCache):
         self._warned_long = False
         self._model_name = getattr(model.config, "_name_or_path", type(model).__name__)
         self._model = weakref.ref(model)
-        self._init_args = dict(page_size=page_size, sink=sink, window=window, offload=offload,
-                               dense_layers=dense_layers, timing=timing, prefill_chunk=prefill_chunk)
+        self._init_args = dict(
+            page_size=page_size,
+            sink=sink,
+            window=window,
+            offload=offload,
+            dense_layers=dense_layers,
+            timing=timing,
+            prefill_chunk=prefill_chunk,
+        )
         super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
         self._install_logits_hook(model)
 
@@ -283,7 +312,7 @@ class Cache(HFCache):
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)
-        for src, dst in zip(self.layers, new.layers):
+        for src, dst in zip(self.layers, new.layers, strict=True):
             k, v = src.store.dense()
             dst.lazy_initialization(k, v)
             dst.seen = src.seen

@@ -66,8 +66,13 @@ def enable(model):
     return model
 
 
-def load(model: str | os.PathLike, *, gguf_file: str | None = None, dtype: torch.dtype | str = "auto",
-         device: str | torch.device | None = None):
+def load(
+    model: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device | None = None,
+):
     """Load a causal LM and its tokenizer, ready for kvdex.
 
     ``model``: a Hugging Face id, a local directory, or a ``.gguf`` file (loaded through

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 
-def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                            valid: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One decode step over a per-(sequence, kv head) set of slots.
 
     q [B, Hq, D]; k/v [B, H, S, D] slot buffers; idx/valid [B, H, N]. Hq = H * G (GQA: the G
@@ -31,8 +32,15 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                    key_mask: torch.Tensor | None, scale: float, chunk: int = 2048) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    chunk: int = 2048,
+) -> torch.Tensor:
     """Causal dense attention, chunked over query rows (SDPA).
 
     q [B, Hq, T, D] at key-index positions q_pos [B, T]; k/v [B, H, L, D]; key_mask [B, L] bool

@@ -14,6 +14,13 @@ from kvdex.policies.base import (
 )
 
 __all__ = [
-    "Policy", "PolicyInfo", "group_reduce", "make_policy", "mask_pages", "policies", "policy_class",
-    "register_policy", "topk_ids",
+    "Policy",
+    "PolicyInfo",
+    "group_reduce",
+    "make_policy",
+    "mask_pages",
+    "policies",
+    "policy_class",
+    "register_policy",
+    "topk_ids",
 ]

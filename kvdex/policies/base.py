@@ -75,6 +75,7 @@ class Policy:
 
 # ---- shared mechanics --------------------------------------------------------------------------
 
+
 def group_reduce(x: torch.Tensor, kv_heads: int, mode: str = "max") -> torch.Tensor:
     """[B, Hq, ...] per query head -> [B, H, ...] per kv head (max / sum / mean over the group)."""
     b, hq = x.shape[:2]
@@ -107,6 +108,7 @@ def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
 
 
 # ---- registry ----------------------------------------------------------------------------------
+
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
     if not cls.name:

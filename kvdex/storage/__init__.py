@@ -6,6 +6,13 @@ from kvdex.storage.layout import Grid, left_padding
 from kvdex.storage.offload import OffloadStore
 
 __all__ = [
-    "AttendSet", "DeviceStore", "Grid", "LayerStore", "MiddleUpdate", "OffloadStore",
-    "TransferStats", "left_padding", "strip_left_padding",
+    "AttendSet",
+    "DeviceStore",
+    "Grid",
+    "LayerStore",
+    "MiddleUpdate",
+    "OffloadStore",
+    "TransferStats",
+    "left_padding",
+    "strip_left_padding",
 ]

@@ -116,8 +116,9 @@ class LayerStore(ABC):
         start = self.grid.window_start(self.lengths)
         return start[:, None] + torch.arange(self.grid.window, device=self.device)[None, :]
 
-    def _middle_update(self, start: torch.Tensor, count: torch.Tensor, k_pos: torch.Tensor,
-                       v_pos: torch.Tensor | None = None) -> MiddleUpdate:
+    def _middle_update(
+        self, start: torch.Tensor, count: torch.Tensor, k_pos: torch.Tensor, v_pos: torch.Tensor | None = None
+    ) -> MiddleUpdate:
         """Build an update from position-indexed k_pos [B, H, >=..., D] (slot == position)."""
         ps, s = self.grid.page_size, self.grid.sink
         pn = int(count.max()) if count.numel() else 0
@@ -127,6 +128,7 @@ class LayerStore(ABC):
             return MiddleUpdate(start, count, empty, empty if v_pos is not None else None)
         first = int(start[count > 0].min())
         last = int((start + count).max())
+
         # Slice the covering range once, then shift rows per sequence only when starts differ.
         def pages(x):
             span = x[:, :, s + first * ps : s + last * ps].reshape(b, h, last - first, ps, d)
@@ -139,6 +141,7 @@ class LayerStore(ABC):
                     o = int(start[bi]) - first
                     out[bi, :, :c] = span[bi, :, o : o + c]
             return out
+
         return MiddleUpdate(start, count, pages(k_pos), pages(v_pos) if v_pos is not None else None)
 
 

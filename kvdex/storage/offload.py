@@ -24,7 +24,9 @@ class OffloadStore(LayerStore):
     def __init__(self, *args, work_tokens: int, **kwargs):
         super().__init__(*args, **kwargs)
         g = self.grid
-        self.host = HostPages(self.batch, self.kv_heads, g.page_size, self.head_dim, self.dtype, self.device, self.stats)
+        self.host = HostPages(
+            self.batch, self.kv_heads, g.page_size, self.head_dim, self.dtype, self.device, self.stats
+        )
         self.fixed = g.sink + g.window
         self._alloc_device(max(work_tokens, g.page_size))
 
@@ -68,8 +70,9 @@ class OffloadStore(LayerStore):
             rows = x.gather(2, src)
             keep = ok[:, None, :, None]
             cur = buf.gather(2, slot.clamp(max=buf.shape[2] - 1)[:, None, :, None].expand_as(rows))
-            buf.scatter_(2, slot.clamp(max=buf.shape[2] - 1)[:, None, :, None].expand_as(rows),
-                         torch.where(keep, rows, cur))
+            buf.scatter_(
+                2, slot.clamp(max=buf.shape[2] - 1)[:, None, :, None].expand_as(rows), torch.where(keep, rows, cur)
+            )
         return self._middle_update(torch.zeros_like(nmid), nmid, k, v)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
