@@ -1,0 +1,145 @@
+"""``kvdex eval <task>``: evaluate policies side by side (also ``python -m kvdex.eval.cli <task>``).
+
+    kvdex eval recall --model smollm2 --policies oracle,quest,streaming --budgets 64,256 \\
+        --lengths 2k --samples 2 --steps 32 --out results
+
+``register(subparsers)`` adds the ``eval`` command to kvdex's main parser; every task subcommand
+sets ``func`` (``args.func(args)`` runs it and returns the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvdex.eval import tasks
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"64,256,1k,32k"`` -> [64, 256, 1024, 32768] (k = 1024)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            out.append(int(part[:-1] if mult > 1 else part) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a size list: {text!r} (e.g. 64,256,1k)") from None
+    if not out:
+        raise argparse.ArgumentTypeError("empty size list")
+    return out
+
+
+def parse_names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to compare")
+    g.add_argument(
+        "--model",
+        required=True,
+        help="hub id, local directory, .gguf file, or an alias: smollm2, qwen05b (../shared/models/fetch.sh)",
+    )
+    g.add_argument("--gguf", default=None, help="GGUF file name inside --model (a directory or hub repo)")
+    g.add_argument(
+        "--policies",
+        type=parse_names,
+        default=None,
+        help="comma-separated policies (default: all registered); full is always run for the ratios",
+    )
+    g.add_argument(
+        "--budgets",
+        type=parse_sizes,
+        default=[64, 256, 1024],
+        help="tokens attended per kv head per step, sink and window included (default 64,256,1024)",
+    )
+    g.add_argument("--lengths", type=parse_sizes, default=[4096], help="context lengths in tokens (default 4k)")
+    g.add_argument("--samples", type=int, default=1, help="samples per length (default 1)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("cache")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--sink", type=int, default=16)
+    g.add_argument("--window", type=int, default=32)
+    g.add_argument("--dense-layers", type=int, default=2)
+    g.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
+    g = p.add_argument_group("where")
+    g.add_argument("--out", default="results", help="results folder (default ./results)")
+    g.add_argument("--data", default=None, help="evaluation data folder (default $KVDEX_DATA, ../shared/evaldata)")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    sub = parser.add_subparsers(dest="eval_task", required=True, metavar="TASK")
+    for name, spec in tasks.TASKS.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        add_common(p)
+        spec.add_arguments(p)
+        p.set_defaults(func=run, eval_task=name)
+    return parser
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``eval`` (with one subcommand per task) to kvdex's main CLI."""
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate policies: recall, task accuracy, perplexity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return build_parser(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kvdex
+    from kvdex.eval import models
+    from kvdex.eval.runner import EvalConfig, run_task, write_summary
+
+    known = kvdex.policies()
+    policies = args.policies or known
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise SystemExit(f"unknown policy {', '.join(unknown)}; registered: {', '.join(known)}")
+    for b in args.budgets:  # fail before loading anything
+        kvdex.CacheConfig(budget=b, page_size=args.page_size, sink=args.sink, window=args.window)
+    task = tasks.TASKS[args.eval_task].build(args)
+    model, tok = models.load(args.model, args.gguf, device=args.device, dtype=args.dtype)
+    cfg = EvalConfig(
+        model_tag=models.tag(args.model, args.gguf),
+        policies=policies,
+        budgets=args.budgets,
+        lengths=args.lengths,
+        samples=args.samples,
+        out=args.out,
+        seed=args.seed,
+        page_size=args.page_size,
+        sink=args.sink,
+        window=args.window,
+        dense_layers=args.dense_layers,
+        offload=args.offload,
+        progress=not args.no_progress,
+        extra={"model_arg": args.model, "gguf": args.gguf, "device": str(model.device), "dtype": str(model.dtype)},
+    )
+    results = run_task(task, model, tok, cfg)
+    table, paths = write_summary(task, results, cfg)
+    print(f"\n{task.name} on {cfg.model_tag} ({'higher' if task.higher_is_better else 'lower'} score is better)")
+    print(table)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdex.eval.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    args = build_parser(parser).parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Run one task for many (policy, budget) pairs: prefill once per sample, decode per policy.
+
+A *run* is one (task, model, context length, policy, budget) with its settings; it owns a folder
+named from them (``<out>/<task>/<task>__<model>__L<len>__<policy>__b<budget>__n<samples>__<hash>``)
+holding ``config.json``, ``predictions.jsonl`` (one line per sample, appended as it finishes) and
+``metrics.json`` (written last: a run with ``metrics.json`` is finished and is skipped next time;
+an unfinished run resumes at the first sample it has no prediction for).
+
+For each sample the prompt is prefilled once into a ``full`` cache; every run that still needs the
+sample gets ``cache.fork(policy, budget)`` -- a fresh policy re-indexing the same prefill -- and the
+task decodes from it. ``full`` is always run: every metric is reported with its ratio to ``full``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+FULL = "full"
+
+
+# ---- what a task provides --------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One prompt. ``input_ids``: the prompt's token ids; ``meta``: what the task needs to score it."""
+
+    id: str
+    input_ids: list[int]
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class DecodeContext:
+    """What a task's ``decode`` gets: the model, a fresh forked cache, and the prefill's last logits."""
+
+    model: Any
+    tokenizer: Any
+    cache: Any
+    first_logits: torch.Tensor  # [vocab] fp32, the dense prefill's prediction of the first new token
+    prompt_len: int
+    progress: bool = False
+
+
+class Task:
+    """Base of every evaluation task (one file per family under ``kvdex/eval/tasks``)."""
+
+    name: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = True
+    score_name: ClassVar[str] = "score"  # what ``score`` is (the summary table's column name)
+    summary_keys: ClassVar[tuple[str, ...]] = ()  # metrics shown in the summary table besides the score
+
+    def options(self) -> dict:
+        """Settings that change results: part of each run's identity (folder name hash)."""
+        return {}
+
+    def policy(self, name: str):
+        """The policy (name or instance) a run of ``name`` uses; tasks may substitute an equivalent."""
+        return name
+
+    def samples(self, tokenizer, length: int, n: int, seed: int) -> list[Sample]:
+        raise NotImplementedError
+
+    def decode(self, ctx: DecodeContext, sample: Sample) -> dict:
+        """Decode one sample from ``ctx.cache``; returns its JSON-able prediction record."""
+        raise NotImplementedError
+
+    def metrics(self, records: list[dict]) -> dict:
+        """Aggregate prediction records; the result must hold ``score``."""
+        raise NotImplementedError
+
+    def report(self, task_dir: Path, results: list[RunResult]) -> list[Path]:
+        """Task-level files (plots, tables) over all runs of an invocation. Returns the paths written."""
+        return []
+
+
+# ---- decoding helpers ------------------------------------------------------------------------------
+
+
+def forward_token(model, cache, token: int) -> torch.Tensor:
+    """Feed one token through the cache; returns the next-token logits [vocab] (fp32)."""
+    ids = torch.tensor([[token]], device=model.device)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+
+
+def greedy(ctx: DecodeContext, max_new_tokens: int, stop_ids=(), before_step=None) -> list[int]:
+    """Greedy decoding; the first token comes from the prefill logits. Stops after a stop id.
+
+    ``before_step(i)`` is called before decode step ``i`` (1-based; step i feeds token ``i - 1``).
+    """
+    out = [int(ctx.first_logits.argmax())]
+    stop = set(stop_ids)
+    while len(out) < max_new_tokens and out[-1] not in stop:
+        if before_step is not None:
+            before_step(len(out))
+        out.append(int(forward_token(ctx.model, ctx.cache, out[-1]).argmax()))
+    return out
+
+
+def teacher_forced(ctx: DecodeContext, tokens: list[int], before_step=None) -> list[float]:
+    """Feed ``tokens[:-1]`` one at a time; returns the NLL (nats) of each of ``tokens[1:]``.
+
+    ``tokens[0]`` is the text's true next token after the prompt (predicted by the dense prefill,
+    so it is not scored: every scored token is predicted by a decode step through the policy).
+    """
+    nll = []
+    for i in range(len(tokens) - 1):
+        if before_step is not None:
+            before_step(i + 1)
+        logits = forward_token(ctx.model, ctx.cache, tokens[i])
+        nll.append(float(torch.log_softmax(logits, -1)[tokens[i + 1]].neg()))
+    return nll
+
+
+def stop_token_ids(tokenizer, model=None) -> set[int]:
+    """EOS ids of the tokenizer and of the model's generation config."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ids
+
+
+# ---- runs and their folders ------------------------------------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    """What an invocation evaluates. ``model_tag`` names the model in folders and tables."""
+
+    model_tag: str
+    policies: list[str]
+    budgets: list[int]
+    lengths: list[int]
+    samples: int = 1
+    out: str = "results"
+    seed: int = 0
+    page_size: int = 16
+    sink: int = 16
+    window: int = 32
+    dense_layers: int = 2
+    offload: bool = False
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # recorded in config.json (e.g. model path, device)
+
+    def cache_kwargs(self) -> dict:
+        return dict(
+            page_size=self.page_size,
+            sink=self.sink,
+            window=self.window,
+            dense_layers=self.dense_layers,
+            offload=self.offload,
+        )
+
+    def pairs(self) -> list[tuple[str, int | None]]:
+        """(policy, budget) pairs: ``full`` once (budget None), every other policy at every budget."""
+        out = [(FULL, None)]
+        for p in self.policies:
+            if p != FULL:
+                out += [(p, b) for b in self.budgets]
+        return out
+
+
+@dataclass
+class RunResult:
+    task: str
+    model: str
+    length: int
+    policy: str
+    budget: int | None
+    dir: Path
+    metrics: dict
+    skipped: bool = False
+
+    def records(self) -> list[dict]:
+        return _read_predictions(self.dir / "predictions.jsonl")
+
+
+class Run:
+    """One (task, length, policy, budget) and its folder."""
+
+    def __init__(self, task: Task, cfg: EvalConfig, length: int, policy: str, budget: int | None):
+        self.task, self.length, self.policy, self.budget = task, length, policy, budget
+        self.identity = {
+            "task": task.name,
+            "task_options": task.options(),
+            "model": cfg.model_tag,
+            "length": length,
+            "policy": policy,
+            "budget": budget,
+            "samples": cfg.samples,
+            "seed": cfg.seed,
+            "cache": cfg.cache_kwargs(),
+        }
+        digest = hashlib.sha1(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:8]
+        b = "" if budget is None else f"__b{budget}"
+        name = f"{task.name}__{cfg.model_tag}__L{length}__{policy}{b}__n{cfg.samples}__{digest}"
+        self.dir = Path(cfg.out) / task.name / name
+        self.extra = cfg.extra
+        self.model = cfg.model_tag
+
+    @property
+    def finished(self) -> bool:
+        return (self.dir / "metrics.json").is_file()
+
+    def start(self) -> set[str]:
+        """Create the folder and config.json; returns the ids of samples already predicted."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.dir / "config.json"
+        if not cfg_path.is_file():
+            cfg = {**self.identity, **self.extra, "environment": environment(), "command": sys.argv}
+            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        return {r["sample_id"] for r in _read_predictions(self.dir / "predictions.jsonl")}
+
+    def append(self, record: dict) -> None:
+        with open(self.dir / "predictions.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def records(self) -> list[dict]:
+        return _read_predictions(self.dir / "predictions.jsonl")
+
+    def write_metrics(self, metrics: dict) -> None:
+        tmp = self.dir / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+        tmp.replace(self.dir / "metrics.json")
+
+    def read_metrics(self) -> dict:
+        return json.loads((self.dir / "metrics.json").read_text())
+
+
+def _read_predictions(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by an interrupted run: redo that sample
+                break
+    return out
+
+
+def environment() -> dict:
+    """Machine and versions, recorded in every config.json."""
+    import transformers
+
+    import kvdex
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvdex": kvdex.__version__,
+        "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        root = Path(kvdex.__file__).resolve().parent.parent
+        env["git_commit"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: list[int], cache_kwargs: dict):
+    """Dense prefill of one prompt into a ``full`` cache; returns (cache, last logits [vocab] fp32)."""
+    import kvdex
+
+    kw = dict(cache_kwargs)
+    budget = kw.get("sink", 16) + kw.get("window", 32) + kw.get("page_size", 16)  # any valid budget
+    cache = kvdex.Cache(model, policy=FULL, budget=budget, **kw)
+    ids = torch.tensor([input_ids], device=model.device)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[0, -1].float()
+
+
+def run_task(task: Task, model, tokenizer, cfg: EvalConfig) -> list[RunResult]:
+    """Evaluate ``task`` for every (length, policy, budget) of ``cfg``; returns all runs' results."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for length in cfg.lengths:
+        runs = [Run(task, cfg, length, p, b) for p, b in cfg.pairs()]
+        done = {id(r): set() for r in runs}
+        pending = [r for r in runs if not r.finished]
+        for r in pending:
+            done[id(r)] = r.start()
+        if pending:
+            samples = task.samples(tokenizer, length, cfg.samples, cfg.seed)
+            bar = tqdm(samples, desc=f"{task.name} L={length}", disable=not cfg.progress, unit="sample")
+            for sample in bar:
+                todo = [r for r in pending if sample.id not in done[id(r)]]
+                if todo:
+                    _run_sample(task, model, tokenizer, cfg, sample, todo, bar)
+            for r in pending:
+                r.write_metrics({**_describe(r), **task.metrics(r.records())})
+        results += _with_ratios(task, runs, pending)
+    return results
+
+
+@torch.inference_mode()
+def _run_sample(task, model, tokenizer, cfg, sample, runs, bar) -> None:
+    t0 = time.perf_counter()
+    base, logits = prefill(model, sample.input_ids, cfg.cache_kwargs())
+    prefill_s = time.perf_counter() - t0
+    for r in runs:
+        bar.set_postfix_str(f"{r.policy}" + ("" if r.budget is None else f"@{r.budget}"))
+        cache = base.fork(task.policy(r.policy), r.budget)
+        ctx = DecodeContext(model, tokenizer, cache, logits, len(sample.input_ids), cfg.progress)
+        t0 = time.perf_counter()
+        record = task.decode(ctx, sample)
+        record = {
+            "sample_id": sample.id,
+            **record,
+            "prefill_s": round(prefill_s, 3),
+            "decode_s": round(time.perf_counter() - t0, 3),
+        }
+        r.append(record)
+        del cache, ctx
+    del base
+    gc.collect()
+
+
+def _describe(run: Run) -> dict:
+    return {"task": run.task.name, "model": run.model, "length": run.length, "policy": run.policy, "budget": run.budget}
+
+
+def _with_ratios(task: Task, runs: list[Run], fresh: list[Run]) -> list[RunResult]:
+    """Add each run's ratio to ``full`` (score and summary keys) to its metrics.json."""
+    metrics = {id(r): r.read_metrics() for r in runs}
+    full = next(metrics[id(r)] for r in runs if r.policy == FULL)
+    out = []
+    for r in runs:
+        m = metrics[id(r)]
+        m["ratio_to_full"] = ratio(m.get("score"), full.get("score"))
+        m["ratios_to_full"] = {k: ratio(m.get(k), full.get(k)) for k in task.summary_keys}
+        r.write_metrics(m)
+        out.append(RunResult(task.name, r.model, r.length, r.policy, r.budget, r.dir, m, skipped=r not in fresh))
+    return out
+
+
+def ratio(x, ref) -> float | None:
+    if not isinstance(x, (int, float)) or not isinstance(ref, (int, float)) or ref == 0:
+        return None
+    if math.isnan(x) or math.isnan(ref):
+        return None
+    return x / ref
+
+
+# ---- the summary ------------------------------------------------------------------------------------
+
+
+def summary_rows(task: Task, results: list[RunResult]) -> list[dict]:
+    rows = []
+    for r in results:
+        m = r.metrics
+        row = {"length": r.length, "policy": r.policy, "budget": r.budget if r.budget is not None else "-"}
+        for k in task.summary_keys:
+            row[k] = m.get(k)
+        row[task.score_name] = m.get("score")
+        row["ratio_to_full"] = m.get("ratio_to_full")
+        row["samples"] = m.get("samples")
+        row["skipped"] = r.skipped
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no runs)"
+    cols = list(rows[0])
+    cells = [[_fmt(row.get(c)) for c in cols] for row in rows]
+    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: "  ".join(x.rjust(w) for x, w in zip(xs, width, strict=True))
+    return "\n".join([line(cols), line(["-" * w for w in width]), *(line(x) for x in cells)])
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else ""
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.3e}"
+    return str(x)
+
+
+def write_summary(task: Task, results: list[RunResult], cfg: EvalConfig) -> tuple[str, list[Path]]:
+    """Summary table (returned as text) + CSV/JSON beside the runs, and the task's own reports."""
+    task_dir = Path(cfg.out) / task.name
+    task_dir.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(task, results)
+    stem = f"summary__{cfg.model_tag}"
+    paths = [task_dir / f"{stem}.json", task_dir / f"{stem}.csv"]
+    paths[0].write_text(
+        json.dumps([{**row, "dir": str(r.dir)} for row, r in zip(rows, results, strict=True)], indent=2) + "\n"
+    )
+    if rows:
+        import csv
+
+        with open(paths[1], "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    paths += task.report(task_dir, results)
+    return format_table(rows), paths

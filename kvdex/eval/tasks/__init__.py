@@ -1,0 +1,93 @@
+"""The evaluation tasks the CLI offers: name -> how to add its options and build it.
+
+Only finished tasks are listed here; each task module is imported when the task is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    build: Callable[[argparse.Namespace], object]
+
+
+def _recall_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("recall")
+    g.add_argument(
+        "--mode",
+        choices=("teacher", "free"),
+        default="teacher",
+        help="teacher: feed the text's real continuation (also gives perplexity); "
+        "free: the model's own greedy continuation (drift over long generation)",
+    )
+    g.add_argument("--steps", type=int, default=32, help="decode steps per sample (default 32)")
+    g.add_argument("--every", type=int, default=1, help="measure every N-th step (default 1)")
+    g.add_argument(
+        "--layers", default=None, help="comma-separated layer indices to measure (default: every sparse layer)"
+    )
+    _source_arg(g)
+
+
+def _source_arg(g) -> None:
+    g.add_argument("--source", default="books", help="long text: books (default), essays, wikitext, kjv")
+
+
+def _recall(a: argparse.Namespace):
+    from kvdex.eval.recall import RecallTask
+
+    layers = None if a.layers is None else [int(x) for x in a.layers.split(",")]
+    return RecallTask(mode=a.mode, steps=a.steps, every=a.every, layers=layers, source=a.source, data_root=a.data)
+
+
+def _ppl_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ppl")
+    g.add_argument("--tokens", type=int, default=256, help="tokens scored per sample after the context (default 256)")
+    _source_arg(g)
+
+
+def _ppl(a: argparse.Namespace):
+    from kvdex.eval.tasks.ppl import PerplexityTask
+
+    return PerplexityTask(tokens=a.tokens, source=a.source, data_root=a.data)
+
+
+def parse_depths(text: str) -> list[int]:
+    """``"0:95:5"`` (start:stop:step, stop included) or ``"0,50,90"`` -> percentages."""
+    if ":" in text:
+        start, stop, step = (int(x) for x in text.split(":"))
+        return list(range(start, stop + 1, step))
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _passkey_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("passkey")
+    g.add_argument(
+        "--depths",
+        type=parse_depths,
+        default=list(range(0, 100, 5)),
+        help="needle depths in percent: start:stop:step or a list (default 0:95:5)",
+    )
+    g.add_argument("--max-new-tokens", type=int, default=12)
+
+
+def _passkey(a: argparse.Namespace):
+    from kvdex.eval.tasks.passkey_grid import PasskeyTask
+
+    return PasskeyTask(depths=a.depths, max_new_tokens=a.max_new_tokens)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "recall": TaskSpec(
+        "attention recall / top-k hit rate / output error of each policy on long text", _recall_args, _recall
+    ),
+    "passkey": TaskSpec(
+        "passkey retrieval over needle depth x context length (--samples per cell)", _passkey_args, _passkey
+    ),
+    "ppl": TaskSpec("perplexity of long text decoded through each policy (teacher forced)", _ppl_args, _ppl),
+}

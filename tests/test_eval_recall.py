@@ -1,0 +1,209 @@
+"""Recall harness smoke tests: a tiny random Llama, byte tokenizer, real book text (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvdex.eval import data
+from kvdex.eval.recall import RecallObserver, RecallTask, SelectAll
+from kvdex.eval.runner import DecodeContext, EvalConfig, prefill, run_task, teacher_forced
+from kvdex.eval.testing import byte_tokenizer, tiny_llama
+
+ROOT = data.data_root(required=False)
+needs_data = pytest.mark.skipif(ROOT is None, reason="evaluation data not found (set KVDEX_DATA)")
+CACHE = dict(page_size=16, sink=16, window=32, dense_layers=2, offload=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_llama(vocab_size=len(tok))
+
+
+@pytest.fixture(scope="module")
+def sample(tok):
+    if ROOT is None:
+        pytest.skip("evaluation data not found (set KVDEX_DATA)")
+    return RecallTask(steps=6).samples(tok, 768, 1, seed=0)[0]
+
+
+def observe(model, tok, sample, policy, budget, steps=6):
+    """Teacher-forced decode of ``sample`` through ``policy``; the observer measuring every step."""
+    base, logits = prefill(model, sample.input_ids, CACHE)
+    cache = base.fork(policy, budget)
+    obs = RecallObserver()
+    cache.observer = obs
+    with torch.inference_mode():
+        teacher_forced(
+            DecodeContext(model, tok, cache, logits, len(sample.input_ids)),
+            sample.meta["continuation"][: steps + 1],
+            before_step=obs.set_step,
+        )
+    return obs
+
+
+def first_sparse_layer_groups(obs, kv_heads=2):
+    """Recall summed over each kv head's query heads at the first sparse layer: [steps, kv_heads].
+
+    Only there are q and the keys the same for every policy (earlier layers are dense), so only
+    there are policies compared on exactly the same attention distribution.
+    """
+    steps, layers, t = obs.table("recall")
+    first = t[:, layers.index(CACHE["dense_layers"])]  # [steps, heads]
+    return first.reshape(len(steps), kv_heads, -1).sum(-1)
+
+
+@needs_data
+def test_full_has_recall_one_and_no_output_error(model, tok, sample):
+    obs = observe(model, tok, sample, SelectAll(), None)
+    for metric, want in (("recall", 1.0), ("topk_hit", 1.0), ("ceiling", 1.0), ("rel_l2", 0.0)):
+        _, _, t = obs.table(metric)
+        assert t.size and np.allclose(t, want, atol=1e-5), metric
+
+
+@needs_data
+def test_select_all_decodes_like_full(model, tok, sample):
+    """The recall harness measures ``full`` through SelectAll: it must decode exactly like ``full``."""
+    base, logits = prefill(model, sample.input_ids, CACHE)
+    outs = []
+    for policy in ("full", SelectAll()):
+        cache = base.fork(policy)
+        ctx = DecodeContext(model, tok, cache, logits, len(sample.input_ids))
+        with torch.inference_mode():
+            outs.append(teacher_forced(ctx, sample.meta["continuation"][:5]))
+    assert np.allclose(outs[0], outs[1], atol=1e-4)
+
+
+@needs_data
+def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample):
+    oracle = {b: first_sparse_layer_groups(observe(model, tok, sample, "oracle", b)) for b in (64, 128, 256)}
+    for policy in ("quest", "streaming"):
+        for b in (64, 128, 256):
+            other = first_sparse_layer_groups(observe(model, tok, sample, policy, b))
+            assert (oracle[b] >= other - 1e-5).all(), (policy, b)
+    assert (oracle[128] >= oracle[64] - 1e-5).all() and (oracle[256] >= oracle[128] - 1e-5).all()
+    assert oracle[256].mean() > oracle[64].mean() + 0.05  # a real difference, not a flat line
+
+
+@needs_data
+def test_metrics_match_a_direct_computation(model, tok, sample):
+    """Recall of streaming at one step recomputed by hand from the dense keys."""
+    base, logits = prefill(model, sample.input_ids, CACHE)
+    cache = base.fork("streaming", 64)
+    seen = {}
+
+    def spy(layer, q, store, aset, scale):
+        if layer == 3 and not seen:
+            k, _ = store.dense()
+            w = torch.softmax(torch.einsum("hgd,hld->hgl", q[0].view(2, 2, -1).float(), k[0].float()) * scale, -1)
+            L = int(store.lengths[0])
+            idx = [sorted(set(aset.positions[0, h][aset.valid[0, h]].tolist())) for h in range(2)]
+            seen["recall"] = torch.stack([w[h, :, idx[h]].sum(-1) for h in range(2)]).flatten()
+            seen["attended"] = [len(i) for i in idx]
+            seen["L"] = L
+        obs(layer, q, store, aset, scale)
+
+    obs = RecallObserver(layers=[3])
+    cache.observer = spy
+    with torch.inference_mode():
+        teacher_forced(
+            DecodeContext(model, tok, cache, logits, len(sample.input_ids)),
+            sample.meta["continuation"][:2],
+            before_step=obs.set_step,
+        )
+    _, _, t = obs.table("recall")
+    assert np.allclose(t[0, 0], seen["recall"].numpy(), atol=1e-5)
+    # streaming at budget 64: sink 16 + (budget - sink - window = 16) + a window of 17..32 tokens
+    assert seen["attended"][0] == seen["attended"][1] and 48 <= seen["attended"][0] <= 64
+
+
+@needs_data
+def test_runs_are_written_skipped_and_resumed(model, tok, tmp_path):
+    task = RecallTask(steps=3)
+    cfg = EvalConfig("tiny", ["oracle", "streaming"], [64, 128], [512], samples=2, out=str(tmp_path), progress=False)
+    first = run_task(task, model, tok, cfg)
+    assert len(first) == 5 and not any(r.skipped for r in first)  # full + 2 policies x 2 budgets
+    for r in first:
+        assert {p.name for p in r.dir.iterdir()} >= {"config.json", "predictions.jsonl", "metrics.json"}
+        m = json.loads((r.dir / "metrics.json").read_text())
+        assert m["samples"] == 2 and m["ratio_to_full"] == pytest.approx(m["score"])  # full's recall is 1
+        assert set(m["ratios_to_full"]) == set(task.summary_keys)
+        assert json.loads((r.dir / "config.json").read_text())["policy"] == r.policy
+    full = next(r for r in first if r.policy == "full")
+    assert full.metrics["score"] == pytest.approx(1.0, abs=1e-5)
+    assert all(r.metrics["score"] < 1 for r in first if r.policy != "full")
+
+    again = run_task(task, model, tok, cfg)
+    assert all(r.skipped for r in again)
+    assert [r.metrics["score"] for r in again] == [r.metrics["score"] for r in first]
+
+    # an interrupted run: one sample predicted, no metrics -> only the missing sample is decoded
+    victim = next(r for r in first if r.policy == "oracle" and r.budget == 64)
+    lines = (victim.dir / "predictions.jsonl").read_text().splitlines()
+    (victim.dir / "predictions.jsonl").write_text(lines[0] + "\n")
+    (victim.dir / "metrics.json").unlink()
+    third = run_task(task, model, tok, cfg)
+    redone = [r for r in third if not r.skipped]
+    assert [(r.policy, r.budget) for r in redone] == [("oracle", 64)]
+    after = (victim.dir / "predictions.jsonl").read_text().splitlines()
+    assert after[0] == lines[0] and len(after) == 2
+    assert redone[0].metrics["score"] == pytest.approx(victim.metrics["score"], abs=1e-6)
+
+
+@needs_data
+def test_cli_recall_end_to_end(model, tok, tmp_path, capsys):
+    from kvdex.eval import cli
+
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    argv = [
+        "recall",
+        "--model",
+        str(tmp_path / "tiny"),
+        "--policies",
+        "oracle,quest",
+        "--budgets",
+        "64,128",
+        "--lengths",
+        "512",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "ratio_to_full" in printed and "oracle" in printed and "quest" in printed
+    task_dir = tmp_path / "out" / "recall"
+    assert (task_dir / "summary__tiny.csv").is_file()
+    pytest.importorskip("matplotlib")
+    assert (task_dir / "recall_vs_budget__tiny__teacher.png").stat().st_size > 1000
+    assert (task_dir / "recall_over_steps__tiny__teacher.png").stat().st_size > 1000
+
+
+def test_parse_sizes():
+    from kvdex.eval.cli import parse_sizes
+
+    assert parse_sizes("64,256, 1k,32K") == [64, 256, 1024, 32768]
+    with pytest.raises(Exception, match="size list"):
+        parse_sizes("64,abc")
+
+
+def test_data_root_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.ENV, str(tmp_path))
+    assert data.data_root() == tmp_path.resolve()
+    monkeypatch.setenv(data.ENV, str(tmp_path / "missing"))
+    assert data.data_root(required=False) is None
+    with pytest.raises(FileNotFoundError, match="KVDEX_DATA"):
+        data.data_root()

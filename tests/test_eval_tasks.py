@@ -1,0 +1,97 @@
+"""Task smoke tests (passkey grid, perplexity) on a tiny random Llama, CPU only."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvdex.eval import data
+from kvdex.eval.runner import EvalConfig, format_table, run_task, summary_rows, write_summary
+from kvdex.eval.testing import byte_tokenizer, tiny_llama
+
+ROOT = data.data_root(required=False)
+needs_data = pytest.mark.skipif(ROOT is None, reason="evaluation data not found (set KVDEX_DATA)")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_llama(vocab_size=len(tok))
+
+
+def test_passkey_grid_runs_and_draws_heatmaps(model, tok, tmp_path):
+    pytest.importorskip("kvdex.eval.passkey")
+    from kvdex.eval.tasks.passkey_grid import PasskeyTask
+
+    task = PasskeyTask(depths=[0, 50, 95], max_new_tokens=3)
+    cfg = EvalConfig("tiny", ["quest"], [64], [384, 512], samples=1, out=str(tmp_path), progress=False)
+    results = run_task(task, model, tok, cfg)
+    assert [(r.length, r.policy, r.budget) for r in results] == [
+        (384, "full", None),
+        (384, "quest", 64),
+        (512, "full", None),
+        (512, "quest", 64),
+    ]
+    for r in results:
+        recs = r.records()
+        assert [x["depth"] for x in recs] == [0, 50, 95]
+        assert all(x["prompt_tokens"] <= r.length and len(x["answer"]) == 5 for x in recs)
+        assert set(r.metrics["per_depth"]) == {"0", "50", "95"}
+        assert r.metrics["score"] == sum(x["correct"] for x in recs) / 3
+    # the same sample (same key) for every policy of a length: prefill once, decode per policy
+    assert results[0].records()[1]["answer"] == results[1].records()[1]["answer"]
+    _, paths = write_summary(task, results, cfg)
+    pytest.importorskip("matplotlib")
+    names = {p.name for p in paths}
+    assert {"passkey__tiny__full.png", "passkey__tiny__quest__b64.png"} <= names
+
+
+@needs_data
+def test_ppl_full_matches_a_dense_forward(model, tok, tmp_path):
+    """Perplexity through the ``full`` cache equals one dense forward over context + continuation."""
+    import torch
+
+    from kvdex.eval.tasks.ppl import PerplexityTask
+
+    task = PerplexityTask(tokens=8)
+    cfg = EvalConfig("tiny", ["streaming"], [64], [256], samples=1, out=str(tmp_path), progress=False)
+    results = run_task(task, model, tok, cfg)
+    full, stream = results
+    sample = task.samples(tok, 256, 1, 0)[0]
+    ids = torch.tensor([sample.input_ids + sample.meta["continuation"]])
+    with torch.inference_mode():
+        logits = model(ids).logits[0].float()  # no cache: the dense path
+    logp = torch.log_softmax(logits, -1)
+    n = len(sample.input_ids)
+    want = [float(-logp[n + i, ids[0, n + i + 1]]) for i in range(8)]
+    assert full.records()[0]["nll"] == pytest.approx(want, abs=1e-3)
+    assert full.metrics["score"] == pytest.approx(math.exp(sum(want) / 8), rel=1e-3)
+    assert stream.metrics["ratio_to_full"] == pytest.approx(stream.metrics["score"] / full.metrics["score"])
+    assert task.higher_is_better is False
+    m = json.loads((stream.dir / "metrics.json").read_text())
+    assert set(m["ratios_to_full"]) == {"nll", "ppl_last_quarter"}
+
+
+def test_summary_table_shows_ratio_and_score_name(tmp_path):
+    from kvdex.eval.runner import RunResult, Task
+
+    class Dummy(Task):
+        name = "dummy"
+        score_name = "accuracy"
+        summary_keys = ("f1",)
+
+    rs = [
+        RunResult("dummy", "m", 1024, "full", None, tmp_path, {"score": 0.8, "f1": 0.5, "ratio_to_full": 1.0}),
+        RunResult("dummy", "m", 1024, "quest", 64, tmp_path, {"score": 0.4, "f1": 0.25, "ratio_to_full": 0.5}),
+    ]
+    rows = summary_rows(Dummy(), rs)
+    assert rows[1]["accuracy"] == 0.4 and rows[1]["ratio_to_full"] == 0.5 and rows[0]["budget"] == "-"
+    table = format_table(rows).splitlines()
+    assert table[0].split()[:6] == ["length", "policy", "budget", "f1", "accuracy", "ratio_to_full"]
+    assert table[3].split()[:6] == ["1024", "quest", "64", "0.25", "0.4", "0.5"]
