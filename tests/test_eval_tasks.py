@@ -95,3 +95,42 @@ def test_summary_table_shows_ratio_and_score_name(tmp_path):
     table = format_table(rows).splitlines()
     assert table[0].split()[:6] == ["length", "policy", "budget", "f1", "accuracy", "ratio_to_full"]
     assert table[3].split()[:6] == ["1024", "quest", "64", "0.25", "0.4", "0.5"]
+
+
+@needs_data
+def test_ruler_prompts_hold_their_answers_within_the_length(tok):
+    import random
+
+    from kvdex.eval import prompting
+    from kvdex.eval.tasks.ruler import SUBTASKS, generate
+
+    for name, spec in SUBTASKS.items():
+        length = 8000 if name.startswith("qa") else 1200  # gold paragraphs are long in bytes
+        text, refs = generate(spec, tok, length, random.Random(name), ROOT)
+        n = len(prompting.encode(tok, text))
+        slack = 4000 if name.startswith("qa") else 200  # filled to within a sentence / a paragraph (bytes)
+        assert length - slack < n <= length, name
+        assert refs and all(r in text for r in refs), name
+        if name.startswith("niah"):
+            needles = text.count("One of the special magic")
+            want = {"niah_multikey_1": 4, "niah_multivalue": 4, "niah_multiquery": 4}.get(name, 1)
+            assert needles == want or (spec.haystack == "needle" and needles > 5), name
+        if name == "vt":  # the chain is in order: each variable is assigned after the one it copies
+            at = [text.index(f"VAR {v} =") for v in refs]
+            assert at == sorted(at) and f"VAR {refs[1]} = VAR {refs[0]}." in text
+
+
+@needs_data
+def test_ruler_runs_and_scores_subtasks(model, tok, tmp_path):
+    from kvdex.eval.tasks.ruler import RulerTask
+
+    task = RulerTask(subtasks=["niah_single_1", "vt"], max_new_tokens=4)
+    cfg = EvalConfig("tiny", ["streaming"], [64], [512], samples=2, out=str(tmp_path), progress=False)
+    full, stream = run_task(task, model, tok, cfg)
+    recs = full.records()
+    assert [r["subtask"] for r in recs] == ["niah_single_1"] * 2 + ["vt"] * 2
+    assert recs[0]["references"] != recs[1]["references"]  # different samples, different needles
+    for r in (full, stream):
+        assert set(r.metrics) >= {"niah_single_1", "vt", "score"}
+        assert r.metrics["score"] == pytest.approx((r.metrics["niah_single_1"] + r.metrics["vt"]) / 2)
+    assert set(stream.metrics["ratios_to_full"]) == {"niah_single_1", "vt"}

@@ -82,12 +82,32 @@ def _passkey(a: argparse.Namespace):
     return PasskeyTask(depths=a.depths, max_new_tokens=a.max_new_tokens)
 
 
+def _ruler_args(p: argparse.ArgumentParser) -> None:
+    from kvdex.eval.tasks.ruler import SUBTASKS
+
+    g = p.add_argument_group("ruler")
+    g.add_argument("--subtasks", default=None, help=f"comma-separated subset of: {', '.join(SUBTASKS)} (default all)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="override the per-subtask answer length")
+
+
+def _ruler(a: argparse.Namespace):
+    from kvdex.eval.tasks.ruler import RulerTask
+
+    subtasks = None if a.subtasks is None else [s.strip() for s in a.subtasks.split(",") if s.strip()]
+    return RulerTask(subtasks=subtasks, data_root=a.data, max_new_tokens=a.max_new_tokens)
+
+
 TASKS: dict[str, TaskSpec] = {
     "recall": TaskSpec(
         "attention recall / top-k hit rate / output error of each policy on long text", _recall_args, _recall
     ),
     "passkey": TaskSpec(
         "passkey retrieval over needle depth x context length (--samples per cell)", _passkey_args, _passkey
+    ),
+    "ruler": TaskSpec(
+        "RULER: needle-in-a-haystack (single/multi-key/multi-value/multi-query), variable tracking, QA",
+        _ruler_args,
+        _ruler,
     ),
     "ppl": TaskSpec("perplexity of long text decoded through each policy (teacher forced)", _ppl_args, _ppl),
 }

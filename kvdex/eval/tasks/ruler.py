@@ -1,0 +1,308 @@
+"""``ruler``: RULER's retrieval, tracing and QA tasks (Hsieh et al., 2024), generated at any length.
+
+Written from the paper's task descriptions; the prompts are RULER-style, not copied.
+
+* NIAH (needle in a haystack): needles "One of the special magic {numbers} for {key} is: {value}."
+  hidden in a haystack (``noise``: a repeated filler paragraph; ``essay``: Paul Graham's essays;
+  ``needle``: nothing but other needles). Variants: single (1 key), multi-key (distractor keys),
+  multi-value (4 values under one key: all must be returned), multi-query (4 keys asked).
+  Keys are word pairs from an English word list, values 7-digit numbers or UUIDs.
+* VT (variable tracking): a chain ``VAR A = 12345 ... VAR B = VAR A ...`` hidden in noise;
+  every variable holding the value must be named.
+* QA: a SQuAD / HotpotQA question with its gold paragraph(s) among distractor paragraphs of
+  other questions, shuffled into "Document i" blocks.
+
+Scoring as in RULER: NIAH and VT by the share of the expected strings in the answer
+(``string_match_all``), QA by whether any gold answer appears (``string_match_part``). A
+policy's score is the mean over subtasks; each subtask is also reported with its ratio to full.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from kvdex.eval import data, metrics, prompting
+from kvdex.eval.runner import DecodeContext, Sample, Task, greedy, stop_token_ids
+from kvdex.eval.tasks.passkey_grid import hash_seed
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+@dataclass(frozen=True)
+class Niah:
+    haystack: str  # noise | essay | needle
+    keys: str = "words"  # words | uuids
+    values: str = "numbers"  # numbers | uuids
+    num_keys: int = 1  # needles with distinct keys (the queried ones included)
+    num_values: int = 1  # values under each queried key
+    num_queries: int = 1  # keys asked for
+    max_new_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class VariableTracking:
+    chains: int = 1
+    hops: int = 4
+    max_new_tokens: int = 30
+
+
+@dataclass(frozen=True)
+class QA:
+    dataset: str  # squad | hotpotqa
+    max_new_tokens: int = 32
+
+
+SUBTASKS = {
+    "niah_single_1": Niah("noise"),
+    "niah_single_2": Niah("essay"),
+    "niah_single_3": Niah("essay", values="uuids"),
+    "niah_multikey_1": Niah("essay", num_keys=4),
+    "niah_multikey_2": Niah("needle"),
+    "niah_multikey_3": Niah("needle", keys="uuids", values="uuids"),
+    "niah_multivalue": Niah("essay", num_values=4),
+    "niah_multiquery": Niah("essay", num_keys=4, num_queries=4),
+    "vt": VariableTracking(),
+    "qa_1": QA("squad"),
+    "qa_2": QA("hotpotqa"),
+}
+
+
+class RulerTask(Task):
+    name = "ruler"
+    score_name = "score"
+
+    def __init__(self, subtasks=None, data_root=None, max_new_tokens: int | None = None):
+        subtasks = list(subtasks or SUBTASKS)
+        unknown = [s for s in subtasks if s not in SUBTASKS]
+        if unknown:
+            raise ValueError(f"unknown RULER subtask(s) {', '.join(unknown)}; choose from {', '.join(SUBTASKS)}")
+        self.subtasks = subtasks
+        self.summary_keys = tuple(subtasks)
+        self.max_new_tokens = max_new_tokens
+        self.root = data.data_root(data_root)
+
+    def options(self) -> dict:
+        return {"subtasks": self.subtasks, "max_new_tokens": self.max_new_tokens}
+
+    def samples(self, tokenizer, length, n, seed) -> list[Sample]:
+        out = []
+        for sub in self.subtasks:
+            for i in range(n):
+                rng = random.Random(hash_seed(seed, length, sub, i))
+                text, refs = generate(SUBTASKS[sub], tokenizer, length, rng, self.root)
+                meta = {"subtask": sub, "references": refs}
+                out.append(Sample(f"{sub}-{i}", prompting.encode(tokenizer, text), meta))
+        return out
+
+    def decode(self, ctx: DecodeContext, sample: Sample) -> dict:
+        spec = SUBTASKS[sample.meta["subtask"]]
+        n = self.max_new_tokens or spec.max_new_tokens
+        toks = greedy(ctx, n, stop_token_ids(ctx.tokenizer, ctx.model))
+        pred = ctx.tokenizer.decode(toks, skip_special_tokens=True).strip()
+        refs = sample.meta["references"]
+        score = (metrics.string_match_part if isinstance(spec, QA) else metrics.string_match_all)(pred, refs)
+        return {"subtask": sample.meta["subtask"], "prediction": pred, "references": refs, "score": score}
+
+    def metrics(self, records: list[dict]) -> dict:
+        out = {"samples": len(records)}
+        for sub in self.subtasks:
+            vals = [r["score"] for r in records if r["subtask"] == sub]
+            out[sub] = float(np.mean(vals)) if vals else None
+        out["score"] = float(np.mean([out[s] for s in self.subtasks if out[s] is not None]))
+        return out
+
+
+# ---- generators -----------------------------------------------------------------------------------
+
+
+def generate(spec, tokenizer, length: int, rng: random.Random, root: Path) -> tuple[str, list[str]]:
+    """(prompt text of at most ``length`` tokens, expected answer strings)."""
+    if isinstance(spec, Niah):
+        return _niah(spec, tokenizer, length, rng, root)
+    if isinstance(spec, VariableTracking):
+        return _vt(spec, tokenizer, length, rng)
+    return _qa(spec, tokenizer, length, rng, root)
+
+
+def _word_key(rng: random.Random, root: Path) -> str:
+    words = _english_words(str(root))
+    return f"{rng.choice(words)}-{rng.choice(words)}"
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _niah(spec: Niah, tokenizer, length, rng, root) -> tuple[str, list[str]]:
+    new_key = (lambda: _uuid(rng)) if spec.keys == "uuids" else (lambda: _word_key(rng, root))
+    new_value = (lambda: _uuid(rng)) if spec.values == "uuids" else (lambda: str(rng.randint(10**6, 10**7 - 1)))
+    kind = "numbers" if spec.values == "numbers" else "uuids"
+    keys = []
+    while len(keys) < spec.num_keys:
+        k = new_key()
+        if k not in keys:
+            keys.append(k)
+    values = {k: [new_value() for _ in range(spec.num_values)] for k in keys}
+    needles = [_needle(k, v, kind) for k in keys for v in values[k]]
+    queried = rng.sample(keys, spec.num_queries)
+    refs = [v for k in queried for v in values[k]]
+
+    what = "special magic " + (kind if len(refs) > 1 else kind[:-1])
+    if spec.num_queries == 1:
+        q = queried[0]
+        ask = f"What {'are all the' if len(refs) > 1 else 'is the'} {what} for {q} mentioned in the provided text?"
+        prefix = f" The {what} for {q} mentioned in the provided text {'are' if len(refs) > 1 else 'is'}"
+    else:
+        q = ", ".join(queried[:-1]) + f", and {queried[-1]}"
+        ask = f"What are all the special magic {kind} for {q} mentioned in the provided text?"
+        prefix = f" The special magic {kind} for {q} mentioned in the provided text are"
+    intro = (
+        f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+        f"I will quiz you about the {kind} afterwards."
+    )
+
+    if spec.haystack == "needle":  # the haystack is made of other keys' needles
+        extra = []
+
+        def unit(i: int) -> str:
+            while len(extra) <= i:
+                extra.append(_needle(new_key(), new_value(), kind))
+            return extra[i]
+    else:
+        sentences = _noise_sentences() if spec.haystack == "noise" else _essay_sentences(str(root))
+        offset = 0 if spec.haystack == "noise" else rng.randrange(len(sentences))
+        unit = lambda i: sentences[(offset + i) % len(sentences)]
+    depths = sorted(rng.random() for _ in needles)
+    rng.shuffle(needles)
+
+    def build(n: int) -> str:
+        units = [unit(i) for i in range(n)]
+        for d, needle in zip(reversed(depths), reversed(needles), strict=True):  # back to front: indices hold
+            units.insert(round(d * n), needle)
+        return prompting.render(tokenizer, f"{intro}\n{' '.join(units)}\n{ask}", prefix)
+
+    text, _ = prompting.fit(tokenizer, build, length, start=max(1, length // 32))
+    return text, refs
+
+
+def _needle(key: str, value: str, kind: str) -> str:
+    return f"One of the special magic {kind} for {key} is: {value}."
+
+
+def _vt(spec: VariableTracking, tokenizer, length, rng) -> tuple[str, list[str]]:
+    names = set()
+
+    def new_name() -> str:
+        while True:
+            n = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+            if n not in names:
+                names.add(n)
+                return n
+
+    chains, refs, query = [], [], None
+    for c in range(spec.chains):
+        value = str(rng.randint(10000, 99999))
+        chain = [new_name() for _ in range(spec.hops + 1)]
+        lines = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:], strict=False)]
+        chains.append(lines)
+        if c == 0:
+            refs, query = chain, value
+    statements = [s for chain in chains for s in chain]  # chains in order, each chain's hops in order
+    depths = sorted(rng.random() for _ in statements)
+    sentences = _noise_sentences()
+    intro = "Memorize and track the chain(s) of variable assignment hidden in the following text."
+    ask = f"Question: Find all variables that are assigned the value {query} in the text above."
+    prefix = (
+        f" Answer: According to the chain(s) of variable assignment in the text above, {len(refs)} variables "
+        f"are assigned the value {query}, they are:"
+    )
+
+    def build(n: int) -> str:
+        units = [sentences[i % len(sentences)] for i in range(n)]
+        for d, s in zip(reversed(depths), reversed(statements), strict=True):
+            units.insert(round(d * n), s)
+        return prompting.render(tokenizer, f"{intro}\n\n{' '.join(units)}\n{ask}", prefix)
+
+    text, _ = prompting.fit(tokenizer, build, length, start=max(1, length // 32))
+    return text, refs
+
+
+def _qa(spec: QA, tokenizer, length, rng, root) -> tuple[str, list[str]]:
+    items, pool = _qa_data(str(root), spec.dataset)
+    item = items[rng.randrange(len(items))]
+    gold = set(item["docs"])
+    distractors = [d for d in rng.sample(range(len(pool)), min(len(pool), 4000)) if d not in gold]
+    order_seed = rng.random()
+    ask = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+
+    def build(n: int) -> str:
+        docs = list(item["docs"]) + distractors[:n]
+        random.Random(f"{order_seed}-{n}").shuffle(docs)
+        body = "\n\n".join(f"Document {i + 1}:\n{pool[d]}" for i, d in enumerate(docs))
+        user = f"{ask}\n\nThe following are given documents.\n\n{body}\n\n{ask}\n\nQuestion: {item['question']}"
+        return prompting.render(tokenizer, user, " Answer:")
+
+    text, n = prompting.fit(tokenizer, build, length, start=4)
+    if n >= len(distractors):
+        raise ValueError(f"not enough distractor paragraphs for {length} tokens")
+    return text, item["answers"]
+
+
+# ---- data ----------------------------------------------------------------------------------------------
+
+
+def _noise_sentences() -> list[str]:
+    return [s if s.endswith(".") else s + "." for s in NOISE.split(". ")]
+
+
+@lru_cache(maxsize=2)
+def _essay_sentences(root: str) -> list[str]:
+    text = data.read_text(Path(root), "haystack/PaulGrahamEssays.json")
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
+@lru_cache(maxsize=2)
+def _english_words(root: str) -> list[str]:
+    words = json.loads((Path(root) / "haystack/english_words.json").read_text())
+    return [w for w in words.values() if w.isalpha() and w.islower() and 3 <= len(w) <= 10]
+
+
+@lru_cache(maxsize=4)
+def _qa_data(root: str, dataset: str) -> tuple[list[dict], list[str]]:
+    """(questions with answers and gold doc ids, paragraph pool) of SQuAD 2.0 dev or HotpotQA dev."""
+    items, pool, index = [], [], {}
+
+    def doc(text: str) -> int:
+        if text not in index:
+            index[text] = len(pool)
+            pool.append(text)
+        return index[text]
+
+    if dataset == "squad":
+        raw = json.loads((Path(root) / "qa/squad.json").read_text())["data"]
+        for article in raw:
+            for para in article["paragraphs"]:
+                d = doc(para["context"])
+                for qa in para["qas"]:
+                    answers = sorted({a["text"] for a in qa["answers"]})
+                    if not qa.get("is_impossible") and answers:
+                        items.append({"question": qa["question"], "answers": answers, "docs": [d]})
+    elif dataset == "hotpotqa":
+        raw = json.loads((Path(root) / "qa/hotpotqa.json").read_text())
+        for q in raw:  # gold: the paragraphs of the supporting facts; the question's other ones join the pool
+            support = {title for title, _ in q["supporting_facts"]}
+            docs = [doc(f"{title}\n{''.join(sents)}") for title, sents in q["context"]]
+            gold = [d for d, (title, _) in zip(docs, q["context"], strict=True) if title in support]
+            items.append({"question": q["question"], "answers": [q["answer"]], "docs": gold})
+    else:
+        raise ValueError(f"unknown QA dataset {dataset!r}")
+    return items, pool
