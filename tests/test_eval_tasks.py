@@ -134,3 +134,40 @@ def test_ruler_runs_and_scores_subtasks(model, tok, tmp_path):
         assert set(r.metrics) >= {"niah_single_1", "vt", "score"}
         assert r.metrics["score"] == pytest.approx((r.metrics["niah_single_1"] + r.metrics["vt"]) / 2)
     assert set(stream.metrics["ratios_to_full"]) == {"niah_single_1", "vt"}
+
+
+def test_longbench_scoring_dispatch():
+    from kvdex.eval.tasks.longbench import V1_TASKS, extract_choice, score_v1
+
+    assert score_v1("trec", "Individual\nQuestion: next one", ["Individual"], ["Individual", "Date"]) == 1.0
+    assert score_v1("triviaqa", "Paris\nAnswer: London", ["paris"]) == 1.0  # first line only
+    assert score_v1("passage_count", "46", ["46"]) == 1.0
+    assert score_v1("passage_retrieval_zh", "段落5", ["段落5"]) == 1.0
+    assert score_v1("hotpotqa", "no", ["yes", "no"]) == 1.0  # best over the gold answers
+    assert score_v1("lcc", "    if e.text == language:", ["            if e.text == language:"]) > 0.8
+    assert len(V1_TASKS) == 21
+    assert extract_choice("The correct answer is (C).") == "C"
+    assert extract_choice("**The correct answer is B**") == "B"
+    assert extract_choice("I think A") is None
+
+
+@needs_data
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_longbench_runs_within_the_length(model, tok, tmp_path, version):
+    from kvdex.eval.tasks.longbench import LongBenchTask
+
+    datasets = ["trec", "passage_count"] if version == "v1" else None
+    task = LongBenchTask(version=version, datasets=datasets, max_new_tokens=3)
+    samples = task.samples(tok, 600, 1, 0)
+    assert len(samples) == (2 if version == "v1" else 1)
+    assert all(0 < len(s.input_ids) <= 600 for s in samples)
+    cfg = EvalConfig("tiny", ["quest"], [64], [600], samples=1, out=str(tmp_path), progress=False)
+    full, quest = run_task(task, model, tok, cfg)
+    for r in (full, quest):
+        assert r.metrics["samples"] == len(samples) and 0 <= r.metrics["score"] <= 1
+        assert set(task.summary_keys) <= set(r.metrics)
+    if version == "v1":
+        assert set(full.metrics["per_dataset"]) == {"trec", "passage_count"}
+        assert task.summary_keys == ("few_shot", "synthetic")
+    else:
+        assert full.records()[0]["answer"] in "ABCD"

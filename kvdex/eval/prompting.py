@@ -24,9 +24,14 @@ def render(tokenizer, user: str, answer_prefix: str = "", chat: bool | None = No
     return user + answer_prefix
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt (a chat-templated text already holds its special tokens)."""
-    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+def encode(tokenizer, text: str, chat: bool | None = None) -> list[int]:
+    """Token ids of a rendered prompt (a chat-templated text already holds its special tokens).
+
+    ``chat``: whether ``text`` was rendered with the chat template (default: the tokenizer has one).
+    """
+    if chat is None:
+        chat = has_chat_template(tokenizer)
+    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
 
 def fit(tokenizer, build: Callable[[int], str], n_tokens: int, start: int = 16) -> tuple[str, int]:

@@ -97,6 +97,20 @@ def _ruler(a: argparse.Namespace):
     return RulerTask(subtasks=subtasks, data_root=a.data, max_new_tokens=a.max_new_tokens)
 
 
+def _longbench_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("longbench")
+    g.add_argument("--version", choices=("v1", "v2"), default="v1", help="v1: 237-sample subset; v2: short MCQ")
+    g.add_argument("--datasets", default=None, help="v1 only: comma-separated datasets (default all 21)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="override LongBench's per-dataset answer length")
+
+
+def _longbench(a: argparse.Namespace):
+    from kvdex.eval.tasks.longbench import LongBenchTask
+
+    datasets = None if a.datasets is None else [d.strip() for d in a.datasets.split(",") if d.strip()]
+    return LongBenchTask(version=a.version, datasets=datasets, data_root=a.data, max_new_tokens=a.max_new_tokens)
+
+
 TASKS: dict[str, TaskSpec] = {
     "recall": TaskSpec(
         "attention recall / top-k hit rate / output error of each policy on long text", _recall_args, _recall
@@ -108,6 +122,12 @@ TASKS: dict[str, TaskSpec] = {
         "RULER: needle-in-a-haystack (single/multi-key/multi-value/multi-query), variable tracking, QA",
         _ruler_args,
         _ruler,
+    ),
+    "longbench": TaskSpec(
+        "LongBench v1 (237-sample subset, official metric per task) or v2 short multiple choice "
+        "(--samples: per v1 dataset / v2 items; --lengths: prompt truncation)",
+        _longbench_args,
+        _longbench,
     ),
     "ppl": TaskSpec("perplexity of long text decoded through each policy (teacher forced)", _ppl_args, _ppl),
 }
