@@ -81,3 +81,27 @@ def test_fit_and_truncate():
         fit(CharTok(), lambda n: "Q:" + "ab" * n, 1)
     assert truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
     assert truncate_middle(list(range(3)), 4) == [0, 1, 2]
+
+
+def test_math_answers():
+    assert M.gsm8k_gold("She makes 9 * 2 = $18.\n#### 1,018") == "1018"
+    pairs_equal = [
+        (r"\dfrac{14}{3}", r"\frac{14}{3}"),
+        ("90", r"90^\circ"),
+        ("x=5", "5"),
+        (r"\text{Evelyn}", "Evelyn"),
+        ("13,535", "13535"),
+        ("0.5", r"\frac12"),
+        (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})"),
+        (r"11\sqrt2", r"11\sqrt{2}"),
+        ("18.00", "18"),
+        (r"-\frac{1}{2}", "-0.5"),
+    ]
+    for a, b in pairs_equal:
+        assert M.math_equal(a, b), (a, b)
+    assert not M.math_equal("17", "18")
+    assert not M.math_equal(None, "1")
+    assert not M.math_equal(r"\frac{1}{3}", "0.33")
+    assert M.extract_math_answer(r"First 3, so \boxed{42}. Done") == "42"
+    assert M.extract_math_answer("so the answer is 42.") == "42"
+    assert M.extract_math_answer("We get 3 then 7") == "7"

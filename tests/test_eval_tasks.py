@@ -171,3 +171,17 @@ def test_longbench_runs_within_the_length(model, tok, tmp_path, version):
         assert task.summary_keys == ("few_shot", "synthetic")
     else:
         assert full.records()[0]["answer"] in "ABCD"
+
+
+@needs_data
+def test_math_generation_budget_is_the_length(model, tok, tmp_path):
+    from kvdex.eval.tasks.mathcot import MathTask
+
+    task = MathTask("math500")
+    cfg = EvalConfig("tiny", ["streaming"], [64], [8, 12], samples=1, out=str(tmp_path), progress=False)
+    results = run_task(task, model, tok, cfg)
+    assert [(r.length, r.policy) for r in results] == [(8, "full"), (8, "streaming"), (12, "full"), (12, "streaming")]
+    for r in results:
+        rec = r.records()[0]
+        assert rec["gold"] == r"\left( 3, \frac{\pi}{2} \right)" and rec["tokens"] <= r.length
+        assert r.metrics["score"] == float(rec["correct"])

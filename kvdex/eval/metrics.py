@@ -198,3 +198,69 @@ def last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[i + 1 : j]
     return None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The final number of a GSM8K solution ("... #### 1,234" -> "1234")."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The final answer of a chain of thought: the last ``\\boxed{}``, else "answer is X", else the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    m = re.findall(r"answer is:?\s*\$?([^\n$]+?)\$?(?:\.\s|\.?$|\n)", text)
+    if m:
+        return m[-1].strip()
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def normalize_math(s: str) -> str:
+    """Canonical text of a final answer: LaTeX spacing/sizing, units of degrees and percent, ``\\text{}``,
+    ``dfrac``, a leading ``x =``, thousands separators and unbraced ``\\frac12`` / ``\\sqrt2`` removed or fixed."""
+    s = s.strip()
+    s = re.sub(r"\\(?:text|mbox|mathrm|textbf|mathbf)\{([^{}]*)\}", r"\1", s)
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "\\circ", "\\%", "%"):
+        s = s.replace(junk, "")
+    s = s.replace("\\$", "").replace("$", "").replace("dfrac", "frac").replace("tfrac", "frac")
+    s = s.strip().rstrip(".").strip()
+    m = re.fullmatch(r"[a-zA-Z]\s*=\s*(.+)", s)
+    if m:
+        s = m.group(1)
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt(\d+)", r"\\sqrt{\1}", s)
+    s = s.replace(" ", "")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s.lower()
+
+
+def _as_number(s: str) -> float | None:
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", s) or re.fullmatch(
+        r"(-?)(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)", s
+    )
+    try:
+        if m:
+            value = float(m.group(2)) / float(m.group(3))
+            return -value if m.group(1) else value
+        return float(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_equal(prediction: str | None, reference: str) -> bool:
+    """Whether two final answers agree after :func:`normalize_math` (textually, or as numbers /
+    simple fractions to a relative 1e-6). Not a symbolic checker: ``\\sqrt{8}`` != ``2\\sqrt{2}``."""
+    if prediction is None:
+        return False
+    a, b = normalize_math(prediction), normalize_math(reference)
+    if a == b:
+        return True
+    x, y = _as_number(a), _as_number(b)
+    return x is not None and y is not None and abs(x - y) <= 1e-6 * max(1.0, abs(y))

@@ -111,6 +111,17 @@ def _longbench(a: argparse.Namespace):
     return LongBenchTask(version=a.version, datasets=datasets, data_root=a.data, max_new_tokens=a.max_new_tokens)
 
 
+def _math_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("math (--lengths is the generation budget: max new tokens)")
+    g.add_argument("--dataset", choices=("gsm8k", "math500", "aime24", "aime25"), default="gsm8k")
+
+
+def _math(a: argparse.Namespace):
+    from kvdex.eval.tasks.mathcot import MathTask
+
+    return MathTask(dataset=a.dataset, data_root=a.data)
+
+
 TASKS: dict[str, TaskSpec] = {
     "recall": TaskSpec(
         "attention recall / top-k hit rate / output error of each policy on long text", _recall_args, _recall
@@ -128,6 +139,11 @@ TASKS: dict[str, TaskSpec] = {
         "(--samples: per v1 dataset / v2 items; --lengths: prompt truncation)",
         _longbench_args,
         _longbench,
+    ),
+    "math": TaskSpec(
+        "GSM8K / MATH-500 / AIME chain of thought: answer accuracy vs full (--lengths = max new tokens)",
+        _math_args,
+        _math,
     ),
     "ppl": TaskSpec("perplexity of long text decoded through each policy (teacher forced)", _ppl_args, _ppl),
 }
