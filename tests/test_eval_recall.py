@@ -207,3 +207,31 @@ def test_data_root_env(tmp_path, monkeypatch):
     assert data.data_root(required=False) is None
     with pytest.raises(FileNotFoundError, match="KVDEX_DATA"):
         data.data_root()
+
+
+@needs_data
+def test_offloaded_store_measures_the_same(model, tok, tmp_path):
+    """Recall and output error read the attended set from the store: host-offloaded pages must give
+    exactly what device-resident ones give."""
+    task = RecallTask(steps=3)
+    got = []
+    for offload in (False, True):
+        cfg = EvalConfig(
+            "tiny", ["oracle", "quest"], [64], [512], out=str(tmp_path / str(offload)), offload=offload, progress=False
+        )
+        got.append({(r.policy, r.budget): r.metrics for r in run_task(task, model, tok, cfg)})
+    for key, m in got[0].items():
+        for metric in ("recall", "topk_hit", "rel_l2"):
+            assert got[1][key][metric] == pytest.approx(m[metric], abs=1e-6), (key, metric)
+
+
+@needs_data
+def test_free_running_mode_measures_sampled_steps_and_layers(model, tok, tmp_path):
+    task = RecallTask(mode="free", steps=5, every=2, layers=[3])
+    cfg = EvalConfig("tiny", ["streaming"], [64], [384], out=str(tmp_path), progress=False)
+    full, stream = run_task(task, model, tok, cfg)
+    rec = stream.records()[0]
+    assert rec["steps"] == [1, 3, 5] and rec["layers"] == [3]
+    assert isinstance(rec["generated"], str) and "nll" not in rec
+    assert stream.metrics["ppl"] is None and list(stream.metrics["per_step"]) == ["1", "3", "5"]
+    assert full.metrics["score"] == pytest.approx(1.0, abs=1e-5)

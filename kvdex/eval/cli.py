@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
         window=args.window,
         dense_layers=args.dense_layers,
         offload=args.offload,
+        dtype=str(model.dtype).removeprefix("torch."),
         progress=not args.no_progress,
-        extra={"model_arg": args.model, "gguf": args.gguf, "device": str(model.device), "dtype": str(model.dtype)},
+        extra={"model_arg": args.model, "gguf": args.gguf, "device": str(model.device)},
     )
     results = run_task(task, model, tok, cfg)
     table, paths = write_summary(task, results, cfg)

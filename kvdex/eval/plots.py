@@ -102,7 +102,7 @@ def heatmap(
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(cols), 1.2 + 0.3 * len(rows)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 0.9 * len(cols)), 1.6 + 0.25 * len(rows)))
     im = ax.imshow(matrix, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(cols)), [str(c) for c in cols])
     ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=7)

@@ -155,6 +155,7 @@ class EvalConfig:
     window: int = 32
     dense_layers: int = 2
     offload: bool = False
+    dtype: str | None = None  # the model's dtype: part of each run's identity (bf16 and fp32 differ)
     progress: bool = True
     extra: dict = field(default_factory=dict)  # recorded in config.json (e.g. model path, device)
 
@@ -207,6 +208,8 @@ class Run:
             "seed": cfg.seed,
             "cache": cfg.cache_kwargs(),
         }
+        if cfg.dtype is not None:
+            self.identity["dtype"] = cfg.dtype
         digest = hashlib.sha1(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:8]
         b = "" if budget is None else f"__b{budget}"
         name = f"{task.name}__{cfg.model_tag}__L{length}__{policy}{b}__n{cfg.samples}__{digest}"
