@@ -205,7 +205,7 @@ def test_data_root_env(tmp_path, monkeypatch):
     assert data.data_root() == tmp_path.resolve()
     monkeypatch.setenv(data.ENV, str(tmp_path / "missing"))
     assert data.data_root(required=False) is None
-    with pytest.raises(FileNotFoundError, match="KVDEX_DATA"):
+    with pytest.raises(ValueError, match="KVDEX_DATA"):
         data.data_root()
 
 
@@ -235,3 +235,16 @@ def test_free_running_mode_measures_sampled_steps_and_layers(model, tok, tmp_pat
     assert isinstance(rec["generated"], str) and "nll" not in rec
     assert stream.metrics["ppl"] is None and list(stream.metrics["per_step"]) == ["1", "3", "5"]
     assert full.metrics["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_cli_rejects_mistakes_before_loading(capsys):
+    from kvdex.eval import cli
+
+    for argv, msg in (
+        (["recall", "--model", "none", "--policies", "nope"], "unknown policy nope"),
+        (["recall", "--model", "none", "--budgets", "20"], "sink + window"),
+        (["ruler", "--model", "none", "--subtasks", "niah_x"], "unknown RULER subtask"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err

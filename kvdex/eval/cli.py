@@ -1,10 +1,8 @@
 """``kvdex eval <task>``: evaluate policies side by side (also ``python -m kvdex.eval.cli <task>``).
 
-    kvdex eval recall --model smollm2 --policies oracle,quest,streaming --budgets 64,256 \\
-        --lengths 2k --samples 2 --steps 32 --out results
-
 ``register(subparsers)`` adds the ``eval`` command to kvdex's main parser; every task subcommand
-sets ``func`` (``args.func(args)`` runs it and returns the exit status).
+sets ``func`` (``args.func(args)`` runs it and returns the exit status). Mistakes raise
+``ValueError`` with the fix in the message.
 """
 
 from __future__ import annotations
@@ -13,6 +11,15 @@ import argparse
 import sys
 
 from kvdex.eval import tasks
+
+DESCRIPTION = """Evaluate kvdex policies side by side: each prompt is prefilled once, then decoded per
+(policy, budget); every score is reported with its ratio to full. Results go to one folder per run
+under --out (config.json, predictions.jsonl, metrics.json); finished runs are skipped.
+
+example:
+  kvdex eval recall --model smollm2 --policies oracle,quest,streaming --budgets 64,256 \\
+      --lengths 2k --samples 2 --steps 32 --out results
+"""
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -88,7 +95,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "eval",
         help="evaluate policies: recall, task accuracy, perplexity",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     return build_parser(p)
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     policies = args.policies or known
     unknown = [p for p in policies if p not in known]
     if unknown:
-        raise SystemExit(f"unknown policy {', '.join(unknown)}; registered: {', '.join(known)}")
+        raise ValueError(f"unknown policy {', '.join(unknown)}; registered policies: {', '.join(known)}")
     for b in args.budgets:  # fail before loading anything
         kvdex.CacheConfig(budget=b, page_size=args.page_size, sink=args.sink, window=args.window)
     task = tasks.TASKS[args.eval_task].build(args)
@@ -136,10 +143,13 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvdex.eval.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m kvdex.eval.cli", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     args = build_parser(parser).parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # a user mistake: the message says how to fix it
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def data_root(path: str | os.PathLike | None = None, required: bool = True) -> P
         if c.is_dir():
             return c.resolve()
     if required:
-        raise FileNotFoundError(
+        raise ValueError(
             f"evaluation data not found (looked in {', '.join(map(str, candidates))}); "
             f"set {ENV}=/path/to/evaldata or pass --data"
         )
