@@ -1,0 +1,163 @@
+"""Shared fixtures: tiny randomly initialised decoder-only models (fp32, no downloads) and helpers.
+
+Every model is built twice from the same config and state dict: one is switched to kvdex's
+attention, the other keeps transformers' own ``sdpa`` attention and is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvdex
+
+VOCAB = 128
+PAGE = 16
+SINK = 16
+WINDOW = 32
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    # Large weights: peaked attention (selection matters) and well separated logits (no argmax ties).
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+# family -> (config class, model class, config overrides)
+FAMILIES = {
+    "llama_gqa": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama_mha": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 4}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False, "head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+FAMILY_NAMES = list(FAMILIES)
+SPARSE_POLICIES = ["oracle", "streaming", "quest"]
+ALL_POLICIES = ["full", *SPARSE_POLICIES]
+
+
+def make_config(family: str, **overrides):
+    cfg_cls, _, fam = FAMILIES[family]
+    return cfg_cls(**{**_COMMON, **fam, **overrides})
+
+
+def build_pair(family: str, seed: int = 0, **overrides):
+    """(kvdex-enabled model, sdpa reference) with identical weights, both in eval mode, fp32."""
+    _, model_cls, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(make_config(family, **overrides)).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # qkv biases are zero-initialised: make them matter
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:  # RMSNorm / q-k norm weights start at 1: make them matter too
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    ref = model_cls(make_config(family, attn_implementation="sdpa", **overrides)).eval()
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        m.generation_config.eos_token_id = None
+        m.generation_config.pad_token_id = 0
+    kvdex.enable(model)
+    assert model.config._attn_implementation == "kvdex"
+    assert ref.config._attn_implementation == "sdpa"
+    return model, ref
+
+
+@functools.cache
+def _cached_pair(family: str):
+    return build_pair(family)
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def pair(family):
+    """Session-shared (model, reference) of the parametrised family. Do not mutate them."""
+    return _cached_pair(family)
+
+
+@pytest.fixture
+def llama():
+    return _cached_pair("llama_gqa")
+
+
+def shared_pair(family: str):
+    return _cached_pair(family)
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (1, n), generator=g)
+
+
+def left_padded(lengths, seed: int = 0):
+    """A left-padded batch of random prompts: (input_ids [B, W], attention_mask [B, W], prompts)."""
+    prompts = [prompt(n, seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    return ids, mask, prompts
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """The position ids generate() uses for a left-padded mask."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def greedy(model, ids, mask=None, cache=None, new=56, **kw):
+    """Greedy generate returning (sequences, logits [steps, B, V])."""
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        past_key_values=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+def window_start(n: int, sink: int = SINK, page: int = PAGE, window: int = WINDOW) -> int:
+    """First window position for a context of n tokens, from the layout rules in plain integers."""
+    if n <= sink:
+        return sink
+    grid_pages = -(-(n - sink) // page)
+    middle = max(0, grid_pages - window // page)
+    return sink + middle * page
+
+
+@functools.cache
+def reference_greedy(family: str, n: int, seed: int, new: int):
+    """Greedy tokens and logits of the sdpa reference for prompt(n, seed) (computed once)."""
+    _, ref = _cached_pair(family)
+    return greedy(ref, prompt(n, seed), new=new)

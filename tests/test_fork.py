@@ -1,0 +1,97 @@
+"""Cache.fork: prefill once (policy full), decode per policy; identical to a fresh cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, left_padded, positions, prompt, shared_pair
+
+import kvdex
+
+NEW = 40
+
+
+def _prefill(model, ids, mask, **kw):
+    cache = kvdex.Cache(model, "full", **kw)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+    assert cache.step == 0
+    return cache, out.logits[:, -1]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("policy", ["quest", "oracle", "streaming"])
+def test_fork_equals_fresh_cache(policy, offload):
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([90, 57, 120], seed=12)
+    src, last = _prefill(model, ids, mask, dense_layers=1)
+    first = last.argmax(-1, keepdim=True)
+
+    fresh = kvdex.Cache(model, policy, budget=96, offload=offload, dense_layers=1)
+    t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=NEW + 1)
+    # the prefill logits of the full cache are those of the fresh cache's prefill
+    torch.testing.assert_close(last, l_fresh[0], atol=1e-5, rtol=0)
+    assert torch.equal(t_fresh[:, ids.shape[1]], first[:, 0])
+
+    fork = src.fork(policy=policy, budget=96, offload=offload)
+    assert fork is not src and fork.policy is not src.policy and fork.policy.name == policy
+    assert fork.step == 0 and fork.config.budget == 96 and fork.config.offload == offload
+    assert fork.get_seq_length() == src.get_seq_length() == ids.shape[1]
+    store_type = kvdex.storage.OffloadStore if offload else kvdex.storage.DeviceStore
+    assert isinstance(fork.layers[1].store, store_type) and isinstance(fork.layers[0].store, kvdex.storage.DeviceStore)
+    if policy == "quest":  # the fork re-indexed the prompt with its own policy state
+        for layer in (1, 2):
+            fresh_q = kvdex.Cache(model, "quest", budget=96, offload=offload, dense_layers=1)
+            with torch.no_grad():
+                model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=fresh_q)
+            assert torch.equal(fork.policy.kmin[layer], fresh_q.policy.kmin[layer])
+            assert torch.equal(fork.policy.kmax[layer], fresh_q.policy.kmax[layer])
+            assert not hasattr(src.policy, "kmin")
+
+    ids2 = torch.cat([ids, first], dim=1)
+    mask2 = torch.cat([mask, torch.ones_like(first)], dim=1)
+    t_fork, l_fork = greedy(model, ids2, mask2, fork, new=NEW)
+    assert torch.equal(t_fork, t_fresh), "fork decodes differently from a fresh cache"
+    torch.testing.assert_close(l_fork, l_fresh[1:], atol=1e-5, rtol=0)
+    # the source is untouched and can be forked again
+    assert src.step == 0
+    again = src.fork(policy=policy, budget=96, offload=offload)
+    t_again, _ = greedy(model, ids2, mask2, again, new=NEW)
+    assert torch.equal(t_again, t_fresh)
+
+
+def test_fork_keeps_settings_and_overrides():
+    model, _ = shared_pair("qwen3")
+    ids = prompt(70, 1)
+    src, _ = _prefill(model, ids, torch.ones_like(ids), dense_layers=1, page_size=16, sink=16, window=32)
+    same = src.fork()
+    assert same.policy.name == "full" and same.config == src.config
+    fork = src.fork("quest", 128, offload=True, timing=True)
+    assert fork.config.budget == 128 and fork.config.offload and fork.config.timing
+    assert fork.config.dense_layers == 1 and fork.config.window == 32
+    with pytest.raises(ValueError, match="unknown policy"):
+        src.fork("nope")
+
+
+def test_fork_after_decoding_raises():
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "full")
+    with pytest.raises(ValueError, match="prefilled a prompt and not decoded"):
+        cache.fork("quest", 96)  # nothing prefilled yet
+    model.generate(prompt(60, 2), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert cache.step == 2
+    with pytest.raises(ValueError, match="prefilled a prompt and not decoded"):
+        cache.fork("quest", 96)
+
+
+def test_fork_after_generate_one_token():
+    """generate(max_new_tokens=1) only prefills: its cache can be forked and continued."""
+    model, _ = shared_pair("mistral")
+    ids = prompt(80, 4)
+    src = kvdex.Cache(model, "full", dense_layers=1)
+    first = model.generate(ids, past_key_values=src, max_new_tokens=1, do_sample=False)
+    assert src.step == 0
+    fork = src.fork("quest", 96)
+    t_fork, _ = greedy(model, first, None, fork, new=30)
+    t_fresh, _ = greedy(model, ids, None, kvdex.Cache(model, "quest", 96, dense_layers=1), new=31)
+    assert torch.equal(t_fork, t_fresh)
