@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvdex.eval import data
-from kvdex.eval.recall import RecallObserver, RecallTask, SelectAll
+from kvdex.eval.recall import Probe, RecallObserver, RecallTask, SelectAll
 from kvdex.eval.runner import DecodeContext, EvalConfig, prefill, run_task, teacher_forced
 from kvdex.eval.testing import byte_tokenizer, tiny_llama
 
@@ -35,11 +35,12 @@ def sample(tok):
     return RecallTask(steps=6).samples(tok, 768, 1, seed=0)[0]
 
 
-def observe(model, tok, sample, policy, budget, steps=6):
-    """Teacher-forced decode of ``sample`` through ``policy``; the observer measuring every step."""
+def observe(model, tok, sample, policy, budget, steps=6, probe=False):
+    """Teacher-forced decode of ``sample`` through ``policy`` (or, with ``probe``, densely while
+    probing ``policy``); the observer measuring every step."""
     base, logits = prefill(model, sample.input_ids, CACHE)
-    cache = base.fork(policy, budget)
-    obs = RecallObserver()
+    cache = base.fork(Probe(target=policy) if probe else policy, budget)
+    obs = RecallObserver(probe=cache.policy if probe else None)
     cache.observer = obs
     with torch.inference_mode():
         teacher_forced(
@@ -50,15 +51,17 @@ def observe(model, tok, sample, policy, budget, steps=6):
     return obs
 
 
-def first_sparse_layer_groups(obs, kv_heads=2):
-    """Recall summed over each kv head's query heads at the first sparse layer: [steps, kv_heads].
+def group_recall(obs, kv_heads=2, first_only=True):
+    """Recall summed over each kv head's query heads: [steps, layers, kv_heads].
 
-    Only there are q and the keys the same for every policy (earlier layers are dense), so only
-    there are policies compared on exactly the same attention distribution.
+    Decoding through the policies, q and the keys are the same for every policy only at the first
+    sparse layer (earlier layers are dense), so only there are policies compared on exactly the
+    same attention distribution; in probe mode (dense decode) they are at every layer.
     """
     steps, layers, t = obs.table("recall")
-    first = t[:, layers.index(CACHE["dense_layers"])]  # [steps, heads]
-    return first.reshape(len(steps), kv_heads, -1).sum(-1)
+    if first_only:
+        t = t[:, [layers.index(CACHE["dense_layers"])]]
+    return t.reshape(len(steps), t.shape[1], kv_heads, -1).sum(-1)
 
 
 @needs_data
@@ -83,12 +86,15 @@ def test_select_all_decodes_like_full(model, tok, sample):
 
 
 @needs_data
-def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample):
-    oracle = {b: first_sparse_layer_groups(observe(model, tok, sample, "oracle", b)) for b in (64, 128, 256)}
+@pytest.mark.parametrize("probe", [False, True])
+def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample, probe):
+    def group(policy, b):
+        return group_recall(observe(model, tok, sample, policy, b, probe=probe), first_only=not probe)
+
+    oracle = {b: group("oracle", b) for b in (64, 128, 256)}
     for policy in ("quest", "streaming"):
         for b in (64, 128, 256):
-            other = first_sparse_layer_groups(observe(model, tok, sample, policy, b))
-            assert (oracle[b] >= other - 1e-5).all(), (policy, b)
+            assert (oracle[b] >= group(policy, b) - 1e-5).all(), (policy, b)
     assert (oracle[128] >= oracle[64] - 1e-5).all() and (oracle[256] >= oracle[128] - 1e-5).all()
     assert oracle[256].mean() > oracle[64].mean() + 0.05  # a real difference, not a flat line
 
@@ -248,3 +254,20 @@ def test_cli_rejects_mistakes_before_loading(capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@needs_data
+def test_probe_mode_scores_selections_on_the_dense_decode(model, tok, tmp_path):
+    """In probe mode the decode is dense; at the first sparse layer (where q and K do not depend on
+    the policy) a probed policy must score exactly what it scores inside its own decode."""
+    results = {}
+    for probe in (False, True):
+        task = RecallTask(steps=3, probe=probe)
+        cfg = EvalConfig("tiny", ["oracle", "quest"], [64], [512], out=str(tmp_path / str(probe)), progress=False)
+        results[probe] = {(r.policy, r.budget): r.metrics for r in run_task(task, model, tok, cfg)}
+    first = str(CACHE["dense_layers"])
+    for key in (("oracle", 64), ("quest", 64)):
+        own, probed = results[False][key], results[True][key]
+        assert probed["per_layer"][first] == pytest.approx(own["per_layer"][first], abs=1e-6), key
+        assert probed["ppl"] == pytest.approx(results[True][("full", None)]["ppl"], rel=1e-4)  # dense decode
+    assert results[True][("full", None)]["score"] == pytest.approx(1.0, abs=1e-5)

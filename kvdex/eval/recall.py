@@ -15,7 +15,8 @@ over every cached token, sink and window included):
 :class:`RecallObserver` is a ``cache.observer``; :class:`RecallTask` runs it teacher-forced on the
 real continuation of long books (``mode="teacher"``, which also gives the perplexity) or
 free-running (``mode="free"``, the model's own greedy continuation: recall drift over a long
-generation).
+generation). With ``probe=True`` the decode is dense and each policy's selection is scored against
+the dense model's queries (:class:`Probe`): selection quality without compounding error.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from kvdex.eval import data
 from kvdex.eval.runner import FULL, DecodeContext, RunResult, Sample, Task, greedy, teacher_forced
 from kvdex.kernels import sparse_decode_attention
+from kvdex.policies import make_policy
 from kvdex.policies.full import FullPolicy
 from kvdex.selection import Selection
 
@@ -75,9 +77,10 @@ class RecallObserver:
     Results: ``self.rows`` -- one (step, layer, {metric: [Hq] numpy}) per measurement (batch row 0).
     """
 
-    def __init__(self, layers=None, every: int = 1):
+    def __init__(self, layers=None, every: int = 1, probe: Probe | None = None):
         self.layers = None if layers is None else set(layers)
         self.every = max(1, every)
+        self.probe = probe
         self.step = 0
         self.rows: list[tuple[int, int, dict[str, np.ndarray]]] = []
 
@@ -88,7 +91,12 @@ class RecallObserver:
         return (self.step - 1) % self.every == 0 and (self.layers is None or layer in self.layers)
 
     def __call__(self, layer, q, store, aset, scale) -> None:
-        if not self.measuring(layer):
+        if self.probe is not None:  # score the probed policy's choice, not the (dense) set decoded with
+            sel = self.probe.target_policy.select(layer, q, store, scale)  # every step: policies keep state
+            if not self.measuring(layer):
+                return
+            aset = store.attend(sel)
+        elif not self.measuring(layer):
             return
         m = attention_metrics(q, store, aset, scale)
         self.rows.append((self.step, layer, {k: v[0].cpu().numpy() for k, v in m.items()}))
@@ -122,6 +130,33 @@ class SelectAll(FullPolicy):
         return Selection(tokens=pos[:, None, :].expand(-1, store.kv_heads, -1).contiguous())
 
 
+@dataclass
+class Probe(SelectAll):
+    """Decode densely while probing ``target``: the recall harness's ``--probe`` mode.
+
+    The model attends every token (so no layer's query carries an upstream selection error), while
+    a ``target`` policy bound to the same cache sizes is indexed with every update and asked to
+    select at every sparse-layer step; :class:`RecallObserver` scores that selection against the
+    dense attention. This isolates selection quality, as the standalone reference script of
+    ``../shared/gpu/README.md`` does; the default mode measures recall inside the policy's own decode.
+    """
+
+    target: str = "quest"
+    uses_budget = True  # the target's budget sizes the cache (offload work buffers)
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        self.target_policy = make_policy(self.target)
+        self.target_policy.bind(info)
+        self.obs_window = self.target_policy.obs_window  # the prefill keeps the queries the target needs
+
+    def index(self, layer, update) -> None:
+        self.target_policy.index(layer, update)
+
+    def on_step(self, step, logits) -> None:
+        self.target_policy.on_step(step, logits)
+
+
 class RecallTask(Task):
     """Recall of every policy on long real text. ``lengths`` are the prefilled context lengths."""
 
@@ -130,7 +165,14 @@ class RecallTask(Task):
     summary_keys = ("topk_hit", "ceiling", "rel_l2", "attended", "ppl")
 
     def __init__(
-        self, mode: str = "teacher", steps: int = 32, every: int = 1, layers=None, source: str = "books", data_root=None
+        self,
+        mode: str = "teacher",
+        steps: int = 32,
+        every: int = 1,
+        layers=None,
+        source: str = "books",
+        probe: bool = False,
+        data_root=None,
     ):
         if mode not in ("teacher", "free"):
             raise ValueError(f"mode must be 'teacher' or 'free', got {mode!r}")
@@ -138,7 +180,7 @@ class RecallTask(Task):
             raise ValueError(f"unknown source {source!r}; choose from {', '.join(data.SOURCES)}")
         if steps < 1 or every < 1:
             raise ValueError(f"steps and every must be >= 1, got steps={steps}, every={every}")
-        self.mode, self.steps, self.every, self.source = mode, steps, every, source
+        self.mode, self.steps, self.every, self.source, self.probe = mode, steps, every, source, probe
         self.layers = None if layers is None else sorted(layers)
         self.root = data.data_root(data_root)
 
@@ -149,17 +191,21 @@ class RecallTask(Task):
             "every": self.every,
             "layers": self.layers,
             "source": self.source,
+            "probe": self.probe,
         }
 
     def policy(self, name: str):
-        return SelectAll() if name == FULL else name
+        if name == FULL:
+            return SelectAll()
+        return Probe(target=name) if self.probe else name
 
     def samples(self, tokenizer, length, n, seed) -> list[Sample]:
         extra = self.steps + 1 if self.mode == "teacher" else 0
         return data.long_text_samples(self.root, self.source, tokenizer, length, extra, n, seed)
 
     def decode(self, ctx: DecodeContext, sample: Sample) -> dict:
-        obs = RecallObserver(self.layers, self.every)
+        probe = ctx.cache.policy if isinstance(ctx.cache.policy, Probe) else None
+        obs = RecallObserver(self.layers, self.every, probe)
         ctx.cache.observer = obs
         step = obs.set_step
         if ctx.progress and self.steps >= 256:

@@ -31,6 +31,12 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--layers", default=None, help="comma-separated layer indices to measure (default: every sparse layer)"
     )
+    g.add_argument(
+        "--probe",
+        action="store_true",
+        help="decode densely and score each policy's selection against the dense model's queries "
+        "(selection quality without compounding error; default: recall inside the policy's own decode)",
+    )
     _source_arg(g)
 
 
@@ -42,7 +48,9 @@ def _recall(a: argparse.Namespace):
     from kvdex.eval.recall import RecallTask
 
     layers = None if a.layers is None else [int(x) for x in a.layers.split(",")]
-    return RecallTask(mode=a.mode, steps=a.steps, every=a.every, layers=layers, source=a.source, data_root=a.data)
+    return RecallTask(
+        mode=a.mode, steps=a.steps, every=a.every, layers=layers, source=a.source, probe=a.probe, data_root=a.data
+    )
 
 
 def _ppl_args(p: argparse.ArgumentParser) -> None:
