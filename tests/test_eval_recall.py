@@ -192,7 +192,7 @@ def test_cli_recall_end_to_end(model, tok, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ratio_to_full" in printed and "oracle" in printed and "quest" in printed
     task_dir = tmp_path / "out" / "recall"
-    assert (task_dir / "summary__tiny.csv").is_file()
+    assert (task_dir / "summary__tiny__teacher.csv").is_file()
     pytest.importorskip("matplotlib")
     assert (task_dir / "recall_vs_budget__tiny__teacher.png").stat().st_size > 1000
     assert (task_dir / "recall_over_steps__tiny__teacher.png").stat().st_size > 1000

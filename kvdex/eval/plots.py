@@ -21,7 +21,7 @@ def _pyplot():
     return plt
 
 
-def recall_plots(task_dir: Path, results, mode: str) -> list[Path]:
+def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
     """recall vs budget per policy (one panel per length), and recall over decoding steps."""
     plt = _pyplot()
     if plt is None or not results:
@@ -49,11 +49,11 @@ def recall_plots(task_dir: Path, results, mode: str) -> list[Path]:
         ax.set_xlabel("budget (tokens per kv head)")
         ax.set_ylabel("attention recall")
         ax.set_ylim(0, 1.02)
-        ax.set_title(f"{model}, context {length}, {mode}")
+        ax.set_title(f"{model}, context {length}, {label}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(task_dir / f"recall_vs_budget__{model}__{mode}.png")
+    paths.append(task_dir / f"recall_vs_budget__{model}__{label}.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
@@ -76,9 +76,9 @@ def recall_plots(task_dir: Path, results, mode: str) -> list[Path]:
             ax.set_ylim(0, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"{model}: recall over decoding steps ({mode})")
+    fig.suptitle(f"{model}: recall over decoding steps ({label})")
     fig.tight_layout()
-    paths.append(task_dir / f"recall_over_steps__{model}__{mode}.png")
+    paths.append(task_dir / f"recall_over_steps__{model}__{label}.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths

@@ -194,6 +194,9 @@ class RecallTask(Task):
             "probe": self.probe,
         }
 
+    def label(self) -> str:
+        return self.mode + ("-probe" if self.probe else "")
+
     def policy(self, name: str):
         if name == FULL:
             return SelectAll()
@@ -248,7 +251,7 @@ class RecallTask(Task):
     def report(self, task_dir: Path, results: list[RunResult]) -> list[Path]:
         from kvdex.eval import plots
 
-        return plots.recall_plots(task_dir, results, self.mode)
+        return plots.recall_plots(task_dir, results, self.label())
 
 
 def _progress_steps(obs: RecallObserver, total: int):

@@ -66,6 +66,10 @@ class Task:
         """Settings that change results: part of each run's identity (folder name hash)."""
         return {}
 
+    def label(self) -> str:
+        """A short name of the settings that matter most, for summary and plot file names."""
+        return ""
+
     def policy(self, name: str):
         """The policy (name or instance) a run of ``name`` uses; tasks may substitute an equivalent."""
         return name
@@ -417,7 +421,7 @@ def write_summary(task: Task, results: list[RunResult], cfg: EvalConfig) -> tupl
     task_dir = Path(cfg.out) / task.name
     task_dir.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(task, results)
-    stem = f"summary__{cfg.model_tag}"
+    stem = "__".join(x for x in ("summary", cfg.model_tag, task.label()) if x)
     paths = [task_dir / f"{stem}.json", task_dir / f"{stem}.csv"]
     paths[0].write_text(
         json.dumps([{**row, "dir": str(r.dir)} for row, r in zip(rows, results, strict=True)], indent=2) + "\n"

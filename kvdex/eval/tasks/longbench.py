@@ -116,6 +116,9 @@ class LongBenchTask(Task):
             self.summary_keys = ("easy", "hard")
             self.score_name = "accuracy"
 
+    def label(self) -> str:
+        return self.version
+
     def options(self) -> dict:
         return {"version": self.version, "datasets": self.datasets, "max_new_tokens": self.max_new_tokens}
 

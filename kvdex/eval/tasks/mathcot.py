@@ -34,6 +34,9 @@ class MathTask(Task):
         self.dataset = dataset
         self.root = data.data_root(data_root)
 
+    def label(self) -> str:
+        return self.dataset
+
     def options(self) -> dict:
         return {"dataset": self.dataset}
 
