@@ -54,3 +54,8 @@ class Selection:
         if not parts:
             raise ValueError("empty Selection: set pages and/or tokens")
         return torch.cat(parts, dim=-1)
+
+    @property
+    def empty(self) -> bool:
+        """Selects nothing from the middle (sink + window only)."""
+        return self.pages is None and self.tokens is None and not self.everything

@@ -107,8 +107,10 @@ def test_covering_budget_other_geometries(sink, page_size, window, offload):
 
 
 def test_zero_retrieval_budget_all_policies_agree():
-    """budget == sink + window: nothing is retrieved, so every sparse policy attends the same
-    tokens (sink + window) and gives bit-identical results, on the device and offloaded."""
+    """budget == sink + window: quest and oracle retrieve nothing, so they attend the same tokens
+    (sink + window) and give bit-identical results, on the device and offloaded. streaming is
+    defined as sink + the last budget - sink tokens, so it also fills the window's empty slots
+    with the tokens just before it: exactly the budget, never more."""
     model, _ = shared_pair("llama_mha")
     ids = prompt(70, seed=5)
     results = {}
@@ -117,12 +119,17 @@ def test_zero_retrieval_budget_all_policies_agree():
             cache = kvdex.Cache(model, policy, SINK + WINDOW, offload=offload, dense_layers=1)
             results[policy, offload] = greedy(model, ids, cache=cache, new=NEW)
             assert cache.stats()["attended_tokens_per_step"] <= SINK + WINDOW
-    tokens, logits = results["streaming", False]
+    tokens, logits = results["quest", False]
     for key, (t, lg) in results.items():
+        if key[0] == "streaming":
+            continue
         assert torch.equal(t, tokens), key
         assert torch.equal(lg, logits), key
-    # and it is not the dense result: the test can tell dropped tokens apart
+    s_tokens, s_logits = results["streaming", False]
+    assert torch.equal(results["streaming", True][1], s_logits)
+    # and neither is the dense result: the test can tell dropped tokens apart
     assert not torch.allclose(logits, reference_greedy("llama_mha", 70, 5, NEW)[1], atol=ATOL)
+    assert not torch.allclose(s_logits, reference_greedy("llama_mha", 70, 5, NEW)[1], atol=ATOL)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])

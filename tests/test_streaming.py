@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SINK, WINDOW, left_padded, shared_pair, window_start
+from conftest import SINK, left_padded, shared_pair, window_start
 
 import kvdex
 
@@ -31,14 +31,13 @@ def _attended_sets(offload):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_streaming_attends_sink_and_a_recent_suffix(offload):
-    """The retrieval share goes to the tokens just before the window: sink + one contiguous
-    suffix that holds the whole window, never more than the budget."""
-    r = BUDGET - SINK - WINDOW
+    """Sink + one contiguous suffix of the last ``budget - sink`` tokens (all of them while the
+    context is shorter), never more than the budget, and the whole window always inside it."""
     for n, pos in _attended_sets(offload):
-        ws = window_start(n)
-        expected = list(range(min(SINK, n))) + list(range(max(SINK, ws - r), n))
+        expected = list(range(min(SINK, n))) + list(range(max(SINK, n - (BUDGET - SINK)), n))
         assert pos == expected, f"context {n}"
         assert len(pos) <= BUDGET
+        assert set(range(max(SINK, window_start(n)), n)) <= set(pos)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])

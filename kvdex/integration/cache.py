@@ -63,6 +63,12 @@ class KVDexLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         parent = self.parent
+        if self.store is None and self.seen:
+            raise ValueError(
+                "this kvdex.Cache never received its prompt through kvdex attention: the model generating "
+                "with it does not use attn_implementation='kvdex'. Create the cache with "
+                "kvdex.Cache(model, ...) for the model you generate with (it calls kvdex.enable(model))"
+            )
         parent._on_update(self.layer_idx, key_states)
         if self.store is not None:
             self._lengths_before = self.store.lengths.clone()
@@ -218,7 +224,7 @@ class Cache(HFCache):
         self.observer = None
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._warned_long = False
-        self._model_name = getattr(model.config, "_name_or_path", type(model).__name__)
+        self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._model = weakref.ref(model)
         self._init_args = dict(
             page_size=page_size,

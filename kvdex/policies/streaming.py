@@ -1,7 +1,9 @@
 """``streaming``: StreamingLLM (Xiao et al., 2024) -- attention sinks plus the most recent tokens.
 
-With kvdex's fixed sink and window, the retrieval share of the budget goes to the tokens just
-before the window, so the attended set is exactly sink + the last ``budget - sink`` tokens.
+kvdex always attends the sink and the window; the window holds between ``window - page_size + 1``
+and ``window`` tokens as pages fill. StreamingLLM's cache is the sink plus the last
+``budget - sink`` tokens, so this policy retrieves exactly the middle tokens just before the window
+that complete it: ``budget - sink - (tokens in the window now)`` of them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ class StreamingPolicy(Policy):
     granularity = "token"
 
     def select(self, layer, q, store, scale) -> Selection:
-        r = self.cfg.retrieval_tokens
-        end = store.grid.window_start(store.lengths)  # [B]
-        pos = end[:, None] - r + torch.arange(r, device=end.device)[None, :]
-        pos = torch.where(pos >= store.grid.sink, pos, -1)
+        g = store.grid
+        start = g.window_start(store.lengths)  # [B]
+        want = self.cfg.budget - g.sink - (store.lengths - start)  # [B], in [r, r + page_size - 1]
+        width = self.cfg.retrieval_tokens + g.page_size - 1
+        pos = start[:, None] - width + torch.arange(width, device=start.device)[None, :]
+        keep = (pos >= g.sink) & (pos >= start[:, None] - want[:, None])
+        pos = torch.where(keep, pos, -1)
         return Selection(tokens=pos[:, None, :].expand(-1, store.kv_heads, -1))

@@ -71,6 +71,9 @@ class DeviceStore(LayerStore):
             mid = torch.arange(g.sink, int(g.window_start(self.lengths_host).max()), device=dev)
             mid = mid.expand(b, h, -1)
             mid_valid = mid < g.window_start(self.lengths)[:, None, None]
+        elif sel.empty:
+            mid = torch.empty(b, h, 0, dtype=torch.long, device=dev)
+            mid_valid = torch.empty(b, h, 0, dtype=torch.bool, device=dev)
         else:
             mid = sel.token_positions(g.sink, g.page_size)
             mid_valid = mid >= 0

@@ -22,9 +22,7 @@ class HostPages:
         self.batch, self.kv_heads, self.page_size, self.head_dim = batch, kv_heads, page_size, head_dim
         self.dtype, self.device, self.stats = dtype, torch.device(device), stats
         self.pin = self.device.type == "cuda" and torch.cuda.is_available()
-        # One page from the start: a selection padded with -1 still gathers (then masks) a row,
-        # even before any page has joined the middle.
-        self.data = self._alloc(1)
+        self.data = self._alloc(0)
         self._staging = None
         self._copied = None  # CUDA event: the last host->device copy out of the staging buffer
 

@@ -127,6 +127,8 @@ class OffloadStore(LayerStore):
             pages = torch.arange(nmid, device=self.device).expand(self.batch, self.kv_heads, nmid)
             live = pages < g.num_middle_pages(self.lengths)[:, None, None]
             sel = Selection(pages=torch.where(live, pages, -1))
+        if int(g.num_middle_pages(self.lengths_host).max()) == 0:
+            sel = Selection()  # no middle yet: nothing to fetch (a selection can only hold -1)
         parts_slot, parts_valid, parts_pos = [], [], []
         cursor = self.fixed
         need = 0
