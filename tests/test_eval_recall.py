@@ -35,10 +35,16 @@ def sample(tok):
     return RecallTask(steps=6).samples(tok, 768, 1, seed=0)[0]
 
 
-def observe(model, tok, sample, policy, budget, steps=6, probe=False):
+@pytest.fixture(scope="module")
+def prefilled(model, sample):
+    """(base cache, logits) of the sample's prompt: never decoded, so every test can fork it."""
+    return prefill(model, sample.input_ids, CACHE)
+
+
+def observe(model, tok, sample, prefilled, policy, budget, steps=6, probe=False):
     """Teacher-forced decode of ``sample`` through ``policy`` (or, with ``probe``, densely while
     probing ``policy``); the observer measuring every step."""
-    base, logits = prefill(model, sample.input_ids, CACHE)
+    base, logits = prefilled
     cache = base.fork(Probe(target=policy) if probe else policy, budget)
     obs = RecallObserver(probe=cache.policy if probe else None)
     cache.observer = obs
@@ -65,17 +71,17 @@ def group_recall(obs, kv_heads=2, first_only=True):
 
 
 @needs_data
-def test_full_has_recall_one_and_no_output_error(model, tok, sample):
-    obs = observe(model, tok, sample, SelectAll(), None)
+def test_full_has_recall_one_and_no_output_error(model, tok, sample, prefilled):
+    obs = observe(model, tok, sample, prefilled, SelectAll(), None)
     for metric, want in (("recall", 1.0), ("topk_hit", 1.0), ("ceiling", 1.0), ("rel_l2", 0.0)):
         _, _, t = obs.table(metric)
         assert t.size and np.allclose(t, want, atol=1e-5), metric
 
 
 @needs_data
-def test_select_all_decodes_like_full(model, tok, sample):
+def test_select_all_decodes_like_full(model, tok, sample, prefilled):
     """The recall harness measures ``full`` through SelectAll: it must decode exactly like ``full``."""
-    base, logits = prefill(model, sample.input_ids, CACHE)
+    base, logits = prefilled
     outs = []
     for policy in ("full", SelectAll()):
         cache = base.fork(policy)
@@ -87,9 +93,10 @@ def test_select_all_decodes_like_full(model, tok, sample):
 
 @needs_data
 @pytest.mark.parametrize("probe", [False, True])
-def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample, probe):
+def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample, prefilled, probe):
     def group(policy, b):
-        return group_recall(observe(model, tok, sample, policy, b, probe=probe), first_only=not probe)
+        obs = observe(model, tok, sample, prefilled, policy, b, steps=4, probe=probe)
+        return group_recall(obs, first_only=not probe)
 
     oracle = {b: group("oracle", b) for b in (64, 128, 256)}
     for policy in ("quest", "streaming"):
@@ -100,9 +107,9 @@ def test_oracle_maximises_group_recall_and_grows_with_budget(model, tok, sample,
 
 
 @needs_data
-def test_metrics_match_a_direct_computation(model, tok, sample):
+def test_metrics_match_a_direct_computation(model, tok, sample, prefilled):
     """Recall of streaming at one step recomputed by hand from the dense keys."""
-    base, logits = prefill(model, sample.input_ids, CACHE)
+    base, logits = prefilled
     cache = base.fork("streaming", 64)
     seen = {}
 
@@ -133,8 +140,8 @@ def test_metrics_match_a_direct_computation(model, tok, sample):
 
 @needs_data
 def test_runs_are_written_skipped_and_resumed(model, tok, tmp_path):
-    task = RecallTask(steps=3)
-    cfg = EvalConfig("tiny", ["oracle", "streaming"], [64, 128], [512], samples=2, out=str(tmp_path), progress=False)
+    task = RecallTask(steps=2)
+    cfg = EvalConfig("tiny", ["oracle", "streaming"], [64, 128], [384], samples=2, out=str(tmp_path), progress=False)
     first = run_task(task, model, tok, cfg)
     assert len(first) == 5 and not any(r.skipped for r in first)  # full + 2 policies x 2 budgets
     for r in first:
@@ -219,11 +226,11 @@ def test_data_root_env(tmp_path, monkeypatch):
 def test_offloaded_store_measures_the_same(model, tok, tmp_path):
     """Recall and output error read the attended set from the store: host-offloaded pages must give
     exactly what device-resident ones give."""
-    task = RecallTask(steps=3)
+    task = RecallTask(steps=2)
     got = []
     for offload in (False, True):
         cfg = EvalConfig(
-            "tiny", ["oracle", "quest"], [64], [512], out=str(tmp_path / str(offload)), offload=offload, progress=False
+            "tiny", ["oracle", "quest"], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False
         )
         got.append({(r.policy, r.budget): r.metrics for r in run_task(task, model, tok, cfg)})
     for key, m in got[0].items():

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from kvdex.eval import data
-from kvdex.eval.runner import EvalConfig, format_table, run_task, summary_rows, write_summary
+from kvdex.eval.runner import EvalConfig, run_task
+from kvdex.eval.summary import format_table, summary_rows, write_summary
 from kvdex.eval.testing import byte_tokenizer, tiny_llama
 
 ROOT = data.data_root(required=False)

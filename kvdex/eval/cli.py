@@ -104,7 +104,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import kvdex
     from kvdex.eval import models
-    from kvdex.eval.runner import EvalConfig, run_task, write_summary
+    from kvdex.eval.runner import EvalConfig, run_task
+    from kvdex.eval.summary import write_summary
 
     known = kvdex.policies()
     policies = args.policies or known
