@@ -281,9 +281,10 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name()
     try:
         root = Path(kvdex.__file__).resolve().parent.parent
-        env["git_commit"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+        git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5)
+        env["git_commit"] = git("rev-parse", "--short", "HEAD").stdout.strip()
+        # uncommitted changes to tracked kvdex files: the commit alone does not describe the code
+        env["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no", "--", "kvdex").stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     return env
