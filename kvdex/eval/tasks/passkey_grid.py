@@ -7,6 +7,7 @@ Prompts and the scorer come from :mod:`kvdex.eval.passkey`. Every (depth, length
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class PasskeyTask(Task):
         out = []
         for depth in self.depths:
             for i in range(n):
-                key_seed = hash_seed(seed, length, depth, i)
+                key_seed = random.Random(f"{seed}-{length}-{depth}-{i}").getrandbits(32)  # str seeds are stable
                 text, answer = passkey.make_passkey_prompt(tokenizer, length, depth / 100, key_seed)
                 ids = passkey.encode(tokenizer, text)
                 out.append(Sample(f"d{depth}-{i}", ids, {"depth": depth, "answer": answer}))
@@ -95,11 +96,3 @@ def _by_pair(results) -> dict:
     for r in results:
         out[(r.policy, r.budget)].append(r)
     return out
-
-
-def hash_seed(*parts) -> int:
-    """A deterministic seed from parts (Python's hash() of strings changes between processes)."""
-    h = 1469598103934665603
-    for byte in "-".join(map(str, parts)).encode():
-        h = ((h ^ byte) * 1099511628211) % (1 << 61)
-    return h

@@ -32,7 +32,6 @@ import numpy as np
 
 from kvdex.eval import data, metrics, prompting
 from kvdex.eval.runner import DecodeContext, Sample, Task, greedy, stop_token_ids
-from kvdex.eval.tasks.passkey_grid import hash_seed
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -97,7 +96,7 @@ class RulerTask(Task):
         out = []
         for sub in self.subtasks:
             for i in range(n):
-                rng = random.Random(hash_seed(seed, length, sub, i))
+                rng = random.Random(f"{seed}-{length}-{sub}-{i}")
                 text, refs = generate(SUBTASKS[sub], tokenizer, length, rng, self.root)
                 meta = {"subtask": sub, "references": refs}
                 out.append(Sample(f"{sub}-{i}", prompting.encode(tokenizer, text), meta))
