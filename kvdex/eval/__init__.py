@@ -1,0 +1,1 @@
+"""Evaluation of kvdex policies: tasks (``passkey``) and the harness that runs them."""

