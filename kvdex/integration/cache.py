@@ -143,8 +143,8 @@ class KVDexLayer(CacheLayerMixin):
             return self._dense_decode(q, scale)
         with parent._timed("selection"):
             sel = parent.policy.select(self.layer_idx, q, store, scale)
-        if sel.everything and isinstance(store, DeviceStore):
-            return self._dense_decode(q, scale)
+        if sel.everything and isinstance(store, DeviceStore) and parent.observer is None:
+            return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         with parent._timed("transfer"):
             aset = store.attend(sel)
         with parent._timed("attention"):
