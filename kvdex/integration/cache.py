@@ -226,15 +226,6 @@ class Cache(HFCache):
         self._warned_long = False
         self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._model = weakref.ref(model)
-        self._init_args = dict(
-            page_size=page_size,
-            sink=sink,
-            window=window,
-            offload=offload,
-            dense_layers=dense_layers,
-            timing=timing,
-            prefill_chunk=prefill_chunk,
-        )
         super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
         self._install_logits_hook(model)
 
@@ -314,7 +305,8 @@ class Cache(HFCache):
         model = self._model()
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
-        args = {**self._init_args, **overrides}
+        sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
+        args = {**sizes, **overrides}
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)
