@@ -59,7 +59,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def format_stats(stats: dict) -> str:
-    """One ``key: value`` line per statistic; byte counts also in MiB."""
+    """One ``key  value`` line per statistic, keys aligned; byte counts also in MiB."""
     width = max(map(len, stats), default=0)
     lines = []
     for key, value in stats.items():

@@ -13,7 +13,10 @@ What it does, in order:
 
 ms/token is decode only: a stopping criterion stamps the time after every generated token and the
 table shows the median gap between consecutive stamps (one decode forward plus generate's own
-per-token work); prefill and generate's start-up are outside every gap.
+per-token work); prefill and generate's start-up are outside every gap. On a CPU shared with other
+jobs, every parallel region of a multi-threaded step can wait for a descheduled thread (measured
+here: SmolLM2's MLP took 24 ms per layer with 2 threads on a busy 2-core machine, 1 ms with one);
+``--threads 1`` then gives steadier and lower decode times, at the price of a slower prefill.
 
 ``--no-fork`` prefills anew for every policy (a fresh ``kvdex.Cache`` passed to ``generate``),
 which checks that forking changes nothing; it is slower by one prefill per policy.
@@ -203,6 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="(default %(default)s)")
     p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS, help="(default %(default)s)")
     p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: torch's choice). On a shared machine, 1 avoids waits for descheduled "
+        "threads that can dominate ms/token",
+    )
+    p.add_argument(
         "--no-fork",
         dest="fork",
         action="store_false",
@@ -224,6 +233,10 @@ def main(args: argparse.Namespace) -> int:
         dense_layers=args.dense_layers,
     )
     kvdex.CacheConfig(budget=args.budget, **cache_args)  # validate before the slow model load
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     model_id, gguf = models.resolve_model(args.model, args.gguf)
     t0 = time.perf_counter()
@@ -271,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()}"
 
 
 if __name__ == "__main__":
