@@ -70,5 +70,7 @@ def kvdex_attention(
             "mask function. Call kvdex.enable(model) instead of setting attn_implementation by hand."
         )
     t, L = query.shape[2], key.shape[2]
+    if key_mask is None and t == L:
+        return dense_attention(query, key, value, None, None, scale), None
     q_pos = (L - t + torch.arange(t, device=query.device)).expand(query.shape[0], t)
     return dense_attention(query, key, value, q_pos, key_mask, scale), None

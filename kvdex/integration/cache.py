@@ -106,7 +106,7 @@ class KVDexLayer(CacheLayerMixin):
         b, t = q.shape[0], q.shape[2]
         if self.store is None:  # prefill: dense attention, then ingest the prompt
             L = k.shape[2]
-            q_pos = torch.arange(L, device=q.device).expand(b, L)
+            q_pos = None if key_mask is None else torch.arange(L, device=q.device).expand(b, L)
             out = dense_attention(q, k, v, q_pos, key_mask, scale, parent.config.prefill_chunk)
             self._ingest(k, v, left_padding(key_mask, b, L), q)
             return out

@@ -36,7 +36,7 @@ def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_pos: torch.Tensor,
+    q_pos: torch.Tensor | None,
     key_mask: torch.Tensor | None,
     scale: float,
     chunk: int = 2048,
@@ -44,12 +44,18 @@ def dense_attention(
     """Causal dense attention, chunked over query rows (SDPA).
 
     q [B, Hq, T, D] at key-index positions q_pos [B, T]; k/v [B, H, L, D]; key_mask [B, L] bool
-    (False = padding) or None. Key j is visible to query i of sequence b iff
-    ``j <= q_pos[b, i]`` and ``key_mask[b, j]``. A row that sees no key (a padding query) attends
-    to its own slot, so no NaN appears. Returns [B, T, Hq, D] (transformers' output layout).
+    (False = padding) or None. ``q_pos=None`` (with T == L, no key_mask) is a plain causal prefill,
+    served by one fused SDPA call that never materialises the score matrix. Key j is visible to
+    query i of sequence b iff ``j <= q_pos[b, i]`` and ``key_mask[b, j]``. A row that sees no key
+    (a padding query) attends to its own slot, so no NaN appears. Returns [B, T, Hq, D] (transformers' output layout).
     """
     b, hq, t, d = q.shape
     h, L = k.shape[1], k.shape[2]
+    if q_pos is None:  # the T queries are the first T positions of T keys, no padding: fused causal kernel
+        if key_mask is not None or t != L:
+            raise ValueError("dense_attention: q_pos=None needs T == L and no key_mask")
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hq)
+        return o.transpose(1, 2)
     # Bound the score matrix a chunk materialises on backends without fused masking.
     rows = max(1, min(chunk, (1 << 27) // max(1, b * hq * L)))
     j = torch.arange(L, device=q.device)
