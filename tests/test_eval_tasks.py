@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_ruler_prompts_hold_their_answers_within_the_length(tok):
     from kvdex.eval.tasks.ruler import SUBTASKS, generate
 
     for name, spec in SUBTASKS.items():
-        length = 8000 if name.startswith("qa") else 1200  # gold paragraphs are long in bytes
+        length = 8000 if name.startswith(("qa", "cwe", "fwe")) else 1200  # long in bytes (byte tokenizer)
         text, refs = generate(spec, tok, length, random.Random(name), ROOT)
         n = len(prompting.encode(tok, text))
         slack = 4000 if name.startswith("qa") else 200  # filled to within a sentence / a paragraph (bytes)
@@ -116,6 +117,14 @@ def test_ruler_prompts_hold_their_answers_within_the_length(tok):
             needles = text.count("One of the special magic")
             want = {"niah_multikey_1": 4, "niah_multivalue": 4, "niah_multiquery": 4}.get(name, 1)
             assert needles == want or (spec.haystack == "needle" and needles > 5), name
+        if name in ("cwe", "fwe"):  # the expected words are strictly the most frequent ones
+            import collections
+
+            body = text.split("Question:")[0]
+            counts = collections.Counter(re.findall(r"[a-z]+", body.split("\n", 1)[1]))
+            ranked = [c for _, c in counts.most_common()]
+            least_ref = min(counts[r] for r in refs)
+            assert len(ranked) > len(refs) and least_ref > ranked[len(refs)], (name, least_ref, ranked[:11])
         if name == "vt":  # the chain is in order: each variable is assigned after the one it copies
             at = [text.index(f"VAR {v} =") for v in refs]
             assert at == sorted(at) and f"VAR {refs[1]} = VAR {refs[0]}." in text

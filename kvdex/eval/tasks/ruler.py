@@ -9,8 +9,15 @@ Written from the paper's task descriptions; the prompts are RULER-style, not cop
   Keys are word pairs from an English word list, values 7-digit numbers or UUIDs.
 * VT (variable tracking): a chain ``VAR A = 12345 ... VAR B = VAR A ...`` hidden in noise;
   every variable holding the value must be named.
+* CWE (common words extraction): a numbered list of words in which 10 words appear 30 times
+  each and every other word 3 times; the 10 common words must be named.
+* FWE (frequent words extraction): "coded" words drawn from a Zipf distribution (alpha 2) over a
+  random vocabulary, joined by " ... "; the 3 most frequent must be named.
 * QA: a SQuAD / HotpotQA question with its gold paragraph(s) among distractor paragraphs of
   other questions, shuffled into "Document i" blocks.
+
+Aggregation tasks (CWE, FWE): RULER prefixes a one-shot example; we ask zero-shot with an answer
+prefix (as for every other subtask here), which keeps the whole context the haystack.
 
 Scoring as in RULER: NIAH and VT by the share of the expected strings in the answer
 (``string_match_all``), QA by whether any gold answer appears (``string_match_part``). A
@@ -55,6 +62,22 @@ class VariableTracking:
 
 
 @dataclass(frozen=True)
+class CommonWords:
+    num_common: int = 10
+    freq_common: int = 30
+    freq_uncommon: int = 3
+    max_new_tokens: int = 120
+
+
+@dataclass(frozen=True)
+class FrequentWords:
+    alpha: float = 2.0
+    vocab: int = 2000
+    top: int = 3
+    max_new_tokens: int = 50
+
+
+@dataclass(frozen=True)
 class QA:
     dataset: str  # squad | hotpotqa
     max_new_tokens: int = 32
@@ -70,6 +93,8 @@ SUBTASKS = {
     "niah_multivalue": Niah("essay", num_values=4),
     "niah_multiquery": Niah("essay", num_keys=4, num_queries=4),
     "vt": VariableTracking(),
+    "cwe": CommonWords(),
+    "fwe": FrequentWords(),
     "qa_1": QA("squad"),
     "qa_2": QA("hotpotqa"),
 }
@@ -129,6 +154,10 @@ def generate(spec, tokenizer, length: int, rng: random.Random, root: Path) -> tu
         return _niah(spec, tokenizer, length, rng, root)
     if isinstance(spec, VariableTracking):
         return _vt(spec, tokenizer, length, rng)
+    if isinstance(spec, CommonWords):
+        return _cwe(spec, tokenizer, length, rng, root)
+    if isinstance(spec, FrequentWords):
+        return _fwe(spec, tokenizer, length, rng)
     return _qa(spec, tokenizer, length, rng, root)
 
 
@@ -233,6 +262,66 @@ def _vt(spec: VariableTracking, tokenizer, length, rng) -> tuple[str, list[str]]
 
     text, _ = prompting.fit(tokenizer, build, length, start=max(1, length // 32))
     return text, refs
+
+
+def _cwe(spec: CommonWords, tokenizer, length, rng, root) -> tuple[str, list[str]]:
+    words = rng.sample(_english_words(str(root)), 6000)
+    common, uncommon = words[: spec.num_common], words[spec.num_common :]
+    order_seed = rng.random()
+    intro = (
+        "Below is a numbered list of words. In these words, some appear more often than others. "
+        "Memorize the ones that appear most often."
+    )
+    ask = f"Question: What are the {spec.num_common} most common words in the above list?"
+    prefix = f" Answer: The top {spec.num_common} words that appear most often in the list are:"
+
+    # A numbered word costs ~5 tokens; short contexts get fewer repeats of the common words so that
+    # they fill at most a third of the prompt (RULER's 30 repeats need ~1.5k tokens on their own).
+    freq = min(spec.freq_common, max(spec.freq_uncommon + 2, length // (15 * spec.num_common)))
+
+    def build(n: int) -> str:  # n distinct uncommon words, each freq_uncommon times
+        if n > len(uncommon):
+            raise ValueError(f"{length} tokens need more than {len(uncommon)} distinct words for cwe")
+        seq = common * freq + uncommon[:n] * spec.freq_uncommon
+        random.Random(f"{order_seed}-{n}").shuffle(seq)
+        body = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(seq))
+        return prompting.render(tokenizer, f"{intro}\n{body}\n{ask}", prefix)
+
+    text, _ = prompting.fit(tokenizer, build, length, start=max(1, length // 64))
+    return text, common
+
+
+def _fwe(spec: FrequentWords, tokenizer, length, rng) -> tuple[str, list[str]]:
+    vocab = set()
+    while len(vocab) < spec.vocab:
+        vocab.add("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6))))
+    vocab = sorted(vocab)
+    rng.shuffle(vocab)
+    nprng = np.random.default_rng(rng.getrandbits(32))
+    draws = []
+
+    def sample(n: int) -> list[str]:  # a prefix of one Zipf stream: n grows, earlier draws stay
+        while len(draws) < n:
+            z = nprng.zipf(spec.alpha, size=max(n, 256))
+            draws.extend(int(x) - 1 for x in z if x <= spec.vocab)
+        return [vocab[i] for i in draws[:n]]
+
+    intro = (
+        "Read the following coded text and track the frequency of each coded word. Find the three most "
+        "frequently appeared coded words."
+    )
+    ask = (
+        "Question: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
+        "frequently appeared words in the above coded text?"
+    )
+    prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
+    build = lambda n: prompting.render(tokenizer, f"{intro}\n\n{' .... '.join(sample(n))}\n{ask}", prefix)
+    text, n = prompting.fit(tokenizer, build, length, start=max(1, length // 16))
+    counts: dict[str, int] = {}
+    for w in sample(n):
+        counts[w] = counts.get(w, 0) + 1
+    # Zipf with alpha 2: ranks 1..3 are far apart, so the top 3 are unambiguous at any useful length.
+    return text, [w for w, _ in sorted(counts.items(), key=lambda kv: -kv[1])[: spec.top]]
 
 
 def _qa(spec: QA, tokenizer, length, rng, root) -> tuple[str, list[str]]:
