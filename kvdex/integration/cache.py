@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvdex.config import CacheConfig
 from kvdex.integration.attention import TAG
-from kvdex.kernels import dense_attention, sparse_decode_attention
+from kvdex.kernels import dense_attention, dense_decode_attention, sparse_decode_attention
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
 
@@ -158,9 +158,8 @@ class KVDexLayer(CacheLayerMixin):
         parent, store = self.parent, self.store
         with parent._timed("attention"):
             k, v = store.dense()
-            pos = (store.lengths - 1)[:, None]
-            key_mask = torch.arange(k.shape[2], device=q.device)[None, :] < store.lengths[:, None]
-            out = dense_attention(q[:, :, None], k, v, pos, key_mask, scale)[:, 0]
+            # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
+            out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=int(store.lengths_host.max()))
         if not self.dense:
             parent._count_attended(store.lengths.sum() * store.kv_heads)
         return out

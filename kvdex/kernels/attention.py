@@ -6,8 +6,28 @@ seam): they must match these twins on every shape the tests use.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+
+def _fast():
+    """kvdex.kernels.triton_attention when triton is importable and not disabled, else None."""
+    global _FAST
+    if _FAST is None:
+        _FAST = False
+        if os.environ.get("KVDEX_TRITON", "1") != "0":
+            try:
+                from kvdex.kernels import triton_attention
+
+                _FAST = triton_attention
+            except ImportError:
+                pass
+    return _FAST or None
+
+
+_FAST = None
 
 
 def sparse_decode_attention(
@@ -17,7 +37,19 @@ def sparse_decode_attention(
 
     q [B, Hq, D]; k/v [B, H, S, D] slot buffers; idx/valid [B, H, N]. Hq = H * G (GQA: the G
     query heads of a group share their kv head's slots). Softmax in fp32. Returns [B, Hq, D].
+    CUDA inputs run the Triton kernel (``KVDEX_TRITON=0`` forces the reference), others the
+    PyTorch reference :func:`sparse_decode_attention_reference`.
     """
+    fast = _fast() if q.is_cuda else None
+    if fast is not None:
+        return fast.sparse_decode_attention(q, k, v, idx, valid, scale)
+    return sparse_decode_attention_reference(q, k, v, idx, valid, scale)
+
+
+def sparse_decode_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The PyTorch twin (spec) of :func:`sparse_decode_attention`."""
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -30,6 +62,22 @@ def sparse_decode_attention(
     p = torch.softmax(s, dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", p, vs)
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+def dense_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float, max_len: int | None = None
+) -> torch.Tensor:
+    """One decode step over the first ``lengths[b]`` slots of k/v [B, H, S, D] (slot == position).
+
+    q [B, Hq, D] -> [B, Hq, D]. CUDA inputs run the Triton kernel in dense mode; the reference
+    is :func:`dense_attention` with the query at position ``lengths - 1``.
+    """
+    fast = _fast() if q.is_cuda else None
+    if fast is not None:
+        return fast.dense_decode_attention(q, k, v, lengths, scale, max_len=max_len)
+    pos = (lengths.to(q.device) - 1)[:, None]
+    key_mask = torch.arange(k.shape[2], device=q.device)[None, :] < lengths.to(q.device)[:, None]
+    return dense_attention(q[:, :, None], k, v, pos, key_mask, scale)[:, 0]
 
 
 def dense_attention(

@@ -10,6 +10,8 @@ the same memory and the copy is a plain copy, so CI runs the same code.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvdex.storage.base import TransferStats
@@ -17,11 +19,25 @@ from kvdex.storage.base import TransferStats
 _GROW_PAGES = 64
 
 
+def _uva_kernels():
+    """kvdex.kernels.uva when triton is importable and KVDEX_UVA is not "0", else None."""
+    if os.environ.get("KVDEX_UVA", "1") == "0":
+        return None
+    try:
+        from kvdex.kernels import uva
+    except ImportError:
+        return None
+    return uva
+
+
 class HostPages:
     def __init__(self, batch: int, kv_heads: int, page_size: int, head_dim: int, dtype, device, stats: TransferStats):
         self.batch, self.kv_heads, self.page_size, self.head_dim = batch, kv_heads, page_size, head_dim
         self.dtype, self.device, self.stats = dtype, torch.device(device), stats
         self.pin = self.device.type == "cuda" and torch.cuda.is_available()
+        # The Triton kernel that reads selected pages straight from pinned memory (kvdex.kernels.uva);
+        # None: the index_select + staging + copy path below (CPU, no triton, or KVDEX_UVA=0).
+        self._uva = _uva_kernels() if self.pin else None
         self.data = self._alloc(0)
         self._staging = None
         self._copied = None  # CUDA event: the last host->device copy out of the staging buffer
@@ -40,6 +56,8 @@ class HostPages:
             return
         new = self._alloc(max(pages, self.capacity + max(_GROW_PAGES, self.capacity // 4)))
         new[:, :, : self.capacity] = self.data
+        if self._uva is not None:  # a UVA kernel may still read the old pinned buffer: let it finish
+            torch.cuda.current_stream(self.device).synchronize()
         self.data = new
 
     def nbytes(self) -> int:
@@ -65,10 +83,28 @@ class HostPages:
         dst[:, :, 1].copy_(v)
         self.stats.d2h_bytes += 2 * k.numel() * k.element_size()
 
+    def permute_tokens(self, order: torch.Tensor) -> None:
+        """Reorder the first M tokens (M / ps pages) of every (sequence, head): token j <- token order[..., j].
+
+        order [B, H, M] (CPU, a permutation per row; validated by the store). PRKV's restructuring.
+        """
+        b, h, m = order.shape
+        p, ps, d = m // self.page_size, self.page_size, self.head_dim
+        if self.pin:  # a copy or kernel may still be reading these pages: let it finish first
+            torch.cuda.current_stream(self.device).synchronize()
+        blocks = self.data[:, :, :p]  # [B, H, p, 2, ps, D]
+        tokens = blocks.permute(0, 1, 3, 2, 4, 5).reshape(b, h, 2, m, d)  # a copy: [B, H, 2, M, D]
+        moved = tokens.gather(3, order[:, :, None, :, None].expand(b, h, 2, m, d))
+        blocks.copy_(moved.view(b, h, 2, p, ps, d).permute(0, 1, 3, 2, 4, 5))
+
     # ---- host -> device ------------------------------------------------------------------
     def fetch_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """pages [B, H, P] page ids (>= 0) -> device tensor [B, H, P, 2, ps, D] in one transfer."""
         b, h, p = pages.shape
+        if self._uva is not None:  # UVA zero-copy: ids stay on the device, no host sync, no staging
+            out = self._uva.gather_pages(self.data, pages.to(self.device))
+            self._count_uva(out)
+            return out
         flat = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity
         ids = (flat + pages.cpu()).reshape(-1)
         src = self.data.view(b * h * self.capacity, 2, self.page_size, self.head_dim)
@@ -81,6 +117,10 @@ class HostPages:
     def fetch_rows(self, positions: torch.Tensor, sink: int) -> torch.Tensor:
         """positions [B, H, T] middle token positions (>= sink) -> device [B, H, T, 2, D]."""
         b, h, t = positions.shape
+        if self._uva is not None:
+            out = self._uva.gather_rows(self.data, positions.to(self.device), sink)
+            self._count_uva(out)
+            return out
         rel = positions.cpu() - sink
         page, off = rel // self.page_size, rel % self.page_size
         base = ((torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity + page) * 2
@@ -93,6 +133,10 @@ class HostPages:
         out = stage.to(self.device, non_blocking=True)
         self._count(stage)
         return out.view(2, b, h, t, self.head_dim).permute(1, 2, 3, 0, 4)
+
+    def _count_uva(self, out: torch.Tensor) -> None:
+        self.stats.h2d_bytes += out.numel() * out.element_size()  # bytes read over PCIe (-1 padding included)
+        self.stats.h2d_calls += 1
 
     def _count(self, stage: torch.Tensor) -> None:
         if self.pin:

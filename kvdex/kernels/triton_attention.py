@@ -1,0 +1,286 @@
+"""Triton decode attention over a per-(sequence, kv head) set of slots (flash-decoding).
+
+One decode step attends, per (sequence b, kv head h), to the slots ``idx[b, h, :N]`` of the
+layer's slot buffers ``k/v [B, H, S, D]`` (only where ``valid``). The PyTorch twin is
+:func:`kvdex.kernels.attention.sparse_decode_attention_reference`; these kernels compute the same function:
+
+* phase 1 (``_split_kernel``), grid ``(B*H, splits)``: each program owns one kv head of one
+  sequence and one contiguous chunk of its selection. It loads the G query heads of the GQA group
+  once (padded to a tile of >= 16 rows so the products use the tensor cores), gathers the selected
+  K/V rows straight from the slot buffer (the "device gather" is fused into the attention: no copy
+  of the selection is made), and keeps an online softmax (running max ``m``, sum ``l``, fp32
+  accumulator) over tiles of ``BLOCK_N`` slots. It writes its partial ``(m, l, acc)``.
+* phase 2 (``_combine_kernel``), grid ``(B*Hq,)``: merges the splits with the usual log-sum-exp
+  rescaling and writes ``acc / l`` in the query dtype.
+
+Splitting over the selection (flash-decoding) is what keeps the GPU busy at batch 1: with 8 kv
+heads a kernel with one program per head would run on 8 of 132 SMs. The number of splits aims at
+about two programs per SM.
+
+``dense_decode_attention`` is the same kernel in "dense" mode: slot == position and the valid
+slots of sequence b are ``[0, lengths[b])`` (ragged batch), so no index tensor is built at all;
+it serves the dense layers and the ``full`` policy on a GPU-resident store.
+
+Softmax statistics and accumulation are fp32. ``p`` is rounded to the value dtype before the
+``p @ V`` product (as FlashAttention does); with fp32 inputs every product is exact IEEE fp32.
+
+Kernels run compiled on CUDA tensors; with ``TRITON_INTERPRET=1`` set before triton is imported they
+run through Triton's interpreter on CPU tensors (the CPU tests compare them with the twins that way).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    Q,
+    K,
+    V,
+    IDX,
+    VALID,
+    LENS,
+    M_OUT,
+    L_OUT,
+    ACC_OUT,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ib,
+    stride_ih,
+    stride_lb,
+    stride_lh,
+    H,
+    N,
+    chunk,
+    splits,
+    scale_log2,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DENSE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    q_ptrs = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    if DENSE:
+        n_b = tl.load(LENS + b)
+    else:
+        n_b = N
+    start = sid * chunk
+    end = start + chunk
+    if end > n_b:
+        end = n_b
+
+    # finite "minus infinity" for the running max: exp2(-inf + 1e30) == 0 and never NaN
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        if DENSE:
+            slot = offs_n
+            ok = in_range
+        else:
+            slot = tl.load(IDX + b * stride_ib + h * stride_ih + offs_n, mask=in_range, other=0)
+            flag = tl.load(VALID + b * stride_lb + h * stride_lh + offs_n, mask=in_range, other=0)
+            ok = in_range & (flag != 0)
+        kv_mask = ok[:, None] & dmask[None, :]
+        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    row = (b * H + h) * G + offs_g  # query head index b*Hq + h*G + g
+    tl.store(M_OUT + row * splits + sid, m_i, mask=gmask)
+    tl.store(L_OUT + row * splits + sid, l_i, mask=gmask)
+    acc_ptrs = ACC_OUT + (row[:, None] * splits + sid) * D + offs_d[None, :]
+    tl.store(acc_ptrs, acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    M_IN,
+    L_IN,
+    ACC_IN,
+    OUT,
+    splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * Hq + query head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < splits
+    dmask = offs_d < D
+    m = tl.load(M_IN + row * splits + offs_s, mask=smask, other=-1.0e30)
+    l_s = tl.load(L_IN + row * splits + offs_s, mask=smask, other=0.0)
+    acc = tl.load(
+        ACC_IN + (row * splits + offs_s)[:, None] * D + offs_d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - m_all)
+    total = tl.sum(l_s * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / total  # nothing valid at all -> 0/0 = NaN, as the twin
+    tl.store(OUT + row * D + offs_d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+def choose_splits(bh: int, n: int, block_n: int, device: torch.device) -> int:
+    """Splits of the selection so that about two programs run per SM (at least one tile each)."""
+    tiles = triton.cdiv(max(n, 1), block_n)
+    if device.type == "cuda":
+        target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 4  # interpreter: a few splits so CPU tests exercise the combine step
+    return max(1, min(tiles, triton.cdiv(target, max(bh, 1)), 64))
+
+
+def _check(q, k, v):
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B, Hq, D] and k/v [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    b, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not match k/v {tuple(k.shape)} (GQA needs Hq % H == 0)")
+    if k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("k/v must be contiguous in the head dimension")
+
+
+def _launch(q, k, v, idx, valid, lens, n, scale, dense, splits, block_n):
+    b, hq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    q = q.contiguous()
+    block_n = block_n or (64 if d <= 128 else 32)
+    if splits is None:
+        splits = choose_splits(b * h, n, block_n, q.device)
+    chunk = triton.cdiv(triton.cdiv(max(n, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(max(n, 1), chunk))
+    dev = q.device
+    m_part = torch.empty(b * hq * splits, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(b * hq * splits * d, dtype=torch.float32, device=dev)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if dense:
+        idx = valid = lens
+        si = (0, 0, 0, 0)
+    else:
+        si = (idx.stride(0), idx.stride(1), valid.stride(0), valid.stride(1))
+        lens = idx
+    _split_kernel[(b * h, splits)](
+        q, k, v, idx, valid, lens, m_part, l_part, acc_part,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *si,
+        h, n, chunk, splits, scale * _LOG2E,
+        G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=_pow2(d, 16), BLOCK_N=block_n, DENSE=dense, PREC=prec,
+    )  # fmt: skip
+    _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
+    return out
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    *,
+    splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`kvdex.kernels.attention.sparse_decode_attention` (same arguments)."""
+    _check(q, k, v)
+    b, hq, _ = q.shape
+    h = k.shape[1]
+    if idx.shape[:2] != (b, h) or valid.shape != idx.shape:
+        raise ValueError(f"idx/valid must be [B, H, N] = [{b}, {h}, N], got {tuple(idx.shape)}, {tuple(valid.shape)}")
+    if idx.stride(-1) != 1:
+        idx = idx.contiguous()
+    if valid.dtype != torch.bool or valid.stride(-1) != 1:
+        valid = valid.to(torch.bool).contiguous()
+    valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+    return _launch(q, k, v, idx, valid, None, idx.shape[-1], scale, False, splits, block_n)
+
+
+def dense_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    max_len: int | None = None,
+    splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """One decode step over the first ``lengths[b]`` slots of ``k/v [B, H, S, D]`` (slot == position).
+
+    ``max_len`` (>= every length, <= S; default S) only sizes the launch grid: pass the host-side
+    maximum so no device value has to be read.
+    """
+    _check(q, k, v)
+    if lengths.shape != (q.shape[0],):
+        raise ValueError(f"lengths must be [B] = [{q.shape[0]}], got {tuple(lengths.shape)}")
+    n = k.shape[2] if max_len is None else int(max_len)
+    if n > k.shape[2]:
+        raise ValueError(f"max_len ({n}) exceeds the slot buffer ({k.shape[2]})")
+    lens = lengths.to(device=q.device, dtype=torch.int32)
+    return _launch(q, k, v, None, None, lens, n, scale, True, splits, block_n)
+
+
+def dense_decode_reference(q, k, v, lengths, scale):
+    """PyTorch twin of :func:`dense_decode_attention` (sparse twin with idx = arange, valid = j < length)."""
+    from kvdex.kernels.attention import sparse_decode_attention_reference as twin
+
+    b, h, s, _ = k.shape
+    j = torch.arange(s, device=k.device)
+    idx = j.expand(b, h, s)
+    valid = (j[None, :] < lengths.to(k.device)[:, None])[:, None, :].expand(b, h, s)
+    return twin(q, k, v, idx, valid, scale)

@@ -1,0 +1,232 @@
+"""Triton kernels against their PyTorch twins (decode attention, dense decode, UVA/device gather,
+Quest page bounds).
+
+On a CUDA machine the kernels run compiled on the GPU. On a CPU machine they run through Triton's
+interpreter, which must be switched on (``TRITON_INTERPRET=1``) before triton is first imported;
+the test session has imported it long before this module, so ``test_interpreter_suite`` re-runs
+this file in a subprocess with the variable set. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA else "cpu"
+run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+if INTERP and not CUDA:
+    # triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them in loop
+    # bounds, which numpy >= 2.? rejects; read the element instead (test-only compatibility shim).
+    from triton.runtime import interpreter as _itp
+
+    _orig_patch = _itp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _itp._patch_lang_tensor = _patch_lang_tensor
+
+from kvdex.kernels import attention as ref  # noqa: E402
+from kvdex.kernels import triton_attention as ta  # noqa: E402
+from kvdex.kernels import uva  # noqa: E402
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
+def test_interpreter_suite():
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter: every kernel test below runs on CPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])  # numpy has no bf16
+
+
+def _inputs(b, h, g, s, n, d, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h * g, d, generator=gen)
+    k = torch.randn(b, h, s, d, generator=gen)
+    v = torch.randn(b, h, s, d, generator=gen)
+    idx = torch.randint(0, s, (b, h, n), generator=gen)
+    valid = torch.rand(b, h, n, generator=gen) < 0.7
+    valid[..., 0] = True
+    return [x.to(DEV) for x in (q.to(dtype), k.to(dtype), v.to(dtype), idx, valid)]
+
+
+# ---- sparse decode attention ---------------------------------------------------------------------
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "b,h,g,s,n,d,splits,block_n",
+    [
+        (2, 2, 2, 50, 37, 16, None, 16),  # GQA, N not a multiple of the tile, automatic splits
+        (1, 1, 8, 90, 70, 32, 3, 16),  # one kv head, 8 query heads, 3 splits
+        (3, 2, 3, 40, 33, 16, 1, 16),  # odd group (padded to the 16-row tile), one split
+        (2, 3, 1, 30, 20, 64, 2, 16),  # MHA, wider head
+    ],
+)
+def test_sparse_decode_matches_twin(dtype, b, h, g, s, n, d, splits, block_n):
+    q, k, v, idx, valid = _inputs(b, h, g, s, n, d, dtype, seed=b * 100 + n)
+    scale = d**-0.5
+    got = ta.sparse_decode_attention(q, k, v, idx, valid, scale, splits=splits, block_n=block_n)
+    want = ref.sparse_decode_attention_reference(q, k, v, idx, valid, scale)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@run_kernels
+def test_sparse_decode_never_reads_invalid_slots_and_any_split_agrees():
+    """Invalid entries may hold any index (even out of range): they must not be read. The result
+    must not depend on how the selection is split."""
+    q, k, v, idx, valid = _inputs(2, 2, 2, 40, 45, 16, torch.float32, seed=7)
+    want = ref.sparse_decode_attention_reference(q, k, v, idx, valid, 0.3)
+    wild = torch.where(valid, idx, 10**6)  # far past the buffer
+    outs = [ta.sparse_decode_attention(q, k, v, wild, valid, 0.3, splits=sp, block_n=16) for sp in (1, 2, 3)]
+    for out in outs:
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@run_kernels
+def test_full_selection_equals_dense_and_strided_buffers():
+    """Selecting every slot is dense attention; a strided view of a larger slot buffer (as stores
+    hand out) gives the same result as a contiguous copy."""
+    b, h, g, s, d = 2, 2, 2, 48, 16
+    q, big_k, big_v, _, _ = _inputs(b, h, g, s + 16, 1, d, torch.float32, seed=3)
+    k, v = big_k[:, :, :s], big_v[:, :, :s]  # non-contiguous in dim 1
+    idx = torch.arange(s, device=DEV).expand(b, h, s)
+    valid = torch.ones(b, h, s, dtype=torch.bool, device=DEV)
+    got = ta.sparse_decode_attention(q, k, v, idx, valid, 0.25, block_n=16)
+    lengths = torch.full((b,), s, device=DEV)
+    dense = ref.dense_attention(q[:, :, None], k, v, (lengths - 1)[:, None], None, 0.25)[:, 0]
+    torch.testing.assert_close(got, dense, atol=2e-5, rtol=2e-5)
+    contig = ta.sparse_decode_attention(q, k.contiguous(), v.contiguous(), idx, valid, 0.25, block_n=16)
+    torch.testing.assert_close(got, contig, atol=0, rtol=0)
+
+
+@run_kernels
+def test_dense_decode_ragged_matches_twin_and_seam_reference():
+    b, h, g, s, d = 3, 2, 2, 70, 16
+    q, k, v, _, _ = _inputs(b, h, g, s, 1, d, torch.float32, seed=5)
+    lengths = torch.tensor([70, 1, 33], device=DEV)
+    got = ta.dense_decode_attention(q, k, v, lengths, 0.25, max_len=70, block_n=16)
+    torch.testing.assert_close(got, ta.dense_decode_reference(q, k, v, lengths, 0.25), atol=2e-5, rtol=2e-5)
+    pos = (lengths - 1)[:, None]
+    mask = torch.arange(s, device=DEV)[None, :] < lengths[:, None]
+    seam_ref = ref.dense_attention(q[:, :, None], k, v, pos, mask, 0.25)[:, 0]
+    torch.testing.assert_close(got, seam_ref, atol=2e-5, rtol=2e-5)
+    # max_len only sizes the grid: any value >= every length gives the same answer
+    torch.testing.assert_close(ta.dense_decode_attention(q, k, v, lengths, 0.25, block_n=16), got, atol=0, rtol=0)
+
+
+@run_kernels
+def test_bad_inputs_raise_value_error():
+    q, k, v, idx, valid = _inputs(1, 2, 2, 20, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="GQA"):
+        ta.sparse_decode_attention(q[:, :3], k, v, idx, valid, 1.0)
+    with pytest.raises(ValueError, match="idx/valid"):
+        ta.sparse_decode_attention(q, k, v, idx[:, :1], valid[:, :1], 1.0)
+    with pytest.raises(ValueError, match="max_len"):
+        ta.dense_decode_attention(q, k, v, torch.tensor([5], device=DEV), 1.0, max_len=21)
+    with pytest.raises(ValueError, match="lengths"):
+        ta.dense_decode_attention(q, k, v, torch.tensor([5, 5], device=DEV), 1.0)
+
+
+# ---- gathers (UVA from pinned host memory on CUDA; device gather; interpreter on CPU) ------------
+
+
+def _host_pages(b=2, h=3, p=9, ps=4, d=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(b, h, p, 2, ps, d, generator=gen).to(dtype)
+    return src.pin_memory() if CUDA else src
+
+
+@run_kernels
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_gather_pages_matches_twin(on_device):
+    src = _host_pages()
+    if on_device:
+        src = src.to(DEV)
+    gen = torch.Generator().manual_seed(1)
+    pages = torch.randint(-1, src.shape[2], (2, 3, 6), generator=gen).to(DEV)
+    got = uva.gather_pages(src, pages)
+    assert got.device.type == DEV
+    want = uva.gather_pages_reference(src.cpu(), pages.cpu())
+    torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
+    assert bool((got[pages < 0] == 0).all())
+
+
+@run_kernels
+def test_gather_rows_matches_twin_and_host_layout():
+    src = _host_pages(d=32, seed=2)
+    sink, ps = 5, src.shape[4]
+    gen = torch.Generator().manual_seed(3)
+    pos = torch.randint(sink, sink + src.shape[2] * ps, (2, 3, 21), generator=gen)
+    pos[0, 1, 4] = 0  # padding (inside the sink): zeros
+    got = uva.gather_rows(src, pos.to(DEV), sink).cpu()
+    torch.testing.assert_close(got, uva.gather_rows_reference(src.cpu(), pos, sink), atol=0, rtol=0)
+    b, h, t = 1, 2, 7  # one row by hand: K and V of position pos at (page, offset)
+    rel = int(pos[b, h, t]) - sink
+    assert torch.equal(got[b, h, t, 0], src[b, h, rel // ps, 0, rel % ps].cpu())
+    assert torch.equal(got[b, h, t, 1], src[b, h, rel // ps, 1, rel % ps].cpu())
+    assert bool((got[0, 1, 4] == 0).all())
+
+
+@run_kernels
+def test_gather_bad_inputs():
+    src = _host_pages()
+    with pytest.raises(ValueError, match="pages must be"):
+        uva.gather_pages(src, torch.zeros(2, 2, 3, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match="host pages"):
+        uva.gather_pages(src[:, :, :, 0], torch.zeros(2, 3, 3, dtype=torch.long, device=DEV))
+    if CUDA:
+        with pytest.raises(ValueError, match="pinned"):
+            uva.gather_pages(torch.zeros(2, 3, 4, 2, 4, 16), torch.zeros(2, 3, 1, dtype=torch.long, device=DEV))
+
+
+# ---- GPU only: the seams pick the kernels ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_seams_dispatch_to_triton_on_cuda():
+    q, k, v, idx, valid = _inputs(2, 2, 4, 300, 200, 128, torch.bfloat16)
+    got = ref.sparse_decode_attention(q, k, v, idx, valid, 0.1)
+    torch.testing.assert_close(got, ta.sparse_decode_attention(q, k, v, idx, valid, 0.1), atol=0, rtol=0)
+    lengths = torch.tensor([300, 17], device=DEV)
+    got = ref.dense_decode_attention(q, k, v, lengths, 0.1, max_len=300)
+    torch.testing.assert_close(got, ta.dense_decode_attention(q, k, v, lengths, 0.1), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_host_pages_use_uva_and_match_staging_path():
+    from kvdex.storage import TransferStats
+    from kvdex.storage.host import HostPages
+
+    hp = HostPages(2, 3, 4, 16, torch.bfloat16, "cuda", TransferStats())
+    assert hp._uva is not None
+    hp.reserve(9)
+    hp.data.copy_(_host_pages(p=hp.capacity, dtype=torch.bfloat16))
+    pages = torch.randint(0, 9, (2, 3, 5), device="cuda")
+    got = hp.fetch_pages(pages)
+    hp._uva = None
+    want = hp.fetch_pages(pages)
+    assert torch.equal(got, want)
