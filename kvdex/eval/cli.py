@@ -55,7 +55,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
         "--policies",
         type=parse_names,
         default=None,
-        help="comma-separated policies (default: all registered); full is always run for the ratios",
+        help="comma-separated policies (default: all registered); full is always run for the ratios; "
+        "a policy may carry options as NAME:KEY=VALUE:KEY=VALUE (e.g. chess:preset=aggressive)",
     )
     g.add_argument(
         "--budgets",
@@ -109,9 +110,12 @@ def run(args: argparse.Namespace) -> int:
 
     known = kvdex.policies()
     policies = args.policies or known
-    unknown = [p for p in policies if p not in known]
+    unknown = [p for p in policies if p.split(":")[0] not in known]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; registered policies: {', '.join(known)}")
+    for p in policies:  # "name:KEY=VALUE:..." options: fail on a bad one before loading anything
+        if ":" in p:
+            kvdex.make_policy(p)
     for b in args.budgets:  # fail before loading anything
         kvdex.CacheConfig(budget=b, page_size=args.page_size, sink=args.sink, window=args.window)
     task = tasks.TASKS[args.eval_task].build(args)

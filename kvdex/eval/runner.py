@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -216,7 +217,8 @@ class Run:
             self.identity["dtype"] = cfg.dtype
         digest = hashlib.sha1(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:8]
         b = "" if budget is None else f"__b{budget}"
-        name = f"{task.name}__{cfg.model_tag}__L{length}__{policy}{b}__n{cfg.samples}__{digest}"
+        tag = re.sub(r"[^A-Za-z0-9._=:,-]+", "-", policy)  # "name:KEY=VALUE" options may hold paths
+        name = f"{task.name}__{cfg.model_tag}__L{length}__{tag}{b}__n{cfg.samples}__{digest}"
         self.dir = Path(cfg.out) / task.name / name
         self.extra = cfg.extra
         self.model = cfg.model_tag

@@ -73,6 +73,7 @@ class KVDexLayer(CacheLayerMixin):
         if self.store is not None:
             self._lengths_before = self.store.lengths.clone()
             update = self.store.append(key_states, value_states)
+            update.store = self.store
             if not self.dense and not update.empty:
                 parent.policy.index(self.layer_idx, update)
         self.seen += key_states.shape[2]
@@ -126,6 +127,7 @@ class KVDexLayer(CacheLayerMixin):
         parent = self.parent
         self.store = parent._new_store(self, k)
         update = self.store.ingest(k, v, lengths)
+        update.store = self.store
         self._obs_q = q[:, :, -OBS_KEEP:]  # kept for fork(): policies with an observation window
         self._pads = pads
         if self.dense:
@@ -364,6 +366,7 @@ class Cache(HFCache):
             "bytes_device_to_host": self.transfer.d2h_bytes,
             "host_to_device_transfers": self.transfer.h2d_calls,
             "attended_tokens_per_step": per_head,
+            "policy_stats": self.policy.stats(),
         }
         if c.timing:
             steps = max(self.step, 1)

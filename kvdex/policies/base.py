@@ -20,6 +20,7 @@ the one place where query-head scores become kv-head scores.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -71,6 +72,10 @@ class Policy:
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def stats(self) -> dict:
+        """Run-time counters a policy reports in ``Cache.stats()["policy_stats"]`` (e.g. CHESS rebuilds)."""
+        return {}
 
 
 # ---- shared mechanics --------------------------------------------------------------------------
@@ -128,8 +133,35 @@ def policy_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
+def parse_policy_spec(spec: str) -> tuple[str, dict]:
+    """``"chess:preset=aggressive:interval=192"`` -> ``("chess", {"preset": "aggressive", "interval": 192})``.
+
+    A policy name optionally followed by ``:KEY=VALUE`` options (values are Python literals where
+    they parse, else strings), so one string names a configured policy everywhere a name is taken
+    (``kvdex.Cache``, ``kvdex eval --policies``, ``cache.fork``).
+    """
+    name, *items = spec.split(":")
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE (e.g. 'chess:preset=moderate')")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return name, options
+
+
 def make_policy(name: str | Policy, **options) -> Policy:
-    """A fresh policy instance from a name (or a copy of an instance) and its options."""
+    """A fresh policy instance from a name (or a copy of an instance) and its options.
+
+    ``name`` may carry options, ``"name:KEY=VALUE:..."`` (:func:`parse_policy_spec`); keyword
+    options override them.
+    """
+    if isinstance(name, str) and ":" in name:
+        name, spec_options = parse_policy_spec(name)
+        options = {**spec_options, **options}
     if isinstance(name, Policy):
         if options:
             return dataclasses.replace(name, **options)

@@ -20,6 +20,8 @@ class MiddleUpdate:
     page ``start[b] + j`` at ``keys[b, :, j]``; entries past ``count[b]`` are padding.
     ``obs_queries`` [B, Hq, W, D]: the last W prompt queries (prefill only, for policies that
     declare an observation window); ``obs_valid`` [B, W] marks real (non-padding) rows.
+    ``store``: the layer's store the pages belong to (set by the cache; lets a policy that needs
+    more than the new pages, e.g. CHESS's window anchor over every layer, read sink and window).
     """
 
     start: torch.Tensor
@@ -28,6 +30,7 @@ class MiddleUpdate:
     values: torch.Tensor | None = None
     obs_queries: torch.Tensor | None = None
     obs_valid: torch.Tensor | None = None
+    store: LayerStore | None = None
 
     @property
     def empty(self) -> bool:

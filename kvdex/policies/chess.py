@@ -1,0 +1,499 @@
+"""``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page key-key selection, one context per step,
+rebuilt only when the output distribution becomes uncertain.
+
+Mechanism (``../shared/papers/chess.md`` §3, Algorithm 1; docs/policies/chess.md):
+
+* page vector (eq. 1): the mean key of a page, per layer and kv head, flattened across all the
+  layers the policy sees (the cache's sparse layers) and kv heads into one [F] vector,
+  F = layers * kv_heads * head_dim; chunks of ``chunk_pages`` pages and grids of ``grid_chunks``
+  chunks by centroid averaging (eq. 2). The three levels live in ONE buffer ``[grids | chunks |
+  pages]`` so that scoring the whole hierarchy is one (batched) matrix product (Algorithm 1, l. 2-3);
+* anchor (eq. 3): the mean of the page vectors of the recent window; affinity (eq. 4): the dot
+  product of anchor and unit vector, keys against keys;
+* top-down masking: keep the top ``rho_g`` of the grids, then the top ``rho_c`` of the chunks
+  whose grid is kept, then the top ``rho_p`` of the pages whose chunk is kept (quantile
+  thresholds, Algorithm 1); the context is those pages + sink + window (kvdex always attends
+  sink and window). ONE selection serves every layer and head until the next rebuild;
+* zero-copy: a selection is page ids only; on the GPU-resident store attention reads the chosen
+  slots in place (``DeviceStore.attend``); offloaded stores fetch the pages as for any policy;
+* quality-aware backtracking (§3.3): after every decode step ``on_step`` measures the entropy and
+  varentropy of the next-token distribution; every ``check_every`` steps (default: one page of
+  generated tokens, Figure 4 is per page) their means are compared with thresholds calibrated
+  offline (99th percentile, ``kvdex calibrate chess``); the selection of a sequence is rebuilt
+  only when they exceed them. ``trigger="interval"`` is Appendix C's fixed-interval baseline.
+
+Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvdex.policies.base import Policy, register_policy
+from kvdex.selection import Selection
+from kvdex.storage import MiddleUpdate
+
+# Retention ratios (rho_g, rho_c, rho_p) of the paper's Table 1; their products are the KV budgets
+# it reports (0.729 -> "73%", 0.392 -> "40%", 0.01 -> "1%").
+PRESETS = {
+    "conservative": (0.9, 0.9, 0.9),
+    "moderate": (0.8, 0.7, 0.7),
+    "aggressive": (0.5, 0.2, 0.1),
+}
+TRIGGERS = ("uncertainty", "interval", "always", "never")
+VARENTROPY_KINDS = ("output", "temporal")
+
+# CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
+# 512 tokens at page size 32) keep >= 8 grids at 4k tokens, so the grid quantile is not a coin
+# flip between two halves of a short context, and ~60 grids at 32k.
+DEFAULT_CHUNK_PAGES = 4
+DEFAULT_GRID_CHUNKS = 4
+# Appendix C's fixed-interval baseline rebuilds "every 6 pages" of generated tokens.
+DEFAULT_INTERVAL_PAGES = 6
+
+# Default thresholds when neither a calibration file nor explicit values are given: the 99th
+# percentiles measured by `kvdex calibrate chess` (docs/policies/chess.md has the command) on
+# SmolLM2-135M-Instruct, LongBench v1 prompts at 3k tokens, greedy generation with full attention,
+# statistics per page of 32 generated tokens. Calibrate for your model: thresholds are model-specific.
+DEFAULT_THRESHOLDS = {"entropy": 3.3, "varentropy": 10.0, "temporal_varentropy": 2.5}
+
+_GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time
+
+
+def entropy_varentropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy H = -sum p log p and varentropy V = sum p (log p + H)^2 (nats) of logits [B, V] -> [B], [B]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
+    h = -plogp.sum(-1)
+    v = (p * (logp + h[:, None]).square()).where(p > 0, torch.zeros_like(p)).sum(-1)
+    return h, v
+
+
+def level_mask(score: torch.Tensor, active: torch.Tensor, rho: float) -> torch.Tensor:
+    """Algorithm 1's quantile masking of one level: keep ``score >= Quantile(score, 1 - rho)``.
+
+    score/active [B, N], rho in (0, 1]. CHOICE: the quantile is taken over the *active* units
+    only (children of kept parents), as §3.2 says ("from this subset, the top rho_c fraction is
+    preserved") and as the reported budgets require (73% = 0.9^3); Algorithm 1 writes it over
+    scores with inactive ones zeroed, which would also rank zeros above negative affinities.
+    ``torch.nanquantile`` interpolates linearly; a row with no active unit keeps nothing.
+    """
+    s = torch.where(active, score, torch.full_like(score, float("nan")))
+    tau = torch.nanquantile(s, 1.0 - rho, dim=-1)  # [B]
+    return active & (score >= tau[:, None])
+
+
+def count_mask(score: torch.Tensor, active: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Keep the ``n[b]`` highest-scoring active units of each row: score/active [B, N], n [B]."""
+    s = torch.where(active, score, torch.full_like(score, float("-inf")))
+    order = s.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
+    return active & (rank < n[:, None])
+
+
+def window_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of the recent window: [B, H, window, D] and valid [B, window] (rows past a length are invalid).
+
+    Reads the store's device buffer in place: slot == position on the GPU-resident store; the
+    offloaded store keeps the window in a ring of pages (``OffloadStore._slot``).
+    """
+    g = store.grid
+    pos = g.window_start(store.lengths)[:, None] + torch.arange(g.window, device=store.device)[None, :]
+    valid = pos < store.lengths[:, None]
+    slots = store._slot(pos) if hasattr(store, "_slot") else pos
+    slots = torch.where(valid, slots, 0)
+    b, h, d = store.batch, store.kv_heads, store.head_dim
+    k = store.k.gather(2, slots[:, None, :, None].expand(b, h, g.window, d))
+    return k, valid
+
+
+@register_policy
+@dataclass
+class ChessPolicy(Policy):
+    """CHESS. Ratio mode (``preset`` or ``rho_g/rho_c/rho_p``): the paper's retention ratios, the
+    budget is not used. Budget mode (the default): the same hierarchy cut to exactly
+    ``(budget - sink - window) / page_size`` pages per sequence, for comparisons at equal budget.
+    """
+
+    name = "chess"
+
+    preset: str = ""  # conservative | moderate | aggressive; "" with no rho_*: budget mode
+    rho_g: float | None = None
+    rho_c: float | None = None
+    rho_p: float | None = None
+    shape: str = "aggressive"  # budget mode: the preset whose split of the reduction over levels is kept
+    chunk_pages: int = DEFAULT_CHUNK_PAGES  # N_c
+    grid_chunks: int = DEFAULT_GRID_CHUNKS  # N_g
+    trigger: str = "uncertainty"  # uncertainty | interval (Appendix C) | always | never
+    interval: int = 0  # trigger="interval": rebuild every this many decode steps (0: 6 pages)
+    check_every: int = 0  # trigger="uncertainty": steps per check (0: one page of generated tokens)
+    thresholds: str = ""  # JSON written by `kvdex calibrate chess`
+    entropy_threshold: float | None = None  # explicit thresholds override the file
+    varentropy_threshold: float | None = None
+    varentropy: str = "output"  # output: mean per-step varentropy | temporal: variance of the entropy
+    combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
+
+    def __post_init__(self) -> None:
+        rhos = (self.rho_g, self.rho_c, self.rho_p)
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"unknown CHESS preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        if any(r is not None for r in rhos):
+            if self.preset:
+                raise ValueError("pass a CHESS preset or rho_g/rho_c/rho_p, not both")
+            if any(r is None for r in rhos):
+                raise ValueError("pass all three retention ratios rho_g, rho_c, rho_p (or a preset)")
+            for n, r in zip(("rho_g", "rho_c", "rho_p"), rhos, strict=True):
+                if not isinstance(r, (int, float)) or not 0 < r <= 1:
+                    raise ValueError(f"{n} must be a fraction in (0, 1], got {r!r}")
+        if self.shape not in PRESETS:
+            raise ValueError(f"unknown CHESS shape {self.shape!r}; choose from {', '.join(PRESETS)}")
+        for n in ("chunk_pages", "grid_chunks"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{n} must be an int >= 1, got {v!r}")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"unknown CHESS trigger {self.trigger!r}; choose from {', '.join(TRIGGERS)}")
+        for n in ("interval", "check_every"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{n} must be an int >= 0 (0: the default), got {v!r}")
+        if self.varentropy not in VARENTROPY_KINDS:
+            raise ValueError(f"varentropy must be one of {', '.join(VARENTROPY_KINDS)}, got {self.varentropy!r}")
+        if self.combine not in ("and", "or"):
+            raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
+        self._tau = self._load_thresholds()
+
+    # ---- configuration ----------------------------------------------------------------------------
+    @property
+    def ratios(self) -> tuple[float, float, float] | None:
+        """(rho_g, rho_c, rho_p) in ratio mode, None in budget mode."""
+        if self.preset:
+            return PRESETS[self.preset]
+        if self.rho_g is not None:
+            return (float(self.rho_g), float(self.rho_c), float(self.rho_p))
+        return None
+
+    def _load_thresholds(self) -> tuple[float, float]:
+        table = dict(DEFAULT_THRESHOLDS)
+        if self.thresholds:
+            path = Path(self.thresholds).expanduser()
+            if not path.is_file():
+                raise ValueError(f"CHESS thresholds file {path} not found; write it with `kvdex calibrate chess`")
+            try:
+                data = json.loads(path.read_text())
+                table = {k: float(data[k]) for k in DEFAULT_THRESHOLDS}
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"CHESS thresholds file {path} is not a `kvdex calibrate chess` output "
+                    f"(needs numbers {', '.join(DEFAULT_THRESHOLDS)}): {e}"
+                ) from None
+        h = table["entropy"] if self.entropy_threshold is None else float(self.entropy_threshold)
+        key = "varentropy" if self.varentropy == "output" else "temporal_varentropy"
+        v = table[key] if self.varentropy_threshold is None else float(self.varentropy_threshold)
+        return h, v
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        self._slot = {layer: i for i, layer in enumerate(info.sparse_layers)}
+        self._hd = info.kv_heads * info.head_dim
+        self.dim = len(info.sparse_layers) * self._hd  # F
+        self._every = self.check_every or self.cfg.page_size
+        self._interval = self.interval or DEFAULT_INTERVAL_PAGES * self.cfg.page_size
+        self._stores: dict = {}
+        self._vall = None  # [B, Gcap + Ccap + Pcap, F] fp32: grids | chunks | pages
+        self._gcap = 0
+        self._npages = None  # [layers, B] pages indexed per layer (CPU)
+        self._pages = None  # [B, K] the selection, -1 padded
+        self._sel = None
+        self._last_len = None  # lengths at the last build / on_step (CPU)
+        self._acc = None  # per-sequence sums since the last check: H, H^2, V, steps
+        self._nacc = 0  # steps in those sums
+        # counters (stats())
+        self.builds = 0  # initial selections (one per prompt)
+        self.rebuilds = 0  # rebuilds summed over sequences
+        self.checks = 0  # trigger evaluations summed over sequences
+        self.decode_steps = 0
+        self.rebuild_log: list[tuple[int, int]] = []  # (step, sequence) of each rebuild
+        self.rebuild_ms = 0.0  # time in _build (measured only with the cache's timing=True)
+        self.selected_pages: list[float] = []  # mean selected pages per sequence at each build
+
+    # ---- the hierarchy ------------------------------------------------------------------------------
+    @property
+    def _ccap(self) -> int:
+        return self._gcap * self.grid_chunks
+
+    @property
+    def _pcap(self) -> int:
+        return self._ccap * self.chunk_pages
+
+    def _reserve(self, pages: int, like: torch.Tensor) -> None:
+        per_grid = self.chunk_pages * self.grid_chunks
+        need = -(-pages // per_grid)
+        if need <= self._gcap:
+            return
+        old, (og, oc, op) = self._vall, (self._gcap, self._ccap, self._pcap)
+        self._gcap = max(need, self._gcap + max(_GROW_GRIDS, self._gcap // 4))
+        b = like.shape[0]
+        self._vall = torch.zeros(b, self._gcap + self._ccap + self._pcap, self.dim, device=like.device)
+        if old is not None:
+            self._vall[:, :og] = old[:, :og]
+            self._vall[:, self._gcap : self._gcap + oc] = old[:, og : og + oc]
+            self._vall[:, self._gcap + self._ccap : self._gcap + self._ccap + op] = old[:, og + oc :]
+
+    def _views(self):
+        """(grids [B, Gcap, F], chunks [B, Ccap, F], pages [B, Pcap, F]) views of the one buffer."""
+        g, c = self._gcap, self._ccap
+        return self._vall[:, :g], self._vall[:, g : g + c], self._vall[:, g + c :]
+
+    def index(self, layer, update) -> None:
+        if update.store is not None:
+            self._stores[layer] = update.store
+        slot = self._slot[layer]
+        if self._npages is None:
+            self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
+        if not update.empty:
+            self._add_pages(slot, update)
+        last = self.info.sparse_layers[-1]
+        if self._pages is None and layer == last and len(self._stores) == len(self._slot):
+            self._build(step=0)  # end of the prompt: every layer is stored and indexed (prefill / fork)
+
+    def _add_pages(self, slot: int, update) -> None:
+        """Eq. 1 for the new pages (this layer's slice of F), then eq. 2 for their chunks and grids."""
+        end = update.start + update.count
+        self._reserve(int(end.max()), update.keys)
+        vg, vc, vp = self._views()
+        cols = slice(slot * self._hd, (slot + 1) * self._hd)
+        means = update.keys.float().mean(dim=3)  # [B, H, Pn, D]: mean-pooled keys of each page
+        b, h, pn, d = means.shape
+        means = means.permute(0, 2, 1, 3).reshape(b, pn, h * d)  # flatten (kv head, dim)
+        ids = update.page_ids()  # [B, Pn]
+        bi, j = torch.nonzero(ids >= 0, as_tuple=True)
+        vp[bi, ids[bi, j], cols] = means[bi, j]
+        self._npages[slot] = torch.maximum(self._npages[slot], end)
+        # centroids of the touched chunks and grids, over the pages/chunks each sequence has so far
+        nc, ng = self.chunk_pages, self.grid_chunks
+        live = update.count > 0
+        c0, c1 = int(update.start[live].min()) // nc, -(-int(end.max()) // nc)
+        n = self._npages[slot].to(vp.device)
+        pages = vp[:, c0 * nc : c1 * nc, cols].reshape(b, c1 - c0, nc, -1)
+        pid = torch.arange(c0 * nc, c1 * nc, device=vp.device).view(1, c1 - c0, nc)
+        have = (pid < n[:, None, None]).float()  # [B, chunks, Nc]
+        vc[:, c0:c1, cols] = (pages * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
+        g0, g1 = c0 // ng, -(-c1 // ng)
+        chunks = vc[:, g0 * ng : g1 * ng, cols].reshape(b, g1 - g0, ng, -1)
+        cid = torch.arange(g0 * ng, g1 * ng, device=vp.device).view(1, g1 - g0, ng)
+        have = (cid < (-(-n // nc))[:, None, None]).float()
+        vg[:, g0:g1, cols] = (chunks * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
+
+    # ---- selection ------------------------------------------------------------------------------------
+    def anchor(self, upcoming: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 3: the mean of the window's page vectors, [B, F] (the newest page may be partial).
+
+        ``upcoming`` [B] (CPU): sequences whose next token starts a new page, so that the oldest
+        window page joins the middle at the next step. Its page vector is indexed now (the same
+        eq. 1 the cache's update will repeat), so a selection built between two steps covers the
+        middle of the step it serves (with every ratio 1 it is exactly all middle pages).
+        """
+        parts = []
+        ps = self.cfg.page_size
+        for layer in self.info.sparse_layers:
+            k, valid = window_keys(self._stores[layer])
+            b, h, w, d = k.shape
+            if upcoming is not None and bool(upcoming.any()):
+                start = self._npages[self._slot[layer]]
+                pages = k[:, :, None, :ps].to(self._vall.dtype if self._vall is not None else k.dtype)
+                self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), pages))
+            kf = k.float().view(b, h, w // ps, ps, d)
+            cnt = valid.view(b, w // ps, ps).sum(-1)  # tokens per window page
+            page_vec = (kf * valid.view(b, 1, w // ps, ps, 1)).sum(3) / cnt.clamp(min=1)[:, None, :, None]
+            has = (cnt > 0).float()
+            a = (page_vec * has[:, None, :, None]).sum(2) / has.sum(1).clamp(min=1)[:, None, None]
+            parts.append(a.reshape(b, h * d))
+        return torch.cat(parts, dim=-1)
+
+    def scores(self, anchor: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Eq. 4 for the whole hierarchy in ONE batched GEMM over the coalesced buffer (Alg. 1 l. 1-4).
+
+        Returns (S_g [B, G], S_c [B, C], S_p [B, P]) for the first ``pages`` pages.
+        """
+        g, c = self._gcap, self._ccap
+        s_all = torch.bmm(self._vall[:, : g + c + pages], anchor[:, :, None]).squeeze(-1)  # one GEMM
+        nc, ng = self.chunk_pages, self.grid_chunks
+        cn = -(-pages // nc)
+        return s_all[:, : -(-cn // ng)], s_all[:, g : g + cn], s_all[:, g + c : g + c + pages]
+
+    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor) -> torch.Tensor:
+        """Top-down masking (Alg. 1 l. 5-18) for sequences with ``npages`` [B] middle pages -> mask [B, P]."""
+        nc, ng = self.chunk_pages, self.grid_chunks
+        dev = s_p.device
+        npages = npages.to(dev)
+        nchunks = -(-npages // nc)
+        live_g = torch.arange(s_g.shape[1], device=dev)[None, :] < (-(-nchunks // ng))[:, None]
+        live_c = torch.arange(s_c.shape[1], device=dev)[None, :] < nchunks[:, None]
+        live_p = torch.arange(s_p.shape[1], device=dev)[None, :] < npages[:, None]
+        parent_c = torch.arange(s_c.shape[1], device=dev) // ng
+        parent_p = torch.arange(s_p.shape[1], device=dev) // nc
+        ratios = self.ratios
+        if ratios is not None:
+            rg, rc, rp = ratios
+            m_g = level_mask(s_g, live_g, rg)
+            m_c = level_mask(s_c, live_c & m_g[:, parent_c], rc)
+            return level_mask(s_p, live_p & m_c[:, parent_p], rp)
+        # Budget mode. CHOICE: the budget fixes the overall kept fraction f = K / P of each
+        # sequence; it is split over the levels as in the `shape` preset (rho_l = f^w_l with
+        # w_l = log rho_l / log(rho_g rho_c rho_p)), each level keeps at least what can still fill K
+        # pages, and the page level keeps exactly the top K pages under the kept chunks.
+        k = self.cfg.retrieval_pages
+        f = (k / npages.clamp(min=1).float()).clamp(max=1.0)
+        logs = [math.log(r) for r in PRESETS[self.shape]]
+        w = [x / sum(logs) for x in logs]
+        n_g = torch.maximum(torch.ceil(f ** w[0] * live_g.sum(1)), torch.tensor(-(-k // (nc * ng)), device=dev))
+        m_g = count_mask(s_g, live_g, n_g.long())
+        act_c = live_c & m_g[:, parent_c]
+        n_c = torch.maximum(torch.ceil(f ** w[1] * act_c.sum(1)), torch.tensor(-(-k // nc), device=dev))
+        m_c = count_mask(s_c, act_c, n_c.long())
+        return count_mask(s_p, live_p & m_c[:, parent_p], torch.full_like(npages, k))
+
+    def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
+        """(Re)build the selection of the sequences in ``rows`` [B] bool (None: all), from the
+        current state of every layer (called between forwards, so every layer is at the same length)."""
+        timing = self.cfg.timing
+        if timing:
+            sync = torch.cuda.synchronize if self._vall is not None and self._vall.is_cuda else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+        grid = self._stores[self.info.sparse_layers[0]].grid
+        n = self._stores[self.info.sparse_layers[-1]].lengths_host
+        upcoming = grid.num_middle_pages(n + 1) > self._npages.min(dim=0).values  # next token starts a page
+        anchor = self.anchor(upcoming)
+        npages = self._npages.min(dim=0).values  # [B] pages every layer has indexed
+        b = npages.shape[0]
+        p = int(npages.max())
+        if p == 0 or self._vall is None:
+            mask = torch.zeros(b, 0, dtype=torch.bool)
+        else:
+            s_g, s_c, s_p = self.scores(anchor, p)
+            mask = self.select_pages(s_g, s_c, s_p, npages)
+        new = _mask_to_ids(mask)
+        if self._pages is None or rows is None:
+            pages = new
+        else:
+            width = max(new.shape[1], self._pages.shape[1])
+            old, new = _pad(self._pages, width), _pad(new.to(self._pages.device), width)
+            pages = torch.where(rows.to(old.device)[:, None], new, old)
+        self._pages = _trim(pages)
+        store = self._stores[self.info.sparse_layers[0]]
+        self._sel = Selection(pages=self._pages.to(store.device)[:, None, :].expand(b, store.kv_heads, -1))
+        self._last_len = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
+        self.selected_pages.append(float((self._pages >= 0).sum(1).float().mean()))
+        if timing:
+            sync()
+            self.rebuild_ms += (time.perf_counter() - t0) * 1e3
+        if step == 0:
+            self.builds += 1
+
+    def select(self, layer, q, store, scale) -> Selection:
+        self._stores[layer] = store
+        if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
+            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
+        return self._sel
+
+    # ---- quality-aware backtracking ----------------------------------------------------------------
+    def on_step(self, step, logits) -> None:
+        if self._pages is None:
+            return
+        now = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
+        grew = int((now - self._last_len).max()) > 1
+        self._last_len = now
+        if step < 1:  # step 0 is the prefill (its logits come from dense attention)
+            return
+        if grew:  # several tokens in one forward (a new turn): the context changed, rebuild
+            self._rebuild(step, None)
+            return
+        self.decode_steps += 1
+        rows = self._due(step, logits)
+        if rows is not None:
+            self._rebuild(step, rows)
+
+    def _rebuild(self, step: int, rows: torch.Tensor | None) -> None:
+        b = self._pages.shape[0]
+        rows_cpu = torch.ones(b, dtype=torch.bool) if rows is None else rows.cpu()
+        self._build(step, None if rows is None else rows_cpu)
+        for i in torch.nonzero(rows_cpu).flatten().tolist():
+            self.rebuild_log.append((step, i))
+        self.rebuilds += int(rows_cpu.sum())
+
+    def _due(self, step: int, logits) -> torch.Tensor | None:
+        """Sequences whose selection is rebuilt after decode step ``step``: [B] bool, or None."""
+        b = self._pages.shape[0]
+        if self.trigger == "never":
+            return None
+        if self.trigger == "always":
+            return torch.ones(b, dtype=torch.bool)
+        if self.trigger == "interval":
+            return torch.ones(b, dtype=torch.bool) if step % self._interval == 0 else None
+        if logits is None:
+            return None
+        h, v = entropy_varentropy(logits)
+        acc = torch.stack([h, h.square(), v, torch.ones_like(h)])
+        self._acc = acc if self._acc is None else self._acc + acc
+        self._nacc += 1
+        if self._nacc < self._every:
+            return None
+        exceed = self.exceeds(*self.page_stats(self._acc))
+        self._acc, self._nacc = None, 0
+        self.checks += b
+        return exceed.cpu() if bool(exceed.any()) else None
+
+    def page_stats(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean entropy, varentropy statistic) [B] from sums acc [4, B] = (H, H^2, V, steps)."""
+        n = acc[3]
+        h_mean = acc[0] / n
+        if self.varentropy == "output":
+            return h_mean, acc[2] / n
+        return h_mean, (acc[1] / n - h_mean.square()).clamp(min=0)
+
+    def exceeds(self, h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        th, tv = self._tau
+        return (h > th) & (v > tv) if self.combine == "and" else (h > th) | (v > tv)
+
+    def stats(self) -> dict:
+        b = 0 if self._pages is None else self._pages.shape[0]
+        pages_generated = self.decode_steps * b / self.cfg.page_size
+        return {
+            "mode": "ratio" if self.ratios is not None else "budget",
+            "trigger": self.trigger,
+            "thresholds": {"entropy": self._tau[0], "varentropy": self._tau[1]},
+            "builds": self.builds,
+            "rebuilds": self.rebuilds,
+            "checks": self.checks,
+            "decode_steps": self.decode_steps,
+            "rebuilds_per_generated_page": self.rebuilds / pages_generated if pages_generated else None,
+            "pages_between_rebuilds": pages_generated / self.rebuilds if self.rebuilds else None,
+            "selected_pages_mean": sum(self.selected_pages) / len(self.selected_pages) if self.selected_pages else None,
+            "rebuild_ms": self.rebuild_ms,
+        }
+
+
+def _mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[B, P] bool -> [B, K] ascending page ids of the True entries, -1 padded (K = max count)."""
+    k = int(mask.sum(1).max()) if mask.numel() else 0
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]
+    return torch.where(mask.gather(1, order), order, -1)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
+
+
+def _trim(x: torch.Tensor) -> torch.Tensor:
+    """Drop columns that are -1 in every row (ids are left-packed)."""
+    k = int((x >= 0).sum(1).max()) if x.numel() else 0
+    return x[:, :k]
