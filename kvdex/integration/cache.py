@@ -152,6 +152,9 @@ class KVDexLayer(CacheLayerMixin):
         with parent._timed("attention"):
             out = sparse_decode_attention(q, aset.k, aset.v, aset.idx, aset.valid, scale)
         parent._count_attended(aset.valid.sum())
+        if parent.policy.observes:  # e.g. H2O accumulates the attention of the attended tokens
+            with parent._timed("selection"):
+                parent.policy.observe(self.layer_idx, q, aset, scale)
         if parent.observer is not None:
             parent.observer(self.layer_idx, q, store, aset, scale)
         return out

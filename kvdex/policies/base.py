@@ -56,6 +56,7 @@ class Policy:
     granularity: ClassVar[str] = "page"  # "page" | "token"
     obs_window: ClassVar[int] = 0  # prompt queries kept for ``index`` at prefill
     uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
+    observes: ClassVar[bool] = False  # True: ``observe`` is called after every sparse decode attention
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -69,6 +70,11 @@ class Policy:
 
     def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""
+
+    def observe(self, layer: int, q: torch.Tensor, attend_set, scale: float) -> None:
+        """After the sparse decode attention of ``layer``, for policies with ``observes = True`` only
+        (H2O accumulates the attention weights of the attended tokens). ``attend_set``: the
+        :class:`~kvdex.storage.AttendSet` the kernel read; q [B, Hq, D]."""
 
     def options(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

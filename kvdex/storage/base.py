@@ -103,6 +103,34 @@ class LayerStore(ABC):
         s = self.grid.sink
         return k[:, :, s : s + nmid * self.grid.page_size]
 
+    # ---- restructuring (PRKV) -----------------------------------------------------------
+    def permute_middle(self, order: torch.Tensor) -> None:
+        """Reorder the middle tokens of every (sequence, kv head) in place (PRKV's relocation).
+
+        ``order`` [B, H, M], M = the longest middle in tokens: afterwards middle slot j of (b, h)
+        holds what was in middle slot ``order[b, h, j]`` (slot j == position sink + j before any
+        reordering). Each row must be a permutation of 0..M-1 that leaves the slots past the
+        sequence's own middle in place. Keys carry their rotary position already, so attention over
+        a reordered store is unchanged; only which slot holds which token moves.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot reorder its middle tokens")
+
+    def _check_middle_order(self, order: torch.Tensor) -> int:
+        """Validate a :meth:`permute_middle` order; returns M."""
+        g = self.grid
+        m = int(g.num_middle_pages(self.lengths_host).max()) * g.page_size
+        if order.dim() != 3 or tuple(order.shape) != (self.batch, self.kv_heads, m) or order.is_floating_point():
+            want = f"[{self.batch}, {self.kv_heads}, {m}]"
+            raise ValueError(f"order must be an integer tensor {want}, got {tuple(order.shape)} {order.dtype}")
+        ar = torch.arange(m, device=order.device)
+        if not torch.equal(order.sort(dim=-1).values, ar.expand_as(order)):
+            raise ValueError("order must be a permutation of the middle slots 0..M-1 in every row")
+        own = (g.num_middle_pages(self.lengths_host) * g.page_size).to(order.device)  # [B]
+        tail = ar[None, None, :] >= own[:, None, None]
+        if bool((tail & (order != ar)).any()):
+            raise ValueError("order must leave the slots past a sequence's own middle in place")
+        return m
+
     @abstractmethod
     def device_bytes(self) -> int: ...
 

@@ -82,6 +82,15 @@ class DeviceStore(LayerStore):
         valid = torch.cat([fixed_valid, mid_valid], dim=-1)
         return AttendSet(self.k, self.v, idx, valid, idx)
 
+    def permute_middle(self, order: torch.Tensor) -> None:
+        m = self._check_middle_order(order)
+        if m == 0:
+            return
+        s = self.grid.sink
+        idx = (order.to(self.device) + s)[..., None].expand(-1, -1, -1, self.head_dim)
+        self.k[:, :, s : s + m] = self.k.gather(2, idx)  # gather copies before the write
+        self.v[:, :, s : s + m] = self.v.gather(2, idx)
+
     def dense(self):
         n = int(self.lengths_host.max())
         return self.k[:, :, :n], self.v[:, :, :n]

@@ -165,6 +165,12 @@ class OffloadStore(LayerStore):
         pos = torch.cat([pos, *parts_pos], dim=-1)
         return AttendSet(self.k, self.v, idx, valid, pos)
 
+    def permute_middle(self, order: torch.Tensor) -> None:
+        """The middle lives in host memory only: the pages are reordered there."""
+        m = self._check_middle_order(order)
+        if m:
+            self.host.permute_tokens(order.cpu())
+
     def dense(self):
         """Rebuild every token on the device (oracle scoring, multi-token extends): copies the middle."""
         g = self.grid

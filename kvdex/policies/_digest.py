@@ -1,0 +1,121 @@
+"""ArkVale page digests (Chen et al., NeurIPS 2024, §5.2): a bounding volume of each page's keys.
+
+A page's importance for a query q is ``I(q, K) = max_{k in K} q.k``. ArkVale summarises the keys K of
+a filled page by a bounding volume around the AABB centre ``c = (min K + max K) / 2`` and estimates
+I from it:
+
+* sphere (centre c, radius r):      ``q.c + r |q|``                          (paper eq. 1)
+* cuboid (box c - r ... c + r):     ``sum_i max(q_i (c_i + r_i), q_i (c_i - r_i)) = q.c + |q|.r``  (eq. 3)
+
+with three radii each (eqs. 2 and 4): ``max`` (the farthest key: a true bounding volume, so the
+estimate is an upper bound of I), ``center`` (half-way between the nearest and the farthest key) and
+``mean`` (the mean distance). Only the ``max`` variants are bounds; the paper's Figure 7 finds
+``cuboid-mean`` the most accurate, and it is what ArkVale's released code computes, so it is the
+default of ``arkvale`` and of PRKV's dynamic part.
+
+:class:`DigestIndex` keeps the digests of every middle page of every layer (updated as pages join the
+middle, rewritten when PRKV restructures the pages) and scores them for a query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIGESTS = ("cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center")
+_GROW = 256  # pages of index capacity added at a time
+
+
+def check_digest(kind: str) -> None:
+    if kind not in DIGESTS:
+        raise ValueError(f"unknown digest {kind!r}; choose one of: {', '.join(DIGESTS)}")
+
+
+def summarize(keys: torch.Tensor, kind: str, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digest of pages: keys [..., ps, D] -> (centre [..., D], radius [..., D] (cuboid) or [..., 1] (sphere)).
+
+    ``count`` (optional, broadcastable to keys[..., 0, 0]) is the number of real keys of each page
+    (a page is full once it joins the middle, so callers leave it None).
+    """
+    shape, radius = kind.split("-")
+    k = keys.float()
+    if count is not None:
+        live = torch.arange(k.shape[-2], device=k.device) < count[..., None]  # [..., ps]
+        live = live[..., None]
+        lo = torch.where(live, k, float("inf")).amin(-2)
+        hi = torch.where(live, k, float("-inf")).amax(-2)
+    else:
+        live = None
+        lo, hi = k.amin(-2), k.amax(-2)
+    c = (lo + hi) / 2
+    dist = (k - c[..., None, :]).abs() if shape == "cuboid" else (k - c[..., None, :]).norm(dim=-1, keepdim=True)
+    if live is not None:
+        dist_max = torch.where(live, dist, float("-inf")).amax(-2)
+        dist_min = torch.where(live, dist, float("inf")).amin(-2)
+        dist_mean = torch.where(live, dist, 0.0).sum(-2) / live.sum(-2).clamp(min=1)
+    else:
+        dist_max, dist_min, dist_mean = dist.amax(-2), dist.amin(-2), dist.mean(-2)
+    r = {"max": dist_max, "center": (dist_min + dist_max) / 2, "mean": dist_mean}[radius]
+    return c, r
+
+
+def digest_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Estimated importance per query head and page: q [B, Hq, D], centre [B, H, P, D],
+    radius [B, H, P, D] (cuboid) or [B, H, P, 1] (sphere) -> [B, Hq, P] (fp32).
+
+    Cuboid: ``q.c + |q|.r`` (== sum_i max(q_i hi_i, q_i lo_i)); sphere: ``q.c + r |q|``.
+    """
+    b, hq, d = q.shape
+    h = centre.shape[1]
+    qg = q.view(b, h, hq // h, d).float()
+    s = torch.einsum("bhgd,bhpd->bhgp", qg, centre.float())
+    if radius.shape[-1] == 1:
+        s = s + qg.norm(dim=-1)[..., None] * radius[..., 0].float()[:, :, None, :]
+    else:
+        s = s + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), radius.float())
+    return s.reshape(b, hq, -1)
+
+
+class DigestIndex:
+    """Digests of the middle pages of every layer: centre/radius [B, H, capacity, D or 1]."""
+
+    def __init__(self, kind: str):
+        check_digest(kind)
+        self.kind = kind
+        self.centre: dict[int, torch.Tensor] = {}
+        self.radius: dict[int, torch.Tensor] = {}
+
+    def __contains__(self, layer: int) -> bool:
+        return layer in self.centre
+
+    def _reserve(self, layer: int, pages: int, c: torch.Tensor, r: torch.Tensor) -> None:
+        cur = self.centre.get(layer)
+        cap = 0 if cur is None else cur.shape[2]
+        if pages <= cap:
+            return
+        b, h, _, d = c.shape
+        new_cap = max(pages, cap + max(_GROW, cap // 4))
+        centre = c.new_zeros(b, h, new_cap, d)
+        radius = r.new_zeros(b, h, new_cap, r.shape[-1])
+        if cur is not None:
+            centre[:, :, :cap] = cur
+            radius[:, :, :cap] = self.radius[layer]
+        self.centre[layer], self.radius[layer] = centre, radius
+
+    def write(self, layer: int, start: torch.Tensor, count: torch.Tensor, keys: torch.Tensor) -> None:
+        """Pages ``start[b] ... start[b] + count[b] - 1`` of sequence b get the digests of keys[b, :, :count[b]].
+
+        keys [B, H, Pn, ps, D]; start/count [B] (CPU).
+        """
+        if int(count.sum()) == 0:
+            return
+        c, r = summarize(keys, self.kind)
+        self._reserve(layer, int((start + count).max()), c, r)
+        centre, radius = self.centre[layer], self.radius[layer]
+        for b in torch.nonzero(count).flatten().tolist():
+            s, n = int(start[b]), int(count[b])
+            centre[b, :, s : s + n] = c[b, :, :n]
+            radius[b, :, s : s + n] = r[b, :, :n]
+
+    def scores(self, layer: int, q: torch.Tensor, pages: int) -> torch.Tensor:
+        """[B, Hq, pages] estimated importance of pages 0 ... pages-1 for q [B, Hq, D]."""
+        return digest_scores(q, self.centre[layer][:, :, :pages], self.radius[layer][:, :, :pages])

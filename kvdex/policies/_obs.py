@@ -1,0 +1,116 @@
+"""Observation-window scoring shared by SnapKV, PRKV's static part and H2O's prefill, and the ring of
+recent queries that periodic refreshes read.
+
+SnapKV (Li et al., 2024) and PRKV (Algorithm 1, lines 6-9) score every earlier token by the
+attention the last W queries (the observation window) pay it. PRKV's GQA rule is used for both:
+the kv heads are repeated for every query head, the softmax weights are computed per query head and
+then averaged over the window and over the query heads of a group (averaging *queries* first lets
+positive and negative scores cancel, PRKV §4.1). The softmax runs over every key the query sees
+(causal, sink and window included): the true attention weights, which is what SnapKV slices its
+scores from; the middle tokens' share of them is the score.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+POOLINGS = ("max", "avg")
+_Q_CHUNK = 16  # observation queries scored at a time (bounds the [B, Hq, chunk, L] weights)
+
+
+def check_pooling(kernel: int, pooling: str) -> None:
+    if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be an odd int >= 1 (1 = no pooling), got {kernel!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+
+
+def attention_mass(
+    q: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Summed softmax weights per query head: q [B, Hq, W, D] at positions q_pos [B, W] (valid rows
+    q_valid [B, W]), keys k [B, H, L, D] with slot == position -> [B, Hq, L] (fp32).
+
+    Key j is visible to query i iff ``j <= q_pos[i]`` and ``j < lengths``.
+    """
+    b, hq, w, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    kf = k.float()
+    j = torch.arange(L, device=k.device)
+    live = j[None, :] < lengths.to(k.device)[:, None]  # [B, L]
+    out = torch.zeros(b, h, hq // h, L, device=k.device)
+    for i0 in range(0, w, _Q_CHUNK):
+        qc = q[:, :, i0 : i0 + _Q_CHUNK].float().view(b, h, hq // h, -1, d)
+        s = torch.einsum("bhgwd,bhld->bhgwl", qc, kf) * scale
+        vis = (j[None, None, :] <= q_pos[:, i0 : i0 + _Q_CHUNK, None].to(k.device)) & live[:, None, :]  # [B, c, L]
+        s = s.masked_fill(~vis[:, None, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p = p * q_valid[:, i0 : i0 + _Q_CHUNK].to(p)[:, None, None, :, None]
+        out += p.sum(3)
+    return out.reshape(b, hq, L)
+
+
+def middle_scores(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    grid,
+    scale: float,
+    kernel: int = 1,
+    pooling: str = "max",
+) -> torch.Tensor:
+    """Observation-window score of every middle token per kv head: [B, H, M], M = the longest middle.
+
+    Mean softmax weight over the valid window queries, pooled along the sequence (SnapKV's
+    clustering; ``kernel=1`` for none) per query head, then averaged over the group. Keys must be
+    in position order (slot == position). Entries past a sequence's middle are ``-inf``.
+    """
+    h = k.shape[1]
+    end = grid.window_start(lengths.to(k.device))  # [B]
+    m = int(grid.num_middle_pages(lengths.cpu()).max()) * grid.page_size
+    s0 = grid.sink
+    mass = attention_mass(q, q_pos, q_valid, k, lengths, scale)[:, :, s0 : s0 + m]  # [B, Hq, M]
+    mass = mass / q_valid.sum(-1).clamp(min=1).to(mass)[:, None, None]
+    inside = (s0 + torch.arange(m, device=k.device))[None, :] < end[:, None]  # [B, M]
+    mass = mass * inside[:, None, :]  # SnapKV pools the prefix only: nothing past the middle leaks in
+    if kernel > 1 and m:
+        b, hq = mass.shape[:2]
+        x = mass.reshape(b * hq, 1, m)
+        pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+        mass = pool(x, kernel, stride=1, padding=kernel // 2).reshape(b, hq, m)
+    b, hq = mass.shape[:2]
+    score = mass.view(b, h, hq // h, m).mean(2)
+    return score.masked_fill(~inside[:, None, :], float("-inf"))
+
+
+class QueryRing:
+    """The last ``size`` queries of one layer with their positions: q [B, Hq, size, D], oldest first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.q = self.pos = self.valid = None
+
+    def load(self, q: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> None:
+        """Start from the prompt's last rows: q [B, Hq, W, D], pos / valid [B, W] (W <= size)."""
+        w = q.shape[2]
+        b, hq, _, d = q.shape
+        self.q = q.new_zeros(b, hq, self.size, d)
+        self.pos = torch.zeros(b, self.size, dtype=torch.long, device=q.device)
+        self.valid = torch.zeros(b, self.size, dtype=torch.bool, device=q.device)
+        take = min(w, self.size)
+        self.q[:, :, self.size - take :] = q[:, :, w - take :]
+        self.pos[:, self.size - take :] = pos[:, w - take :].to(q.device)
+        self.valid[:, self.size - take :] = valid[:, w - take :].to(q.device)
+
+    def push(self, q: torch.Tensor, pos: torch.Tensor) -> None:
+        """One decode query per sequence: q [B, Hq, D] at positions pos [B]."""
+        if self.q is None:
+            b, hq, d = q.shape
+            self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
+        self.q = torch.cat([self.q[:, :, 1:], q[:, :, None]], dim=2)
+        self.pos = torch.cat([self.pos[:, 1:], pos.to(self.pos.device)[:, None]], dim=1)
+        ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
+        self.valid = torch.cat([self.valid[:, 1:], ones], dim=1)

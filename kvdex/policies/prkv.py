@@ -1,0 +1,186 @@
+"""``prkv``: PRKV (page restructured KV cache) -- a static token set plus dynamically chosen pages.
+
+The retrieval budget ``r = budget - sink - window`` per kv head is split in two (PRKV §3.5, §4.1):
+
+* **static** (ratio ``S``): every ``T`` decode steps (and at prefill), Algorithm 1 scores every middle
+  token by the attention of the last ``obs`` queries (computed per query head on repeated KV, then
+  averaged over the window and the group: :mod:`._obs`), takes the top ``k_s`` tokens per kv head,
+  and *relocates* them: the middle of the store is permuted so they occupy its first slots (in
+  position order), the other tokens following in their previous order, still in pages
+  (``store.permute_middle``; with ``offload=True`` the host pages are rewritten). The page digests
+  are recomputed from the restructured pages. The static tokens are attended every step as whole
+  pages (plus the ragged tail as tokens) -- the point of making them contiguous;
+* **dynamic** (ratio ``1 - S``): ``(r - k_s) / page_size`` pages chosen per step among the pages after
+  the static region by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default), plus the sink
+  and the local window that kvdex always attends.
+
+``S = 0`` is ArkVale (the same selection, no relocation), ``S = 1`` is SnapKV+ (``snapkv`` with
+``refresh=T`` and ``kernel=1``; pooling is not in Algorithm 1, ``kernel`` adds it for both).
+
+Choices where the paper is silent (measured in docs/policies/prkv.md):
+
+* ``k_s``: PRKV's Appendix G rounds the static count down to whole pages; we do the same,
+  ``k_s = page_size * floor(S * r / page_size)``, and give the ``r mod page_size`` tokens that no
+  whole page can use to the static part (so ``S = 1`` gives all of ``r`` and ``S = 0`` none);
+* the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
+  the prefill's static set is computed at the layer's first decode step (when the store is there);
+* scores are computed with the keys put back in position order (``origin`` maps each middle slot to
+  its position), so the static choice never depends on a previous relocation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.policies._digest import DigestIndex, check_digest
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
+from kvdex.policies.arkvale import top_pages
+from kvdex.policies.base import Policy, register_policy, topk_ids
+from kvdex.policies.snapkv import check_obs, prompt_rows
+from kvdex.selection import Selection
+
+
+def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
+    """(static tokens, dynamic pages) for a retrieval budget of ``retrieval`` tokens."""
+    if static_ratio == 0:
+        return 0, retrieval // page_size
+    static = page_size * math.floor(static_ratio * retrieval / page_size + 1e-9) + retrieval % page_size
+    return static, (retrieval - static) // page_size
+
+
+@register_policy
+@dataclass
+class PRKVPolicy(Policy):
+    name = "prkv"
+
+    static_ratio: float = 0.25  # S (paper default 0.25)
+    refresh: int = 128  # T: decode steps between static-set updates
+    obs: int = 64  # observation window: the paper's local window, 64
+    digest: str = "cuboid-mean"  # dynamic pages' digest, as ArkVale
+    kernel: int = 1  # pooling of the static scores (1 = none, as Algorithm 1)
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        s = self.static_ratio
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
+            raise ValueError(f"static_ratio (S) must be a number in [0, 1], got {s!r}")
+        check_obs(self.obs, self.refresh)
+        if self.refresh == 0:
+            raise ValueError("refresh (T) must be >= 1 decode steps")
+        check_digest(self.digest)
+        check_pooling(self.kernel, self.pooling)
+        self.obs_window = self.obs
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        self.n_static, self.n_dynamic = split_budget(self.cfg.retrieval_tokens, self.cfg.page_size, self.static_ratio)
+        self.digests = DigestIndex(self.digest)
+        self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
+        self.static: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
+        self.rings: dict[int, QueryRing] = {}
+        self.pending: dict[int, object] = {}
+        self.steps: dict[int, int] = {}
+        self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which the static set was rebuilt
+
+    def stats(self) -> dict:
+        return {"static_tokens": self.n_static, "dynamic_pages": self.n_dynamic}
+
+    def index(self, layer, update) -> None:
+        if update.obs_queries is not None:
+            self.pending[layer] = update
+        self.digests.write(layer, update.start, update.count, update.keys)
+
+    # ---- static part (Algorithm 1) -------------------------------------------------------------
+    def _origin(self, layer: int, store, m: int) -> torch.Tensor:
+        """[B, H, m] origin map, extended with identity for pages that joined the middle since."""
+        cur = self.origin.get(layer)
+        have = 0 if cur is None else cur.shape[2]
+        if have < m:
+            ext = torch.arange(have, m, device=store.device).expand(store.batch, store.kv_heads, -1)
+            cur = ext.clone() if cur is None else torch.cat([cur, ext], dim=-1)
+            self.origin[layer] = cur
+        return cur[:, :, :m]
+
+    def _restructure(self, layer: int, store, scale: float) -> None:
+        g = store.grid
+        m = int(g.num_middle_pages(store.lengths_host).max()) * g.page_size
+        if m == 0:
+            return
+        origin = self._origin(layer, store, m)
+        k, _ = store.dense()
+        kpos = k.clone()  # keys in position order: position sink + origin[j] <- slot sink + j
+        dst = (origin + g.sink)[..., None].expand(-1, -1, -1, k.shape[-1])
+        kpos.scatter_(2, dst, k[:, :, g.sink : g.sink + m])
+        ring = self.rings[layer]
+        score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling)
+        top = topk_ids(score, self.n_static)  # [B, H, n] positions - sink, -1 padded
+        is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
+        is_static.scatter_(2, torch.where(top >= 0, top, m), True)
+        is_static = is_static[:, :, :m].gather(2, origin)  # per slot
+        j = torch.arange(m, device=k.device)
+        own = (g.num_middle_pages(store.lengths) * g.page_size)[:, None, None]
+        # new slot order: static tokens by position, then the rest in their current order, then the
+        # slots past a sequence's middle in place
+        key = torch.where(is_static, origin, m + j)
+        key = torch.where(j < own, key, 2 * m + j)
+        order = key.argsort(dim=-1, stable=True)
+        store.permute_middle(order)
+        self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
+        self.static[layer] = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
+        # page representations of the restructured pages, from the keys already on the device
+        moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
+        pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
+        nmid = g.num_middle_pages(store.lengths_host)
+        self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def select(self, layer, q, store, scale) -> Selection:
+        step = self.steps.get(layer, 0)
+        self.steps[layer] = step + 1
+        if self.n_static:
+            if layer in self.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
+                self.rings[layer] = QueryRing(self.obs)
+                self.rings[layer].load(*prompt_rows(self.pending.pop(layer), store.lengths - 1))
+                self._restructure(layer, store, scale)
+            ring = self.rings.setdefault(layer, QueryRing(self.obs))
+            ring.push(q, store.lengths - 1)
+            if step and step % self.refresh == 0:
+                self._restructure(layer, store, scale)
+                self.refreshes.setdefault(layer, []).append(step)
+        self.pending.pop(layer, None)
+        return self._selection(layer, q, store)
+
+    def _selection(self, layer, q, store) -> Selection:
+        ps = store.grid.page_size
+        b, h = store.batch, store.kv_heads
+        n = self.static.get(layer, torch.zeros(b, dtype=torch.long, device=q.device))  # [B]
+        full, tail = n // ps, n % ps
+        first = (n + ps - 1) // ps  # dynamic candidates: the pages after the static region
+        dynamic = top_pages(self.digests, layer, q, store, self.n_dynamic, first if self.n_static else None)
+        if not self.n_static:
+            return Selection(pages=dynamic)  # S = 0: ArkVale
+        f = int(full.max())
+        sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
+        sp = torch.where(sp < full[:, None], sp, -1)[:, None, :].expand(b, h, -1)
+        pages = torch.cat([sp, dynamic], dim=-1)
+        t = int(tail.max())
+        tokens = None
+        if t:
+            tk = store.grid.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
+            tokens = torch.where(torch.arange(t, device=q.device)[None, :] < tail[:, None], tk, -1)
+            tokens = tokens[:, None, :].expand(b, h, -1)
+        return Selection(pages=pages, tokens=tokens)
+
+    def positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Token positions of store slots ``slots`` [B, H, N] of ``layer`` (undoes the relocation; -1 stays)."""
+        sink = self.cfg.sink
+        org = self.origin.get(layer)
+        if org is None:
+            return slots
+        m = org.shape[2]
+        mid = (slots >= sink) & (slots < sink + m)
+        mapped = org.gather(2, (slots - sink).clamp(0, m - 1).to(org.device)) + sink
+        return torch.where(mid, mapped, slots)

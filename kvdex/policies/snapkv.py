@@ -1,0 +1,111 @@
+"""``snapkv``: SnapKV (Li et al., 2024) -- the prompt's observation window picks the tokens to keep.
+
+The last ``obs`` prompt queries (the observation window) vote for earlier tokens with their
+attention weights (mean over the window; GQA per query head then averaged over the group,
+:mod:`._obs`); the votes are pooled along the sequence (``kernel``, max pooling: SnapKV's
+clustering, so a selected token brings its neighbours) and the top ``budget - sink - window``
+middle tokens per kv head are kept. SnapKV compresses the prompt once, at prefill, and never
+recalls a dropped token; every token after the prefill's middle (SnapKV's kept window and the
+tokens generated afterwards) stays, as in SnapKV (its cache grows by one token per step), so with
+``refresh=0`` the attended set is the budget plus the tokens that have left the window since.
+
+``refresh=T > 0`` is SnapKV+ (PRKV §5.1/§5.3: "SnapKV with the full cache reserved and updated
+periodically"): every T decode steps the selection is recomputed over the whole context from the
+last ``obs`` queries (prompt rows, then decode queries), and between refreshes the attended set is
+sink + the selected tokens + window -- exactly the budget. PRKV with S = 1 equals it.
+
+The votes are computed at the layer's first decode step (the store is needed to see every key);
+that is the first moment the selection is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
+from kvdex.policies.base import Policy, register_policy, topk_ids
+from kvdex.selection import Selection
+
+
+def check_obs(obs: int, refresh: int) -> None:
+    if not isinstance(obs, int) or isinstance(obs, bool) or obs < 1:
+        raise ValueError(f"obs (observation window, queries) must be an int >= 1, got {obs!r}")
+    if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 0:
+        raise ValueError(f"refresh must be an int >= 0 (0 = never, SnapKV; T > 0 = SnapKV+), got {refresh!r}")
+
+
+def prompt_rows(update, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, positions, valid) of the prefill's observation queries; ``lengths`` = prompt lengths [B]."""
+    q = update.obs_queries
+    w = q.shape[2]
+    pos = lengths.to(q.device)[:, None] - w + torch.arange(w, device=q.device)[None, :]
+    return q, pos.clamp(min=0), update.obs_valid.to(q.device) & (pos >= 0)
+
+
+@register_policy
+@dataclass
+class SnapKVPolicy(Policy):
+    name = "snapkv"
+    granularity = "token"
+
+    obs: int = 32  # observation window (SnapKV's window_size)
+    kernel: int = 7  # pooling kernel along the sequence (1 = none)
+    pooling: str = "max"
+    refresh: int = 0  # 0: SnapKV (prompt only); T > 0: SnapKV+ (re-select every T decode steps)
+
+    def __post_init__(self) -> None:
+        check_obs(self.obs, self.refresh)
+        check_pooling(self.kernel, self.pooling)
+        self.obs_window = self.obs
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        self.pending: dict[int, object] = {}
+        self.rings: dict[int, QueryRing] = {}
+        self.chosen: dict[int, torch.Tensor] = {}  # layer -> [B, H, n] positions, -1 padded
+        self.kept_from: dict[int, torch.Tensor] = {}  # layer -> [B] end of the prefill's middle
+        self.steps: dict[int, int] = {}
+        self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which it re-selected
+
+    def index(self, layer, update) -> None:
+        if update.obs_queries is not None:
+            self.pending[layer] = update
+
+    def _choose(self, layer, store, scale) -> None:
+        ring = self.rings[layer]
+        s = middle_scores(ring.q, ring.pos, ring.valid, store.dense()[0], store.lengths, store.grid, scale,
+                          self.kernel, self.pooling)  # fmt: skip
+        ids = topk_ids(s, self.cfg.retrieval_tokens)
+        self.chosen[layer] = torch.where(ids >= 0, ids + store.grid.sink, -1)
+
+    def select(self, layer, q, store, scale) -> Selection:
+        step = self.steps.get(layer, 0)
+        self.steps[layer] = step + 1
+        if layer in self.pending:  # first decode step: the prompt is lengths - 1 tokens
+            prompt = store.lengths - 1
+            self.kept_from[layer] = store.grid.window_start(prompt)
+            self.rings[layer] = ring = QueryRing(self.obs)
+            ring.load(*prompt_rows(self.pending.pop(layer), prompt))
+            self._choose(layer, store, scale)
+        if self.refresh:
+            ring = self.rings.setdefault(layer, QueryRing(self.obs))
+            ring.push(q, store.lengths - 1)
+            if step and step % self.refresh == 0:
+                self._choose(layer, store, scale)
+                self.refreshes.setdefault(layer, []).append(step)
+        b, h = store.batch, store.kv_heads
+        chosen = self.chosen.get(layer, torch.full((b, h, 0), -1, dtype=torch.long, device=q.device))
+        if self.refresh == 0 and layer in self.kept_from:
+            chosen = torch.cat([chosen, self._kept(layer, store)], dim=-1)
+        return Selection(tokens=chosen)
+
+    def _kept(self, layer, store) -> torch.Tensor:
+        """Middle positions past the prefill's middle (SnapKV keeps them all): [B, H, n], -1 padded."""
+        start = self.kept_from[layer]
+        end = store.grid.window_start(store.lengths)
+        n = int((end - start).clamp(min=0).max())
+        pos = start[:, None] + torch.arange(n, device=start.device)[None, :]
+        pos = torch.where(pos < end[:, None], pos, -1)
+        return pos[:, None, :].expand(-1, store.kv_heads, -1)
