@@ -1,0 +1,294 @@
+"""``icecache``: IceCache (Mao et al., 2025) -- semantic pages from a DCI-tree, per-head retrieval.
+
+Per sparse layer and (sequence, kv head) a DCI-tree (:mod:`kvdex.index.dci`) indexes the middle
+keys in the transformed space of eq. 2/3; its leaf nodes are the pages. Algorithm 1:
+
+* prefill (``index`` with all middle pages): the keys go to the host (pinned, async) and the tree
+  is built on a CPU thread pool while the GPU prefills the next layers (Figure 5b); the build is
+  joined lazily at the layer's first ``select``;
+* a window page leaves the window (``index`` with one page): its keys are inserted with the same
+  random promotion (lines 26-36) on a worker thread; ``select`` never waits for an insertion --
+  until it lands, the tokens of that page are attended explicitly (out of the retrieval budget),
+  just as they were while they sat in the window;
+* decode (``select``, Algorithms 3-4): every query head of a kv head's group asks the tree for its
+  top-k keys by inner product (M-DCI); the pages holding them are the selection (GQA: the union
+  over the group, merged rank by rank), taken in order of their best-ranked key while they fit the
+  retrieval budget (tokens) and ``max_pages``.
+
+With ``offload=True`` the layer store is a :class:`~kvdex.storage.semantic.SemanticOffloadStore`:
+the host keeps every leaf page contiguous, and each step only the selected pages that are not
+already on the device are gathered into pinned staging and sent in one copy (bulk loading).
+
+``reuse=True`` is IceCache (reuse), Appendix C: trees and queries only on anchor layers (every
+``reuse_every``-th sparse layer from the first); the layers in between attend the tokens selected
+at the most recent anchor layer. Choices the paper leaves open are listed in docs/policies/icecache.md.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.index.dci import DCIParams, DCITree
+from kvdex.policies.base import Policy, register_policy
+from kvdex.selection import Selection
+from kvdex.storage.semantic import SemanticOffloadStore
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One shared pool per thread count (the evaluation harness forks many caches)."""
+    with _POOLS_LOCK:
+        if threads not in _POOLS:
+            _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvdex-dci")
+        return _POOLS[threads]
+
+
+@register_policy
+@dataclass
+class IceCachePolicy(Policy):
+    name = "icecache"
+    granularity = "token"
+
+    promotion_ratio: float = 0.0  # r; 0 -> 1 / page_size (a leaf node fills about one page)
+    num_comp: int = 2  # composite indices per tree (m)
+    num_simp: int = 4  # random projections per composite index (p)
+    construction_fov: int = 10
+    construction_prop: float = 0.1
+    query_fov: int = 0  # points kept per level when selecting; 0 -> topk
+    query_prop: float = 0.8
+    topk: int = 0  # keys retrieved per query head; 0 -> the retrieval budget in tokens
+    max_pages: int = 0  # pages per kv head and step; 0 -> 2 * retrieval_pages
+    norm_margin: float = 1.25
+    reuse: bool = False
+    reuse_every: int = 3
+    threads: int = 0  # CPU threads for tree construction / insertion; 0 -> os.cpu_count()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.promotion_ratio < 1.0:
+            raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
+        for name in ("num_comp", "num_simp", "construction_fov", "reuse_every"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("query_fov", "topk", "max_pages", "threads", "seed"):
+            _check_int(name, getattr(self, name), 0)
+        for name in ("construction_prop", "query_prop"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if self.norm_margin < 1.0:
+            raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def bind(self, info) -> None:
+        super().bind(info)
+        ps = self.cfg.page_size
+        self.params = DCIParams(
+            promotion_ratio=self.promotion_ratio or 1.0 / ps,
+            num_comp=self.num_comp,
+            num_simp=self.num_simp,
+            construction_fov=self.construction_fov,
+            construction_prop=self.construction_prop,
+            page_size=ps,
+            norm_margin=self.norm_margin,
+            seed=self.seed,
+        )
+        sparse = info.sparse_layers
+        every = self.reuse_every if self.reuse else 1
+        self.anchor_of = {lay: sparse[(i // every) * every] for i, lay in enumerate(sparse)}
+        self._trees: dict[int, list[DCITree | None]] = {}
+        self._jobs: dict[int, deque] = {}  # layer -> (future, {b: positions}) not applied yet
+        self._gens: dict[tuple[int, int], torch.Generator] = {}
+        self._last: dict[int, Selection] = {}
+        self._selects: dict[int, int] = {}  # decode steps (selects) seen per layer
+        self._lock = threading.Lock()
+        self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
+        self._stats.update(query_s=0.0, queries=0, clamped_keys=0, pages_selected=0, tokens_selected=0)
+
+    def make_store(self, layer, offload, args, work_tokens):
+        if not offload or self.anchor_of.get(layer) != layer:
+            return None  # GPU-resident store: selected tokens are read in place
+        return SemanticOffloadStore(*args, work_tokens=work_tokens, page_slots=self._max_pages())
+
+    def _max_pages(self) -> int:
+        return self.max_pages or max(1, 2 * self.cfg.retrieval_pages)
+
+    # ---- indexing (Algorithm 1 lines 5-10 and 26-36) --------------------------------------------------
+    def index(self, layer, update) -> None:
+        if update.empty or self.anchor_of.get(layer) != layer:
+            return
+        keys, ready = _to_host(update.keys)
+        start, count = update.start.clone(), update.count.clone()
+        g = self.cfg
+        per_b = {}
+        for b in torch.nonzero(count).flatten().tolist():
+            first = g.sink + int(start[b]) * g.page_size
+            per_b[b] = torch.arange(first, first + int(count[b]) * g.page_size)
+        q = self._jobs.setdefault(layer, deque())
+        prev = q[-1][0] if q else None
+        step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
+        base = None if prev is not None else self._trees.get(layer)
+        fut = _pool(self.threads or os.cpu_count() or 1).submit(
+            self._index_job, layer, keys, ready, per_b, prev, base, update.keys.shape[1]
+        )
+        q.append((fut, per_b, step))
+
+    def _index_job(self, layer, keys, ready, per_b, prev: Future | None, base, heads: int):
+        """Worker thread: build or extend the trees of one layer; returns (trees, placements)."""
+        if prev is not None:
+            base = prev.result()[0]
+        if ready is not None:
+            ready.synchronize()
+        t0 = time.perf_counter()
+        B = keys.shape[0]
+        trees = list(base) if base is not None else [None] * (B * heads)
+        placements = []
+        built = inserted = 0
+        clamped = sum(t.clamped for t in trees if t is not None)
+        for b, pos in per_b.items():
+            for h in range(heads):
+                k = keys[b, h, : pos.numel() // self.cfg.page_size].reshape(pos.numel(), -1)
+                tree = trees[b * heads + h]
+                seed = self.seed + 7919 * layer + 131 * b + h  # one random stream per tree
+                if tree is None:
+                    params = DCIParams(**{**self.params.__dict__, "seed": seed})
+                    tree, new = DCITree.build(k, pos, params), torch.arange(pos.numel())
+                    built += pos.numel()
+                else:
+                    gen = self._gens.setdefault((layer, b * heads + h), torch.Generator().manual_seed(seed + 1))
+                    n0 = tree.n
+                    tree = tree.insert(k, pos, gen)
+                    new = torch.arange(n0, tree.n)
+                    inserted += 1
+                trees[b * heads + h] = tree
+                placements.append((b, h, tree.pt_page[new], tree.pt_slot[new], tree.pos[new]))
+        dt = time.perf_counter() - t0
+        with self._lock:
+            s = self._stats
+            if built:
+                s["build_s"] += dt
+                s["build_keys"] += built
+                s["builds"] += 1
+            else:
+                s["insert_s"] += dt
+                s["inserts"] += inserted
+            s["clamped_keys"] = max(s["clamped_keys"], sum(t.clamped for t in trees if t is not None) - clamped)
+        return trees, placements
+
+    def _sync(self, layer, store) -> list[torch.Tensor]:
+        """Apply the index jobs of ``layer`` submitted before this step (joining them if they are
+        still running: the first build, or an insertion slower than a whole decode step); return,
+        per sequence, the positions evicted during this step, not in the tree yet."""
+        q = self._jobs.get(layer)
+        now = self._selects.get(layer, 0)
+        self._selects[layer] = now + 1
+        while q:
+            fut, _, step = q[0]
+            if step == now and self._trees.get(layer) is not None:
+                break  # evicted during this very step: attended explicitly, inserted by the next step
+            t0 = time.perf_counter()
+            trees, placements = fut.result()
+            self._stats["wait_s"] += time.perf_counter() - t0
+            q.popleft()
+            self._trees[layer] = trees
+            if isinstance(store, SemanticOffloadStore):
+                for b, h, pages, slots, pos in placements:
+                    store.place(b, h, pages, slots, pos)
+        pending = [[] for _ in range(store.batch)]
+        for _, per_b, _ in q or ():
+            for b, pos in per_b.items():
+                pending[b].append(pos)
+        return [torch.cat(p) if p else torch.empty(0, dtype=torch.long) for p in pending]
+
+    # ---- page selection (Algorithms 3-4) -----------------------------------------------------------
+    def select(self, layer, q, store, scale) -> Selection:
+        anchor = self.anchor_of[layer]
+        if anchor != layer and anchor in self._last:
+            return self._last[anchor]  # IceCache (reuse): the indices of the most recent anchor layer
+        t0 = time.perf_counter()
+        pending = self._sync(layer, store)
+        trees = self._trees.get(layer)
+        B, H = store.batch, store.kv_heads
+        G = q.shape[1] // H
+        budget = self.cfg.retrieval_tokens
+        qc = None
+        rows = []
+        for b in range(B):
+            for h in range(H):
+                tree = trees[b * H + h] if trees is not None else None
+                room = budget - pending[b].numel()
+                if tree is None or room <= 0:
+                    chosen = torch.empty(0, dtype=torch.long)
+                elif tree.n <= room:  # a top-k with k >= n is every key
+                    chosen = tree.pos
+                else:
+                    if qc is None:
+                        qc = q.detach().float().cpu()
+                    chosen = self._select_pages(tree, qc[b, h * G : (h + 1) * G], room)
+                rows.append(torch.cat([pending[b][: max(budget, 0)], chosen]))
+        T = max((r.numel() for r in rows), default=0)
+        tokens = torch.full((B * H, T), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : r.numel()] = r
+        sel = Selection(tokens=tokens.view(B, H, T).to(q.device))
+        self._last[layer] = sel
+        self._stats["query_s"] += time.perf_counter() - t0
+        self._stats["queries"] += 1
+        return sel
+
+    def _select_pages(self, tree: DCITree, qg: torch.Tensor, room: int) -> torch.Tensor:
+        """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]."""
+        k = self.topk or self.cfg.retrieval_tokens
+        ids = tree.topk(qg, k, self.query_fov or k, self.query_prop)  # [G, k] descending
+        pages = torch.where(ids >= 0, tree.pt_page[ids.clamp(min=0)], -1).T.flatten()  # rank-major
+        pages = pages[pages >= 0]
+        if pages.numel() == 0:
+            return torch.empty(0, dtype=torch.long)
+        uniq, inv = torch.unique(pages, return_inverse=True)
+        first = torch.full((uniq.numel(),), pages.numel(), dtype=torch.long)
+        first.scatter_reduce_(0, inv, torch.arange(pages.numel()), reduce="amin")
+        ordered = uniq[torch.argsort(first)]
+        fits = (tree.page_fill[ordered].cumsum(0) <= room).nonzero().numel()
+        chosen = ordered[: min(fits, self._max_pages())]
+        self._stats["pages_selected"] += chosen.numel()
+        pos = tree.page_positions(chosen).flatten()
+        pos = pos[pos >= 0]
+        self._stats["tokens_selected"] += pos.numel()
+        return pos
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        if s["build_keys"]:
+            s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
+        if s["build_s"]:
+            s["build_hidden_fraction"] = max(0.0, 1.0 - s["wait_s"] / s["build_s"])
+        if s["queries"]:
+            s["query_ms_per_layer_step"] = 1e3 * s["query_s"] / s["queries"]
+        if s["pages_selected"]:
+            s["tokens_per_selected_page"] = s["tokens_selected"] / s["pages_selected"]
+        return s
+
+
+def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying device keys to (pinned) host memory; the worker waits on the returned event."""
+    if x.device.type != "cuda":
+        return x.detach().float(), None
+    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    buf.copy_(x.detach(), non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return buf, ev
+
+
+def _check_int(name: str, v, low: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
