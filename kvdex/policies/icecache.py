@@ -109,6 +109,7 @@ class IceCachePolicy(Policy):
         self._gens: dict[tuple[int, int], torch.Generator] = {}
         self._last: dict[int, Selection] = {}
         self._selects: dict[int, int] = {}  # decode steps (selects) seen per layer
+        self._stores: dict = {}  # layer -> its store (semantic placement of inserted tokens)
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, queries=0, clamped_keys=0, pages_selected=0, tokens_selected=0)
@@ -125,6 +126,8 @@ class IceCachePolicy(Policy):
     def index(self, layer, update) -> None:
         if update.empty or self.anchor_of.get(layer) != layer:
             return
+        if getattr(update, "store", None) is not None:
+            self._stores[layer] = update.store
         keys, ready = _to_host(update.keys)
         start, count = update.start.clone(), update.count.clone()
         g = self.cfg
@@ -157,7 +160,9 @@ class IceCachePolicy(Policy):
             for h in range(heads):
                 k = keys[b, h, : pos.numel() // self.cfg.page_size].reshape(pos.numel(), -1)
                 tree = trees[b * heads + h]
-                seed = self.seed + 7919 * layer + 131 * b + h  # one random stream per tree
+                # One random stream per (layer, kv head), the same for every sequence of a batch:
+                # a sequence gets the same tree in a batch as alone.
+                seed = self.seed + 7919 * layer + h
                 if tree is None:
                     params = DCIParams(**{**self.params.__dict__, "seed": seed})
                     tree, new = DCITree.build(k, pos, params), torch.arange(pos.numel())
@@ -183,6 +188,22 @@ class IceCachePolicy(Policy):
             s["clamped_keys"] = max(s["clamped_keys"], sum(t.clamped for t in trees if t is not None) - clamped)
         return trees, placements
 
+    def flush(self) -> None:
+        """Wait for every pending index job and apply it (tests, benchmarks, end of generation)."""
+        for layer, q in self._jobs.items():
+            store = self._stores.get(layer)
+            while q:
+                self._apply(layer, q.popleft()[0], store)
+
+    def _apply(self, layer, fut: Future, store) -> None:
+        t0 = time.perf_counter()
+        trees, placements = fut.result()
+        self._stats["wait_s"] += time.perf_counter() - t0
+        self._trees[layer] = trees
+        if isinstance(store, SemanticOffloadStore):
+            for b, h, pages, slots, pos in placements:
+                store.place(b, h, pages, slots, pos)
+
     def _sync(self, layer, store) -> list[torch.Tensor]:
         """Apply the index jobs of ``layer`` submitted before this step (joining them if they are
         still running: the first build, or an insertion slower than a whole decode step); return,
@@ -194,14 +215,7 @@ class IceCachePolicy(Policy):
             fut, _, step = q[0]
             if step == now and self._trees.get(layer) is not None:
                 break  # evicted during this very step: attended explicitly, inserted by the next step
-            t0 = time.perf_counter()
-            trees, placements = fut.result()
-            self._stats["wait_s"] += time.perf_counter() - t0
-            q.popleft()
-            self._trees[layer] = trees
-            if isinstance(store, SemanticOffloadStore):
-                for b, h, pages, slots, pos in placements:
-                    store.place(b, h, pages, slots, pos)
+            self._apply(layer, q.popleft()[0], store)
         pending = [[] for _ in range(store.batch)]
         for _, per_b, _ in q or ():
             for b, pos in per_b.items():

@@ -1,0 +1,198 @@
+"""The DCI-tree of IceCache (kvdex/index/dci.py): transform, exactness, promotion, pages, insertion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdex.index import DCIParams, DCITree, transform_keys, transform_queries
+
+EXHAUSTIVE = dict(construction_prop=1.0, construction_fov=10**6)  # every candidate gets its true distance
+
+
+def keys_of(n: int, d: int = 12, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g) * (0.2 + 3 * torch.rand(n, 1, generator=g))  # varied norms
+
+
+def test_transform_makes_nearest_neighbour_order_equal_inner_product_order():
+    k = keys_of(500, 16)
+    q = torch.randn(20, 16) * 7
+    c = float(k.norm(dim=-1).max()) * 1.1
+    tk, clamped = transform_keys(k, c)
+    tq = transform_queries(q)
+    assert clamped == 0
+    torch.testing.assert_close(tk.norm(dim=-1), torch.ones(500))
+    torch.testing.assert_close(tq.norm(dim=-1), torch.ones(20))
+    dist = torch.cdist(tq.double(), tk.double())
+    ip = q.double() @ k.double().T
+    assert torch.equal(torch.argsort(dist, dim=1), torch.argsort(-ip, dim=1))
+    # |T_K(k) - T_Q(q)|^2 = 2 - 2 q.k / (c |q|)
+    expect = 2 - 2 * ip / (c * q.double().norm(dim=-1, keepdim=True))
+    torch.testing.assert_close(dist**2, expect, atol=1e-5, rtol=0)
+
+
+def test_transform_clamps_keys_longer_than_c():
+    k = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+    tk, clamped = transform_keys(k, 1.0)
+    assert clamped == 1
+    torch.testing.assert_close(tk[0], torch.tensor([0.6, 0.8, 0.0]))
+    torch.testing.assert_close(tk[1], torch.tensor([0.3, 0.4, (1 - 0.25) ** 0.5]))
+
+
+def test_pdci_lower_bound_never_above_true_distance():
+    tree = DCITree.build(keys_of(300), torch.arange(300), DCIParams(promotion_ratio=0.25, page_size=4))
+    xq = transform_queries(torch.randn(9, 12))
+    pq = xq @ tree.proj_dirs.T
+    lb = (tree.proj[:-1][None] - pq[:, None]).abs().amax(-1)  # every simple index's bound
+    assert bool((lb <= torch.cdist(xq, tree.X) + 1e-6).all())
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 60, 400])
+def test_parents_are_exact_nearest_promoted_points_with_enough_candidates(n):
+    tree = DCITree.build(keys_of(n, seed=n), torch.arange(n), DCIParams(promotion_ratio=0.3, page_size=4, **EXHAUSTIVE))
+    for lev in range(tree.num_levels - 1):
+        up = torch.nonzero(tree.top >= lev + 1).flatten()
+        own = torch.nonzero(tree.top == lev).flatten()
+        assert torch.equal(tree.parent[lev][up], up)  # a promoted point is its own parent
+        if own.numel():
+            nearest = up[torch.cdist(tree.X[own].double(), tree.X[up].double()).argmin(1)]
+            assert torch.equal(tree.parent[lev][own], nearest)
+        assert bool((tree.parent[lev][tree.top < lev] == -1).all())
+
+
+@pytest.mark.parametrize("n", [1, 5, 33, 250, 900])
+def test_mdci_with_enough_candidates_returns_exact_top_k(n):
+    k = keys_of(n, seed=n + 1)
+    tree = DCITree.build(k, torch.arange(n) + 50, DCIParams(promotion_ratio=0.2, page_size=8, **EXHAUSTIVE))
+    q = torch.randn(6, 12)
+    kk = min(10, n)
+    ids = tree.topk(q, kk, fov=10**6, prop=1.0)
+    assert torch.equal(ids, torch.topk(q @ k.T, kk, dim=1).indices)
+    # k-NN among the points of an upper level (the parent search of a level-l insertion)
+    for lev in range(1, tree.num_levels):
+        members = torch.nonzero(tree.top >= lev).flatten()
+        got, _ = tree.search(transform_queries(q), 1, lev, 10**6, 1.0)
+        want = members[torch.cdist(transform_queries(q), tree.X[members]).argmin(1)]
+        assert torch.equal(got[:, 0], want)
+
+
+def test_default_search_is_approximate_but_finds_most_of_the_top_k():
+    """Not exact with the default candidate share; measured, not asserted exact."""
+    k = keys_of(3000, 32, seed=3)
+    tree = DCITree.build(k, torch.arange(3000), DCIParams())
+    q = k[:10] + 0.1 * torch.randn(10, 32)  # queries near the data, like attention queries
+    ids = tree.topk(q, 50, fov=50, prop=0.8)
+    true = torch.topk(q @ k.T, 50, dim=1).indices
+    hit = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, true, strict=True)) / 500
+    assert hit > 0.3
+    assert bool((ids >= 0).all()) and all(len(set(r.tolist())) == 50 for r in ids)
+
+
+def test_random_promotion_is_geometric_and_empty_levels_are_removed():
+    r = 0.25
+    tree = DCITree.build(keys_of(20000, 4), torch.arange(20000), DCIParams(promotion_ratio=r, page_size=16))
+    frac1 = float((tree.top >= 1).float().mean())
+    assert abs(frac1 - r) < 0.02
+    levels = torch.unique(tree.top)
+    assert torch.equal(levels, torch.arange(tree.num_levels))
+    assert torch.equal(tree.root, torch.nonzero(tree.top == tree.num_levels - 1).flatten())
+
+
+def check_pages(tree: DCITree, positions: torch.Tensor) -> None:
+    """Every point in exactly one page; pages never exceed page_size; a page holds one leaf node;
+    all pages of a node but its last are full; the maps agree with the page table."""
+    ps = tree.params.page_size
+    pts = tree.page_pts
+    assert pts.shape[1] == ps
+    live = pts[pts >= 0]
+    assert live.numel() == tree.n and torch.equal(torch.sort(live).values, torch.arange(tree.n))
+    assert torch.equal((pts >= 0).sum(1), tree.page_fill)
+    assert bool((tree.page_fill >= 1).all()) and bool((tree.page_fill <= ps).all())
+    # occupied slots come first
+    assert bool(((pts >= 0).long().diff(dim=1) <= 0).all())
+    for p in range(tree.num_pages):
+        row = pts[p, : tree.page_fill[p]]
+        assert torch.equal(tree.pt_page[row], torch.full_like(row, p))
+        assert torch.equal(tree.pt_slot[row], torch.arange(row.numel()))
+    leaf = tree.leaf_nodes()
+    node_of_page = leaf[pts[:, 0]]
+    for p in range(tree.num_pages):
+        assert bool((leaf[pts[p, : tree.page_fill[p]]] == node_of_page[p]).all())
+    for node in torch.unique(node_of_page).tolist():
+        pages = torch.nonzero(node_of_page == node).flatten()
+        assert bool((tree.page_fill[pages[:-1]] == ps).all())
+        assert int(tree.node_last_page[node]) == int(pages[-1])
+    assert torch.equal(torch.sort(tree.pos).values, torch.sort(positions).values)
+    got = tree.page_positions(torch.arange(tree.num_pages))
+    assert torch.equal(torch.sort(got[got >= 0]).values, torch.sort(positions).values)
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_build_stores_every_token_in_exactly_one_page(ps):
+    n = 700
+    pos = torch.randperm(n) + 16
+    tree = DCITree.build(keys_of(n), pos, DCIParams(promotion_ratio=0.2, page_size=ps))
+    check_pages(tree, pos)
+
+
+def test_insertion_keeps_pages_valid_and_the_old_snapshot_untouched():
+    n = 300
+    params = DCIParams(promotion_ratio=0.2, page_size=8, **EXHAUSTIVE)
+    tree = DCITree.build(keys_of(n), torch.arange(n), params)
+    snapshot = (tree.X.clone(), tree.page_pts.clone(), tree.page_fill.clone(), tree.parent[0].clone())
+    g = torch.Generator().manual_seed(5)
+    pos = torch.arange(n)
+    grown = tree
+    for step in range(12):  # one page of 16 keys at a time, as evicted window pages arrive
+        new = keys_of(16, seed=100 + step)
+        grown = grown.insert(new, torch.arange(16) + n + 16 * step, g)
+        pos = torch.cat([pos, torch.arange(16) + n + 16 * step])
+        check_pages(grown, pos)
+    assert grown.n == n + 12 * 16 and grown.num_levels == tree.num_levels
+    assert torch.equal(tree.X, snapshot[0]) and torch.equal(tree.page_pts, snapshot[1])
+    assert torch.equal(tree.page_fill, snapshot[2]) and torch.equal(tree.parent[0], snapshot[3])
+    # old points keep their pages and slots (append-only), inserted points have valid parents
+    assert torch.equal(grown.pt_page[:n], tree.pt_page) and torch.equal(grown.pt_slot[:n], tree.pt_slot)
+    for lev in range(grown.num_levels - 1):
+        on = grown.top >= lev
+        par = grown.parent[lev][on]
+        assert bool((par >= 0).all()) and bool((grown.top[par] >= lev + 1).all())
+    # the grown tree is still searched exactly with enough candidates
+    k_all = torch.cat([keys_of(n)] + [keys_of(16, seed=100 + s) for s in range(12)])
+    q = torch.randn(4, 12)
+    c = grown.c
+    ok = k_all.norm(dim=-1) <= c  # clamped keys (none expected here) would rank by cosine
+    assert bool(ok.all())
+    assert torch.equal(grown.topk(q, 7, 10**6, 1.0), torch.topk(q @ k_all.T, 7, dim=1).indices)
+
+
+def test_insertion_into_a_single_level_tree():
+    params = DCIParams(promotion_ratio=0.01, page_size=4, seed=1)
+    tree = DCITree.build(keys_of(3), torch.arange(3), params)
+    assert tree.num_levels == 1
+    grown = tree.insert(keys_of(6, seed=9), torch.arange(3, 9), torch.Generator().manual_seed(0))
+    check_pages(grown, torch.arange(9))
+    assert grown.num_pages == 3  # one node, spilled into pages of 4
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(promotion_ratio=0.0),
+        dict(promotion_ratio=1.0),
+        dict(num_comp=0),
+        dict(num_simp=1.5),
+        dict(construction_prop=0.0),
+        dict(page_size=0),
+        dict(norm_margin=0.9),
+    ],
+)
+def test_bad_params_raise(bad):
+    with pytest.raises(ValueError):
+        DCIParams(**bad)
+
+
+def test_build_needs_keys():
+    with pytest.raises(ValueError, match="at least one key"):
+        DCITree.build(torch.empty(0, 4), torch.empty(0, dtype=torch.long), DCIParams())
