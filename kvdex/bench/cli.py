@@ -1,0 +1,121 @@
+"""``kvdex bench`` arguments; :func:`register` adds the subcommand to kvdex's main CLI."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from kvdex.bench import runner, shapes
+
+DESCRIPTION = """\
+Decode speed of kvdex policies (GPU-resident and offloaded) next to transformers' DynamicCache and
+its offloaded cache, on a random-weight model of a named shape. Checks first that every kvdex
+method at a budget covering the context gives the dense step's logits, then measures per context
+and batch: prefill time, ms/token (median, p90 over --steps after --warmup, CUDA events),
+throughput, peak device / host memory, host->device bytes, and the split of a step into
+selection / transfer / attention / rest. Writes bench.json, bench.png and a table.
+
+example (H200): kvdex bench --shape llama3-8b --contexts 32k,128k --batches 1,8 --budget 2048
+"""
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'32k,128k,512k' -> (32768, 131072, 524288); plain integers pass through."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        mult = 1
+        if item[-1] in "km":
+            mult = 1024 if item[-1] == "k" else 1024 * 1024
+            item = item[:-1]
+        try:
+            n = int(item) * mult
+        except ValueError:
+            raise ValueError(f"not a size: {item!r} (use e.g. 32k,128k or 4096)") from None
+        if n < 1:
+            raise ValueError(f"sizes must be positive, got {n}")
+        out.append(n)
+    if not out:
+        raise ValueError("empty size list")
+    return tuple(out)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--shape", default="llama3-8b", help=f"model shape: {', '.join(shapes.shape_names())}")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (default %(default)s)")
+    p.add_argument("--device", default="cuda", help="cuda | cpu (default %(default)s)")
+    p.add_argument("--contexts", default="32k,128k", help="context lengths, e.g. 32k,128k,512k")
+    p.add_argument("--batches", default="1,8", help="batch sizes (default %(default)s)")
+    p.add_argument("--policies", default="quest", help="kvdex policies, comma separated (default %(default)s)")
+    p.add_argument("--storages", default="device,offload", help="device and/or offload (default %(default)s)")
+    p.add_argument("--baselines", default=",".join(runner.HF_METHODS),
+                   help="transformers caches to compare: hf/dynamic, hf/offloaded, or none")  # fmt: skip
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--split-steps", type=int, default=10, help="extra steps with phase timing (0: no split)")
+    p.add_argument("--check-context", type=int, default=2048, help="context of the full-budget check")
+    p.add_argument("--no-check", action="store_true", help="skip the full-budget == dense check")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
+    p.set_defaults(func=run)
+    return p
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="decode speed and memory of kvdex vs transformers' caches",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return build_parser(p)
+
+
+def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
+    storages = _names(args.storages)
+    bad = [s for s in storages if s not in ("device", "offload")]
+    if bad:
+        raise ValueError(f"--storages: unknown {', '.join(bad)}; use device and/or offload")
+    baselines = () if args.baselines.strip().lower() in ("", "none") else _names(args.baselines)
+    bad = [b for b in baselines if b not in runner.HF_METHODS]
+    if bad:
+        raise ValueError(f"--baselines: unknown {', '.join(bad)}; use {', '.join(runner.HF_METHODS)} or none")
+    if args.steps < 1 or args.warmup < 0 or args.split_steps < 0:
+        raise ValueError("--steps must be >= 1, --warmup and --split-steps >= 0")
+    shapes.make_config(args.shape)  # unknown shape: ValueError now
+    return runner.BenchConfig(
+        shape=args.shape, dtype=args.dtype, device=args.device,
+        contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
+        policies=_names(args.policies), storages=storages, baselines=baselines,
+        budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window,
+        dense_layers=args.dense_layers, steps=args.steps, warmup=args.warmup, split_steps=args.split_steps,
+        check_context=args.check_context, check=not args.no_check,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdex.bench import report
+
+    cfg = config_from_args(args)
+    out = Path(args.out or f"runs/bench/{cfg.shape}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = runner.run(cfg, log=lambda s: print(s, flush=True))
+    report.write_json(result, out / "bench.json")
+    print()
+    print(report.table(result))
+    drew = report.plot(result, out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if drew else ""))
+    if result.get("error"):
+        print(f"kvdex bench: {result['error']}")
+        return 1
+    return 0

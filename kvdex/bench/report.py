@@ -1,0 +1,76 @@
+"""Output of ``kvdex bench``: a printed table, the JSON record and a PNG of ms/token vs context."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def table(result: dict) -> str:
+    """One row per (context, batch, method): speed, memory, transfer and the split of a step."""
+    head = (f"{'method':<18} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
+            f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in result.get("results", []):
+        lead = f"{r['method']:<18} {_ctx(r['context']):>5} {r['batch']:>2}"
+        if r["status"] != "ok":
+            lines.append(f"{lead} {r['status']}: {r.get('error', '')[:80]}")
+            continue
+        sp = r.get("split")
+        split = "-"
+        if sp:
+            split = "/".join(_fmt(None if sp[f"{k}_frac"] is None else 100 * sp[f"{k}_frac"], ".0f")
+                             for k in ("selection", "transfer", "attention", "rest"))  # fmt: skip
+        host = r.get("kv_host_gb")
+        lines.append(
+            f"{lead} {r['ms_median']:>8.2f} {r['ms_p90']:>8.2f} {r['tokens_per_s']:>9.1f} {r['prefill_s']:>9.2f} "
+            f"{_fmt(r.get('peak_device_gb'), '.1f'):>7} {_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
+            f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def plot(result: dict, path: Path) -> bool:
+    """ms/token (median) vs context length, one line per method, one panel per batch size.
+    Returns False when matplotlib is missing or there is nothing to draw."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in result.get("results", []) if r["status"] == "ok"]
+    if not rows:
+        return False
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches, strict=True):
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["context"], r["ms_median"]) for r in rows if r["batch"] == b and r["method"] == m)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms / token (median)")
+        ax.set_title(f"{result['config']['shape']}, batch {b}, budget {result['config']['budget']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,368 @@
+"""``kvdex bench``: decode speed of kvdex policies next to transformers' own caches.
+
+For one model shape, every (context length, batch size) and every method -- each kvdex policy on
+a GPU-resident store (``policy/device``) and offloaded (``policy/offload``), transformers'
+``DynamicCache`` (``hf/dynamic``) and its offloaded variant (``hf/offloaded``) -- one run:
+
+1. builds the cache and prefills random token ids (timed);
+2. decodes ``warmup`` steps, then ``steps`` timed steps, greedy, the next ids never leaving the
+   device (no host synchronisation added by the harness). On CUDA every step is bracketed by CUDA
+   events; ms/token is their median and p90; throughput = batch * steps / wall time;
+3. peak device memory over prefill + decode and during decode alone, host RSS, KV bytes on host,
+   host->device bytes per step;
+4. for kvdex methods, ``split_steps`` more steps with the cache's phase timing switched on (it
+   synchronises around selection / transfer / attention, so these steps are slower and only give
+   the split of a step, as fractions of the step time measured in the same pass).
+
+Before any timing, :func:`check_full_budget` runs every kvdex method at a budget covering the
+whole context and compares one decode step's logits with ``DynamicCache`` + SDPA.
+Out-of-memory results are recorded as ``status: "OOM"`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kvdex
+from kvdex.bench import shapes
+
+HF_METHODS = ("hf/dynamic", "hf/offloaded")
+
+
+@dataclass
+class BenchConfig:
+    shape: str = "llama3-8b"
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    contexts: tuple[int, ...] = (32768, 131072)
+    batches: tuple[int, ...] = (1, 8)
+    policies: tuple[str, ...] = ("quest",)
+    storages: tuple[str, ...] = ("device", "offload")
+    baselines: tuple[str, ...] = HF_METHODS
+    budget: int = 2048
+    page_size: int = 16
+    sink: int = 16
+    window: int = 32
+    dense_layers: int = 2
+    steps: int = 100
+    warmup: int = 10
+    split_steps: int = 10
+    check_context: int = 2048
+    check: bool = True
+    seed: int = 0
+    policy_options: dict = field(default_factory=dict)
+
+    def methods(self) -> list[str]:
+        out = [f"{p}/{s}" for p in self.policies for s in self.storages]
+        return out + list(self.baselines)
+
+
+def _dtype(name: str):
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                "float32": torch.float32, "fp32": torch.float32}[name]  # fmt: skip
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use bfloat16, float16 or float32") from None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_rss() -> int:
+    """Resident set size of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _set_attn(model, name: str) -> None:
+    if getattr(model.config, "_attn_implementation", None) == name:
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
+    """The cache object of ``method`` for ``model`` (kvdex methods switch the model to kvdex attention)."""
+    if method == "hf/dynamic":
+        from transformers import DynamicCache
+
+        _set_attn(model, "sdpa")
+        return DynamicCache(config=model.config)
+    if method == "hf/offloaded":
+        from transformers import DynamicCache
+
+        if next(model.parameters()).device.type != "cuda":
+            raise RuntimeError("transformers' offloaded cache needs a CUDA device")
+        _set_attn(model, "sdpa")
+        return DynamicCache(config=model.config, offloading=True)
+    policy, _, storage = method.partition("/")
+    if storage not in ("device", "offload"):
+        raise ValueError(f"method {method!r}: expected POLICY/device, POLICY/offload or one of {HF_METHODS}")
+    return kvdex.Cache(
+        model,
+        policy,
+        cfg.budget if budget is None else budget,
+        page_size=cfg.page_size,
+        sink=cfg.sink,
+        window=cfg.window,
+        offload=storage == "offload",
+        dense_layers=cfg.dense_layers,
+        **cfg.policy_options.get(policy, {}),
+    )
+
+
+@torch.no_grad()
+def _prefill(model, cache, ids):
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def _step(model, cache, ids):
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
+    return logits.argmax(-1, keepdim=True), logits
+
+
+def _prompt(batch: int, length: int, vocab: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=g).to(device)
+
+
+# ---- correctness before timing ----------------------------------------------------------------------
+
+
+def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]:
+    """Every kvdex method at a budget covering the context vs DynamicCache + SDPA, one decode step.
+
+    Returns one record per method: max |dlogit|, that divided by max |logit|, whether the greedy
+    token is the same, and ``ok`` (relative error within the dtype's tolerance and same token).
+    """
+    device = next(model.parameters()).device
+    ctx = cfg.check_context
+    vocab = model.config.vocab_size
+    ids = _prompt(1, ctx, vocab, cfg.seed + 7, device)
+    nxt = _prompt(1, 1, vocab, cfg.seed + 8, device)
+    ref_cache = make_cache(model, "hf/dynamic", cfg)
+    _prefill(model, ref_cache, ids)
+    _, ref = _step(model, ref_cache, nxt)
+    ref = ref.float()
+    del ref_cache
+    tol = {torch.float32: 1e-3}.get(next(model.parameters()).dtype, 5e-2)
+    budget = ctx + 64 + cfg.sink + cfg.window  # covers every token: the full-budget selection
+    out = []
+    for method in methods:
+        if method in HF_METHODS:
+            continue
+        cache = make_cache(model, method, cfg, budget=budget)
+        _prefill(model, cache, ids)
+        _, got = _step(model, cache, nxt)
+        diff = float((got.float() - ref).abs().max())
+        rel = diff / max(float(ref.abs().max()), 1e-12)
+        same = bool(torch.equal(got.argmax(-1), ref.argmax(-1)))
+        out.append(dict(method=method, context=ctx, budget=budget, max_abs_dlogit=diff, rel=rel,
+                        same_token=same, ok=bool(rel <= tol and same)))  # fmt: skip
+        del cache
+        gc.collect()
+    return out
+
+
+# ---- one measured run -------------------------------------------------------------------------------
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    i = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[i]
+
+
+def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> dict:
+    device = next(model.parameters()).device
+    rec = dict(method=method, context=context, batch=batch, status="ok")
+    vocab = model.config.vocab_size
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = None
+    try:
+        cache = make_cache(model, method, cfg)
+        ids = _prompt(batch, context, vocab, cfg.seed + context + batch, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = _prefill(model, cache, ids)
+        _sync(device)
+        rec["prefill_s"] = time.perf_counter() - t0
+        del ids
+        nxt = logits.argmax(-1, keepdim=True)
+        for _ in range(cfg.warmup):
+            nxt, _ = _step(model, cache, nxt)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        h2d0 = _h2d(cache)
+        ms, wall = _timed_steps(model, cache, nxt, cfg.steps, device)
+        rec["ms_median"] = statistics.median(ms)
+        rec["ms_p90"] = _percentile(ms, 0.9)
+        rec["ms_mean"] = statistics.fmean(ms)
+        rec["tokens_per_s"] = batch * cfg.steps / wall
+        rec["steps"] = cfg.steps
+        if device.type == "cuda":
+            rec["decode_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        h2d = _h2d(cache) - h2d0
+        rec["h2d_bytes_per_step"] = h2d / cfg.steps
+        rec["h2d_gbps_over_step"] = h2d / cfg.steps / (rec["ms_median"] * 1e-3) / 1e9
+        if isinstance(cache, kvdex.Cache):
+            s = cache.stats()
+            rec["kv_host_gb"] = s["kv_bytes_host"] / 1e9
+            rec["kv_device_gb"] = s["kv_bytes_device"] / 1e9
+            if cfg.split_steps:
+                rec["split"] = _split(model, cache, nxt, cfg.split_steps, device)
+                t = rec["split"].get("transfer_ms", 0.0)
+                rec["h2d_gbps_during_transfer"] = rec["h2d_bytes_per_step"] / (t * 1e-3) / 1e9 if t > 0 else None
+        if device.type == "cuda":
+            rec["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9  # since reset above
+        rec["host_rss_gb"] = _host_rss() / 1e9
+    except torch.OutOfMemoryError as e:
+        rec["status"] = "OOM"
+        rec["error"] = str(e).splitlines()[0][:300]
+    except RuntimeError as e:
+        rec["status"] = "error"
+        rec["error"] = str(e).splitlines()[0][:300]
+    finally:
+        del cache
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rec
+
+
+def _h2d(cache) -> int:
+    return cache.transfer.h2d_bytes if isinstance(cache, kvdex.Cache) else 0
+
+
+def _timed_steps(model, cache, nxt, steps: int, device) -> tuple[list[float], float]:
+    """Per-step milliseconds (CUDA events on CUDA, wall clock elsewhere) and total wall seconds."""
+    if device.type == "cuda":
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for a, b in ev:
+            a.record()
+            nxt, _ = _step(model, cache, nxt)
+            b.record()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        return [a.elapsed_time(b) for a, b in ev], wall
+    ms = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        nxt, _ = _step(model, cache, nxt)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return ms, time.perf_counter() - t0
+
+
+def _split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
+    """Selection / transfer / attention / rest per step, from the cache's own phase timing."""
+    cache.config = dataclasses.replace(cache.config, timing=True)
+    before = dict(cache._timing)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt, _ = _step(model, cache, nxt)
+    _sync(device)
+    total = (time.perf_counter() - t0) * 1e3 / steps
+    cache.config = dataclasses.replace(cache.config, timing=False)
+    out = {"step_ms_timed": total}
+    known = 0.0
+    for name in ("selection", "transfer", "attention"):
+        v = (cache._timing.get(name, 0.0) - before.get(name, 0.0)) / steps
+        out[f"{name}_ms"] = v
+        known += v
+    out["rest_ms"] = max(total - known, 0.0)
+    for name in ("selection", "transfer", "attention", "rest"):
+        out[f"{name}_frac"] = out[f"{name}_ms"] / total if total > 0 else None
+    return out
+
+
+# ---- the whole run ----------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    import platform
+
+    import transformers
+
+    v = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__)
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name()
+    return v
+
+
+def run(cfg: BenchConfig, log=print) -> dict:
+    """Check, then measure every (context, batch, method). Returns the JSON-ready result."""
+    for p in cfg.policies:
+        kvdex.make_policy(p, **cfg.policy_options.get(p, {}))  # unknown policy/option: fail now
+    kvdex.CacheConfig(budget=cfg.budget, page_size=cfg.page_size, sink=cfg.sink, window=cfg.window,
+                      dense_layers=cfg.dense_layers)  # fmt: skip
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; pass --device cpu (tiny shapes only)")
+    dtype = _dtype(cfg.dtype)
+    methods = cfg.methods()
+    t0 = time.perf_counter()
+    model = shapes.build_model(cfg.shape, dtype, device, max(cfg.contexts) + cfg.steps + cfg.warmup + 1024, cfg.seed)
+    log(f"model {cfg.shape}: {shapes.param_bytes(model) / 1e9:.2f} GB of {cfg.dtype} weights on {device} "
+        f"(built in {time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    result = dict(config=dataclasses.asdict(cfg), versions=versions(), weights_gb=shapes.param_bytes(model) / 1e9)
+    if cfg.check:
+        checks = check_full_budget(model, cfg, methods)
+        result["check"] = checks
+        for c in checks:
+            log(f"check {c['method']:<22} full budget vs dense: max|dlogit| {c['max_abs_dlogit']:.3g} "
+                f"(rel {c['rel']:.2e}), same token {c['same_token']} -> {'OK' if c['ok'] else 'FAILED'}")  # fmt: skip
+        bad = [c["method"] for c in checks if not c["ok"]]
+        if bad:
+            result["results"] = []
+            result["error"] = f"full-budget check failed for {', '.join(bad)}: no timing"
+            return result
+    rows = []
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            for method in methods:
+                rec = measure(model, method, context, batch, cfg)
+                rows.append(rec)
+                log(_line(rec))
+    result["results"] = rows
+    return result
+
+
+def _line(r: dict) -> str:
+    head = f"{r['method']:<18} ctx {r['context']:>7} b {r['batch']:>2}"
+    if r["status"] != "ok":
+        return f"{head}  {r['status']}: {r.get('error', '')}"
+    return (f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
+            f"prefill {r['prefill_s']:.2f} s")  # fmt: skip

@@ -1,0 +1,113 @@
+"""``kvdex bench`` end to end on a tiny random-weight model (CPU): records, check, table, JSON, PNG,
+and the full-budget check refusing to time a broken kernel. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvdex import cli
+from kvdex.bench import report, runner, shapes
+from kvdex.bench.cli import parse_sizes
+
+
+def _cfg(**kw):
+    base = dict(shape="tiny", dtype="float32", device="cpu", contexts=(96,), batches=(1, 2), policies=("quest",),
+                storages=("device", "offload"), baselines=("hf/dynamic",), budget=64, steps=3, warmup=1,
+                split_steps=2, check_context=80)  # fmt: skip
+    return runner.BenchConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def result():
+    return runner.run(_cfg(), log=lambda s: None)
+
+
+def test_check_passes_and_every_method_is_measured(result):
+    assert [c["method"] for c in result["check"]] == ["quest/device", "quest/offload"]
+    for c in result["check"]:
+        assert c["ok"] and c["same_token"] and c["rel"] < 1e-3 and c["budget"] > c["context"]
+    rows = result["results"]
+    assert [(r["method"], r["batch"]) for r in rows] == [
+        (m, b) for b in (1, 2) for m in ("quest/device", "quest/offload", "hf/dynamic")
+    ]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["steps"] == 3 and r["ms_p90"] >= r["ms_median"] > 0 and r["tokens_per_s"] > 0
+        assert r["prefill_s"] > 0
+
+
+def test_transfer_and_split_are_consistent(result):
+    by = {(r["method"], r["batch"]): r for r in result["results"]}
+    for b in (1, 2):
+        off, dev = by[("quest/offload", b)], by[("quest/device", b)]
+        # budget 64 = sink 16 + window 32 + one 16-token page per kv head, fetched every step from host
+        page_bytes = 2 * 16 * 16 * 4  # K and V, 16 tokens, head_dim 16, fp32
+        sparse_layers = 3 - 2
+        assert off["h2d_bytes_per_step"] == b * 2 * sparse_layers * page_bytes
+        assert dev["h2d_bytes_per_step"] == 0 and off["kv_host_gb"] > 0 and dev["kv_host_gb"] == 0
+        for r in (off, dev):
+            sp = r["split"]
+            total = sum(sp[f"{k}_ms"] for k in ("selection", "transfer", "attention", "rest"))
+            assert total == pytest.approx(sp["step_ms_timed"], rel=1e-6) or sp["rest_ms"] == 0
+            assert all(0 <= sp[f"{k}_frac"] <= 1 for k in ("selection", "transfer", "attention", "rest"))
+        assert dev["split"]["transfer_ms"] >= 0 and "split" not in by[("hf/dynamic", b)]
+
+
+def test_report_table_json_png(result, tmp_path):
+    text = report.table(result)
+    assert "quest/offload" in text and "hf/dynamic" in text and len(text.splitlines()) == 2 + 6
+    report.write_json(result, tmp_path / "bench.json")
+    back = json.loads((tmp_path / "bench.json").read_text())
+    assert back["config"]["shape"] == "tiny" and back["versions"]["torch"] == torch.__version__
+    pytest.importorskip("matplotlib")
+    assert report.plot(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_check_refuses_to_time_a_wrong_kernel(monkeypatch):
+    """Fault injection: a decode kernel that drops the last attended slot must fail the check,
+    and nothing is timed."""
+    import kvdex.integration.cache as cache_mod
+
+    real = cache_mod.sparse_decode_attention
+
+    def broken(q, k, v, idx, valid, scale):
+        valid = valid.clone()
+        valid[..., -1] = False
+        return real(q, k, v, idx, valid, scale)
+
+    monkeypatch.setattr(cache_mod, "sparse_decode_attention", broken)
+    res = runner.run(_cfg(storages=("offload",), batches=(1,)), log=lambda s: None)
+    assert not res["check"][0]["ok"]
+    assert res["results"] == [] and "full-budget check failed" in res["error"]
+
+
+def test_cli_end_to_end_and_errors(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64",
+                   "--batches", "1", "--storages", "device", "--baselines", "none", "--budget", "64",
+                   "--steps", "2", "--warmup", "0", "--split-steps", "0", "--check-context", "64", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "full budget vs dense" in printed and "quest/device" in printed
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["method"] for r in data["results"]] == ["quest/device"] and "split" not in data["results"][0]
+    for bad in (["--shape", "nope"], ["--storages", "disk"], ["--contexts", "12q"], ["--baselines", "hf/x"],
+                ["--policies", "nope"]):  # fmt: skip
+        assert cli.main(["bench", "--device", "cpu", "--shape", "tiny", *bad]) == 2
+        assert "kvdex: error:" in capsys.readouterr().err
+
+
+def test_parse_sizes_and_shapes():
+    assert parse_sizes("32k,128k,512k") == (32768, 131072, 524288)
+    assert parse_sizes("1, 8") == (1, 8)
+    with pytest.raises(ValueError):
+        parse_sizes("0")
+    cfg = shapes.make_config("llama3-8b", 600_000)
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    assert cfg.max_position_embeddings == 600_000
+    with pytest.raises(ValueError, match="unknown shape"):
+        shapes.make_config("gpt-17")
