@@ -14,9 +14,21 @@ from kvdex.bench.cli import parse_sizes
 
 
 def _cfg(**kw):
-    base = dict(shape="tiny", dtype="float32", device="cpu", contexts=(96,), batches=(1, 2), policies=("quest",),
-                storages=("device", "offload"), baselines=("hf/dynamic",), budget=64, steps=3, warmup=1,
-                split_steps=2, check_context=80)  # fmt: skip
+    base = dict(
+        shape="tiny",
+        dtype="float32",
+        device="cpu",
+        contexts=(96,),
+        batches=(1, 2),
+        policies=("quest",),
+        storages=("device", "offload"),
+        baselines=("hf/dynamic",),
+        budget=64,
+        steps=3,
+        warmup=1,
+        split_steps=2,
+        check_context=80,
+    )
     return runner.BenchConfig(**{**base, **kw})
 
 
@@ -87,16 +99,49 @@ def test_check_refuses_to_time_a_wrong_kernel(monkeypatch):
 
 def test_cli_end_to_end_and_errors(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = cli.main(["bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64",
-                   "--batches", "1", "--storages", "device", "--baselines", "none", "--budget", "64",
-                   "--steps", "2", "--warmup", "0", "--split-steps", "0", "--check-context", "64", "--out", str(out)])  # fmt: skip
+    rc = cli.main(
+        [
+            "bench",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--contexts",
+            "64",
+            "--batches",
+            "1",
+            "--storages",
+            "device",
+            "--baselines",
+            "none",
+            "--budget",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--split-steps",
+            "0",
+            "--check-context",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "full budget vs dense" in printed and "quest/device" in printed
     data = json.loads((out / "bench.json").read_text())
     assert [r["method"] for r in data["results"]] == ["quest/device"] and "split" not in data["results"][0]
-    for bad in (["--shape", "nope"], ["--storages", "disk"], ["--contexts", "12q"], ["--baselines", "hf/x"],
-                ["--policies", "nope"]):  # fmt: skip
+    for bad in (
+        ["--shape", "nope"],
+        ["--storages", "disk"],
+        ["--contexts", "12q"],
+        ["--baselines", "hf/x"],
+        ["--policies", "nope"],
+    ):
         assert cli.main(["bench", "--device", "cpu", "--shape", "tiny", *bad]) == 2
         assert "kvdex: error:" in capsys.readouterr().err
 

@@ -55,8 +55,11 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,8", help="batch sizes (default %(default)s)")
     p.add_argument("--policies", default="quest", help="kvdex policies, comma separated (default %(default)s)")
     p.add_argument("--storages", default="device,offload", help="device and/or offload (default %(default)s)")
-    p.add_argument("--baselines", default=",".join(runner.HF_METHODS),
-                   help="transformers caches to compare: hf/dynamic, hf/offloaded, or none")  # fmt: skip
+    p.add_argument(
+        "--baselines",
+        default=",".join(runner.HF_METHODS),
+        help="transformers caches to compare: hf/dynamic, hf/offloaded, or none",
+    )
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--sink", type=int, default=16)
@@ -95,13 +98,25 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         raise ValueError("--steps must be >= 1, --warmup and --split-steps >= 0")
     shapes.make_config(args.shape)  # unknown shape: ValueError now
     return runner.BenchConfig(
-        shape=args.shape, dtype=args.dtype, device=args.device,
-        contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
-        policies=_names(args.policies), storages=storages, baselines=baselines,
-        budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window,
-        dense_layers=args.dense_layers, steps=args.steps, warmup=args.warmup, split_steps=args.split_steps,
-        check_context=args.check_context, check=not args.no_check,
-    )  # fmt: skip
+        shape=args.shape,
+        dtype=args.dtype,
+        device=args.device,
+        contexts=parse_sizes(args.contexts),
+        batches=parse_sizes(args.batches),
+        policies=_names(args.policies),
+        storages=storages,
+        baselines=baselines,
+        budget=args.budget,
+        page_size=args.page_size,
+        sink=args.sink,
+        window=args.window,
+        dense_layers=args.dense_layers,
+        steps=args.steps,
+        warmup=args.warmup,
+        split_steps=args.split_steps,
+        check_context=args.check_context,
+        check=not args.no_check,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

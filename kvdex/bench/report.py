@@ -16,8 +16,10 @@ def _ctx(n: int) -> str:
 
 def table(result: dict) -> str:
     """One row per (context, batch, method): speed, memory, transfer and the split of a step."""
-    head = (f"{'method':<18} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
-            f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22}")  # fmt: skip
+    head = (
+        f"{'method':<18} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
+        f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22}"
+    )
     lines = [head, "-" * len(head)]
     for r in result.get("results", []):
         lead = f"{r['method']:<18} {_ctx(r['context']):>5} {r['batch']:>2}"
@@ -27,8 +29,10 @@ def table(result: dict) -> str:
         sp = r.get("split")
         split = "-"
         if sp:
-            split = "/".join(_fmt(None if sp[f"{k}_frac"] is None else 100 * sp[f"{k}_frac"], ".0f")
-                             for k in ("selection", "transfer", "attention", "rest"))  # fmt: skip
+            split = "/".join(
+                _fmt(None if sp[f"{k}_frac"] is None else 100 * sp[f"{k}_frac"], ".0f")
+                for k in ("selection", "transfer", "attention", "rest")
+            )
         host = r.get("kv_host_gb")
         lines.append(
             f"{lead} {r['ms_median']:>8.2f} {r['ms_p90']:>8.2f} {r['tokens_per_s']:>9.1f} {r['prefill_s']:>9.2f} "

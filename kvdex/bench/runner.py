@@ -65,8 +65,14 @@ class BenchConfig:
 
 def _dtype(name: str):
     try:
-        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                "float32": torch.float32, "fp32": torch.float32}[name]  # fmt: skip
+        return {
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+            "float32": torch.float32,
+            "fp32": torch.float32,
+        }[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use bfloat16, float16 or float32") from None
 
@@ -176,8 +182,17 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
         diff = float((got.float() - ref).abs().max())
         rel = diff / max(float(ref.abs().max()), 1e-12)
         same = bool(torch.equal(got.argmax(-1), ref.argmax(-1)))
-        out.append(dict(method=method, context=ctx, budget=budget, max_abs_dlogit=diff, rel=rel,
-                        same_token=same, ok=bool(rel <= tol and same)))  # fmt: skip
+        out.append(
+            dict(
+                method=method,
+                context=ctx,
+                budget=budget,
+                max_abs_dlogit=diff,
+                rel=rel,
+                same_token=same,
+                ok=bool(rel <= tol and same),
+            )
+        )
         del cache
         gc.collect()
     return out
@@ -326,8 +341,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
     """Check, then measure every (context, batch, method). Returns the JSON-ready result."""
     for p in cfg.policies:
         kvdex.make_policy(p, **cfg.policy_options.get(p, {}))  # unknown policy/option: fail now
-    kvdex.CacheConfig(budget=cfg.budget, page_size=cfg.page_size, sink=cfg.sink, window=cfg.window,
-                      dense_layers=cfg.dense_layers)  # fmt: skip
+    kvdex.CacheConfig(
+        budget=cfg.budget, page_size=cfg.page_size, sink=cfg.sink, window=cfg.window, dense_layers=cfg.dense_layers
+    )
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; pass --device cpu (tiny shapes only)")
@@ -335,15 +351,19 @@ def run(cfg: BenchConfig, log=print) -> dict:
     methods = cfg.methods()
     t0 = time.perf_counter()
     model = shapes.build_model(cfg.shape, dtype, device, max(cfg.contexts) + cfg.steps + cfg.warmup + 1024, cfg.seed)
-    log(f"model {cfg.shape}: {shapes.param_bytes(model) / 1e9:.2f} GB of {cfg.dtype} weights on {device} "
-        f"(built in {time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    log(
+        f"model {cfg.shape}: {shapes.param_bytes(model) / 1e9:.2f} GB of {cfg.dtype} weights on {device} "
+        f"(built in {time.perf_counter() - t0:.1f} s)"
+    )
     result = dict(config=dataclasses.asdict(cfg), versions=versions(), weights_gb=shapes.param_bytes(model) / 1e9)
     if cfg.check:
         checks = check_full_budget(model, cfg, methods)
         result["check"] = checks
         for c in checks:
-            log(f"check {c['method']:<22} full budget vs dense: max|dlogit| {c['max_abs_dlogit']:.3g} "
-                f"(rel {c['rel']:.2e}), same token {c['same_token']} -> {'OK' if c['ok'] else 'FAILED'}")  # fmt: skip
+            log(
+                f"check {c['method']:<22} full budget vs dense: max|dlogit| {c['max_abs_dlogit']:.3g} "
+                f"(rel {c['rel']:.2e}), same token {c['same_token']} -> {'OK' if c['ok'] else 'FAILED'}"
+            )
         bad = [c["method"] for c in checks if not c["ok"]]
         if bad:
             result["results"] = []
@@ -364,5 +384,7 @@ def _line(r: dict) -> str:
     head = f"{r['method']:<18} ctx {r['context']:>7} b {r['batch']:>2}"
     if r["status"] != "ok":
         return f"{head}  {r['status']}: {r.get('error', '')}"
-    return (f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
-            f"prefill {r['prefill_s']:.2f} s")  # fmt: skip
+    return (
+        f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
+        f"prefill {r['prefill_s']:.2f} s"
+    )
