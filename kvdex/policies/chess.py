@@ -329,8 +329,12 @@ class ChessPolicy(Policy):
         cn = -(-pages // nc)
         return s_all[:, : -(-cn // ng)], s_all[:, g : g + cn], s_all[:, g + c : g + c + pages]
 
-    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor) -> torch.Tensor:
-        """Top-down masking (Alg. 1 l. 5-18) for sequences with ``npages`` [B] middle pages -> mask [B, P]."""
+    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor):
+        """Top-down masking (Alg. 1 l. 5-18) for sequences with ``npages`` [B] middle pages.
+
+        Returns the kept masks (grids [B, G], chunks [B, C], pages [B, P]); a chunk is scored only
+        under a kept grid and a page only under a kept chunk.
+        """
         nc, ng = self.chunk_pages, self.grid_chunks
         dev = s_p.device
         npages = npages.to(dev)
@@ -345,7 +349,7 @@ class ChessPolicy(Policy):
             rg, rc, rp = ratios
             m_g = level_mask(s_g, live_g, rg)
             m_c = level_mask(s_c, live_c & m_g[:, parent_c], rc)
-            return level_mask(s_p, live_p & m_c[:, parent_p], rp)
+            return m_g, m_c, level_mask(s_p, live_p & m_c[:, parent_p], rp)
         # Budget mode. CHOICE: the budget fixes the overall kept fraction f = K / P of each
         # sequence; it is split over the levels as in the `shape` preset (rho_l = f^w_l with
         # w_l = log rho_l / log(rho_g rho_c rho_p)), each level keeps at least what can still fill K
@@ -359,7 +363,7 @@ class ChessPolicy(Policy):
         act_c = live_c & m_g[:, parent_c]
         n_c = torch.maximum(torch.ceil(f ** w[1] * act_c.sum(1)), torch.tensor(-(-k // nc), device=dev))
         m_c = count_mask(s_c, act_c, n_c.long())
-        return count_mask(s_p, live_p & m_c[:, parent_p], torch.full_like(npages, k))
+        return m_g, m_c, count_mask(s_p, live_p & m_c[:, parent_p], torch.full_like(npages, k))
 
     def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
         """(Re)build the selection of the sequences in ``rows`` [B] bool (None: all), from the
@@ -380,7 +384,7 @@ class ChessPolicy(Policy):
             mask = torch.zeros(b, 0, dtype=torch.bool)
         else:
             s_g, s_c, s_p = self.scores(anchor, p)
-            mask = self.select_pages(s_g, s_c, s_p, npages)
+            mask = self.select_pages(s_g, s_c, s_p, npages)[2]
         new = _mask_to_ids(mask)
         if self._pages is None or rows is None:
             pages = new
