@@ -37,6 +37,7 @@ if INTERP and not CUDA:
     _itp._patch_lang_tensor = _patch_lang_tensor
 
 from kvdex.kernels import attention as ref  # noqa: E402
+from kvdex.kernels import quest_triton as qt  # noqa: E402
 from kvdex.kernels import triton_attention as ta  # noqa: E402
 from kvdex.kernels import uva  # noqa: E402
 
@@ -199,6 +200,33 @@ def test_gather_bad_inputs():
     if CUDA:
         with pytest.raises(ValueError, match="pinned"):
             uva.gather_pages(torch.zeros(2, 3, 4, 2, 4, 16), torch.zeros(2, 3, 1, dtype=torch.long, device=DEV))
+
+
+# ---- Quest page scores ------------------------------------------------------------------------------
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,h,g,p,d", [(2, 2, 2, 45, 16), (1, 1, 7, 33, 32), (2, 3, 1, 70, 16)])
+def test_quest_scores_match_twin_and_bound_every_key(dtype, b, h, g, p, d):
+    gen = torch.Generator().manual_seed(p)
+    ps = 4
+    keys = torch.randn(b, h, p, ps, d, generator=gen).to(dtype)
+    q = torch.randn(b, h * g, d, generator=gen).to(dtype).to(DEV)
+    cap = torch.zeros(b, h, p + 5, d, dtype=dtype)  # a larger index buffer, sliced as the policy does
+    kmin, kmax = cap.clone(), cap.clone()
+    kmin[:, :, :p], kmax[:, :, :p] = keys.amin(3), keys.amax(3)
+    kmin, kmax = kmin.to(DEV)[:, :, :p], kmax.to(DEV)[:, :, :p]
+    npages = torch.tensor([p, p - 9][:b], device=DEV)
+    got = qt.page_scores(q, kmin, kmax, npages)
+    want = qt.page_scores_reference(q, kmin, kmax, npages)
+    assert got.shape == (b, h, p) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # the bound is never below the true max of q.k over the page's keys, for every query head of the group
+    true = torch.einsum("bhgd,bhpsd->bhgps", q.view(b, h, g, d).float(), keys.to(DEV).float()).amax(-1).amax(2)
+    live = torch.isfinite(got)
+    assert bool((got[live] >= true[live] - 1e-4).all())
+    assert bool((~live[1:, :, p - 9 :]).all()) and bool(live[:, :, : p - 9].all())
 
 
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------

@@ -19,6 +19,19 @@ from kvdex.selection import Selection
 _GROW = 256  # pages of index capacity added at a time
 
 
+def _fast_scores():
+    """The fused Triton scoring kernel when triton is importable (and KVDEX_TRITON != "0"), else None."""
+    import os
+
+    if os.environ.get("KVDEX_TRITON", "1") == "0":
+        return None
+    try:
+        from kvdex.kernels.quest_triton import page_scores
+    except ImportError:
+        return None
+    return page_scores
+
+
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
     b, hq, d = q.shape
@@ -71,6 +84,10 @@ class QuestPolicy(Policy):
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         p = int(store.grid.num_middle_pages(store.lengths_host).max())
-        ub = page_bounds(q, self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p])
+        kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
+        fast = _fast_scores() if q.is_cuda else None
+        if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton)
+            return Selection(pages=topk_ids(fast(q, kmin, kmax, nmid), k))
+        ub = page_bounds(q, kmin, kmax)
         score = mask_pages(group_reduce(ub, store.kv_heads, "max"), nmid)
         return Selection(pages=topk_ids(score, k))

@@ -1,0 +1,101 @@
+"""Quest's page scoring in one Triton kernel: upper bounds of q.k per page, reduced over the GQA group.
+
+The twin (:func:`page_scores_reference`) is the PyTorch path of ``kvdex.policies.quest``:
+``mask_pages(group_reduce(page_bounds(q, kmin, kmax), H, "max"), num_pages)``. That path converts
+the whole min/max index to fp32 and materialises per-query-head bounds every step; at 128k tokens
+(8k pages x 8 kv heads x 128 channels per layer) those copies cost more than the attention.
+This kernel reads the index in its stored dtype once and writes only the [B, H, P] scores.
+
+Per (sequence, kv head, tile of pages): ``ub[g, p] = relu(q_g) . kmax_p + min(q_g, 0) . kmin_p``
+for the G query heads of the group (two fp32 products, exact IEEE fp32 so the bound keeps its
+guarantee up to summation order), then the max over g; pages at or past ``num_pages[b]`` get -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quest_kernel(
+    Q,
+    KMIN,
+    KMAX,
+    NPAGES,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kp,
+    H,
+    P,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    pb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    pmask = offs_p < P
+    q = tl.load(
+        Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    qpos = tl.maximum(q, 0.0)
+    qneg = tl.minimum(q, 0.0)
+    kp = (b * stride_kb + h * stride_kh) + offs_p[:, None] * stride_kp + offs_d[None, :]
+    km = pmask[:, None] & dmask[None, :]
+    kmax = tl.load(KMAX + kp, mask=km, other=0.0).to(tl.float32)
+    kmin = tl.load(KMIN + kp, mask=km, other=0.0).to(tl.float32)
+    ub = tl.dot(qpos, tl.trans(kmax), input_precision="ieee") + tl.dot(qneg, tl.trans(kmin), input_precision="ieee")
+    ub = tl.where(gmask[:, None], ub, float("-inf"))
+    score = tl.max(ub, axis=0)  # [BLOCK_P]
+    n = tl.load(NPAGES + b)
+    score = tl.where(offs_p < n, score, float("-inf"))
+    tl.store(OUT + bh * P + offs_p, score, mask=pmask)
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D]; kmin/kmax [B, H, P, D] (any float dtype, last dim contiguous); num_pages [B]
+    -> [B, H, P] fp32: per kv head the max over its query heads of Quest's bound, -inf past the middle."""
+    b, hq, d = q.shape
+    if kmin.dim() != 4 or kmin.shape != kmax.shape or kmin.shape[0] != b or kmin.shape[3] != d:
+        raise ValueError(f"expected q [B, Hq, D] and kmin/kmax [B, H, P, D], got {tuple(q.shape)}, {tuple(kmin.shape)}")
+    h, p = kmin.shape[1], kmin.shape[2]
+    if hq % h:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({h})")
+    if kmin.stride() != kmax.stride() or kmin.stride(3) != 1:
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    q = q.contiguous()
+    out = torch.empty(b, h, p, dtype=torch.float32, device=q.device)
+    if p == 0:
+        return out
+    g = hq // h
+    block_p = 32
+    n = num_pages.to(device=q.device, dtype=torch.int32)
+    _quest_kernel[(b * h, triton.cdiv(p, block_p))](
+        q, kmin, kmax, n, out, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), h, p,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_P=block_p,
+    )  # fmt: skip
+    return out
+
+
+def page_scores_reference(q, kmin, kmax, num_pages):
+    """The twin: the PyTorch path of the quest policy."""
+    from kvdex.policies.base import group_reduce, mask_pages
+    from kvdex.policies.quest import page_bounds
+
+    return mask_pages(group_reduce(page_bounds(q, kmin, kmax), kmin.shape[1], "max"), num_pages)
