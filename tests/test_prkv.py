@@ -1,0 +1,323 @@
+"""``prkv``: the hybrid static + dynamic selection and the page restructuring behind it.
+
+Invariants: the restructuring (``store.permute_middle``) keeps every token exactly once and leaves
+attention unchanged, on the device and in host pages; S = 0 is ArkVale bit for bit; S = 1 is SnapKV+
+(same tokens, same outputs); the static set is rebuilt exactly every T decode steps and is the
+top-k of the observation-window scores, at the front of the middle; the dynamic pages never
+overlap it and the attended set never exceeds the budget; a covering budget reproduces dense
+attention; bad options raise ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, window_start
+
+import kvdex
+from kvdex.kernels import sparse_decode_attention
+from kvdex.policies._obs import middle_scores
+from kvdex.policies.prkv import split_budget
+from kvdex.selection import Selection
+from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats
+
+BUDGET = 96
+R = BUDGET - SINK - WINDOW  # 48 retrieval tokens
+
+
+def test_split_budget():
+    assert split_budget(208, 16, 0.0) == (0, 13)
+    assert split_budget(208, 16, 1.0) == (208, 0)
+    assert split_budget(208, 16, 0.25) == (48, 10)  # 52 rounded down to whole pages
+    assert split_budget(208, 16, 0.5) == (96, 7)
+    assert split_budget(80, 16, 0.75) == (48, 2)
+    assert split_budget(52, 16, 0.5) == (20, 2)  # 16 + the 4 tokens no page can use
+    assert split_budget(52, 16, 1.0) == (52, 0)
+    for r in (16, 48, 52, 80, 208):
+        for s in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+            st, dy = split_budget(r, 16, s)
+            assert st + dy * 16 <= r and r - st - dy * 16 < 16 and st >= 0
+
+
+# ---- relocation in storage ------------------------------------------------------------------------
+
+
+def _filled_store(cls, lengths, seed=0):
+    """A store holding k/v whose channel 0 is the token's position (so moves are traceable)."""
+    g = Grid(SINK, PAGE, WINDOW // PAGE)
+    b, h, d = len(lengths), 2, 8
+    extra = {"work_tokens": 64} if cls is OffloadStore else {}
+    store = cls(g, b, h, d, torch.float32, "cpu", TransferStats(), **extra)
+    L = max(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, L, d, generator=gen)
+    v = torch.randn(b, h, L, d, generator=gen)
+    k[..., 0] = torch.arange(L, dtype=torch.float32)
+    v[..., 0] = torch.arange(L, dtype=torch.float32) + 1000 * torch.arange(h)[:, None]
+    store.ingest(k, v, torch.tensor(lengths))
+    return store, k, v
+
+
+def _random_order(store, gen):
+    g = store.grid
+    own = (g.num_middle_pages(store.lengths_host) * g.page_size).tolist()
+    m = max(own)
+    order = torch.arange(m).repeat(store.batch, store.kv_heads, 1)
+    for b, n in enumerate(own):
+        for h in range(store.kv_heads):
+            order[b, h, :n] = torch.randperm(n, generator=gen)
+    return order
+
+
+@pytest.mark.parametrize("cls", [DeviceStore, OffloadStore], ids=["device", "offload"])
+def test_permute_middle_keeps_every_token_once_and_attention(cls):
+    lengths = [150, 97, 64]
+    store, k0, v0 = _filled_store(cls, lengths)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 8, generator=gen)
+    everything = Selection(everything=True)
+    a = store.attend(everything)
+    before = sparse_decode_attention(q, a.k, a.v, a.idx, a.valid, 0.3)
+    total = None
+    for _ in range(3):  # repeated restructurings compose
+        order = _random_order(store, gen)
+        store.permute_middle(order)
+        total = order if total is None else total.gather(2, order)
+    k, v = store.dense()
+    g = store.grid
+    for b, n in enumerate(lengths):
+        m = int(g.num_middle_pages(torch.tensor(n))) * PAGE
+        for h in range(2):
+            pos = k[b, h, :n, 0].long()
+            assert sorted(pos.tolist()) == list(range(n))  # every token exactly once
+            assert torch.equal(pos[:SINK], torch.arange(SINK)) and torch.equal(
+                pos[SINK + m :], torch.arange(SINK + m, n)
+            )
+            want = SINK + total[b, h, :m]
+            assert torch.equal(pos[SINK : SINK + m], want)  # slot j holds what order sent there
+            assert torch.equal(k[b, h, :n], k0[b, h, pos]) and torch.equal(v[b, h, :n], v0[b, h, pos])  # rows whole
+    a = store.attend(everything)
+    after = sparse_decode_attention(q, a.k, a.v, a.idx, a.valid, 0.3)
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [DeviceStore, OffloadStore], ids=["device", "offload"])
+def test_permute_middle_rejects_bad_orders(cls):
+    store, _, _ = _filled_store(cls, [150, 97])
+    m = int(store.grid.num_middle_pages(store.lengths_host).max()) * PAGE
+    ok = torch.arange(m).repeat(2, 2, 1)
+    with pytest.raises(ValueError, match="integer tensor"):
+        store.permute_middle(ok[:, :, :-1])
+    dup = ok.clone()
+    dup[0, 0, 1] = 0
+    with pytest.raises(ValueError, match="permutation"):
+        store.permute_middle(dup)
+    tail = ok.clone()
+    tail[1, 0, [0, m - 1]] = tail[1, 0, [m - 1, 0]]  # moves a slot past sequence 1's middle
+    with pytest.raises(ValueError, match="in place"):
+        store.permute_middle(tail)
+    with pytest.raises(ValueError, match="integer tensor"):
+        store.permute_middle(ok.float())
+
+
+# ---- S = 0 and S = 1 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2"])
+def test_s0_is_arkvale_exactly(family, offload):
+    model, _ = shared_pair(family)
+    ids, mask, _ = left_padded([130, 90], seed=5)
+    out = {}
+    for name, opts in (("arkvale", {}), ("prkv", {"static_ratio": 0.0, "refresh": 8})):
+        cache = kvdex.Cache(model, name, budget=BUDGET, offload=offload, dense_layers=1, **opts)
+        out[name] = greedy(model, ids, mask, cache=cache, new=40)
+    assert torch.equal(out["prkv"][1], out["arkvale"][1])  # bit for bit
+    assert torch.equal(out["prkv"][0], out["arkvale"][0])
+
+
+@pytest.mark.parametrize("kernel", [1, 7])
+def test_s1_is_snapkv_plus(kernel):
+    """Same queries, same KV, two stores: PRKV (S = 1) relocates, SnapKV+ does not; every step both
+    attend the same tokens (positions) and produce the same output."""
+    from kvdex.policies import PolicyInfo, make_policy
+    from kvdex.storage import MiddleUpdate
+
+    lengths = [170, 120]
+    gen = torch.Generator().manual_seed(3)
+    stores = [_filled_store(DeviceStore, lengths, seed=2)[0] for _ in range(2)]
+    T, W, hq, d = 5, 16, 4, 8
+    pols = [
+        make_policy("prkv", static_ratio=1.0, refresh=T, obs=W, kernel=kernel),
+        make_policy("snapkv", refresh=T, obs=W, kernel=kernel),
+    ]
+    info = PolicyInfo(kvdex.CacheConfig(budget=BUDGET), 2, (1,), hq, 2, d)
+    obs = torch.randn(2, hq, W, d, generator=gen)
+    valid = torch.ones(2, W, dtype=torch.bool)
+    for pol, st in zip(pols, stores, strict=True):
+        pol.bind(info)
+        nmid = st.grid.num_middle_pages(st.lengths_host)
+        upd = st._middle_update(torch.zeros_like(nmid), nmid, st.k, st.v)
+        pol.index(1, MiddleUpdate(upd.start, upd.count, upd.keys, upd.values, obs, valid))
+    for step in range(23):
+        kn, vn = torch.randn(2, 2, 1, d, generator=gen), torch.randn(2, 2, 1, d, generator=gen)
+        q = 2 * torch.randn(2, hq, d, generator=gen)
+        outs, sets = [], []
+        for pol, st in zip(pols, stores, strict=True):
+            upd = st.append(kn, vn)
+            if not upd.empty:
+                pol.index(1, upd)
+            sel = pol.select(1, q, st, 0.3)
+            a = st.attend(sel)
+            outs.append(sparse_decode_attention(q, a.k, a.v, a.idx, a.valid, 0.3))
+            pos = a.positions if pol.name == "snapkv" else pol.positions(1, a.positions)
+            sets.append([[sorted(pos[b, h][a.valid[b, h]].tolist()) for h in range(2)] for b in range(2)])
+        assert sets[0] == sets[1], f"step {step}"
+        for b in range(2):
+            for h in range(2):
+                assert len(sets[0][b][h]) == len(set(sets[0][b][h])) <= BUDGET
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert pols[0].refreshes[1] == pols[1].refreshes[1] == [5, 10, 15, 20]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_s1_is_snapkv_plus_in_a_model(offload):
+    model, _ = shared_pair("llama_gqa")
+    ids = prompt(140, seed=8)
+    out = {}
+    for name, opts in (
+        ("snapkv", {"refresh": 6, "obs": 16, "kernel": 1}),
+        ("prkv", {"static_ratio": 1.0, "refresh": 6, "obs": 16}),
+    ):
+        cache = kvdex.Cache(model, name, budget=BUDGET, offload=offload, dense_layers=1, **opts)
+        out[name] = greedy(model, ids, cache=cache, new=30)
+    torch.testing.assert_close(out["prkv"][1], out["snapkv"][1], atol=1e-4, rtol=0)
+    assert torch.equal(out["prkv"][0], out["snapkv"][0])
+
+
+# ---- the hybrid during decoding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("static_ratio", [0.25, 0.5, 0.75])
+def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
+    model, _ = shared_pair("qwen2")
+    T, W = 7, 16
+    lengths = [150, 110]
+    ids, mask, _ = left_padded(lengths, seed=12)
+    budget = 112  # 64 retrieval tokens: S = 0.25 / 0.5 / 0.75 -> 1 / 2 / 3 static pages
+    opts = dict(static_ratio=static_ratio, refresh=T, obs=W)
+    cache = kvdex.Cache(model, "prkv", budget=budget, offload=offload, dense_layers=1, **opts)
+    pol = cache.policy
+    n_static, n_dyn = split_budget(budget - SINK - WINDOW, PAGE, static_ratio)
+    assert (n_static, n_dyn) == (pol.n_static, pol.n_dynamic) and n_static == 64 * static_ratio
+    calls = {"n": 0}
+    layers = (1, 2)
+
+    def observer(layer, q, store, aset, scale):
+        calls["n"] += 1
+        org = pol.origin[layer]
+        k, _ = store.dense()
+        allpos = pol.positions(layer, aset.positions)
+        for b, length in enumerate(store.lengths_host.tolist()):
+            ws = window_start(length)
+            mo = min(ws - SINK, org.shape[2])
+            assert sorted(org[b, 0, :mo].tolist()) == list(range(mo))  # relocation: a permutation
+            for h in range(store.kv_heads):
+                valid = aset.valid[b, h]
+                slots = aset.positions[b, h][valid]
+                pos = allpos[b, h][valid]
+                assert len(pos) == len(set(pos.tolist())) <= budget  # no token twice, never over the budget
+                ns = int(pol.static[layer][b])
+                assert set(range(SINK, SINK + ns)) <= set(slots.tolist())  # static = the front of the middle
+                dyn_pages = {(x - SINK) // PAGE for x in slots.tolist() if SINK + ns <= x < ws}
+                assert len(dyn_pages) <= n_dyn and all(p * PAGE >= ns for p in dyn_pages)
+                # each slot holds the key of the position the origin map names (prompt tokens)
+                old = pos < lengths[b]
+                assert torch.equal(k[b, h, slots[old]], ref_keys[layer][b, h, pos[old]])
+
+    # keys by position: a dense prefill of the same prompt
+    twin = kvdex.Cache(model, "full", budget=BUDGET, dense_layers=1)
+    greedy(model, ids, mask, cache=twin, new=1)
+    ref_keys = {lay: twin.layers[lay].store.dense()[0] for lay in layers}
+    cache.observer = observer
+    greedy(model, ids, mask, cache=cache, new=45)
+    assert calls["n"] == 44 * len(layers)
+    for layer in layers:
+        assert pol.refreshes[layer] == [7, 14, 21, 28, 35, 42]  # exactly every T decode steps
+    assert pol.static[1].tolist() == [n_static, n_static]
+
+
+def test_static_set_is_topk_of_window_scores():
+    """After a refresh, the front of the middle holds exactly the top-k_s tokens by the observation
+    scores of the last W queries (keys in position order)."""
+    model, _ = shared_pair("llama_gqa")
+    T, W = 5, 8
+    cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, static_ratio=0.5, refresh=T, obs=W)
+    pol = cache.policy
+    checked = []
+
+    def observer(layer, q, store, aset, scale):
+        step = pol.steps[layer] - 1
+        if step == 0 or step % T:
+            return
+        ring = pol.rings[layer]
+        k, _ = store.dense()
+        org = pol.origin[layer]
+        m = org.shape[2]
+        kpos = k.clone()
+        for h in range(store.kv_heads):  # keys back in position order
+            kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
+        s = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale)
+        ns = int(pol.static[layer][0])
+        for h in range(store.kv_heads):
+            front = set((org[0, h, :ns] + SINK).tolist())
+            top = torch.sort(s[0, h], descending=True)
+            kth = top.values[ns - 1]
+            assert bool((s[0, h][org[0, h, :ns]] >= kth).all())
+            rest = [x for x in range(int(torch.isfinite(s[0, h]).sum())) if x + SINK not in front]
+            assert bool((s[0, h][rest] <= kth).all())
+        checked.append(step)
+
+    cache.observer = observer
+    greedy(model, prompt(140, seed=1), cache=cache, new=22)
+    assert sorted(set(checked)) == [5, 10, 15, 20]
+
+
+CONFIGS = [
+    {"static_ratio": 0.0},
+    {"static_ratio": 0.25},
+    {"static_ratio": 0.5, "refresh": 8},
+    {"static_ratio": 1.0, "refresh": 1},
+]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("opts", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_covering_budget_matches_sdpa(opts, offload):
+    family, n, new = "llama_gqa", 70, 40
+    model, _ = shared_pair(family)
+    ref_tokens, ref_logits = reference_greedy(family, n, n, new)
+    cache = kvdex.Cache(model, "prkv", budget=256, offload=offload, dense_layers=1, **opts)
+    tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"static_ratio": 1.5},
+        {"static_ratio": -0.1},
+        {"static_ratio": "half"},
+        {"refresh": 0},
+        {"refresh": -3},
+        {"obs": 0},
+        {"digest": "ball"},
+        {"kernel": 2},
+        {"pooling": "median"},
+    ],
+)
+def test_bad_options_raise(opts):
+    with pytest.raises(ValueError):
+        kvdex.make_policy("prkv", **opts)
