@@ -1,0 +1,223 @@
+"""IceCache through kvdex.Cache / generate: exactness at full budget, budget and page invariants,
+semantic-page offload with bulk loading, ragged batches, the reuse variant, option errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair
+
+import kvdex
+from kvdex.policies import make_policy
+from kvdex.selection import Selection
+from kvdex.storage.semantic import SemanticOffloadStore
+
+NEW = 56
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize("n", [70, 30], ids=["prompt70", "prompt30"])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_mha", "qwen3"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "reuse"])
+def test_covering_budget_matches_sdpa(family, offload, n, reuse):
+    """Budget >= context: every key is retrieved, so the output is transformers' own attention."""
+    model, _ = shared_pair(family)
+    ref_tokens, ref_logits = reference_greedy(family, n, n, NEW)
+    cache = kvdex.Cache(
+        model, "icecache", budget=256, page_size=PAGE, sink=SINK, window=WINDOW, offload=offload,
+        dense_layers=1, reuse=reuse,
+    )  # fmt: skip
+    tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=NEW)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert cache.stats()["attended_tokens_per_step"] == pytest.approx(n + NEW / 2)
+
+
+def _observe(cache, log):
+    def obs(layer, q, store, aset, scale):
+        log.append((layer, aset.positions.clone(), aset.valid.clone(), store.lengths_host.clone()))
+
+    cache.observer = obs
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_selection_is_whole_semantic_pages_within_budget(offload):
+    model, _ = shared_pair("llama_gqa")
+    budget = 96
+    cache = kvdex.Cache(model, "icecache", budget=budget, offload=offload, dense_layers=1)
+    log = []
+    _observe(cache, log)
+    pol = cache.policy
+    snaps = []
+    select = pol.select
+
+    def spy(layer, q, store, scale):  # the tree snapshots each selection was made from
+        sel = select(layer, q, store, scale)
+        snaps.append((layer, list(pol._trees[layer]), sel.tokens.cpu()))
+        return sel
+
+    pol.select = spy
+    greedy(model, prompt(300, seed=2), cache=cache, new=40)
+    retrieval = budget - SINK - WINDOW
+    for _, _, valid, _ in log:
+        assert int(valid.sum(-1).max()) <= budget  # sink + window + selection never exceed the budget
+    n_checked = 0
+    for _, trees, tokens in snaps:
+        for h, tree in enumerate(trees):
+            t = tokens[0, h]
+            t = t[t >= 0]
+            assert t.numel() == torch.unique(t).numel() <= retrieval
+            known = torch.isin(t, tree.pos)
+            loose = t[~known]  # a page evicted during this step: attended whole until it is inserted
+            assert loose.numel() % PAGE == 0
+            if loose.numel():
+                assert torch.equal(torch.sort(loose).values, loose.min() + torch.arange(loose.numel()))
+            pages = torch.unique(_pages_of(tree, t[known]))
+            whole = tree.page_positions(pages)
+            assert torch.equal(torch.sort(whole[whole >= 0]).values, torch.sort(t[known]).values)
+            n_checked += 1
+    assert n_checked > 50
+    st = pol.stats()
+    assert st["queries"] > 0 and st["pages_selected"] > 0
+
+
+def _pages_of(tree, positions):
+    order = torch.argsort(tree.pos)
+    at = torch.searchsorted(tree.pos[order], positions)
+    return tree.pt_page[order[at]]
+
+
+def test_every_middle_token_is_in_exactly_one_page_after_decoding():
+    model, _ = shared_pair("qwen2")
+    ids, mask, prompts = left_padded([150, 40, 95], seed=3)
+    cache = kvdex.Cache(model, "icecache", budget=80, dense_layers=1)
+    greedy(model, ids, mask, cache, new=70)
+    cache.policy.flush()
+    store = cache.layers[1].store
+    nmid = store.grid.num_middle_pages(store.lengths_host)
+    for b in range(3):
+        expect = torch.arange(SINK, SINK + int(nmid[b]) * PAGE)
+        for h in range(store.kv_heads):
+            tree = cache.policy._trees[1][b * store.kv_heads + h]
+            if expect.numel() == 0:
+                assert tree is None
+                continue
+            got = tree.page_positions(torch.arange(tree.num_pages))
+            got = got[got >= 0]
+            assert torch.equal(torch.sort(got).values, expect)
+            assert int(tree.page_fill.max()) <= PAGE
+
+
+def test_offload_keeps_semantic_pages_physically_and_bulk_loads_only_missing_pages():
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "icecache", budget=96, offload=True, dense_layers=1)
+    greedy(model, prompt(260, seed=4), cache=cache, new=30)
+    cache.policy.flush()
+    store = cache.layers[1].store
+    assert isinstance(store, SemanticOffloadStore)
+    k, v = store.dense()
+    for h in range(store.kv_heads):
+        tree = cache.policy._trees[1][h]
+        for p in range(tree.num_pages):
+            f = int(tree.page_fill[p])
+            pos = tree.page_positions(torch.tensor([p]))[0, :f]
+            torch.testing.assert_close(store.sem[0, h, p, 0, :f], k[0, h, pos], atol=0, rtol=0)
+            torch.testing.assert_close(store.sem[0, h, p, 1, :f], v[0, h, pos], atol=0, rtol=0)
+    # the same selection twice: the second time every page is resident, nothing crosses
+    tree = cache.policy._trees[1][0]
+    toks = tree.page_positions(torch.arange(min(3, tree.num_pages))).flatten()
+    toks = toks[toks >= 0]
+    sel = Selection(tokens=toks.expand(1, store.kv_heads, -1).contiguous())
+    a1 = store.attend(sel)
+    bytes1, calls1 = store.stats.h2d_bytes, store.stats.h2d_calls
+    a2 = store.attend(sel)
+    assert store.stats.h2d_bytes == bytes1 and store.stats.h2d_calls == calls1
+    assert torch.equal(a1.idx, a2.idx)
+    # the attended rows are exactly the selected tokens' keys
+    got = a2.k[0, 0, a2.idx[0, 0][a2.valid[0, 0]]]
+    want = k[0, 0, a2.positions[0, 0][a2.valid[0, 0]]]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_bit_identical_to_device(dtype):
+    """Same trees, same selection: semantic pages + bulk loading change no bit of the output
+    (only the slot order of the attended set differs, which the fp32 softmax does not see here)."""
+    model, _ = shared_pair("qwen3")
+    ids, mask, _ = left_padded([120, 5, 33], seed=8)
+    out = {}
+    for offload in (False, True):
+        cache = kvdex.Cache(model.to(dtype), "icecache", 96, offload=offload, dense_layers=1)
+        out[offload] = greedy(model, ids, mask, cache, new=40)
+    model.to(torch.float32)
+    assert torch.equal(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_batch_equals_alone(offload):
+    model, _ = shared_pair("llama_gqa")
+    lengths = [90, 60, 120]
+    ids, mask, prompts = left_padded(lengths, seed=10)
+    cache = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+    tokens, logits = greedy(model, ids, mask, cache, new=50)
+    assert cache.stats()["attended_tokens_per_step"] <= 96
+    width = ids.shape[1]
+    for i, p in enumerate(prompts):
+        alone = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+        t1, l1 = greedy(model, p[None], None, alone, new=50)
+        assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
+        torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
+
+
+def test_reuse_indexes_anchor_layers_only_and_shares_their_selection():
+    model, _ = shared_pair("llama_gqa")  # 3 layers, dense_layers=0: sparse 0,1,2 -> anchors 0 (every 2)
+    cache = kvdex.Cache(model, "icecache", budget=96, dense_layers=0, reuse=True, reuse_every=2)
+    log = []
+    _observe(cache, log)
+    greedy(model, prompt(200, seed=6), cache=cache, new=20)
+    pol = cache.policy
+    assert pol.anchor_of == {0: 0, 1: 0, 2: 2}
+    assert set(pol._trees) == {0, 2}
+    by_step = {}
+    for layer, pos, valid, _ in log:
+        by_step.setdefault(layer, []).append(torch.sort(pos[valid]).values)
+    for a, b in zip(by_step[0], by_step[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_registered_and_bad_options_raise():
+    assert "icecache" in kvdex.policies()
+    for bad in (
+        dict(promotion_ratio=1.5),
+        dict(promotion_ratio=-0.1),
+        dict(query_prop=0.0),
+        dict(construction_prop=2.0),
+        dict(num_comp=0),
+        dict(num_simp=2.5),
+        dict(topk=-1),
+        dict(max_pages=-2),
+        dict(reuse_every=0),
+        dict(norm_margin=0.5),
+    ):
+        with pytest.raises(ValueError):
+            make_policy("icecache", **bad)
+    with pytest.raises(TypeError, match="no option"):
+        make_policy("icecache", ratio=0.1)
+    p = make_policy("icecache:promotion_ratio=0.125:reuse=True")
+    assert p.promotion_ratio == 0.125 and p.reuse is True
+
+
+def test_fork_reindexes_with_its_own_trees():
+    model, _ = shared_pair("llama_gqa")
+    ids = prompt(200, seed=7)
+    base = kvdex.Cache(model, "full", budget=64)
+    model(ids, past_key_values=base, use_cache=True)
+    a = base.fork(policy="icecache", budget=96)
+    b = base.fork(policy="icecache", budget=96)
+    assert a.policy is not b.policy
+    a.policy.flush()
+    b.policy.flush()
+    assert a.policy._trees[2][0].n == b.policy._trees[2][0].n > 0
+    assert torch.equal(a.policy._trees[2][0].page_pts, b.policy._trees[2][0].page_pts)  # seeded
