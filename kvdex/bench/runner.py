@@ -158,7 +158,9 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     """Every kvdex method at a budget covering the context vs DynamicCache + SDPA, one decode step.
 
     Returns one record per method: max |dlogit|, that divided by max |logit|, whether the greedy
-    token is the same, and ``ok`` (relative error within the dtype's tolerance and same token).
+    token is the same, and ``ok``: relative error within the dtype's tolerance (1e-3 fp32, 5e-2
+    half precision) and the same greedy token -- unless the dense top-2 logits are within twice
+    the observed error of each other (a tie that rounding may break either way).
     """
     device = next(model.parameters()).device
     ctx = cfg.check_context
@@ -182,6 +184,8 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
         diff = float((got.float() - ref).abs().max())
         rel = diff / max(float(ref.abs().max()), 1e-12)
         same = bool(torch.equal(got.argmax(-1), ref.argmax(-1)))
+        top2 = ref.topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1]).min())  # a near tie may flip within rounding error
         out.append(
             dict(
                 method=method,
@@ -190,7 +194,8 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
                 max_abs_dlogit=diff,
                 rel=rel,
                 same_token=same,
-                ok=bool(rel <= tol and same),
+                top2_margin=margin,
+                ok=bool(rel <= tol and (same or margin <= 2 * diff)),
             )
         )
         del cache
