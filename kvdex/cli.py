@@ -4,6 +4,7 @@
     kvdex generate --policy quest --budget 128 --prompt-file long.txt --chat
     kvdex demo                          passkey retrieval at ~6k tokens, every policy (kvdex.demo)
     kvdex eval ...                      the evaluation harness (present when kvdex.eval.cli exists)
+    kvdex calibrate chess ...           CHESS's rebuild thresholds, offline (kvdex.calibrate)
 
 Every subcommand sets ``func(args) -> int | None`` with ``set_defaults``; ``kvdex.eval.cli`` follows
 the same contract through ``register(subparsers)``. Mistakes kvdex reports (``ValueError``,
@@ -197,6 +198,13 @@ def _add_eval(sub) -> None:
     sub.add_parser("eval", help="(unavailable, see `kvdex eval`)").set_defaults(func=unavailable)
 
 
+def _add_calibrate(sub) -> None:
+    """``kvdex calibrate chess ...``: offline threshold calibration (kvdex/calibrate.py)."""
+    from kvdex.calibrate import register
+
+    register(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import kvdex
 
@@ -213,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvdex.bench.cli import register as _register_bench
 
     _register_bench(sub)  # kvdex bench (kvdex/bench)
+    _add_calibrate(sub)
     return parser
 
 

@@ -396,3 +396,30 @@ def test_bad_thresholds_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a `kvdex calibrate chess` output"):
         kvdex.make_policy("chess", thresholds=str(path))
+
+
+def test_calibration_statistics_and_thresholds(llama, tmp_path):
+    """Per-page statistics equal a direct computation; the percentile file drives the policy."""
+    from kvdex.calibrate import generation_statistics, page_statistics, thresholds
+
+    model, _ = llama
+    h, v = generation_statistics(model, prompt(120, 14)[0].tolist(), 70)
+    assert h.shape == v.shape == (70,)
+    st = page_statistics(h, v, 32)  # two complete pages, the last 6 steps are not a page
+    for i in range(2):
+        seg_h, seg_v = h[32 * i : 32 * (i + 1)].double(), v[32 * i : 32 * (i + 1)].double()
+        assert torch.isclose(st["entropy"][i], seg_h.mean())
+        assert torch.isclose(st["varentropy"][i], seg_v.mean())
+        assert torch.isclose(st["temporal_varentropy"][i], seg_h.var(unbiased=False))
+    assert page_statistics(h[:10], v[:10], 32)["entropy"].numel() == 0
+    x = {k: torch.arange(101, dtype=torch.float64) for k in ("entropy", "varentropy", "temporal_varentropy")}
+    assert thresholds(x, 99.0) == {"entropy": 99.0, "varentropy": 99.0, "temporal_varentropy": 99.0}
+    with pytest.raises(ValueError, match="percentile"):
+        thresholds(x, 0)
+    with pytest.raises(ValueError, match="no complete page"):
+        thresholds({"entropy": torch.zeros(0)}, 99)
+    th = thresholds(st, 99.0)
+    path = tmp_path / "th.json"
+    path.write_text(json.dumps(th))
+    pol = kvdex.make_policy(f"chess:thresholds={path}:varentropy=temporal")
+    assert pol._tau == (th["entropy"], th["temporal_varentropy"])
