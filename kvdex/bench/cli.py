@@ -70,6 +70,11 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--split-steps", type=int, default=10, help="extra steps with phase timing (0: no split)")
     p.add_argument("--check-context", type=int, default=2048, help="context of the full-budget check")
     p.add_argument("--no-check", action="store_true", help="skip the full-budget == dense check")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="kvdex methods decode through CUDA graphs (kvdex.bench.graph; checked against eager first)",
+    )
     p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
     p.set_defaults(func=run)
     return p
@@ -116,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         split_steps=args.split_steps,
         check_context=args.check_context,
         check=not args.no_check,
+        graph=args.graph,
     )
 
 

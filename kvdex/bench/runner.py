@@ -55,6 +55,7 @@ class BenchConfig:
     split_steps: int = 10
     check_context: int = 2048
     check: bool = True
+    graph: bool = False  # kvdex methods decode through kvdex.bench.graph (CUDA graphs)
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
 
@@ -203,6 +204,54 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     return out
 
 
+def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) -> list[dict]:
+    """Graph-replayed decoding vs eager decoding of the same kvdex method at the bench budget.
+
+    Both caches get the same prompt and are teacher-forced with the eager run's greedy tokens for
+    ``steps`` steps (several page boundaries, so eager steps, captures and replays all occur).
+    ``ok``: every step's logits within the dtype's tolerance of eager (the dense layers read a
+    longer, masked buffer in static mode, so the split of the sum may differ in rounding).
+    """
+    from kvdex.bench.graph import GraphDecoder
+
+    device = next(model.parameters()).device
+    ctx = cfg.check_context
+    ids = _prompt(1, ctx, model.config.vocab_size, cfg.seed + 9, device)
+    tol = {torch.float32: 1e-3}.get(next(model.parameters()).dtype, 5e-2)
+    out = []
+    for method in methods:
+        if method in HF_METHODS:
+            continue
+        eager = make_cache(model, method, cfg)
+        nxt = _prefill(model, eager, ids).argmax(-1, keepdim=True)
+        forced, ref = [nxt], []
+        for _ in range(steps):
+            nxt, lg = _step(model, eager, nxt)
+            forced.append(nxt)
+            ref.append(lg.float())
+        del eager
+        cache = make_cache(model, method, cfg)
+        _prefill(model, cache, ids)
+        dec = GraphDecoder(model, cache, 1)
+        worst = 0.0
+        for i in range(steps):
+            got = dec.step(forced[i]).float()
+            worst = max(worst, float((got - ref[i]).abs().max()) / max(float(ref[i].abs().max()), 1e-12))
+        out.append(
+            dict(
+                method=method,
+                context=ctx,
+                steps=steps,
+                max_rel=worst,
+                counts=dict(dec.counts),
+                ok=bool(worst <= tol and dec.counts["replays"] > 0),
+            )
+        )
+        del cache, dec
+        gc.collect()
+    return out
+
+
 # ---- one measured run -------------------------------------------------------------------------------
 
 
@@ -231,13 +280,21 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         rec["prefill_s"] = time.perf_counter() - t0
         del ids
         nxt = logits.argmax(-1, keepdim=True)
+        stepper = None
+        if cfg.graph and isinstance(cache, kvdex.Cache):
+            from kvdex.bench.graph import GraphDecoder
+
+            stepper = GraphDecoder(model, cache, batch)
+        step = _stepper(model, cache, stepper)
         for _ in range(cfg.warmup):
-            nxt, _ = _step(model, cache, nxt)
+            nxt, _ = step(nxt)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         h2d0 = _h2d(cache)
-        ms, wall = _timed_steps(model, cache, nxt, cfg.steps, device)
+        ms, wall = _timed_steps(step, nxt, cfg.steps, device)
+        if stepper is not None:
+            rec["graph_counts"] = dict(stepper.counts)
         rec["ms_median"] = statistics.median(ms)
         rec["ms_p90"] = _percentile(ms, 0.9)
         rec["ms_mean"] = statistics.fmean(ms)
@@ -277,7 +334,19 @@ def _h2d(cache) -> int:
     return cache.transfer.h2d_bytes if isinstance(cache, kvdex.Cache) else 0
 
 
-def _timed_steps(model, cache, nxt, steps: int, device) -> tuple[list[float], float]:
+def _stepper(model, cache, graph=None):
+    """step(ids) -> (next ids, logits): eager, or through a GraphDecoder."""
+    if graph is None:
+        return lambda ids: _step(model, cache, ids)
+
+    def step(ids):
+        logits = graph.step(ids)
+        return logits.argmax(-1, keepdim=True), logits
+
+    return step
+
+
+def _timed_steps(step, nxt, steps: int, device) -> tuple[list[float], float]:
     """Per-step milliseconds (CUDA events on CUDA, wall clock elsewhere) and total wall seconds."""
     if device.type == "cuda":
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
@@ -285,7 +354,7 @@ def _timed_steps(model, cache, nxt, steps: int, device) -> tuple[list[float], fl
         t0 = time.perf_counter()
         for a, b in ev:
             a.record()
-            nxt, _ = _step(model, cache, nxt)
+            nxt, _ = step(nxt)
             b.record()
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
@@ -294,7 +363,7 @@ def _timed_steps(model, cache, nxt, steps: int, device) -> tuple[list[float], fl
     t0 = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
-        nxt, _ = _step(model, cache, nxt)
+        nxt, _ = step(nxt)
         ms.append((time.perf_counter() - t) * 1e3)
     return ms, time.perf_counter() - t0
 
@@ -373,6 +442,21 @@ def run(cfg: BenchConfig, log=print) -> dict:
         if bad:
             result["results"] = []
             result["error"] = f"full-budget check failed for {', '.join(bad)}: no timing"
+            return result
+    if cfg.graph:
+        if device.type != "cuda":
+            raise ValueError("--graph needs a CUDA device")
+        checks = check_graph(model, cfg, methods)
+        result["graph_check"] = checks
+        for c in checks:
+            log(
+                f"graph {c['method']:<22} vs eager over {c['steps']} steps: max rel dlogit {c['max_rel']:.2e} "
+                f"{c['counts']} -> {'OK' if c['ok'] else 'FAILED'}"
+            )
+        bad = [c["method"] for c in checks if not c["ok"]]
+        if bad:
+            result["results"] = []
+            result["error"] = f"graph-vs-eager check failed for {', '.join(bad)}: no timing"
             return result
     rows = []
     for context in cfg.contexts:

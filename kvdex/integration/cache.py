@@ -164,7 +164,8 @@ class KVDexLayer(CacheLayerMixin):
         with parent._timed("attention"):
             k, v = store.dense()
             # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
-            out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=int(store.lengths_host.max()))
+            n = None if getattr(store, "static", False) else int(store.lengths_host.max())  # static: graph capture
+            out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=n)
         if not self.dense:
             parent._count_attended(store.lengths.sum() * store.kv_heads)
         return out

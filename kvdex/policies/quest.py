@@ -84,6 +84,8 @@ class QuestPolicy(Policy):
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         p = int(store.grid.num_middle_pages(store.lengths_host).max())
+        if getattr(store, "static", False):  # CUDA-graph decode: score the whole index (masked past nmid)
+            p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
         fast = _fast_scores() if q.is_cuda else None
         if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton)

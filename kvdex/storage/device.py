@@ -92,7 +92,9 @@ class DeviceStore(LayerStore):
         self.v[:, :, s : s + m] = self.v.gather(2, idx)
 
     def dense(self):
-        n = int(self.lengths_host.max())
+        # static (set by a CUDA-graph decode, kvdex.bench.graph): the whole buffer, so no length is
+        # baked into a captured step; rows past each length are masked by the kernels.
+        n = self.k.shape[2] if getattr(self, "static", False) else int(self.lengths_host.max())
         return self.k[:, :, :n], self.v[:, :, :n]
 
     def device_bytes(self) -> int:
