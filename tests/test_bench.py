@@ -193,7 +193,7 @@ def test_static_sizing_decodes_like_dynamic(method):
 )
 def test_graph_decoding_matches_eager_on_gpu(method):
     model = shapes.build_model("tiny", torch.float32, "cuda")
-    res = runner.check_graph(model, _cfg(device="cuda", budget=80, check_context=150), [method], steps=40)
+    res = runner.check_graph(model, _cfg(device="cuda", budget=80, check_context=150), [f"{method}+graph"], steps=40)
     assert res[0]["ok"], res
     c = res[0]["counts"]
     assert c["replays"] > 20 and c["eager"] >= 2 and c["captures"] >= 1

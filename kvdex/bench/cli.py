@@ -73,7 +73,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--graph",
         action="store_true",
-        help="kvdex methods decode through CUDA graphs (kvdex.bench.graph; checked against eager first)",
+        help="also run each kvdex method through CUDA graphs (POLICY/STORAGE+graph, kvdex.bench.graph), "
+        "checked against eager first",
     )
     p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
     p.set_defaults(func=run)

@@ -110,6 +110,8 @@ class GraphDecoder:
         for lay in c.layers:
             lay.seen += 1
             lay.store.lengths_host += 1
+        c.transfer.h2d_bytes += self._h2d[0]  # what the captured step's Python counted once
+        c.transfer.h2d_calls += self._h2d[1]
         self.graph.replay()
         self.counts["replays"] += 1
         c.policy.on_step(c.step, self.logits)
@@ -119,6 +121,8 @@ class GraphDecoder:
         self.graph = None
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
+        t = self.cache.transfer
+        before = (t.h2d_bytes, t.h2d_calls)
         with torch.cuda.graph(g, pool=self.pool):
             out = self.model(
                 input_ids=self.ids,
@@ -129,4 +133,5 @@ class GraphDecoder:
             )
             self.logits = out.logits[:, -1]
         self.graph = g
+        self._h2d = (t.h2d_bytes - before[0], t.h2d_calls - before[1])
         self.counts["captures"] += 1

@@ -55,12 +55,14 @@ class BenchConfig:
     split_steps: int = 10
     check_context: int = 2048
     check: bool = True
-    graph: bool = False  # kvdex methods decode through kvdex.bench.graph (CUDA graphs)
+    graph: bool = False  # also run every kvdex method through kvdex.bench.graph (CUDA graphs): "POLICY/STORAGE+graph"
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
 
     def methods(self) -> list[str]:
         out = [f"{p}/{s}" for p in self.policies for s in self.storages]
+        if self.graph:
+            out += [f"{m}+graph" for m in out]
         return out + list(self.baselines)
 
 
@@ -118,7 +120,7 @@ def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
             raise RuntimeError("transformers' offloaded cache needs a CUDA device")
         _set_attn(model, "sdpa")
         return DynamicCache(config=model.config, offloading=True)
-    policy, _, storage = method.partition("/")
+    policy, _, storage = method.removesuffix("+graph").partition("/")
     if storage not in ("device", "offload"):
         raise ValueError(f"method {method!r}: expected POLICY/device, POLICY/offload or one of {HF_METHODS}")
     return kvdex.Cache(
@@ -177,7 +179,7 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     budget = ctx + 64 + cfg.sink + cfg.window  # covers every token: the full-budget selection
     out = []
     for method in methods:
-        if method in HF_METHODS:
+        if method in HF_METHODS or method.endswith("+graph"):
             continue
         cache = make_cache(model, method, cfg, budget=budget)
         _prefill(model, cache, ids)
@@ -220,7 +222,7 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
     tol = {torch.float32: 1e-3}.get(next(model.parameters()).dtype, 5e-2)
     out = []
     for method in methods:
-        if method in HF_METHODS:
+        if not method.endswith("+graph"):
             continue
         eager = make_cache(model, method, cfg)
         nxt = _prefill(model, eager, ids).argmax(-1, keepdim=True)
@@ -281,7 +283,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         del ids
         nxt = logits.argmax(-1, keepdim=True)
         stepper = None
-        if cfg.graph and isinstance(cache, kvdex.Cache):
+        if method.endswith("+graph"):
             from kvdex.bench.graph import GraphDecoder
 
             stepper = GraphDecoder(model, cache, batch)
