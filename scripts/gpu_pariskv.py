@@ -1,0 +1,209 @@
+"""ParisKV on the GPU: Triton kernels vs their PyTorch twins, then retrieval latency per decode step.
+
+    PYTHONPATH=. python3 scripts/gpu_pariskv.py [--lengths 32k,128k] [--topk 100,2048] [--json out.json]
+
+Synthetic keys of the Llama-3.1-8B attention shape (batch 1, 8 kv heads, 32 query heads, head_dim 128,
+bf16), anisotropic like real keys (a per-channel scale, a few outlier channels, a common offset).
+For each context length the middle is indexed once (``policy.index``: SRHT + ids + 4-bit codes; its
+time is reported as the prefill indexing cost), then one layer's retrieval is timed with CUDA events
+after warm-up (median of 50): the stages (query transform + vote table, collision votes, bucket
+top-k, 4-bit rerank + final top-k, UVA fetch of the top-k K/V rows from pinned host memory) and the
+whole ``search``. Per decode step = per layer x 32 layers (the model's sparse layers all retrieve).
+The fetch is also timed the CPU way (index_select into pinned staging + one copy) for comparison.
+Correctness first: every kernel equals its twin on these shapes, and the Triton search returns
+the same top-k as the twin search (overlap reported; float summation order may swap near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvdex.config import CacheConfig
+from kvdex.kernels import pariskv as K
+from kvdex.kernels import pariskv_triton as T
+from kvdex.policies import PolicyInfo, make_policy
+from kvdex.policies.pariskv import adaptive_ratios
+from kvdex.storage.base import MiddleUpdate
+
+KV_HEADS, Q_HEADS, D, LAYERS, PAGE = 8, 32, 128, 32, 16
+DEV = "cuda"  # --dry-run: "cpu" (kernels under TRITON_INTERPRET=1; checks the script, times nothing real)
+ITERS = 50
+
+
+def timed(fn, iters=None, warmup=5) -> float:
+    """Median milliseconds of fn() with CUDA events after warm-up."""
+    iters = min(iters or ITERS, ITERS)
+    if DEV != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def pinned(x: torch.Tensor) -> torch.Tensor:
+    return x.pin_memory() if DEV == "cuda" else x
+
+
+def synthetic_keys(n: int, g: torch.Generator) -> torch.Tensor:
+    scale = torch.linspace(0.3, 2.0, D)
+    scale[[3, 17, 64, 100]] = 8.0  # outlier channels
+    k = torch.randn(1, KV_HEADS, n, D, generator=g) * scale + 0.7
+    return k.to(DEV, torch.bfloat16 if DEV == "cuda" else torch.float32)
+
+
+def check_kernels(n: int, g: torch.Generator) -> dict:
+    """Each Triton kernel == its twin on a context of n tokens (raises on a mismatch)."""
+    r, nsub, m = KV_HEADS, D // 8, 8
+    ids = torch.randint(0, 256, (r, n, nsub), generator=g).to(torch.uint8).to(DEV)
+    votes = torch.randint(0, 7, (r, nsub, 256), generator=g).int().to(DEV)
+    assert torch.equal(T.collision_votes(ids, votes), K.collision_votes(ids, votes)), "collision_votes"
+    score = K.collision_votes(ids, votes)
+    c = max(100, n // 10)
+    assert torch.equal(T.bucket_topk(score, c, 6 * nsub), K.bucket_topk(score, c, 6 * nsub)), "bucket_topk"
+    signs = K.srht_signs(D, 1).to(DEV)
+    t, cen = (x.to(DEV) for x in K.magnitude_levels(m))
+    keys = synthetic_keys(n, g)[0]
+    _, codes, w = K.encode_keys(keys, signs, m, t, cen)
+    qb, qn = K.encode_query(torch.randn(r, D, generator=g).to(DEV), signs, m)
+    cand = K.bucket_topk(score, c, 6 * nsub)
+    a, b = T.rerank_scores(cand, codes, w, qb, qn, cen, m), K.rerank_scores(cand, codes, w, qb, qn, cen, m)
+    err = float((a - b).abs().max() / b.abs().max())
+    assert err < 1e-5, f"rerank_scores rel err {err}"
+    pages = pinned(torch.randn(1, KV_HEADS, n // PAGE, 2, PAGE, D, generator=g).to(keys.dtype))
+    rel = torch.randint(0, (n // PAGE) * PAGE, (1, KV_HEADS, 2048), generator=g).to(DEV)
+    assert torch.equal(T.gather_rows(pages, rel), K.gather_rows(pages, rel)), "gather_rows (UVA)"
+    return {"n": n, "rerank_rel_err": err, "ok": True}
+
+
+def build(kern: str, k: int, pages: torch.Tensor, n: int):
+    """A pariskv policy bound to the Llama-8B shape, its layer 2 indexed with n tokens: (policy, index ms)."""
+    info = PolicyInfo(CacheConfig(budget=16 + 32 + k), LAYERS, tuple(range(2, LAYERS)), Q_HEADS, KV_HEADS, D)
+    p = make_policy("pariskv", kernels=kern)
+    p.bind(info)
+    upd = MiddleUpdate(torch.tensor([0]), torch.tensor([n // PAGE]), pages)
+    ms = timed(lambda: (p.index_.clear(), p.index(2, upd)), iters=3, warmup=1)
+    return p, ms
+
+
+def measure(n: int, k: int, pages: torch.Tensor, host: torch.Tensor, q: torch.Tensor) -> dict:
+    """Timings of one layer's retrieval of the top-k of n tokens (Triton kernels; twins for comparison)."""
+    p, ms_index = build("triton", k, pages, n)
+    pt, ms_index_torch = build("torch", k, pages, n)
+    nmid = torch.tensor([n])
+    fin, _ = p.search(2, q, n, nmid, k)
+    fin_torch, _ = pt.search(2, q, n, nmid, k)
+    overlap = float((fin[..., :, None] == fin_torch[..., None, :]).any(-1).float().mean())
+    idx = p.index_[2]
+    beta, rho = adaptive_ratios(n)
+    c = min(n, max(k, math.ceil(beta * n)))
+    score, qb, qn = p.votes(2, q, n, nmid)
+    cand = T.bucket_topk(score, c, p.max_votes)
+    codes, w = idx.codes[:, :, :n].reshape(KV_HEADS, n, -1), idx.weight[:, :, :n].reshape(KV_HEADS, n, -1)
+    ids = idx.ids[:, :, :n].reshape(KV_HEADS, n, -1)
+    table = torch.zeros(KV_HEADS, p.num_sub, 256, dtype=torch.int32, device=DEV)
+    centers = p.centers.to(DEV)
+    rel = fin.clamp(min=0)
+    row = {
+        "context": n,
+        "topk": k,
+        "candidates": c,
+        "collision_ratio": rho,
+        "index_ms_per_layer": ms_index,
+        "index_ms_per_layer_torch": ms_index_torch,
+        "search_ms_per_layer": timed(lambda: p.search(2, q, n, nmid, k)),
+        "search_ms_per_layer_torch": timed(lambda: pt.search(2, q, n, nmid, k), iters=10),
+        "votes_ms": timed(lambda: p.votes(2, q, n, nmid)),
+        "collision_kernel_ms": timed(lambda: T.collision_votes(ids, table)),
+        "bucket_topk_ms": timed(lambda: T.bucket_topk(score, c, p.max_votes)),
+        "torch_topk_ms": timed(lambda: torch.topk(score.float(), c, dim=-1)),
+        "rerank_ms": timed(lambda: T.rerank_scores(cand, codes, w, qb, qn, centers, 8)),
+        "uva_fetch_ms": timed(lambda: T.gather_rows(host, rel)),
+        "cpu_gather_copy_ms": timed(lambda: K.gather_rows(host, rel.cpu()).to(DEV), iters=10),
+        "triton_vs_torch_topk_overlap": overlap,
+    }
+    row["retrieval_ms_per_step_32_layers"] = LAYERS * (row["search_ms_per_layer"] + row["uva_fetch_ms"])
+    return row
+
+
+def bench_length(n: int, topks: list[int], g: torch.Generator) -> list[dict]:
+    keys = synthetic_keys(n, g)
+    pages = keys.view(1, KV_HEADS, n // PAGE, PAGE, D)
+    q = (keys[0, :, n // 3].float().repeat_interleave(4, 0) + torch.randn(Q_HEADS, D, device=DEV))[None]
+    host = pinned(torch.stack([pages, pages], dim=3).cpu())  # [1, H, P, 2, ps, D]: the HostPages layout
+    rows = []
+    for k in topks:
+        rows.append(measure(n, k, pages, host, q))
+        print(json.dumps(rows[-1]), flush=True)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    from kvdex.eval.cli import parse_sizes
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=parse_sizes, default=[32768, 131072])
+    ap.add_argument("--topk", type=parse_sizes, default=[100, 2048])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1: exercise the script only")
+    args = ap.parse_args(argv)
+    global DEV, ITERS
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--dry-run needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        DEV, ITERS = "cpu", 1
+    elif not (torch.cuda.is_available() and T.available()):
+        print("needs CUDA and triton", file=sys.stderr)
+        return 2
+    g = torch.Generator().manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {
+        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+    }
+    print(json.dumps(meta))
+    checks = [check_kernels(n, g) for n in ((4093, 32768) if DEV == "cuda" else (1021,))]
+    print(json.dumps({"kernel_checks": checks}))
+    rows = [r for n in args.lengths for r in bench_length(n, args.topk, g)]
+    print(f"\n{'context':>8} {'topk':>5} {'cand':>6} {'search ms':>9} {'(torch)':>8} {'votes':>6} {'bktopk':>6} "
+          f"{'rerank':>6} {'uva':>6} {'cpu+cp':>7} {'step ms (32 L)':>14} {'overlap':>7}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['context']:>8} {r['topk']:>5} {r['candidates']:>6} {r['search_ms_per_layer']:>9.3f} "
+            f"{r['search_ms_per_layer_torch']:>8.2f} {r['votes_ms']:>6.3f} {r['bucket_topk_ms']:>6.3f} "
+            f"{r['rerank_ms']:>6.3f} {r['uva_fetch_ms']:>6.3f} {r['cpu_gather_copy_ms']:>7.2f} "
+            f"{r['retrieval_ms_per_step_32_layers']:>14.2f} {r['triton_vs_torch_topk_overlap']:>7.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "kernel_checks": checks, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
