@@ -82,7 +82,9 @@ class GraphDecoder:
             for k, t in vals:
                 if isinstance(t, torch.Tensor):
                     key.append((name, k, id(t), tuple(t.shape)))
-        if self.cache.policy.name not in STATIC_SAFE:
+        name = self.cache.policy.name
+        offloaded = any(isinstance(s, OffloadStore) for s in self._stores())
+        if name not in STATIC_SAFE or (name == "full" and offloaded):  # offloaded "full" fetches range(nmid)
             st = self._stores()[0]
             key.append(int(st.grid.num_middle_pages(st.lengths_host).max()))
         return tuple(key)
