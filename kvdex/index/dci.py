@@ -312,7 +312,8 @@ class DCITree:
         p = self.params
         valid = cand >= 0
         # proj's last row is +inf: padding (-1) gathers it and gets an infinite lower bound
-        lb = (self.proj[cand] - pq[:, None, :]).abs().view(Q, C, p.num_comp, p.num_simp).amax(-1)  # [Q, C, m]
+        pc = torch.index_select(self.proj, 0, (cand % self.proj.shape[0]).flatten()).view(Q, C, -1)
+        lb = pc.sub_(pq[:, None, :]).abs_().view(Q, C, p.num_comp, p.num_simp).amax(-1)  # [Q, C, m]
         nvalid = valid.sum(1)
         k1 = torch.minimum((prop * nvalid).ceil().long().clamp(min=p.min_candidates), nvalid)  # [Q]
         K1 = int(k1.max()) if Q else 0
@@ -323,7 +324,7 @@ class DCITree:
         if K1 * p.num_comp >= C:  # most points are candidates: score the node sets densely
             is_cand = torch.zeros(Q, C + 1, dtype=torch.bool)
             is_cand.scatter_(1, torch.where(keep, first, C).flatten(1), True)
-            dot = torch.einsum("qcd,qd->qc", self.X[cand.clamp(min=0)], Xq)
+            dot = _dots(self.X, cand, Xq)
             dot = dot.masked_fill(~(is_cand[:, :C] & valid), float("-inf"))
             ids = cand
         else:  # gather only the candidates (duplicates across composite indices count once)
@@ -333,7 +334,7 @@ class DCITree:
             dup[:, 1:] = at[:, 1:] == at[:, :-1]
             ok = (at >= 0) & ~dup
             ids = torch.where(ok, cand.gather(1, at.clamp(min=0)), -1)
-            dot = torch.einsum("qcd,qd->qc", self.X[ids.clamp(min=0)], Xq).masked_fill(~ok, float("-inf"))
+            dot = _dots(self.X, ids, Xq).masked_fill(~ok, float("-inf"))
         w = min(width, dot.shape[1])
         dot, j = torch.topk(dot, w, dim=1)
         return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
@@ -370,6 +371,13 @@ class DCITree:
         query q [G, d]: point ids [G, k'] in descending order, -1 padded."""
         ids, _ = self.search(transform_queries(q), k, 0, fov, prop, collect_all=True)
         return ids
+
+
+def _dots(X: torch.Tensor, ids: torch.Tensor, Xq: torch.Tensor) -> torch.Tensor:
+    """Inner products X[ids] . Xq per row: ids [Q, C] (-1 allowed, gives junk), Xq [Q, d] -> [Q, C]."""
+    Q, C = ids.shape
+    rows = torch.index_select(X, 0, ids.clamp(min=0).flatten()).view(Q, C, -1)
+    return torch.bmm(rows, Xq[:, :, None]).view(Q, C)
 
 
 def _with_sentinel(proj: torch.Tensor) -> torch.Tensor:
