@@ -65,6 +65,7 @@ def test_transfer_and_split_are_consistent(result):
             total = sum(sp[f"{k}_ms"] for k in ("selection", "transfer", "attention", "rest"))
             assert total == pytest.approx(sp["step_ms_timed"], rel=1e-6) or sp["rest_ms"] == 0
             assert all(0 <= sp[f"{k}_frac"] <= 1 for k in ("selection", "transfer", "attention", "rest"))
+            assert 0 <= sp["page_reuse"] <= 1
         assert dev["split"]["transfer_ms"] >= 0 and "split" not in by[("hf/dynamic", b)]
 
 

@@ -370,18 +370,58 @@ def _timed_steps(step, nxt, steps: int, device) -> tuple[list[float], float]:
     return ms, time.perf_counter() - t0
 
 
+class _ReuseMeter:
+    """Share of the selected middle pages (or tokens) of a step that the same layer and kv head
+    also selected at the previous step: the hit rate a device-resident cache holding the previous
+    step's selection would get (the per-step transfer of an offloaded policy would be the misses)."""
+
+    def __init__(self, policy):
+        self.policy, self.prev, self.hit, self.total = policy, {}, 0, 0
+        self._own = "select" in vars(policy)
+        self._select = policy.select
+        policy.select = self._wrapped
+
+    def _wrapped(self, layer, q, store, scale):
+        sel = self._select(layer, q, store, scale)
+        ids = sel.pages if sel.pages is not None else sel.tokens
+        if ids is not None and not sel.everything:
+            b, h, n = ids.shape
+            row = torch.arange(b * h, device=ids.device).view(b, h, 1) * (1 << 40)
+            cur = torch.where(ids >= 0, ids.long() + row, -1).flatten()
+            prev = self.prev.get(layer)
+            if prev is not None and prev.numel() == cur.numel():
+                live = cur >= 0
+                self.hit += int((torch.isin(cur, prev) & live).sum())
+                self.total += int(live.sum())
+            self.prev[layer] = cur
+        return sel
+
+    def detach(self):
+        if self._own:
+            self.policy.select = self._select
+        else:
+            del self.policy.select
+
+    def rate(self):
+        return self.hit / self.total if self.total else None
+
+
 def _split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
     """Selection / transfer / attention / rest per step, from the cache's own phase timing."""
     cache.config = dataclasses.replace(cache.config, timing=True)
     before = dict(cache._timing)
+    reuse = _ReuseMeter(cache.policy)
     _sync(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        nxt, _ = _step(model, cache, nxt)
-    _sync(device)
+    try:
+        for _ in range(steps):
+            nxt, _ = _step(model, cache, nxt)
+        _sync(device)
+    finally:
+        reuse.detach()
     total = (time.perf_counter() - t0) * 1e3 / steps
     cache.config = dataclasses.replace(cache.config, timing=False)
-    out = {"step_ms_timed": total}
+    out = {"step_ms_timed": total, "page_reuse": reuse.rate()}
     known = 0.0
     for name in ("selection", "transfer", "attention"):
         v = (cache._timing.get(name, 0.0) - before.get(name, 0.0)) / steps
