@@ -122,7 +122,9 @@ class RulerTask(Task):
         for sub in self.subtasks:
             for i in range(n):
                 rng = random.Random(f"{seed}-{length}-{sub}-{i}")
-                text, refs = generate(SUBTASKS[sub], tokenizer, length, rng, self.root)
+                # As RULER: the length holds the prompt and the answer (prompt <= length - max new tokens).
+                room = length - (self.max_new_tokens or SUBTASKS[sub].max_new_tokens)
+                text, refs = generate(SUBTASKS[sub], tokenizer, room, rng, self.root)
                 meta = {"subtask": sub, "references": refs}
                 out.append(Sample(f"{sub}-{i}", prompting.encode(tokenizer, text), meta))
         return out
