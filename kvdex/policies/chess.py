@@ -308,8 +308,7 @@ class ChessPolicy(Policy):
             b, h, w, d = k.shape
             if upcoming is not None and bool(upcoming.any()):
                 start = self._npages[self._slot[layer]]
-                pages = k[:, :, None, :ps].to(self._vall.dtype if self._vall is not None else k.dtype)
-                self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), pages))
+                self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), k[:, :, None, :ps]))
             kf = k.float().view(b, h, w // ps, ps, d)
             cnt = valid.view(b, w // ps, ps).sum(-1)  # tokens per window page
             page_vec = (kf * valid.view(b, 1, w // ps, ps, 1)).sum(3) / cnt.clamp(min=1)[:, None, :, None]
