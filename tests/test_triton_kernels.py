@@ -150,6 +150,31 @@ def test_bad_inputs_raise_value_error():
         ta.dense_decode_attention(q, k, v, torch.tensor([5, 5], device=DEV), 1.0)
 
 
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(16, 16, 2), (4, 8, 1), (0, 16, 1)])
+def test_paged_decode_matches_device_store_attend(sink, ps, wp):
+    """The in-kernel slot list == DeviceStore.attend's (sink | window | pages), ragged lengths,
+    -1 padded pages; and it equals the real store path on a filled DeviceStore."""
+    b, h, g, s, d = 2, 2, 2, 200, 16
+    q, k, v, _, _ = _inputs(b, h, g, s, 1, d, torch.float32, seed=sink + ps)
+    lengths = torch.tensor([190, 57], device=DEV)
+    gen = torch.Generator().manual_seed(ps)
+    pages = torch.randint(-1, 3, (b, h, 4), generator=gen).to(DEV)
+    got = ta.paged_decode_attention(q, k, v, pages, lengths, sink, ps, wp, 0.3, block_n=16)
+    want = ta.paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, 0.3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+    from kvdex.selection import Selection
+    from kvdex.storage import DeviceStore, Grid, TransferStats
+
+    store = DeviceStore(Grid(sink, ps, wp), b, h, d, torch.float32, DEV, TransferStats())
+    store.ingest(k[:, :, :190], v[:, :, :190], torch.tensor([190, 57]))
+    aset = store.attend(Selection(pages=pages))
+    via_store = ref.sparse_decode_attention_reference(q, aset.k, aset.v, aset.idx, aset.valid, 0.3)
+    fused = ta.paged_decode_attention(q, store.k, store.v, pages, store.lengths, sink, ps, wp, 0.3, block_n=16)
+    torch.testing.assert_close(fused, via_store, atol=2e-5, rtol=2e-5)
+
+
 # ---- gathers (UVA from pinned host memory on CUDA; device gather; interpreter on CPU) ------------
 
 

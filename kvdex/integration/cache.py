@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvdex.config import CacheConfig
 from kvdex.integration.attention import TAG
-from kvdex.kernels import dense_attention, dense_decode_attention, sparse_decode_attention
+from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
 
@@ -147,6 +147,10 @@ class KVDexLayer(CacheLayerMixin):
             sel = parent.policy.select(self.layer_idx, q, store, scale)
         if sel.everything and isinstance(store, DeviceStore) and parent.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
+        if isinstance(store, DeviceStore) and parent.observer is None and sel.pages is not None and sel.tokens is None:
+            out = self._paged_decode(q, sel.pages, scale)  # CUDA: slot list built inside the kernel
+            if out is not None:
+                return out
         with parent._timed("transfer"):
             aset = store.attend(sel)
         with parent._timed("attention"):
@@ -157,6 +161,20 @@ class KVDexLayer(CacheLayerMixin):
                 parent.policy.observe(self.layer_idx, q, aset, scale)
         if parent.observer is not None:
             parent.observer(self.layer_idx, q, store, aset, scale)
+        return out
+
+    def _paged_decode(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """DeviceStore + page selection on CUDA: one kernel instead of attend() + the slot kernel."""
+        parent, store = self.parent, self.store
+        g = store.grid
+        with parent._timed("attention"):
+            out = paged_decode_attention(
+                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale
+            )
+        if out is not None:  # attended tokens: sink + window rows below each length, plus the pages
+            L = store.lengths_host
+            fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
+            parent._count_attended((pages >= 0).sum() * g.page_size + int(fixed))
         return out
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:

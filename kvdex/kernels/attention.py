@@ -64,6 +64,29 @@ def sparse_decode_attention_reference(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    sink: int,
+    page_size: int,
+    window_pages: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """Decode over a GPU-resident store for a page selection, the slot list built in the kernel.
+
+    Same result as ``DeviceStore.attend(Selection(pages=pages))`` + :func:`sparse_decode_attention`
+    (see ``kvdex.kernels.triton_attention.paged_decode_attention``). Returns None when the fast
+    kernel does not apply (not CUDA, no triton, ``KVDEX_TRITON=0``): the caller takes that path.
+    """
+    fast = _fast() if q.is_cuda else None
+    if fast is None:
+        return None
+    return fast.paged_decode_attention(q, k, v, pages, lengths, sink, page_size, window_pages, scale)
+
+
 def dense_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float, max_len: int | None = None
 ) -> torch.Tensor:

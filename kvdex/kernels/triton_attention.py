@@ -72,8 +72,11 @@ def _split_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DENSE: tl.constexpr,
+    MODE: tl.constexpr,  # 0: idx/valid, 1: dense (slot == position < LENS[b]), 2: resident pages
     PREC: tl.constexpr,
+    SINK: tl.constexpr = 0,
+    PS: tl.constexpr = 16,
+    WP: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -86,10 +89,14 @@ def _split_kernel(
     q_ptrs = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)
 
-    if DENSE:
+    if MODE == 1:
         n_b = tl.load(LENS + b)
     else:
         n_b = N
+    if MODE == 2:  # DeviceStore.attend's slot list, built here: sink | window | selected pages
+        L = tl.load(LENS + b).to(tl.int32)
+        nmid = tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0)
+        ws = SINK + nmid * PS  # window start
     start = sid * chunk
     end = start + chunk
     if end > n_b:
@@ -104,9 +111,17 @@ def _split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
-        if DENSE:
+        if MODE == 1:
             slot = offs_n
             ok = in_range
+        elif MODE == 2:
+            i = offs_n - (SINK + WP * PS)  # index into the expanded page selection
+            ic = tl.maximum(i, 0)
+            page = tl.load(IDX + b * stride_ib + h * stride_ih + ic // PS, mask=in_range & (i >= 0), other=-1)
+            page = page.to(tl.int32)
+            fixed = offs_n < SINK + WP * PS
+            slot = tl.where(offs_n < SINK, offs_n, tl.where(fixed, ws + offs_n - SINK, SINK + page * PS + ic % PS))
+            ok = in_range & tl.where(fixed, slot < L, page >= 0)
         else:
             slot = tl.load(IDX + b * stride_ib + h * stride_ih + offs_n, mask=in_range, other=0)
             flag = tl.load(VALID + b * stride_lb + h * stride_lh + offs_n, mask=in_range, other=0)
@@ -189,7 +204,7 @@ def _check(q, k, v):
         raise ValueError("k/v must be contiguous in the head dimension")
 
 
-def _launch(q, k, v, idx, valid, lens, n, scale, dense, splits, block_n):
+def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1)):
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -205,9 +220,12 @@ def _launch(q, k, v, idx, valid, lens, n, scale, dense, splits, block_n):
     acc_part = torch.empty(b * hq * splits * d, dtype=torch.float32, device=dev)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if dense:
+    if mode == 1:
         idx = valid = lens
         si = (0, 0, 0, 0)
+    elif mode == 2:
+        valid = idx
+        si = (idx.stride(0), idx.stride(1), 0, 0)
     else:
         si = (idx.stride(0), idx.stride(1), valid.stride(0), valid.stride(1))
         lens = idx
@@ -218,7 +236,8 @@ def _launch(q, k, v, idx, valid, lens, n, scale, dense, splits, block_n):
         v.stride(0), v.stride(1), v.stride(2),
         *si,
         h, n, chunk, splits, scale * _LOG2E,
-        G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=_pow2(d, 16), BLOCK_N=block_n, DENSE=dense, PREC=prec,
+        G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=_pow2(d, 16), BLOCK_N=block_n, MODE=mode, PREC=prec,
+        SINK=grid[0], PS=grid[1], WP=grid[2],
     )  # fmt: skip
     _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
@@ -246,7 +265,7 @@ def sparse_decode_attention(
     if valid.dtype != torch.bool or valid.stride(-1) != 1:
         valid = valid.to(torch.bool).contiguous()
     valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
-    return _launch(q, k, v, idx, valid, None, idx.shape[-1], scale, False, splits, block_n)
+    return _launch(q, k, v, idx, valid, None, idx.shape[-1], scale, 0, splits, block_n)
 
 
 def dense_decode_attention(
@@ -272,7 +291,7 @@ def dense_decode_attention(
     if n > k.shape[2]:
         raise ValueError(f"max_len ({n}) exceeds the slot buffer ({k.shape[2]})")
     lens = lengths.to(device=q.device, dtype=torch.int32)
-    return _launch(q, k, v, None, None, lens, n, scale, True, splits, block_n)
+    return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
 
 
 def dense_decode_reference(q, k, v, lengths, scale):
@@ -283,4 +302,61 @@ def dense_decode_reference(q, k, v, lengths, scale):
     j = torch.arange(s, device=k.device)
     idx = j.expand(b, h, s)
     valid = (j[None, :] < lengths.to(k.device)[:, None])[:, None, :].expand(b, h, s)
+    return twin(q, k, v, idx, valid, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    sink: int,
+    page_size: int,
+    window_pages: int,
+    scale: float,
+    *,
+    splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Decode over a GPU-resident store (slot == position) without building its slot list.
+
+    Attends, per (sequence b, kv head h), to what ``DeviceStore.attend`` lists for a page selection:
+    the sink ``[0, sink)``, the window (``window_pages`` grid pages from the window start implied by
+    ``lengths[b]``), then every token of ``pages[b, h]`` (middle page ids, ``-1`` = none), each valid
+    only below ``lengths[b]``; the slot list is computed inside the kernel, in the same order, so
+    the result equals ``DeviceStore.attend`` + :func:`sparse_decode_attention` (twin:
+    :func:`paged_decode_reference`).
+    """
+    _check(q, k, v)
+    b, h = k.shape[:2]
+    if pages.dim() != 3 or pages.shape[:2] != (b, h):
+        raise ValueError(f"pages must be [B, H, P] = [{b}, {h}, P], got {tuple(pages.shape)}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B] = [{b}], got {tuple(lengths.shape)}")
+    if pages.stride(-1) != 1:
+        pages = pages.contiguous()
+    n = sink + window_pages * page_size + pages.shape[2] * page_size
+    lens = lengths.to(device=q.device, dtype=torch.int32)
+    return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages))
+
+
+def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale):
+    """Twin of :func:`paged_decode_attention`: DeviceStore.attend's slot list + the reference kernel."""
+    from kvdex.kernels.attention import sparse_decode_attention_reference as twin
+    from kvdex.selection import Selection
+    from kvdex.storage.layout import Grid
+
+    g = Grid(sink, page_size, window_pages)
+    b, h = pages.shape[:2]
+    dev = k.device
+    L = lengths.to(dev)
+    fixed = torch.cat([torch.arange(sink, device=dev).expand(b, sink),
+                       g.window_start(L)[:, None] + torch.arange(g.window, device=dev)[None, :]], dim=1)  # fmt: skip
+    fvalid = fixed < L[:, None]
+    mid = Selection(pages=pages).token_positions(sink, page_size)
+    idx = torch.cat([fixed[:, None].expand(b, h, -1), mid.clamp(min=0)], dim=-1)
+    valid = torch.cat([fvalid[:, None].expand(b, h, -1), mid >= 0], dim=-1)
+    # slots past the buffer are invalid; clamp them so the gather of the reference stays in range
+    idx = idx.clamp(max=k.shape[2] - 1)
     return twin(q, k, v, idx, valid, scale)
