@@ -147,7 +147,8 @@ class KVDexLayer(CacheLayerMixin):
             sel = parent.policy.select(self.layer_idx, q, store, scale)
         if sel.everything and isinstance(store, DeviceStore) and parent.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
-        if isinstance(store, DeviceStore) and parent.observer is None and sel.pages is not None and sel.tokens is None:
+        fused = type(store) is DeviceStore and parent.observer is None and not getattr(parent.policy, "observes", False)
+        if fused and sel.pages is not None and sel.tokens is None:
             out = self._paged_decode(q, sel.pages, scale)  # CUDA: slot list built inside the kernel
             if out is not None:
                 return out
