@@ -22,7 +22,7 @@ prompt ends with "The pass key is " (the lone space included), because a model a
 10 of 10 with it; it answers "a special type of pass ..." instead). Tokenizers that glue the space
 to the number get no space.
 
-Only the standard library is used; the tokenizer is any Hugging Face tokenizer. Tokenize prompts
+The tokenizer is any Hugging Face tokenizer; rendering and length fitting are `prompting`'s. Tokenize prompts
 with :func:`encode`: lengths are measured with it, so ``len(encode(tok, text)) == n_tokens`` up to
 the granularity of one filler sentence (about 5 tokens).
 """
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import random
 import re
+
+from kvdex.eval import prompting
 
 TASK = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -45,17 +47,8 @@ ANSWER_PREFIX = "The pass key is"
 _SENTENCES = [s if s.endswith(".") else s + "." for s in FILLER.split(". ")]
 
 
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt made by :func:`make_passkey_prompt`.
-
-    A chat-templated prompt already holds its special tokens, so none are added (adding them again
-    would double the BOS of e.g. Llama 3); a plain prompt gets the tokenizer's usual ones.
-    """
-    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+# Prompts are tokenized like every generated task's (chat-templated text holds its special tokens).
+encode = prompting.encode
 
 
 def make_key(seed: int) -> str:
@@ -80,16 +73,6 @@ def _answer_prefix(tokenizer) -> str:
     return ANSWER_PREFIX + " " if in_needle[: len(spaced)] == spaced else ANSWER_PREFIX
 
 
-def _render(tokenizer, haystack: str, answer_prefix: str) -> str:
-    user = f"{TASK} {haystack}\n\n{QUESTION}"
-    if has_chat_template(tokenizer):
-        turn = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-        )
-        return turn + answer_prefix
-    return f"{user} {answer_prefix}"
-
-
 def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, seed: int = 0) -> tuple[str, str]:
     """A passkey prompt of about ``n_tokens`` tokens -> ``(prompt_text, answer)``.
 
@@ -104,21 +87,15 @@ def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, seed: int = 0) -
     prefix = _answer_prefix(tokenizer)
 
     def render(n: int) -> str:
-        return _render(tokenizer, _haystack(n, depth, key), prefix)
+        return prompting.render(tokenizer, f"{TASK} {_haystack(n, depth, key)}\n\n{QUESTION}", " " + prefix)
 
-    def length(n: int) -> int:
-        return len(encode(tokenizer, render(n)))
-
-    if length(0) > n_tokens:
-        raise ValueError(f"n_tokens={n_tokens} is shorter than a passkey prompt without filler ({length(0)} tokens)")
-    # Length grows with the number of sentences: bracket, then bisect for the longest that fits.
-    lo, hi = 0, max(1, n_tokens // 8)
-    while length(hi) <= n_tokens:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if length(mid) <= n_tokens else (lo, mid)
-    return render(lo), key
+    if len(encode(tokenizer, render(0))) > n_tokens:
+        raise ValueError(
+            f"n_tokens={n_tokens} is shorter than a passkey prompt without filler "
+            f"({len(encode(tokenizer, render(0)))} tokens)"
+        )
+    text, _ = prompting.fit(tokenizer, render, n_tokens, start=max(1, n_tokens // 8))
+    return text, key
 
 
 def score(answer: str, completion: str) -> bool:
