@@ -54,7 +54,10 @@ class HostPages:
     def reserve(self, pages: int) -> None:
         if pages <= self.capacity:
             return
-        new = self._alloc(max(pages, self.capacity + max(_GROW_PAGES, self.capacity // 4)))
+        # the first allocation (the prompt) keeps _GROW_PAGES of slack: growing copies into a new
+        # buffer, which at long contexts needs old + new in host memory at once
+        grow = _GROW_PAGES if self.capacity == 0 else max(_GROW_PAGES, self.capacity // 4)
+        new = self._alloc(max(pages + (_GROW_PAGES if self.capacity == 0 else 0), self.capacity + grow))
         new[:, :, : self.capacity] = self.data
         if self._uva is not None:  # a UVA kernel may still read the old pinned buffer: let it finish
             torch.cuda.current_stream(self.device).synchronize()
