@@ -48,6 +48,7 @@ class GraphDecoder:
         self.pool = torch.cuda.graph_pool_handle()
         self.graph = None
         self.key = None
+        self._warm_key = None
         self.logits = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
 
@@ -95,13 +96,16 @@ class GraphDecoder:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._check_ready()
         c = self.cache
-        if self._needs_eager():
+        key = None if self._needs_eager() else self._key()
+        if key is None or (key != self.key and key != self._warm_key):
+            # eager: a page boundary, or a new key run once eagerly first so that every kernel
+            # variant is compiled and loaded before a capture (no module loads while capturing)
+            self._warm_key = key
             self.counts["eager"] += 1
             out = self.model(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1)
             return out.logits[:, -1]
         self.ids.copy_(ids)
         self.cpos.fill_(c.layers[0].seen)
-        key = self._key()
         if self.graph is None or key != self.key:
             self._capture()
             self.key = key
