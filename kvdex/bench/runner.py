@@ -311,7 +311,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
             s = cache.stats()
             rec["kv_host_gb"] = s["kv_bytes_host"] / 1e9
             rec["kv_device_gb"] = s["kv_bytes_device"] / 1e9
-            if cfg.split_steps:
+            if cfg.split_steps and stepper is None:  # graph replays have no phases to time
                 rec["split"] = _split(model, cache, nxt, cfg.split_steps, device)
                 t = rec["split"].get("transfer_ms", 0.0)
                 rec["h2d_gbps_during_transfer"] = rec["h2d_bytes_per_step"] / (t * 1e-3) / 1e9 if t > 0 else None
