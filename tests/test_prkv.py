@@ -321,3 +321,46 @@ def test_covering_budget_matches_sdpa(opts, offload):
 def test_bad_options_raise(opts):
     with pytest.raises(ValueError):
         kvdex.make_policy("prkv", **opts)
+
+
+def test_auto_static_ratio_is_appendix_g():
+    """static_ratio='auto': per layer, k_s = page_size * floor(mean_h |top_r(first) & top_r(last)| / page_size),
+    the overlap of the top-r middle tokens of the first and last observation queries of each query head."""
+    model, _ = shared_pair("llama_gqa")
+    n, W, budget = 200, 16, 112
+    r = budget - SINK - WINDOW
+    cache = kvdex.Cache(model, "prkv", budget=budget, dense_layers=1, static_ratio="auto", obs=W)
+    greedy(model, prompt(n, seed=6), cache=cache, new=3)
+    pol = cache.policy
+    twin = kvdex.Cache(model, "full", budget=budget, dense_layers=1)
+    greedy(model, prompt(n, seed=6), cache=twin, new=1)
+    scale = model.config.head_dim**-0.5
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    ws = window_start(n)
+    for layer in (1, 2):
+        k = twin.layers[layer].store.dense()[0][0]
+        qo = twin.layers[layer]._obs_q[0, :, -W:]
+        overlaps = []
+        for qh in range(qo.shape[0]):
+            tops = []
+            for i in (0, W - 1):
+                qpos = n - W + i
+                p = torch.softmax((k[qh // group, : qpos + 1] @ qo[qh, i]) * scale, 0)[SINK:ws]
+                tops.append(set(torch.topk(p, min(r, ws - SINK)).indices.tolist()))
+            overlaps.append(len(tops[0] & tops[1]))
+        want = PAGE * int(sum(overlaps) / len(overlaps) // PAGE)
+        assert pol.split[layer] == (want, (r - want) // PAGE), (layer, overlaps)
+        assert pol.layer_split(layer) == pol.split[layer]
+        assert int(pol.static.get(layer, torch.zeros(1))[0]) == min(want, ws - SINK)
+    assert set(pol.stats()["static_tokens_per_layer"]) == {1, 2}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_auto_covering_budget_matches_sdpa(offload):
+    family, n, new = "qwen2", 70, 40
+    model, _ = shared_pair(family)
+    ref_tokens, ref_logits = reference_greedy(family, n, n, new)
+    cache = kvdex.Cache(model, "prkv", budget=256, offload=offload, dense_layers=1, static_ratio="auto")
+    tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)

@@ -61,8 +61,10 @@ def middle_scores(
     scale: float,
     kernel: int = 1,
     pooling: str = "max",
+    per_query_head: bool = False,
 ) -> torch.Tensor:
-    """Observation-window score of every middle token per kv head: [B, H, M], M = the longest middle.
+    """Observation-window score of every middle token per kv head: [B, H, M], M = the longest middle
+    (``per_query_head``: [B, Hq, M], before the group average).
 
     Mean softmax weight over the valid window queries, pooled along the sequence (SnapKV's
     clustering; ``kernel=1`` for none) per query head, then averaged over the group. Keys must be
@@ -82,7 +84,7 @@ def middle_scores(
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
         mass = pool(x, kernel, stride=1, padding=kernel // 2).reshape(b, hq, m)
     b, hq = mass.shape[:2]
-    score = mass.view(b, h, hq // h, m).mean(2)
+    score = mass if per_query_head else mass.view(b, h, hq // h, m).mean(2)
     return score.masked_fill(~inside[:, None, :], float("-inf"))
 
 

@@ -25,7 +25,10 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 * the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
   the prefill's static set is computed at the layer's first decode step (when the store is there);
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
-  its position), so the static choice never depends on a previous relocation.
+  its position), so the static choice never depends on a previous relocation;
+* ``static_ratio="auto"`` is Appendix G's online rule, per layer at prefill: ``C_h`` = overlap of
+  the top-r tokens of the first and the last observation query of query head h (r = the retrieval
+  budget), ``k_s = page_size * floor(mean_h C_h / page_size)`` (eq. 5), averaged over the batch.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 class PRKVPolicy(Policy):
     name = "prkv"
 
-    static_ratio: float = 0.25  # S (paper default 0.25)
+    static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
     obs: int = 64  # observation window: the paper's local window, 64
     digest: str = "cuboid-mean"  # dynamic pages' digest, as ArkVale
@@ -65,8 +68,8 @@ class PRKVPolicy(Policy):
 
     def __post_init__(self) -> None:
         s = self.static_ratio
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-            raise ValueError(f"static_ratio (S) must be a number in [0, 1], got {s!r}")
+        if s != "auto" and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0):
+            raise ValueError(f"static_ratio (S) must be a number in [0, 1] or 'auto', got {s!r}")
         check_obs(self.obs, self.refresh)
         if self.refresh == 0:
             raise ValueError("refresh (T) must be >= 1 decode steps")
@@ -76,7 +79,10 @@ class PRKVPolicy(Policy):
 
     def bind(self, info) -> None:
         super().bind(info)
-        self.n_static, self.n_dynamic = split_budget(self.cfg.retrieval_tokens, self.cfg.page_size, self.static_ratio)
+        r, ps = self.cfg.retrieval_tokens, self.cfg.page_size
+        self.auto = self.static_ratio == "auto"
+        self.n_static, self.n_dynamic = (0, r // ps) if self.auto else split_budget(r, ps, self.static_ratio)
+        self.split: dict[int, tuple[int, int]] = {}  # layer -> (static tokens, dynamic pages) under "auto"
         self.digests = DigestIndex(self.digest)
         self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
         self.static: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
@@ -86,7 +92,13 @@ class PRKVPolicy(Policy):
         self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which the static set was rebuilt
 
     def stats(self) -> dict:
+        if self.auto:
+            return {"static_tokens_per_layer": {lay: s for lay, (s, _) in sorted(self.split.items())}}
         return {"static_tokens": self.n_static, "dynamic_pages": self.n_dynamic}
+
+    def layer_split(self, layer: int) -> tuple[int, int]:
+        """(static tokens, dynamic pages) of ``layer``."""
+        return self.split.get(layer, (self.n_static, self.n_dynamic)) if self.auto else (self.n_static, self.n_dynamic)
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
@@ -115,8 +127,13 @@ class PRKVPolicy(Policy):
         dst = (origin + g.sink)[..., None].expand(-1, -1, -1, k.shape[-1])
         kpos.scatter_(2, dst, k[:, :, g.sink : g.sink + m])
         ring = self.rings[layer]
+        if self.auto and layer not in self.split:
+            self.split[layer] = self._auto_split(ring, kpos, store, scale)
+        n_static = self.layer_split(layer)[0]
+        if not n_static:
+            return
         score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling)
-        top = topk_ids(score, self.n_static)  # [B, H, n] positions - sink, -1 padded
+        top = topk_ids(score, n_static)  # [B, H, n] positions - sink, -1 padded
         is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
         is_static.scatter_(2, torch.where(top >= 0, top, m), True)
         is_static = is_static[:, :, :m].gather(2, origin)  # per slot
@@ -136,11 +153,34 @@ class PRKVPolicy(Policy):
         nmid = g.num_middle_pages(store.lengths_host)
         self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
 
+    def _auto_split(self, ring, kpos, store, scale) -> tuple[int, int]:
+        """Appendix G: overlap of the top-r middle tokens of the first and the last window query."""
+        g, r = store.grid, self.cfg.retrieval_tokens
+        overlaps = []
+        for b in range(store.batch):
+            rows = torch.nonzero(ring.valid[b]).flatten().tolist()
+            if not rows:
+                continue
+            picks = []
+            for i in (rows[0], rows[-1]):
+                one = torch.zeros_like(ring.valid[b : b + 1])
+                one[0, i] = True
+                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, kpos[b : b + 1],
+                                  store.lengths[b : b + 1], g, scale, per_query_head=True)  # fmt: skip
+                picks.append(topk_ids(s, r))  # [1, Hq, r]
+            for h in range(picks[0].shape[1]):
+                a, c = set(picks[0][0, h].tolist()) - {-1}, set(picks[1][0, h].tolist()) - {-1}
+                overlaps.append(len(a & c))
+        mean = sum(overlaps) / max(1, len(overlaps))
+        ps = g.page_size
+        static = min(r, ps * math.floor(mean / ps))
+        return static, (r - static) // ps
+
     # ---- per step ----------------------------------------------------------------------------------
     def select(self, layer, q, store, scale) -> Selection:
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
-        if self.n_static:
+        if self.n_static or self.auto:
             if layer in self.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
                 self.rings[layer] = QueryRing(self.obs)
                 self.rings[layer].load(*prompt_rows(self.pending.pop(layer), store.lengths - 1))
@@ -156,11 +196,12 @@ class PRKVPolicy(Policy):
     def _selection(self, layer, q, store) -> Selection:
         ps = store.grid.page_size
         b, h = store.batch, store.kv_heads
+        n_static, n_dynamic = self.layer_split(layer)
         n = self.static.get(layer, torch.zeros(b, dtype=torch.long, device=q.device))  # [B]
         full, tail = n // ps, n % ps
         first = (n + ps - 1) // ps  # dynamic candidates: the pages after the static region
-        dynamic = top_pages(self.digests, layer, q, store, self.n_dynamic, first if self.n_static else None)
-        if not self.n_static:
+        dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None)
+        if not n_static:
             return Selection(pages=dynamic)  # S = 0: ArkVale
         f = int(full.max())
         sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
