@@ -84,14 +84,21 @@ class ParisKVPolicy(Policy):
                 raise ValueError(f"pariskv: {name} must be in (0, 1] or None (adaptive), got {v!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"pariskv: kernels must be one of {KERNELS}, got {self.kernels!r}")
-        d = padded_d = K.padded_dim(info.head_dim)
-        if self.m > padded_d:
-            raise ValueError(f"pariskv: m={self.m} exceeds the rotated head dim {padded_d}; pass a smaller m")
-        self.rot_dim = d
+        self.rot_dim = K.padded_dim(info.head_dim)
+        if self.m > self.rot_dim:
+            raise ValueError(f"pariskv: m={self.m} exceeds the rotated head dim {self.rot_dim}; pass a smaller m")
         self.signs = K.srht_signs(info.head_dim, self.seed)
         self.thresholds, self.centers = K.magnitude_levels(self.m)
         self.index_: dict[int, _LayerIndex] = {}
         self._ops = None
+        self._consts: dict[torch.device, tuple] = {}
+
+    def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(SRHT signs, magnitude thresholds, centers, centroid codebook) on ``device`` (copied once)."""
+        if device not in self._consts:
+            book = K.centroid_codebook(self.m)
+            self._consts[device] = tuple(x.to(device) for x in (self.signs, self.thresholds, self.centers, book))
+        return self._consts[device]
 
     # ---- kernels ---------------------------------------------------------------------------
     def ops(self, device: torch.device):
@@ -119,14 +126,15 @@ class ParisKVPolicy(Policy):
 
     def centroid_scores(self, layer: int, q: torch.Tensor, qb: torch.Tensor) -> torch.Tensor:
         """Query-centroid scores per subspace: q [B, H, d], qb [B, H, nsub, m] -> [B, H, nsub, 2**m]."""
-        return qb @ K.centroid_codebook(self.m, qb.device).T
+        return qb @ self.consts(qb.device)[3].T
 
     def index(self, layer, update) -> None:
         if update.empty:
             return
         b, h, pn, ps, d = update.keys.shape
         keys = update.keys.reshape(b, h, pn * ps, d)
-        ids, codes, weight = K.encode_keys(keys, self.signs.to(keys.device), self.m, self.thresholds, self.centers)
+        signs, thresholds, centers, _ = self.consts(keys.device)
+        ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
         ids = self.assign(layer, keys, ids)
         start, count = update.start * ps, update.count * ps
         idx = self._reserve(layer, int((start + count).max()), keys)
@@ -186,7 +194,7 @@ class ParisKVPolicy(Policy):
         h = idx.ids.shape[1]
         r = b * h
         qm = q.float().view(b, h, hq // h, d).mean(2)
-        qb, qn = K.encode_query(qm, self.signs.to(q.device), self.m)
+        qb, qn = K.encode_query(qm, self.consts(q.device)[0], self.m)
         rho = self.collision_ratio or adaptive_ratios(n)[1]
         n_b = nmid.to(q.device).repeat_interleave(h)  # [R]
         cscore = self.centroid_scores(layer, qm, qb).reshape(r, self.num_sub, -1)
@@ -211,7 +219,7 @@ class ParisKVPolicy(Policy):
         c = min(n, max(k, math.ceil(beta * n)))
         cand = ops.bucket_topk(score, c, self.max_votes)  # [R, C]
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
-        est = ops.rerank_scores(cand, codes, weight, qb, qn, self.centers.to(q.device), self.m)
+        est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
         val, top = torch.topk(est, min(k, c), dim=-1)
         final = torch.where(torch.isfinite(val), cand.gather(1, top), -1)
         return final.view(b, h, -1), cand.view(b, h, -1)
