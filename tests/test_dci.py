@@ -10,6 +10,11 @@ from kvdex.index import DCIParams, DCITree, transform_keys, transform_queries
 EXHAUSTIVE = dict(construction_prop=1.0, construction_fov=10**6)  # every candidate gets its true distance
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(1234)  # queries below use the global generator: same draws whatever the test order
+
+
 def keys_of(n: int, d: int = 12, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, d, generator=g) * (0.2 + 3 * torch.rand(n, 1, generator=g))  # varied norms

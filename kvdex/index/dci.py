@@ -319,15 +319,19 @@ class DCITree:
         K1 = int(k1.max()) if Q else 0
         if K1 == 0:
             return cand[:, :0], torch.empty(Q, 0)
-        first = torch.topk(lb, K1, dim=1, largest=False).indices  # [Q, K1, m] retrieval order per composite
-        keep = (torch.arange(K1)[None, :] < k1[:, None])[:, :, None].expand_as(first)
-        if K1 * p.num_comp >= C:  # most points are candidates: score the node sets densely
-            is_cand = torch.zeros(Q, C + 1, dtype=torch.bool)
-            is_cand.scatter_(1, torch.where(keep, first, C).flatten(1), True)
-            dot = _dots(self.X, cand, Xq)
-            dot = dot.masked_fill(~(is_cand[:, :C] & valid), float("-inf"))
+        if K1 * p.num_comp >= C:  # most points are candidates: threshold the bounds, score densely
+            # The k1-th smallest bound of each row and composite index: a single kthvalue for every
+            # row, after giving K1 - k1 of the row's padding entries a bound of -inf (a row has at
+            # least that many: k1 grows by at most 1 per visited point).
+            pad_rank = (~valid).cumsum(1) - 1
+            lift = (~valid) & (pad_rank < (K1 - k1)[:, None])
+            thr = torch.kthvalue(lb.masked_fill(lift[:, :, None], float("-inf")), K1, dim=1).values  # [Q, m]
+            is_cand = ((lb <= thr[:, None, :]) & valid[:, :, None]).any(-1)
+            dot = _dots(self.X, cand, Xq).masked_fill(~is_cand, float("-inf"))
             ids = cand
-        else:  # gather only the candidates (duplicates across composite indices count once)
+        else:  # few candidates: take them in retrieval order, gather only them (duplicates count once)
+            first = torch.topk(lb, K1, dim=1, largest=False).indices  # [Q, K1, m] retrieval order per composite
+            keep = (torch.arange(K1)[None, :] < k1[:, None])[:, :, None].expand_as(first)
             at = torch.where(keep, first, -1).flatten(1)
             at, _ = torch.sort(at, dim=1)
             dup = torch.zeros_like(at, dtype=torch.bool)
