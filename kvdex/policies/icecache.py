@@ -38,18 +38,20 @@ import torch
 from kvdex.index.dci import DCIParams, DCITree
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
-from kvdex.storage.semantic import SemanticOffloadStore
+from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, str], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """One shared pool per thread count (the evaluation harness forks many caches)."""
+def _pool(threads: int, role: str = "index") -> ThreadPoolExecutor:
+    """Shared pools per (thread count, role): index jobs (builds, insertions) and per-step tree
+    searches never queue behind each other; the evaluation harness forks many caches."""
     with _POOLS_LOCK:
-        if threads not in _POOLS:
-            _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvdex-dci")
-        return _POOLS[threads]
+        key = (threads, role)
+        if key not in _POOLS:
+            _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"kvdex-dci-{role}")
+        return _POOLS[key]
 
 
 @register_policy
@@ -139,7 +141,7 @@ class IceCachePolicy(Policy):
         prev = q[-1][0] if q else None
         step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
         base = None if prev is not None else self._trees.get(layer)
-        fut = _pool(self.threads or os.cpu_count() or 1).submit(
+        fut = _pool(self._threads()).submit(
             self._index_job, layer, keys, ready, per_b, prev, base, update.keys.shape[1]
         )
         q.append((fut, per_b, step))
@@ -233,30 +235,39 @@ class IceCachePolicy(Policy):
         B, H = store.batch, store.kv_heads
         G = q.shape[1] // H
         budget = self.cfg.retrieval_tokens
-        qc = None
-        rows = []
+        qc = q.detach().float().cpu()  # the tree search runs on the CPU (one sync per layer)
+        work = []
         for b in range(B):
             for h in range(H):
                 tree = trees[b * H + h] if trees is not None else None
                 room = budget - pending[b].numel()
                 if tree is None or room <= 0:
-                    chosen = torch.empty(0, dtype=torch.long)
+                    work.append(lambda: torch.empty(0, dtype=torch.long))
                 elif tree.n <= room:  # a top-k with k >= n is every key
-                    chosen = tree.pos
+                    work.append(lambda tree=tree: tree.pos)
                 else:
-                    if qc is None:
-                        qc = q.detach().float().cpu()
-                    chosen = self._select_pages(tree, qc[b, h * G : (h + 1) * G], room)
-                rows.append(torch.cat([pending[b][: max(budget, 0)], chosen]))
+                    work.append(lambda tree=tree, b=b, h=h, room=room: self._select_pages(
+                        tree, qc[b, h * G : (h + 1) * G], room))  # fmt: skip
+        if len(work) > 1 and self._threads() > 1:  # the trees of one layer are searched in parallel
+            chosen = list(_pool(self._threads(), "query").map(lambda f: f(), work))
+        else:
+            chosen = [f() for f in work]
+        rows = [torch.cat([pending[i // H][: max(budget, 0)], c]) for i, c in enumerate(chosen)]
         T = max((r.numel() for r in rows), default=0)
-        tokens = torch.full((B * H, T), -1, dtype=torch.long)
+        pin = q.device.type == "cuda"
+        tokens = torch.full((B * H, T), -1, dtype=torch.long, pin_memory=pin)
         for i, r in enumerate(rows):
             tokens[i, : r.numel()] = r
-        sel = Selection(tokens=tokens.view(B, H, T).to(q.device))
+        tokens = tokens.view(B, H, T)
+        sel = Selection(tokens=tokens.to(q.device, non_blocking=pin))
+        setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
         self._last[layer] = sel
         self._stats["query_s"] += time.perf_counter() - t0
         self._stats["queries"] += 1
         return sel
+
+    def _threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
 
     def _select_pages(self, tree: DCITree, qg: torch.Tensor, room: int) -> torch.Tensor:
         """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]."""
