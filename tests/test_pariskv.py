@@ -543,3 +543,36 @@ def test_triton_policy_selects_like_the_twins():
     _, b = _decode_with_selections("pariskv", new=6, kernels="triton")
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x[2], y[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offload):
+    """On CUDA ('auto' picks the Triton kernels): a covering budget equals sdpa; at a small budget the
+    Triton pipeline selects the tokens the twin pipeline selects (float summation order may swap a
+    near-tie, so >= 99% overlap)."""
+    from conftest import build_pair
+
+    model, ref = build_pair("llama_gqa")
+    model, ref = model.cuda(), ref.cuda()
+    ids = prompt(70, seed=70).cuda()
+    ref_tokens, ref_logits = greedy(ref, ids, new=40)
+    cache = kvdex.Cache(model, "pariskv", budget=256, offload=offload)
+    tokens, logits = greedy(model, ids, cache=cache, new=40)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+
+    picks = {}
+    for kern in ("triton", "torch"):
+        cache = kvdex.Cache(model, "pariskv", budget=96, offload=offload, kernels=kern)
+        got = picks[kern] = []
+        cache.observer = lambda layer, q, store, aset, scale, c=cache, g=got: g.append(
+            c.policy.select(layer, q, store, scale).tokens
+        )
+        greedy(model, prompt(600, seed=3).cuda(), cache=cache, new=12)
+    same = total = 0
+    for a, b in zip(picks["triton"], picks["torch"], strict=True):
+        same += int((a[..., :, None] == b[..., None, :]).any(-1).sum())
+        total += a.numel()
+    assert same / total >= 0.99
