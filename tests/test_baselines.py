@@ -307,3 +307,51 @@ def test_h2o_heavy_hitters_are_top_accumulated_scores():
 def test_bad_options_raise(policy, opts):
     with pytest.raises(ValueError):
         kvdex.make_policy(policy, **opts)
+
+
+@pytest.mark.parametrize("cache_pages", [4, 5, 1000])
+def test_arkvale_recall_count_simulates_its_page_cache(cache_pages):
+    """The recall count equals an independent simulation of ArkVale's device cache: pages enter when
+    they fill, a selected page not cached is a recall, overflow evicts the lowest-ranked unselected."""
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "arkvale", budget=BUDGET, dense_layers=1, cache_pages=cache_pages)
+    pol = cache.policy
+    k = (BUDGET - SINK - WINDOW) // PAGE
+    state: dict = {}
+    recalls = {"n": 0, "lookups": 0}
+
+    def observer(layer, q, store, aset, scale):
+        length = int(store.lengths_host[0])
+        m = (window_start(length) - SINK) // PAGE
+        kk, _ = store.dense()
+        keys = kk[:, :, SINK : SINK + m * PAGE].reshape(1, store.kv_heads, m, PAGE, -1)
+        est = digest_scores(q, *summarize(keys, "cuboid-mean")).view(1, store.kv_heads, -1, m).amax(2)[0]
+        for h in range(store.kv_heads):
+            cached = state.setdefault((layer, h), set(range(m)))  # every prefill page starts cached
+            cached |= {p for p in range(m) if p >= state.get(("seen", layer, h), m)}  # pages that filled since
+            state[("seen", layer, h)] = m
+            pos = aset.positions[0, h][aset.valid[0, h]].tolist()
+            sel = {(x - SINK) // PAGE for x in pos if SINK <= x < SINK + m * PAGE}
+            assert len(sel) == min(k, m)
+            recalls["n"] += len(sel - cached)
+            recalls["lookups"] += 1
+            cached |= sel
+            if len(cached) > pol.capacity:
+                rest = sorted(cached - sel, key=lambda p: -float(est[h, p]))
+                cached.intersection_update(sel | set(rest[: pol.capacity - len(sel)]))
+
+    cache.observer = observer
+    greedy(model, prompt(150, seed=2), cache=cache, new=40)
+    st = cache.stats()["policy_stats"]
+    assert st["cache_pages"] == cache_pages
+    assert st["recalled_pages_per_head_step"] == pytest.approx(recalls["n"] / recalls["lookups"])
+    if cache_pages == 1000:
+        assert recalls["n"] == 0  # everything fits: nothing is ever recalled
+    else:
+        assert recalls["n"] > 0
+
+
+def test_arkvale_cache_smaller_than_selection_raises():
+    model, _ = shared_pair("llama_gqa")
+    with pytest.raises(ValueError, match="k < c"):
+        kvdex.Cache(model, "arkvale", budget=BUDGET, dense_layers=1, cache_pages=3)  # 3 pages attended

@@ -9,8 +9,12 @@ attends sink + window + the top ``(budget - sink - window) / page_size`` middle 
 GQA: ArkVale scores per query head; a kv head's page score is the max over its group (a page any
 head of the group needs is fetched for the group). Differences from the released system, on
 purpose: kvdex's offloaded store fetches every selected page each step instead of keeping a device
-cache of ``c = 2k`` pages and fetching only the misses (``stats`` counts what is moved), and kvdex's
-``budget`` is the attended set (ArkVale's ``k`` pages), not ArkVale's device cache size.
+cache of ``c = 2k`` pages and fetching only the misses, and kvdex's ``budget`` is the attended set
+(ArkVale's ``k`` pages), not ArkVale's device cache size. The policy does keep ArkVale's cache
+bookkeeping (``cache_pages``, default ``2k``): which pages a device cache of that size would hold
+(a page is cached when it fills; selected pages are recalled into it; when it overflows, the
+lowest-ranked unselected pages are evicted, as ArkVale's Figure 5), and ``stats()`` reports the
+recalls per step that ArkVale would transfer (its Figure 4b).
 """
 
 from __future__ import annotations
@@ -24,23 +28,28 @@ from kvdex.policies.base import Policy, group_reduce, mask_pages, register_polic
 from kvdex.selection import Selection
 
 
-def top_pages(
-    index: DigestIndex, layer: int, q: torch.Tensor, store, k: int, first: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Top-k middle pages per kv head by digest estimate (group max): [B, H, k], ``-1`` padded.
+def page_scores(index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None):
+    """Digest estimate per kv head (group max) of every middle page: [B, H, P], ``-inf`` past the middle.
 
     ``first`` [B] (optional): pages before it are not candidates (PRKV's static region).
     """
-    b, h = store.batch, store.kv_heads
-    if layer not in index or k <= 0:
-        return torch.full((b, h, 0), -1, dtype=torch.long, device=q.device)
+    h = store.kv_heads
     p = int(store.grid.num_middle_pages(store.lengths_host).max())
     score = group_reduce(index.scores(layer, q, p), h, "max")
     score = mask_pages(score, store.grid.num_middle_pages(store.lengths))
     if first is not None:
         ids = torch.arange(p, device=score.device)
         score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
-    return topk_ids(score, k)
+    return score
+
+
+def top_pages(
+    index: DigestIndex, layer: int, q: torch.Tensor, store, k: int, first: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Top-k middle pages per kv head by digest estimate (group max): [B, H, k], ``-1`` padded."""
+    if layer not in index or k <= 0:
+        return torch.full((store.batch, store.kv_heads, 0), -1, dtype=torch.long, device=q.device)
+    return topk_ids(page_scores(index, layer, q, store, first), k)
 
 
 @register_policy
@@ -49,16 +58,66 @@ class ArkValePolicy(Policy):
     name = "arkvale"
 
     digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
+    cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
 
     def __post_init__(self) -> None:
         check_digest(self.digest)
+        if not isinstance(self.cache_pages, int) or isinstance(self.cache_pages, bool) or self.cache_pages < 0:
+            raise ValueError(f"cache_pages must be an int >= 0 (0: twice the attended pages), got {self.cache_pages!r}")
 
     def bind(self, info) -> None:
         super().bind(info)
         self.digests = DigestIndex(self.digest)
+        self.capacity = self.cache_pages or 2 * self.cfg.retrieval_pages
+        if self.capacity <= self.cfg.retrieval_pages:
+            raise ValueError(
+                f"cache_pages ({self.cache_pages}) must exceed the attended pages ({self.cfg.retrieval_pages}), "
+                "as ArkVale requires k < c; pass 0 for twice the attended pages"
+            )
+        self.cached: dict[int, torch.Tensor] = {}  # layer -> [B, H, P] bool: in ArkVale's device cache
+        self.recalled = 0  # pages recalled into the cache, summed over layers, steps and kv heads
+        self.lookups = 0  # (layer, step, sequence, kv head) selections
+
+    def stats(self) -> dict:
+        per = float(self.recalled) / max(1, self.lookups)
+        return {"cache_pages": self.capacity, "recalled_pages_per_head_step": per}
 
     def index(self, layer, update) -> None:
         self.digests.write(layer, update.start, update.count, update.keys)
+        need = int((update.start + update.count).max()) if update.count.numel() else 0
+        cur = self.cached.get(layer)
+        if cur is None or cur.shape[2] < need:
+            b, h = update.keys.shape[:2]
+            new = torch.zeros(b, h, max(need, 2 * (0 if cur is None else cur.shape[2])), dtype=torch.bool,
+                              device=update.keys.device)  # fmt: skip
+            if cur is not None:
+                new[:, :, : cur.shape[2]] = cur
+            self.cached[layer] = cur = new
+        for b in torch.nonzero(update.count).flatten().tolist():  # a page that fills is in the cache
+            s = int(update.start[b])
+            cur[b, :, s : s + int(update.count[b])] = True
 
     def select(self, layer, q, store, scale) -> Selection:
-        return Selection(pages=top_pages(self.digests, layer, q, store, self.cfg.retrieval_pages))
+        k = self.cfg.retrieval_pages
+        if layer not in self.digests or k <= 0:
+            return Selection(pages=top_pages(self.digests, layer, q, store, k))
+        score = page_scores(self.digests, layer, q, store)
+        pages = topk_ids(score, k)
+        self._recall(layer, pages, score)
+        return Selection(pages=pages)
+
+    def _recall(self, layer: int, pages: torch.Tensor, score: torch.Tensor) -> None:
+        """ArkVale's cache: count the selected pages not cached, cache them, evict the lowest-ranked rest."""
+        p = score.shape[2]
+        cached = self.cached[layer][:, :, :p]
+        sel = torch.zeros_like(cached)
+        sel.scatter_(2, pages.clamp(min=0), pages >= 0)
+        self.recalled = self.recalled + (sel & ~cached).sum()
+        self.lookups += sel.shape[0] * sel.shape[1]
+        cached |= sel
+        if p > self.capacity:
+            top = torch.finfo(score.dtype).max  # finite: topk_ids drops non-finite entries
+            rank = torch.where(sel, top, score.masked_fill(~cached, float("-inf")))
+            keep = topk_ids(rank, self.capacity)
+            cached.zero_()
+            cached.scatter_(2, keep.clamp(min=0), keep >= 0)
