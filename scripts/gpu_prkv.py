@@ -36,6 +36,14 @@ import kvdex
 import kvdex.storage.offload as offload_mod
 from kvdex.storage.host import HostPages
 
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 # ---- the naive host page stores -------------------------------------------------------------------
 
 
@@ -125,7 +133,7 @@ VARIANTS = {
 
 
 def micro(args, dtype) -> list[dict]:
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     rows = []
     h, d, ps = args.kv_heads, args.head_dim, args.page_size
     cap = args.context // ps
@@ -139,16 +147,16 @@ def micro(args, dtype) -> list[dict]:
             store.reserve(cap)
             store.data[:, :, :cap] = src
             got = store.fetch_pages(sel.to(dev))
-            torch.cuda.synchronize()
+            _sync()
             want = got if want is None else want
             if not torch.equal(got, want):
                 raise AssertionError(f"{name}: fetched pages differ from hnd-batched")
             times = []
             for i in range(args.repeats + 5):
-                torch.cuda.synchronize()
+                _sync()
                 t0 = time.perf_counter()
                 store.fetch_pages(sel.to(dev))
-                torch.cuda.synchronize()
+                _sync()
                 if i >= 5:
                     times.append((time.perf_counter() - t0) * 1e3)
             rows.append({"pages_per_head": pages, "variant": name, "ms": statistics.median(times)})
@@ -161,7 +169,7 @@ def micro(args, dtype) -> list[dict]:
 
 def build_model(args, dtype):
     if args.model != "random":
-        model, _ = kvdex.load(args.model, dtype=dtype, device="cuda")
+        model, _ = kvdex.load(args.model, dtype=dtype, device=DEVICE)
         return model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,8 +184,13 @@ def build_model(args, dtype):
         max_position_embeddings=max(131072, args.context * 2),
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in bf16 directly (an fp32 8B model would need 32 GB first)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.lm_head.weight.data *= 8  # well separated logits: greedy tokens are not near-ties
     return kvdex.enable(model)
 
@@ -192,26 +205,31 @@ def decode(model, ids, args, policy_opts, offload=True):
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens, logits, times = [], [], []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
+    moved = None
+    for i in range(args.steps):
+        if i == 1 + args.warmup:  # transfers of the timed steps only
+            moved = (cache.transfer.h2d_calls, cache.transfer.h2d_bytes)
+        _sync()
         t0 = time.perf_counter()
         out = model(input_ids=tok, past_key_values=cache, use_cache=True)
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - t0) * 1e3)
         lg = out.logits[:, -1].float()
         tok = lg.argmax(-1, keepdim=True)
         tokens.append(int(tok))
         logits.append(lg.cpu())
-    stats = cache.stats()
+    n = max(1, args.steps - 1 - args.warmup)
+    calls = (cache.transfer.h2d_calls - moved[0]) / n
+    mb = (cache.transfer.h2d_bytes - moved[1]) / n / 2**20
     del cache
-    return tokens, torch.stack(logits), times, stats
+    return tokens, torch.stack(logits), times, (calls, mb)
 
 
 def tpot(args, dtype) -> list[dict]:
     model = build_model(args, dtype)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
-    ids = torch.randint(100, vocab - 100, (1, args.context), generator=g).cuda()
+    ids = torch.randint(100, vocab - 100, (1, args.context), generator=g).to(DEVICE)
     opts = {"static_ratio": args.static_ratio, "refresh": args.refresh} if args.policy == "prkv" else {}
     rows, ref = [], None
     original = offload_mod.HostPages
@@ -219,7 +237,7 @@ def tpot(args, dtype) -> list[dict]:
     try:
         for name, off in runs:
             offload_mod.HostPages = VARIANTS.get(name, original)
-            tokens, logits, times, stats = decode(model, ids, args, opts, offload=off)
+            tokens, logits, times, (calls, mb) = decode(model, ids, args, opts, offload=off)
             if ref is None:
                 ref = (tokens, logits)
             same = tokens == ref[0] and torch.equal(logits, ref[1])
@@ -231,8 +249,8 @@ def tpot(args, dtype) -> list[dict]:
                 "tpot_ms": statistics.median(steady),
                 "first_step_ms": times[0],
                 "same_as_hnd_batched": same,
-                "h2d_calls_per_step": stats["host_to_device_transfers"] / max(1, len(times)),
-                "h2d_mb_per_step": stats["bytes_host_to_device"] / max(1, len(times)) / 2**20,
+                "h2d_calls_per_step": calls,
+                "h2d_mb_per_step": mb,
             }
             rows.append(row)
             print(
@@ -272,13 +290,20 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--micro-only", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="check the script on the CPU with a tiny model (no timings)")
     p.add_argument("--json", default="gpu_prkv.json")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    global DEVICE
     dtype = torch.bfloat16
+    if args.dry_run:  # tiny shapes on the CPU: exercises every variant and the equality checks
+        DEVICE, dtype = "cpu", torch.float32
+        args.layers, args.hidden, args.intermediate, args.q_heads, args.kv_heads = 3, 256, 512, 4, 2
+        args.head_dim, args.context, args.steps, args.warmup, args.repeats = 64, 1024, 8, 1, 2
+        args.budget, args.page_size, args.window, args.sink = 256, 16, 32, 16
+    elif not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --dry-run)")
     env = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "args": vars(args),
