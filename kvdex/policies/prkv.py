@@ -119,7 +119,7 @@ class PRKVPolicy(Policy):
     def _restructure(self, layer: int, store, scale: float) -> None:
         g = store.grid
         m = int(g.num_middle_pages(store.lengths_host).max()) * g.page_size
-        if m == 0:
+        if m == 0 or ((not self.auto or layer in self.split) and not self.layer_split(layer)[0]):
             return
         origin = self._origin(layer, store, m)
         k, _ = store.dense()
