@@ -58,10 +58,11 @@ DEFAULT_GRID_CHUNKS = 4
 DEFAULT_INTERVAL_PAGES = 6
 
 # Default thresholds when neither a calibration file nor explicit values are given: the 99th
-# percentiles measured by `kvdex calibrate chess` (docs/policies/chess.md has the command) on
-# SmolLM2-135M-Instruct, LongBench v1 prompts at 3k tokens, greedy generation with full attention,
-# statistics per page of 32 generated tokens. Calibrate for your model: thresholds are model-specific.
-DEFAULT_THRESHOLDS = {"entropy": 3.3, "varentropy": 10.0, "temporal_varentropy": 2.5}
+# percentiles measured by `kvdex calibrate chess` on SmolLM2-135M-Instruct (CPU, fp32): LongBench v1
+# gov_report/qmsum/multi_news/samsum/lcc (the last 3 samples of each), prompts of 3072 tokens, 192
+# greedy tokens with full attention, 76 pages of 32 generated tokens (docs/policies/chess.md,
+# docs/policies/chess_calibration_smollm2.json). Thresholds are model-specific: calibrate yours.
+DEFAULT_THRESHOLDS = {"entropy": 2.6133, "varentropy": 6.3457, "temporal_varentropy": 3.5523}
 
 _GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time
 
