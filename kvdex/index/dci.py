@@ -77,7 +77,7 @@ class DCIParams:
     num_comp: int = 2  # composite indices (m)
     num_simp: int = 4  # simple indices (random projections) per composite index (p)
     construction_fov: int = 10  # points per level whose nodes are searched when finding a parent
-    construction_prop: float = 0.1  # share of a visited node set retrieved per composite index (parent search)
+    construction_prop: float = 0.25  # share of a visited node set retrieved per composite index (parent search)
     min_candidates: int = 2  # retrieve at least this many points per composite index
     page_size: int = 16
     norm_margin: float = 1.25  # c = norm_margin * max |k| of the keys the tree is built from

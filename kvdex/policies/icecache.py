@@ -64,7 +64,7 @@ class IceCachePolicy(Policy):
     num_comp: int = 2  # composite indices per tree (m)
     num_simp: int = 4  # random projections per composite index (p)
     construction_fov: int = 10
-    construction_prop: float = 0.1
+    construction_prop: float = 0.25
     query_fov: int = 0  # points kept per level when selecting; 0 -> topk
     query_prop: float = 0.8
     topk: int = 0  # keys retrieved per query head; 0 -> the retrieval budget in tokens
