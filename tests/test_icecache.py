@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, window_start
 
 import kvdex
 from kvdex.policies import make_policy
@@ -221,3 +221,20 @@ def test_fork_reindexes_with_its_own_trees():
     b.policy.flush()
     assert a.policy._trees[2][0].n == b.policy._trees[2][0].n > 0
     assert torch.equal(a.policy._trees[2][0].page_pts, b.policy._trees[2][0].page_pts)  # seeded
+
+
+def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_select():
+    """Figure 5b: ``index`` at prefill only submits the build; the layer's first ``select`` joins it."""
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "icecache", budget=96, dense_layers=1, threads=2)
+    with torch.no_grad():
+        model(prompt(200, seed=9), past_key_values=cache, use_cache=True)
+    pol = cache.policy
+    assert set(pol._jobs) == {1, 2} and all(len(q) == 1 for q in pol._jobs.values())
+    assert pol._trees == {}  # nothing applied on the main thread during the prefill
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)  # one decode step
+    assert set(pol._trees) == {1, 2}
+    st = pol.stats()
+    middle = window_start(200) - SINK  # tokens indexed per (layer, kv head) at prefill
+    assert st["builds"] == 2 and st["build_keys"] == 2 * 2 * middle
