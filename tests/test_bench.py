@@ -95,7 +95,7 @@ def test_check_refuses_to_time_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(cache_mod, "sparse_decode_attention", broken)
     res = runner.run(_cfg(storages=("offload",), batches=(1,)), log=lambda s: None)
     assert not res["check"][0]["ok"]
-    assert res["results"] == [] and "full-budget check failed" in res["error"]
+    assert [r["method"] for r in res["results"]] == ["hf/dynamic"] and "full-budget check failed" in res["error"]
 
 
 def test_cli_end_to_end_and_errors(tmp_path, capsys):

@@ -45,7 +45,6 @@ class GraphDecoder:
         self.model, self.cache, self.batch = model, cache, batch
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.cpos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.pool = torch.cuda.graph_pool_handle()
         self.graph = None
         self.key = None
         self._warm_key = None
@@ -129,7 +128,7 @@ class GraphDecoder:
         g = torch.cuda.CUDAGraph()
         t = self.cache.transfer
         before = (t.h2d_bytes, t.h2d_calls)
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g):  # a private pool per graph (a shared one trips the allocator on re-capture)
             out = self.model(
                 input_ids=self.ids,
                 past_key_values=self.cache,

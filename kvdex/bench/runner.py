@@ -170,12 +170,22 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     vocab = model.config.vocab_size
     ids = _prompt(1, ctx, vocab, cfg.seed + 7, device)
     nxt = _prompt(1, 1, vocab, cfg.seed + 8, device)
+    from transformers import DynamicCache
+
     ref_cache = make_cache(model, "hf/dynamic", cfg)
     _prefill(model, ref_cache, ids)
     _, ref = _step(model, ref_cache, nxt)
     ref = ref.float()
     del ref_cache
-    tol = {torch.float32: 1e-3}.get(next(model.parameters()).dtype, 5e-2)
+    # noise floor: two dense implementations of transformers (eager attention vs SDPA) on the same step
+    _set_attn(model, "eager")
+    floor_cache = DynamicCache(config=model.config)
+    _prefill(model, floor_cache, ids)
+    _, alt = _step(model, floor_cache, nxt)
+    del floor_cache
+    _set_attn(model, "sdpa")
+    floor = float((alt.float() - ref).abs().max()) / max(float(ref.abs().max()), 1e-12)
+    tol = max({torch.float32: 1e-3}.get(next(model.parameters()).dtype, 2e-2), 3 * floor)
     budget = ctx + 64 + cfg.sink + cfg.window  # covers every token: the full-budget selection
     out = []
     for method in methods:
@@ -198,6 +208,8 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
                 rel=rel,
                 same_token=same,
                 top2_margin=margin,
+                dense_noise_rel=floor,
+                tol=tol,
                 ok=bool(rel <= tol and (same or margin <= 2 * diff)),
             )
         )
@@ -210,22 +222,25 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
     """Graph-replayed decoding vs eager decoding of the same kvdex method at the bench budget.
 
     Both caches get the same prompt and are teacher-forced with the eager run's greedy tokens for
-    ``steps`` steps (several page boundaries, so eager steps, captures and replays all occur).
-    ``ok``: every step's logits within the dtype's tolerance of eager (the dense layers read a
-    longer, masked buffer in static mode, so the split of the sum may differ in rounding).
+    ``steps`` steps (several page boundaries, so eager steps, captures and replays all occur). The
+    eager run uses the same static sizing (``tests/test_bench.py`` shows static == dynamic sizing),
+    so both run the same kernels on the same shapes: ``ok`` needs every step's logits within 1e-3
+    of max |logit| (in practice equal) and at least one replay.
     """
     from kvdex.bench.graph import GraphDecoder
 
     device = next(model.parameters()).device
     ctx = cfg.check_context
     ids = _prompt(1, ctx, model.config.vocab_size, cfg.seed + 9, device)
-    tol = {torch.float32: 1e-3}.get(next(model.parameters()).dtype, 5e-2)
+    tol = 1e-3  # replaying the kernels of an eager step on the same inputs: equal up to nondeterminism
     out = []
     for method in methods:
         if not method.endswith("+graph"):
             continue
         eager = make_cache(model, method, cfg)
         nxt = _prefill(model, eager, ids).argmax(-1, keepdim=True)
+        for layer in eager.layers:  # the same static sizing as graph decoding: same kernels, same shapes
+            layer.store.static = True
         forced, ref = [nxt], []
         for _ in range(steps):
             nxt, lg = _step(model, eager, nxt)
@@ -481,10 +496,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
                 f"(rel {c['rel']:.2e}), same token {c['same_token']} -> {'OK' if c['ok'] else 'FAILED'}"
             )
         bad = [c["method"] for c in checks if not c["ok"]]
-        if bad:
-            result["results"] = []
-            result["error"] = f"full-budget check failed for {', '.join(bad)}: no timing"
-            return result
+        if bad:  # a method that fails its check is not timed (nor its graph variant)
+            result["error"] = f"full-budget check failed for {', '.join(bad)}: not timed"
+            methods = [m for m in methods if m.removesuffix("+graph") not in bad]
     if cfg.graph:
         if device.type != "cuda":
             raise ValueError("--graph needs a CUDA device")
@@ -497,9 +511,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
             )
         bad = [c["method"] for c in checks if not c["ok"]]
         if bad:
-            result["results"] = []
-            result["error"] = f"graph-vs-eager check failed for {', '.join(bad)}: no timing"
-            return result
+            msg = f"graph-vs-eager check failed for {', '.join(bad)}: not timed"
+            result["error"] = f"{result['error']}; {msg}" if result.get("error") else msg
+            methods = [m for m in methods if m not in bad]
     rows = []
     for context in cfg.contexts:
         for batch in cfg.batches:
