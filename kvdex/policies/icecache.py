@@ -50,7 +50,11 @@ def _pool(threads: int, role: str = "index") -> ThreadPoolExecutor:
     with _POOLS_LOCK:
         key = (threads, role)
         if key not in _POOLS:
-            _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"kvdex-dci-{role}")
+            # One torch thread per worker (torch's thread count is per thread): the parallelism is
+            # across trees, and `threads` workers with default intra-op teams would oversubscribe.
+            _POOLS[key] = ThreadPoolExecutor(
+                threads, f"kvdex-dci-{role}", initializer=torch.set_num_threads, initargs=(1,)
+            )
         return _POOLS[key]
 
 
