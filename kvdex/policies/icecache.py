@@ -285,8 +285,16 @@ class IceCachePolicy(Policy):
         first = torch.full((uniq.numel(),), pages.numel(), dtype=torch.long)
         first.scatter_reduce_(0, inv, torch.arange(pages.numel()), reduce="amin")
         ordered = uniq[torch.argsort(first)]
-        fits = (tree.page_fill[ordered].cumsum(0) <= room).nonzero().numel()
-        chosen = ordered[: min(fits, self._max_pages())]
+        # Pages in order of their best-ranked key; a page that does not fit the room left is
+        # skipped and a later, smaller one may still fit (the budget is in tokens).
+        take, cap = [], self._max_pages()
+        for i, f in enumerate(tree.page_fill[ordered].tolist()):
+            if f <= room:
+                take.append(i)
+                room -= f
+                if room == 0 or len(take) == cap:
+                    break
+        chosen = ordered[torch.tensor(take, dtype=torch.long)]
         self._stats["pages_selected"] += chosen.numel()
         pos = tree.page_positions(chosen).flatten()
         pos = pos[pos >= 0]
