@@ -192,6 +192,19 @@ def test_all_ratios_one_is_dense(family, mode, offload):
     assert cache.policy.rebuilds == 39  # after every decode step (steps 1..39)
 
 
+@pytest.mark.parametrize("window", [16, 32])
+def test_dense_across_page_boundaries(llama, window):
+    """80 decode steps cross five page boundaries, so the page joining the middle lands on every
+    position inside a chunk of 4 (a regression: the pre-indexed page once aliased its start)."""
+    model, ref = llama
+    ids = prompt(16 + 16 * 11 + 3, 15)
+    tok_ref, logit_ref = greedy(ref, ids, new=80)
+    cache = kvdex.Cache(model, "chess", 4096, window=window, dense_layers=1, trigger="always", chunk_pages=4, **ALL_ONE)
+    tok, logit = greedy(model, ids, cache=cache, new=80)
+    torch.testing.assert_close(logit, logit_ref, atol=1e-4, rtol=0)
+    _check_hierarchy(cache, 4, 4)
+
+
 def test_one_selection_for_every_layer_and_head(llama):
     model, _ = llama
     cache = _prefill(model, prompt(300, 6), preset="aggressive")

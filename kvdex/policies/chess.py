@@ -267,7 +267,8 @@ class ChessPolicy(Policy):
 
     def _add_pages(self, slot: int, update) -> None:
         """Eq. 1 for the new pages (this layer's slice of F), then eq. 2 for their chunks and grids."""
-        end = update.start + update.count
+        start = update.start.clone()
+        end = start + update.count
         self._reserve(int(end.max()), update.keys)
         vg, vc, vp = self._views()
         cols = slice(slot * self._hd, (slot + 1) * self._hd)
@@ -281,7 +282,7 @@ class ChessPolicy(Policy):
         # centroids of the touched chunks and grids, over the pages/chunks each sequence has so far
         nc, ng = self.chunk_pages, self.grid_chunks
         live = update.count > 0
-        c0, c1 = int(update.start[live].min()) // nc, -(-int(end.max()) // nc)
+        c0, c1 = int(start[live].min()) // nc, -(-int(end.max()) // nc)
         n = self._npages[slot].to(vp.device)
         pages = vp[:, c0 * nc : c1 * nc, cols].reshape(b, c1 - c0, nc, -1)
         pid = torch.arange(c0 * nc, c1 * nc, device=vp.device).view(1, c1 - c0, nc)
@@ -308,7 +309,7 @@ class ChessPolicy(Policy):
             k, valid = window_keys(self._stores[layer])
             b, h, w, d = k.shape
             if upcoming is not None and bool(upcoming.any()):
-                start = self._npages[self._slot[layer]]
+                start = self._npages[self._slot[layer]].clone()  # not a view: _add_pages advances it
                 self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), k[:, :, None, :ps]))
             kf = k.float().view(b, h, w // ps, ps, d)
             cnt = valid.view(b, w // ps, ps).sum(-1)  # tokens per window page
