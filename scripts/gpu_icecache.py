@@ -61,7 +61,7 @@ def build_bench(keys, params, threads):
     one = time.perf_counter() - t0
     jobs = [(lay, h) for lay in keys for h in range(keys[lay].shape[0])]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         trees = list(
             pool.map(lambda j: DCITree.build(keys[j[0]][j[1]], torch.arange(keys[j[0]].shape[1]), params), jobs)
         )
