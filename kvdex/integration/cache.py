@@ -128,7 +128,8 @@ class KVDexLayer(CacheLayerMixin):
         self.store = parent._new_store(self, k)
         update = self.store.ingest(k, v, lengths)
         update.store = self.store
-        self._obs_q = q[:, :, -OBS_KEEP:]  # kept for fork(): policies with an observation window
+        # kept for fork(): policies with an observation window (a copy: a view would keep the whole prompt's q)
+        self._obs_q = q[:, :, -OBS_KEEP:].clone()
         self._pads = pads
         if self.dense:
             return

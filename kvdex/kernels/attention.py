@@ -81,7 +81,7 @@ def paged_decode_attention(
     (see ``kvdex.kernels.triton_attention.paged_decode_attention``). Returns None when the fast
     kernel does not apply (not CUDA, no triton, ``KVDEX_TRITON=0``): the caller takes that path.
     """
-    fast = _fast() if q.is_cuda else None
+    fast = _fast() if q.is_cuda and os.environ.get("KVDEX_PAGED", "1") != "0" else None
     if fast is None:
         return None
     return fast.paged_decode_attention(q, k, v, pages, lengths, sink, page_size, window_pages, scale)
