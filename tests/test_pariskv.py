@@ -223,6 +223,18 @@ def test_bucket_topk_equals_exact_topk(n, k, maxs):
             assert torch.equal(taken, ties[: len(taken)])
 
 
+def test_bucket_topk_per_row_counts():
+    """row_k: each row takes its own count (capped at the width), as a separate call with that k."""
+    scores = torch.randint(-1, 30, (4, 300), generator=gen(11)).int()
+    row_k = torch.tensor([0, 7, 150, 300])
+    out = K.bucket_topk(scores, 200, 30, row_k)
+    assert out.shape == (4, 200)
+    for i, k in enumerate(row_k.tolist()):
+        kk = min(k, 200)
+        alone = K.bucket_topk(scores[i : i + 1], kk, 30)[0] if kk else torch.empty(0, dtype=torch.long)
+        assert torch.equal(out[i][out[i] >= 0], alone[alone >= 0])
+
+
 # ---- fetch ------------------------------------------------------------------------------------------------
 
 
@@ -340,6 +352,41 @@ def test_selection_is_a_valid_set_of_middle_tokens(policy):
     assert cache.stats()["attended_tokens_per_step"] <= budget
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_ragged_batch_equals_each_sequence_alone(offload):
+    """Votes, quotas, pool sizes and ratios are per sequence: a left-padded batch decodes each
+    sequence as if it were alone (padding never reaches the index or the selection)."""
+    from conftest import left_padded
+
+    model, _ = shared_pair("llama_gqa")
+    lengths, new = [200, 130, 300], 30
+    ids, mask, prompts = left_padded(lengths, seed=10)
+    cache = kvdex.Cache(model, "pariskv", budget=96, offload=offload, dense_layers=1)
+    tokens, logits = greedy(model, ids, mask, cache, new=new)
+    assert cache.stats()["attended_tokens_per_step"] <= 96
+    for i, p in enumerate(prompts):
+        alone = kvdex.Cache(model, "pariskv", budget=96, offload=offload, dense_layers=1)
+        t1, l1 = greedy(model, p[None], None, alone, new=new)
+        assert torch.equal(tokens[i, ids.shape[1] :], t1[0, len(p) :])
+        torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
+
+
+def test_kmeans_ignores_batch_padding():
+    """The learned centroids of a short sequence in a ragged batch come from its own keys only."""
+    from conftest import left_padded
+
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([400, 120], seed=4)
+    cache = kvdex.Cache(model, "pariskv-kmeans", budget=96, dense_layers=1)
+    greedy(model, ids, mask, cache, new=2)
+    for layer, c in cache.policy.centroids.items():
+        keys = cache.layers[layer].store.middle_keys()[1]  # [H, n, d] of the short sequence
+        n = int(cache.layers[layer].store.grid.num_middle_pages(torch.tensor([120]))[0]) * PAGE
+        sub = keys[:, :n].unflatten(-1, (-1, 8)).transpose(1, 2)  # [H, nsub, n, 8]
+        lo, hi = sub.amin(2, keepdim=True), sub.amax(2, keepdim=True)
+        assert bool(((c[1] >= lo - 1e-5) & (c[1] <= hi + 1e-5)).all())  # means of its own points
+
+
 def test_index_tracks_every_middle_key_and_never_relearns():
     cache, seen = _decode_with_selections("pariskv-kmeans", new=40)
     p = cache.policy
@@ -383,6 +430,15 @@ def test_recall_at_k_is_one_when_every_candidate_is_reranked():
     cache.observer = observer
     greedy(model, prompt(400, seed=2), cache=cache, new=2)
     assert out and all(0.5 <= r["e2e"] <= 1 and 0 <= r["coarse"] <= 1 for r in out.values())
+
+
+def test_kmeans_uses_only_valid_points():
+    x = torch.randn(3, 200, 4, generator=gen(9))
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    valid[1, 50:] = False
+    x[1, 50:] = 1e6  # junk that must never be sampled or averaged
+    c = kmeans(x, 16, 5, seed=0, valid=valid)
+    assert bool((c[1].abs() < 10).all()) and bool((c.abs() < 10).all())
 
 
 def test_kmeans_reduces_distortion():
@@ -493,6 +549,8 @@ def test_triton_bucket_topk(n, k, maxs):
     scores[1, : n // 2] = -1
     s = scores.to(DEV)
     assert torch.equal(T.bucket_topk(s, k, maxs, block=256), K.bucket_topk(s, k, maxs))
+    row_k = torch.tensor([k, 0, max(1, k // 3), k]).to(DEV)
+    assert torch.equal(T.bucket_topk(s, k, maxs, row_k, block=256), K.bucket_topk(s, k, maxs, row_k))
 
 
 @kernel_test

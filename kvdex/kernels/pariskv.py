@@ -185,10 +185,11 @@ def encode_query(q: torch.Tensor, signs: torch.Tensor, m: int) -> tuple[torch.Te
 # ---- coarse stage: collision voting ----------------------------------------------------------------
 
 
-def tier_quotas(n_keys: torch.Tensor, collision_ratio: float) -> torch.Tensor:
-    """Key quota of each vote tier: n_keys [R] -> int64 [R, len(TIERS)] = ceil(n * rho * tier)."""
+def tier_quotas(n_keys: torch.Tensor, collision_ratio: float | torch.Tensor) -> torch.Tensor:
+    """Key quota of each vote tier: n_keys [R], rho (scalar or [R]) -> int64 [R, len(TIERS)] = ceil(n rho tier)."""
     t = torch.tensor(TIERS, dtype=torch.float64, device=n_keys.device)
-    return torch.ceil(n_keys.double()[:, None] * collision_ratio * t).long()
+    rho = torch.as_tensor(collision_ratio, dtype=torch.float64, device=n_keys.device).reshape(-1, 1)
+    return torch.ceil(n_keys.double()[:, None] * rho * t).long()
 
 
 def cluster_votes(scores: torch.Tensor, counts: torch.Tensor, quotas: torch.Tensor) -> torch.Tensor:
@@ -233,31 +234,34 @@ def score_histogram(scores: torch.Tensor, max_score: int) -> torch.Tensor:
     return hist.scatter_add_(1, scores.clamp(min=0).long(), (scores >= 0).long())
 
 
-def threshold_from_hist(hist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The threshold step of :func:`bucket_topk`: hist [R, S] -> (threshold [R], ties to take [R]).
+def threshold_from_hist(hist: torch.Tensor, k: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The threshold step of :func:`bucket_topk`: hist [R, S], k (int or [R]) -> (threshold [R], ties to take [R]).
 
     Keys with ``score > threshold`` are all taken; ``take`` of the keys at ``score == threshold``
     complete the k (fewer when a row has fewer than k valid keys).
     """
     above = hist.flip(-1).cumsum(-1).flip(-1)  # above[v] = #keys with score >= v
-    thr = ((above >= k).sum(-1) - 1).clamp(min=0)  # highest v with at least k keys >= v
+    kk = k if isinstance(k, int) else k.reshape(-1, 1)
+    thr = ((above >= kk).sum(-1) - 1).clamp(min=0)  # highest v with at least k keys >= v
     strictly = torch.cat([above, above.new_zeros(hist.shape[0], 1)], 1).gather(1, (thr + 1)[:, None])[:, 0]
     at = hist.gather(1, thr[:, None])[:, 0]
     take = (k - strictly).clamp(min=0).minimum(at)
     return thr, take
 
 
-def bucket_topk(scores: torch.Tensor, k: int, max_score: int) -> torch.Tensor:
+def bucket_topk(scores: torch.Tensor, k: int, max_score: int, row_k: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k highest integer scores per row, without a sort: scores int [R, N] -> int64 [R, k].
 
     A histogram over the score values finds the threshold; every key above it and the first
     (lowest-index) keys at it are taken. Output is in ascending index order, ``-1`` padded when a
     row has fewer than k valid (>= 0) scores. Ties are broken by index, so the result is
-    deterministic and the Triton kernel reproduces it exactly.
+    deterministic and the Triton kernel reproduces it exactly. ``row_k`` [R] (<= k): take only
+    that many in row r (a ragged batch: each sequence its own candidate count).
     """
     r, n = scores.shape
     k = min(k, n)
-    thr, take = threshold_from_hist(score_histogram(scores, max_score), k)
+    rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
+    thr, take = threshold_from_hist(score_histogram(scores, max_score), rk)
     gt = scores > thr[:, None]
     eq = (scores == thr[:, None]) & (scores >= 0)
     eq_rank = eq.long().cumsum(1) - 1

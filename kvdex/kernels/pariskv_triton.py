@@ -167,7 +167,9 @@ def collision_votes(ids: torch.Tensor, votes: torch.Tensor, block: int = 256) ->
     return out
 
 
-def bucket_topk(scores: torch.Tensor, k: int, max_score: int, block: int = 1024) -> torch.Tensor:
+def bucket_topk(
+    scores: torch.Tensor, k: int, max_score: int, row_k: torch.Tensor | None = None, block: int = 1024
+) -> torch.Tensor:
     """Twin: :func:`kvdex.kernels.pariskv.bucket_topk` (same indices, same order)."""
     _check(scores)
     scores = scores.contiguous().to(torch.int32)
@@ -182,7 +184,8 @@ def bucket_topk(scores: torch.Tensor, k: int, max_score: int, block: int = 1024)
     grid = (r, nblk)
     hist = torch.zeros(r, nb, dtype=torch.int32, device=scores.device)
     kern["histogram"][grid](scores, hist, n, nb, block)
-    thr, take = twin.threshold_from_hist(hist.long(), k)
+    rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
+    thr, take = twin.threshold_from_hist(hist.long(), rk)
     thr32 = thr.to(torch.int32).contiguous()
     cnt = torch.empty(r, nblk, 2, dtype=torch.int32, device=scores.device)
     kern["block_counts"][grid](scores, thr32, cnt, n, nblk, block)

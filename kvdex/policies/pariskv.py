@@ -120,8 +120,9 @@ class ParisKVPolicy(Policy):
     def num_sub(self) -> int:
         return self.rot_dim // self.m
 
-    def assign(self, layer: int, k: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Centroid ids of keys k [B, H, N, d]; ``ids`` are the analytic ones -> uint8 [B, H, N, nsub]."""
+    def assign(self, layer: int, k: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Centroid ids of keys k [B, H, N, d] (``valid`` [B, N]: real, not padding); ``ids`` are the
+        analytic ones -> uint8 [B, H, N, nsub]."""
         return ids
 
     def centroid_scores(self, layer: int, q: torch.Tensor, qb: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,8 @@ class ParisKVPolicy(Policy):
         keys = update.keys.reshape(b, h, pn * ps, d)
         signs, thresholds, centers, _ = self.consts(keys.device)
         ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
-        ids = self.assign(layer, keys, ids)
+        valid = torch.arange(pn * ps)[None, :] < (update.count * ps)[:, None]  # [B, N] (CPU)
+        ids = self.assign(layer, keys, ids, valid)
         start, count = update.start * ps, update.count * ps
         idx = self._reserve(layer, int((start + count).max()), keys)
         for bi in torch.nonzero(update.count).flatten().tolist():
@@ -195,13 +197,23 @@ class ParisKVPolicy(Policy):
         r = b * h
         qm = q.float().view(b, h, hq // h, d).mean(2)
         qb, qn = K.encode_query(qm, self.consts(q.device)[0], self.m)
-        rho = self.collision_ratio or adaptive_ratios(n)[1]
+        rho = torch.tensor([self.ratios(int(x))[1] for x in nmid]).repeat_interleave(h)  # [R]
         n_b = nmid.to(q.device).repeat_interleave(h)  # [R]
         cscore = self.centroid_scores(layer, qm, qb).reshape(r, self.num_sub, -1)
-        votes = K.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), K.tier_quotas(n_b, rho))
+        quotas = K.tier_quotas(nmid.repeat_interleave(h), rho).to(q.device)
+        votes = K.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), quotas)
         score = self.ops(q.device).collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes)
         live = torch.arange(n, device=q.device)[None, :] < n_b[:, None]
         return torch.where(live, score, -1), qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+
+    def ratios(self, n: int) -> tuple[float, float]:
+        """(candidate_ratio, collision_ratio) for a sequence with n middle tokens (options or adaptive)."""
+        beta, rho = adaptive_ratios(n)
+        return self.candidate_ratio or beta, self.collision_ratio or rho
+
+    def pool_sizes(self, nmid: torch.Tensor, k: int) -> list[int]:
+        """Candidates kept by voting per sequence: min(n, max(k, ceil(beta * n)))."""
+        return [min(int(x), max(k, math.ceil(self.ratios(int(x))[0] * int(x)))) for x in nmid]
 
     @property
     def max_votes(self) -> int:
@@ -215,9 +227,10 @@ class ParisKVPolicy(Policy):
         b, h = q.shape[0], idx.ids.shape[1]
         r = b * h
         score, qb, qn = self.votes(layer, q, n, nmid)
-        beta = self.candidate_ratio or adaptive_ratios(n)[0]
-        c = min(n, max(k, math.ceil(beta * n)))
-        cand = ops.bucket_topk(score, c, self.max_votes)  # [R, C]
+        pool = self.pool_sizes(nmid, k)  # per sequence, so a ragged batch equals each sequence alone
+        c = max(pool)
+        row_c = torch.tensor(pool).repeat_interleave(h)
+        cand = ops.bucket_topk(score, c, self.max_votes, row_c)  # [R, C], -1 past a row's own count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
         val, top = torch.topk(est, min(k, c), dim=-1)
@@ -245,10 +258,11 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
     def num_sub(self) -> int:  # subspaces of the raw head dim (no rotation, no padding)
         return self.info.head_dim // self.m
 
-    def assign(self, layer, k, ids):
+    def assign(self, layer, k, ids, valid):
         sub = k.float().unflatten(-1, (-1, self.m)).transpose(2, 3)  # [B, H, nsub, N, m]
         if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
-            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed)
+            w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
+            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w)
         c = self.centroids[layer]
         dist = (c * c).sum(-1)[..., None, :] - 2 * sub @ c.transpose(-1, -2)  # [B, H, nsub, N, K]
         return dist.argmin(-1).transpose(2, 3).to(torch.uint8)
@@ -258,17 +272,23 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         return (self.centroids[layer] @ qs[..., None])[..., 0]
 
 
-def kmeans(x: torch.Tensor, k: int, iters: int, seed: int) -> torch.Tensor:
-    """Batched Lloyd k-means: x [..., N, m] -> centroids [..., k, m] (init: k seeded random points)."""
+def kmeans(x: torch.Tensor, k: int, iters: int, seed: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched Lloyd k-means: x [..., N, m] -> centroids [..., k, m]; init: k seeded random points.
+
+    ``valid`` [..., N] (bool, any device): only those points are sampled and averaged.
+    """
     lead, n, m = x.shape[:-2], x.shape[-2], x.shape[-1]
     xf = x.reshape(-1, n, m)
+    w = torch.ones(xf.shape[:2]) if valid is None else valid.reshape(-1, n).float().cpu()
+    w = w + (w.sum(-1, keepdim=True) == 0).float()  # a row without valid points: sample uniformly
     g = torch.Generator().manual_seed(seed)
-    init = torch.randint(0, n, (xf.shape[0], k), generator=g).to(x.device)
+    init = torch.multinomial(w, k, replacement=True, generator=g).to(x.device)
     c = xf.gather(1, init[..., None].expand(-1, -1, m)).clone()
+    wd = w.to(x.device)
     for _ in range(iters):
         a = ((c * c).sum(-1)[:, None, :] - 2 * xf @ c.transpose(1, 2)).argmin(-1)  # [G, N]
-        s = torch.zeros_like(c).scatter_add_(1, a[..., None].expand(-1, -1, m), xf)
-        cnt = torch.zeros(c.shape[:2], device=x.device).scatter_add_(1, a, torch.ones_like(a, dtype=torch.float))
+        s = torch.zeros_like(c).scatter_add_(1, a[..., None].expand(-1, -1, m), xf * wd[..., None])
+        cnt = torch.zeros(c.shape[:2], device=x.device).scatter_add_(1, a, wd)
         c = torch.where(cnt[..., None] > 0, s / cnt.clamp(min=1)[..., None], c)  # empty cluster: keep
     return c.view(*lead, k, m)
 
