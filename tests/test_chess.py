@@ -436,3 +436,15 @@ def test_calibration_statistics_and_thresholds(llama, tmp_path):
     path.write_text(json.dumps(th))
     pol = kvdex.make_policy(f"chess:thresholds={path}:varentropy=temporal")
     assert pol._tau == (th["entropy"], th["temporal_varentropy"])
+
+
+@pytest.mark.filterwarnings("ignore:the sequence")
+def test_page_size_32_with_sink_16(llama):
+    """The paper's page size with kvdex's default sink: the grid starts at 16, so the window can
+    reach past a tight device buffer (1050 tokens -> capacity 1056, window up to 1072). Regression:
+    the attend set once pointed masked window rows out of bounds."""
+    model, _ = llama
+    cache = kvdex.Cache(model, "chess:preset=moderate", 4096, page_size=32, window=32, dense_layers=1)
+    tok, _ = greedy(model, prompt(1050, 16), cache=cache, new=4)
+    assert tok.shape[1] == 1054
+    assert cache.layers[1].store.k.shape[2] == 1056

@@ -65,6 +65,9 @@ class DeviceStore(LayerStore):
         win = self._window_slots_positions()
         fixed = torch.cat([sink, win], dim=1)  # [B, sink + window]
         fixed_valid = fixed < self.lengths[:, None]
+        # window rows past the length may lie past the buffer when sink % page_size != 0 (e.g. page 32,
+        # sink 16): point them at slot 0 (they are masked) so no kernel gathers out of bounds
+        fixed = torch.where(fixed_valid, fixed, 0)
         fixed = fixed[:, None, :].expand(b, h, -1)
         fixed_valid = fixed_valid[:, None, :].expand(b, h, -1)
         if sel.everything:
