@@ -82,8 +82,15 @@ class HostPages:
         n = k.shape[1]
         self.reserve(first_page + n)
         dst = self.data[b, :, first_page : first_page + n]
-        dst[:, :, 0].copy_(k)
-        dst[:, :, 1].copy_(v)
+        if self.pin and k.is_cuda and n > 1:
+            # interleave K/V on the device, then one contiguous DMA per head into pinned memory
+            # (a copy into the strided K or V half goes through a pageable host temporary)
+            kv = torch.stack([k, v], dim=2)  # [H, n, 2, ps, D]
+            for h in range(kv.shape[0]):
+                dst[h].copy_(kv[h])
+        else:
+            dst[:, :, 0].copy_(k)
+            dst[:, :, 1].copy_(v)
         self.stats.d2h_bytes += 2 * k.numel() * k.element_size()
 
     def permute_tokens(self, order: torch.Tensor) -> None:
