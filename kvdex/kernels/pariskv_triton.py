@@ -63,12 +63,15 @@ def _kernels(interpret: bool):  # noqa: C901  (one builder keeps the optional im
         tl.store(out_ptr + r * n + offs, acc, mask=mask)
 
     @triton.jit
-    def histogram(score_ptr, hist_ptr, n, NB: tl.constexpr, BLOCK: tl.constexpr):
+    def histogram(score_ptr, hist_ptr, n, NB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr):
+        # a block histogram in registers, then NB atomics to distinct bins (not one atomic per key
+        # on a handful of hot bins); invalid scores and the tail go to the spare bin NBP - 1
         r = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         s = tl.load(score_ptr + r * n + offs, mask=offs < n, other=-1)
-        ok = s >= 0
-        tl.atomic_add(hist_ptr + r * NB + tl.where(ok, s, 0), tl.where(ok, 1, 0), mask=ok)
+        hist = tl.histogram(tl.where(s >= 0, s, NBP - 1), NBP)
+        bins = tl.arange(0, NBP)
+        tl.atomic_add(hist_ptr + r * NB + bins, hist, mask=bins < NB)
 
     @triton.jit
     def block_counts(score_ptr, thr_ptr, cnt_ptr, n, nblk, BLOCK: tl.constexpr):
@@ -183,7 +186,8 @@ def bucket_topk(
     nblk = -(-n // block)
     grid = (r, nblk)
     hist = torch.zeros(r, nb, dtype=torch.int32, device=scores.device)
-    kern["histogram"][grid](scores, hist, n, nb, block)
+    nbp = 1 << nb.bit_length()  # a power of two > nb: room for the spare bin
+    kern["histogram"][grid](scores, hist, n, nb, nbp, block)
     rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
     thr, take = twin.threshold_from_hist(hist.long(), rk)
     thr32 = thr.to(torch.int32).contiguous()
