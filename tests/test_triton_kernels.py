@@ -252,6 +252,15 @@ def test_quest_scores_match_twin_and_bound_every_key(dtype, b, h, g, p, d):
     live = torch.isfinite(got)
     assert bool((got[live] >= true[live] - 1e-4).all())
     assert bool((~live[1:, :, p - 9 :]).all()) and bool(live[:, :, : p - 9].all())
+    # the same from token lengths: the kernel derives each middle page count (Grid.num_middle_pages)
+    from kvdex.storage import Grid
+
+    grid = Grid(16, 16, 2)
+    lengths = torch.tensor([700, 333][:b], device=DEV)
+    from_len = qt.page_scores(q, kmin, kmax, lengths=lengths, grid=grid)
+    torch.testing.assert_close(from_len, qt.page_scores(q, kmin, kmax, grid.num_middle_pages(lengths)), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="either"):
+        qt.page_scores(q, kmin, kmax, npages, lengths=lengths, grid=grid)
 
 
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------

@@ -37,6 +37,10 @@ def _quest_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    FROM_LENGTHS: tl.constexpr = False,  # NPAGES holds token lengths: derive the middle page count
+    SINK: tl.constexpr = 0,
+    PS: tl.constexpr = 16,
+    WP: tl.constexpr = 1,
 ):
     bh = tl.program_id(0)
     pb = tl.program_id(1)
@@ -56,13 +60,28 @@ def _quest_kernel(
         ub = tl.sum(tl.maximum(qg[None, :] * kmin, qg[None, :] * kmax), axis=1)
         score = tl.maximum(score, ub)
     n = tl.load(NPAGES + b)
+    if FROM_LENGTHS:  # Grid.num_middle_pages
+        n = tl.maximum((tl.maximum(n - SINK, 0) + PS - 1) // PS - WP, 0)
     score = tl.where(offs_p < n, score, float("-inf"))
     tl.store(OUT + bh * P + offs_p, score, mask=pmask)
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+def page_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    num_pages: torch.Tensor | None = None,
+    *,
+    lengths: torch.Tensor | None = None,
+    grid=None,
+) -> torch.Tensor:
     """q [B, Hq, D]; kmin/kmax [B, H, P, D] (any float dtype, last dim contiguous); num_pages [B]
-    -> [B, H, P] fp32: per kv head the max over its query heads of Quest's bound, -inf past the middle."""
+    -> [B, H, P] fp32: per kv head the max over its query heads of Quest's bound, -inf past the middle.
+
+    Instead of ``num_pages``, ``lengths`` [B] (tokens) and the store's ``grid`` (a
+    ``kvdex.storage.Grid``) let the kernel compute ``grid.num_middle_pages(lengths)`` itself."""
+    if (num_pages is None) == (lengths is None) or (lengths is not None and grid is None):
+        raise ValueError("pass either num_pages, or lengths and grid")
     b, hq, d = q.shape
     if kmin.dim() != 4 or kmin.shape != kmax.shape or kmin.shape[0] != b or kmin.shape[3] != d:
         raise ValueError(f"expected q [B, Hq, D] and kmin/kmax [B, H, P, D], got {tuple(q.shape)}, {tuple(kmin.shape)}")
@@ -77,11 +96,12 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
         return out
     g = hq // h
     block_p = 64
-    n = num_pages.to(device=q.device, dtype=torch.int32)
+    n = (num_pages if lengths is None else lengths).to(q.device)
+    extra = {} if lengths is None else dict(FROM_LENGTHS=True, SINK=grid.sink, PS=grid.page_size, WP=grid.window_pages)
     _quest_kernel[(b * h, triton.cdiv(p, block_p))](
         q, kmin, kmax, n, out, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), h, p,
         G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_P=block_p,
+        BLOCK_P=block_p, **extra,
     )  # fmt: skip
     return out
 

@@ -290,7 +290,7 @@ def dense_decode_attention(
     n = k.shape[2] if max_len is None else int(max_len)
     if n > k.shape[2]:
         raise ValueError(f"max_len ({n}) exceeds the slot buffer ({k.shape[2]})")
-    lens = lengths.to(device=q.device, dtype=torch.int32)
+    lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
 
 
@@ -337,7 +337,7 @@ def paged_decode_attention(
     if pages.stride(-1) != 1:
         pages = pages.contiguous()
     n = sink + window_pages * page_size + pages.shape[2] * page_size
-    lens = lengths.to(device=q.device, dtype=torch.int32)
+    lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages))
 
 

@@ -80,7 +80,6 @@ class QuestPolicy(Policy):
 
     def select(self, layer, q, store, scale) -> Selection:
         k = self.cfg.retrieval_pages
-        nmid = store.grid.num_middle_pages(store.lengths)
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         p = int(store.grid.num_middle_pages(store.lengths_host).max())
@@ -88,8 +87,10 @@ class QuestPolicy(Policy):
             p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
         fast = _fast_scores() if q.is_cuda else None
-        if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton)
-            return Selection(pages=topk_ids(fast(q, kmin, kmax, nmid), k))
+        if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton); it derives
+            # each sequence's middle page count from the device lengths itself
+            return Selection(pages=topk_ids(fast(q, kmin, kmax, lengths=store.lengths, grid=store.grid), k))
+        nmid = store.grid.num_middle_pages(store.lengths)
         ub = page_bounds(q, kmin, kmax)
         score = mask_pages(group_reduce(ub, store.kv_heads, "max"), nmid)
         return Selection(pages=topk_ids(score, k))
