@@ -90,7 +90,7 @@ def _split_kernel(
     q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)
 
     if MODE == 1:
-        n_b = tl.load(LENS + b)
+        n_b = tl.load(LENS + b).to(tl.int32)  # one type for `end` in both branches below
     else:
         n_b = N
     if MODE == 2:  # DeviceStore.attend's slot list, built here: sink | window | selected pages
