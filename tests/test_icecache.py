@@ -238,3 +238,27 @@ def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_sele
     st = pol.stats()
     middle = window_start(200) - SINK  # tokens indexed per (layer, kv head) at prefill
     assert st["builds"] == 2 and st["build_keys"] == 2 * 2 * middle
+
+
+def test_eval_harness_runs_icecache_by_name_in_both_storage_modes(tmp_path):
+    """``kvdex eval recall --policies icecache``: same recall with the KV on the device or offloaded
+    into semantic pages (the harness reads the attended set from the store)."""
+    from kvdex.eval import data
+    from kvdex.eval.recall import RecallTask
+    from kvdex.eval.runner import EvalConfig, run_task
+    from kvdex.eval.testing import byte_tokenizer, tiny_llama
+
+    if data.data_root(required=False) is None:
+        pytest.skip("evaluation data not found (set KVDEX_DATA)")
+    tok = byte_tokenizer()
+    model = tiny_llama(vocab_size=len(tok))
+    got = []
+    for offload in (False, True):
+        cfg = EvalConfig(
+            "tiny", ["icecache"], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False
+        )
+        got.append({(r.policy, r.budget): r.metrics for r in run_task(RecallTask(steps=2), model, tok, cfg)})
+    ice = got[0][("icecache", 64)]
+    assert 0 < ice["recall"] < 1
+    for metric in ("recall", "topk_hit", "rel_l2"):
+        assert got[1][("icecache", 64)][metric] == pytest.approx(ice[metric], abs=1e-6), metric

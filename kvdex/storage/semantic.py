@@ -116,6 +116,7 @@ class SemanticOffloadStore(OffloadStore):
         if req.shape[1] > self.page_slots or n_loose > self.row_cap:
             self._layout(max(req.shape[1], self.page_slots), max(n_loose, self.row_cap))
         where = self._load_pages(req)  # [R, P] device slot of each needed page
+        where = torch.cat([where, torch.zeros(R, 1, dtype=torch.long)], dim=1)  # a column for tokens without a page
         mid_idx = self.fixed + where.gather(1, col.clamp(min=0)) * ps + slot_in_page
         if n_loose:
             mid_idx = torch.where(loose, self._load_rows(tok, loose), mid_idx)
