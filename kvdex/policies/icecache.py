@@ -7,9 +7,9 @@ keys in the transformed space of eq. 2/3; its leaf nodes are the pages. Algorith
   is built on a CPU thread pool while the GPU prefills the next layers (Figure 5b); the build is
   joined lazily at the layer's first ``select``;
 * a window page leaves the window (``index`` with one page): its keys are inserted with the same
-  random promotion (lines 26-36) on a worker thread; ``select`` never waits for an insertion --
-  until it lands, the tokens of that page are attended explicitly (out of the retrieval budget),
-  just as they were while they sat in the window;
+  random promotion (lines 26-36) on a worker thread while this step goes on; as in Algorithm 1
+  (offload at line 17, select at line 22, insert at line 26) the page is selectable from the
+  layer's next step, which joins the insertion (deterministic; it rarely has to wait);
 * decode (``select``, Algorithms 3-4): every query head of a kv head's group asks the tree for its
   top-k keys by inner product (M-DCI); the pages holding them are the selection (GQA: the union
   over the group, merged rank by rank), taken in order of their best-ranked key while they fit the
@@ -213,7 +213,8 @@ class IceCachePolicy(Policy):
     def _sync(self, layer, store) -> list[torch.Tensor]:
         """Apply the index jobs of ``layer`` submitted before this step (joining them if they are
         still running: the first build, or an insertion slower than a whole decode step); return,
-        per sequence, the positions evicted during this step, not in the tree yet."""
+        per sequence, the positions evicted during this step (not in the tree yet: attended only
+        when the budget covers every middle token)."""
         q = self._jobs.get(layer)
         now = self._selects.get(layer, 0)
         self._selects[layer] = now + 1
@@ -244,19 +245,20 @@ class IceCachePolicy(Policy):
         for b in range(B):
             for h in range(H):
                 tree = trees[b * H + h] if trees is not None else None
-                room = budget - pending[b].numel()
-                if tree is None or room <= 0:
+                n = (0 if tree is None else tree.n) + pending[b].numel()
+                if n <= budget:  # a top-k with k >= n is every key, indexed or being inserted
+                    every = pending[b] if tree is None else torch.cat([tree.pos, pending[b]])
+                    work.append(lambda every=every: every)
+                elif tree is None:
                     work.append(lambda: torch.empty(0, dtype=torch.long))
-                elif tree.n <= room:  # a top-k with k >= n is every key
-                    work.append(lambda tree=tree: tree.pos)
-                else:
-                    work.append(lambda tree=tree, b=b, h=h, room=room: self._select_pages(
-                        tree, qc[b, h * G : (h + 1) * G], room))  # fmt: skip
+                else:  # Alg. 1: a page leaving the window this step is selectable from the next step
+                    work.append(lambda tree=tree, b=b, h=h: self._select_pages(
+                        tree, qc[b, h * G : (h + 1) * G], budget))  # fmt: skip
         if len(work) > 1 and self._threads() > 1:  # the trees of one layer are searched in parallel
             chosen = list(_pool(self._threads(), "query").map(lambda f: f(), work))
         else:
             chosen = [f() for f in work]
-        rows = [torch.cat([pending[i // H][: max(budget, 0)], c]) for i, c in enumerate(chosen)]
+        rows = chosen
         T = max((r.numel() for r in rows), default=0)
         pin = q.device.type == "cuda"
         tokens = torch.full((B * H, T), -1, dtype=torch.long, pin_memory=pin)
