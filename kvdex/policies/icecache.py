@@ -76,7 +76,7 @@ class IceCachePolicy(Policy):
     norm_margin: float = 1.25
     reuse: bool = False
     reuse_every: int = 3
-    threads: int = 0  # CPU threads for tree construction / insertion; 0 -> os.cpu_count()
+    threads: int = 0  # CPU threads for tree construction / insertion / search; 0 -> the cores we may use
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -273,7 +273,9 @@ class IceCachePolicy(Policy):
         return sel
 
     def _threads(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        if self.threads:
+            return self.threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def _select_pages(self, tree: DCITree, qg: torch.Tensor, room: int) -> torch.Tensor:
         """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]."""
