@@ -62,6 +62,17 @@ class _LayerIndex:
     n: torch.Tensor  # int64 [B] (CPU) encoded tokens per sequence
 
 
+@dataclass
+class _Rows:
+    """Per-row sizes of one middle length (R = B * H rows), device tensors."""
+
+    n_seq: torch.Tensor  # [B] middle tokens per sequence
+    n_row: torch.Tensor  # [R]
+    quotas: torch.Tensor  # [R, len(TIERS)] vote-tier key quotas
+    pool: torch.Tensor  # [R] candidates kept by voting
+    width: int  # max pool
+
+
 @register_policy
 @dataclass
 class ParisKVPolicy(Policy):
@@ -92,6 +103,7 @@ class ParisKVPolicy(Policy):
         self.index_: dict[int, _LayerIndex] = {}
         self._ops = None
         self._consts: dict[torch.device, tuple] = {}
+        self._rows_key, self._rows = None, {}
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(SRHT signs, magnitude thresholds, centers, centroid codebook) on ``device`` (copied once)."""
@@ -180,7 +192,7 @@ class ParisKVPolicy(Policy):
             return Selection(tokens=torch.full((b, h, 0), -1, dtype=torch.long, device=q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
             j = torch.arange(n, device=q.device)
-            pos = torch.where(j[None, :] < nmid.to(q.device)[:, None], store.grid.sink + j, -1)
+            pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], store.grid.sink + j, -1)
             return Selection(tokens=pos[:, None, :].expand(b, h, n).contiguous())
         cand, _ = self.search(layer, q, n, nmid, k)
         return Selection(tokens=torch.where(cand >= 0, cand + store.grid.sink, -1))
@@ -197,14 +209,31 @@ class ParisKVPolicy(Policy):
         r = b * h
         qm = q.float().view(b, h, hq // h, d).mean(2)
         qb, qn = K.encode_query(qm, self.consts(q.device)[0], self.m)
-        rho = torch.tensor([self.ratios(int(x))[1] for x in nmid]).repeat_interleave(h)  # [R]
-        n_b = nmid.to(q.device).repeat_interleave(h)  # [R]
+        rows = self.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
         cscore = self.centroid_scores(layer, qm, qb).reshape(r, self.num_sub, -1)
-        quotas = K.tier_quotas(nmid.repeat_interleave(h), rho).to(q.device)
-        votes = K.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), quotas)
+        votes = K.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), rows.quotas)
         score = self.ops(q.device).collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes)
-        live = torch.arange(n, device=q.device)[None, :] < n_b[:, None]
+        live = torch.arange(n, device=q.device)[None, :] < rows.n_row[:, None]
         return torch.where(live, score, -1), qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+
+    def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
+        """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Built once per middle
+        length (a page boundary), so steps in between copy nothing to the device (CUDA-graph safe)."""
+        lengths = tuple(nmid.tolist())
+        if self._rows_key != lengths:  # a new middle length: the sizes of the last one are stale
+            self._rows_key, self._rows = lengths, {}
+        key = (h, k, device)
+        if key not in self._rows:
+            rho = torch.tensor([self.ratios(int(x))[1] for x in nmid]).repeat_interleave(h)
+            pool = self.pool_sizes(nmid, k)
+            self._rows[key] = _Rows(
+                n_seq=nmid.to(device),
+                n_row=nmid.repeat_interleave(h).to(device),
+                quotas=K.tier_quotas(nmid.repeat_interleave(h), rho).to(device),
+                pool=torch.tensor(pool).repeat_interleave(h).to(device),
+                width=max(pool),
+            )
+        return self._rows[key]
 
     def ratios(self, n: int) -> tuple[float, float]:
         """(candidate_ratio, collision_ratio) for a sequence with n middle tokens (options or adaptive)."""
@@ -227,10 +256,9 @@ class ParisKVPolicy(Policy):
         b, h = q.shape[0], idx.ids.shape[1]
         r = b * h
         score, qb, qn = self.votes(layer, q, n, nmid)
-        pool = self.pool_sizes(nmid, k)  # per sequence, so a ragged batch equals each sequence alone
-        c = max(pool)
-        row_c = torch.tensor(pool).repeat_interleave(h)
-        cand = ops.bucket_topk(score, c, self.max_votes, row_c)  # [R, C], -1 past a row's own count
+        rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
+        c = rows.width
+        cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
         val, top = torch.topk(est, min(k, c), dim=-1)
