@@ -198,3 +198,17 @@ def test_graph_decoding_matches_eager_on_gpu(method):
     assert res[0]["ok"], res
     c = res[0]["counts"]
     assert c["replays"] > 20 and c["eager"] >= 2 and c["captures"] >= 1
+
+
+def test_graph_methods_and_cpu_refusal(capsys):
+    cfg = _cfg(storages=("device", "offload"), baselines=())
+    assert runner.BenchConfig(**{**vars(cfg), "graph": True}).methods() == [
+        "quest/device", "quest/offload", "quest/device+graph", "quest/offload+graph"
+    ]  # fmt: skip
+    assert runner.BenchConfig(**{**vars(cfg), "graph": "only"}).methods() == [
+        "quest/device+graph",
+        "quest/offload+graph",
+    ]
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64", "--batches", "1"]
+    assert cli.main([*args, "--graph-only", "--baselines", "none", "--check-context", "64"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err

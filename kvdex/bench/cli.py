@@ -76,6 +76,7 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also run each kvdex method through CUDA graphs (POLICY/STORAGE+graph, kvdex.bench.graph), "
         "checked against eager first",
     )
+    p.add_argument("--graph-only", action="store_true", help="only the graph variants of the kvdex methods")
     p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
     p.set_defaults(func=run)
     return p
@@ -122,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         split_steps=args.split_steps,
         check_context=args.check_context,
         check=not args.no_check,
-        graph=args.graph,
+        graph="only" if args.graph_only else args.graph,
     )
 
 

@@ -55,13 +55,17 @@ class BenchConfig:
     split_steps: int = 10
     check_context: int = 2048
     check: bool = True
-    graph: bool = False  # also run every kvdex method through kvdex.bench.graph (CUDA graphs): "POLICY/STORAGE+graph"
+    # True: also run every kvdex method through kvdex.bench.graph (CUDA graphs) as "POLICY/STORAGE+graph";
+    # "only": just the graph variants
+    graph: bool | str = False
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
 
     def methods(self) -> list[str]:
         out = [f"{p}/{s}" for p in self.policies for s in self.storages]
-        if self.graph:
+        if self.graph == "only":
+            out = [f"{m}+graph" for m in out]
+        elif self.graph:
             out += [f"{m}+graph" for m in out]
         return out + list(self.baselines)
 
@@ -188,8 +192,8 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     tol = max({torch.float32: 1e-3}.get(next(model.parameters()).dtype, 2e-2), 3 * floor)
     budget = ctx + 64 + cfg.sink + cfg.window  # covers every token: the full-budget selection
     out = []
-    for method in methods:
-        if method in HF_METHODS or method.endswith("+graph"):
+    for method in dict.fromkeys(m.removesuffix("+graph") for m in methods):  # graph variants: their eager twin
+        if method in HF_METHODS:
             continue
         cache = make_cache(model, method, cfg, budget=budget)
         _prefill(model, cache, ids)
