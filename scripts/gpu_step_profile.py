@@ -2,7 +2,8 @@
 
 Builds the random-weight model once, prefills each method at one context, then profiles a few
 decode steps with torch.profiler: wall ms per step, CUDA kernels launched per step, and the sum of
-their GPU time. wall >> GPU time means the step is launch/CPU bound (what a CUDA graph removes).
+their GPU time. wall >> GPU time means the step is launch/CPU bound (what a CUDA graph removes); for a
+``+graph`` method the kernels per step are the graph's nodes (steps that start a page run eagerly).
 
     PYTHONPATH=$PWD python scripts/gpu_step_profile.py --shape llama3-8b --context 32768
 """
@@ -24,7 +25,7 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--methods", default="quest/device,quest/offload,full/device,hf/dynamic")
+    ap.add_argument("--methods", default="quest/device,quest/device+graph,quest/offload+graph,hf/dynamic")
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
     cfg = runner.BenchConfig(shape=a.shape, budget=a.budget)
@@ -34,13 +35,19 @@ def main():
         cache = runner.make_cache(model, method, cfg)
         ids = torch.randint(1, model.config.vocab_size, (a.batch, a.context), device="cuda")
         nxt = runner._prefill(model, cache, ids).argmax(-1, keepdim=True)
-        for _ in range(5):
-            nxt, _ = runner._step(model, cache, nxt)
+        graph = None
+        if method.endswith("+graph"):
+            from kvdex.bench.graph import GraphDecoder
+
+            graph = GraphDecoder(model, cache, a.batch)
+        step = runner._stepper(model, cache, graph)
+        for _ in range(20):  # past the first capture
+            nxt, _ = step(nxt)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for _ in range(a.steps):
-                nxt, _ = runner._step(model, cache, nxt)
+                nxt, _ = step(nxt)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / a.steps
         kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
