@@ -212,3 +212,11 @@ def test_graph_methods_and_cpu_refusal(capsys):
     args = ["bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "64", "--batches", "1"]
     assert cli.main([*args, "--graph-only", "--baselines", "none", "--check-context", "64"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_offloaded_run_that_would_exhaust_host_memory_is_skipped(monkeypatch):
+    monkeypatch.setattr(runner, "_host_available", lambda: 1000)  # bytes
+    model = shapes.build_model("tiny", torch.float32, "cpu")
+    rec = runner.measure(model, "quest/offload", 96, 1, _cfg())
+    assert rec["status"] == "skipped" and "pinned host memory" in rec["error"]
+    assert runner.measure(model, "quest/device", 96, 1, _cfg(split_steps=0))["status"] == "ok"

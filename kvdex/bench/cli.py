@@ -16,7 +16,7 @@ and batch: prefill time, ms/token (median, p90 over --steps after --warmup, CUDA
 throughput, peak device / host memory, host->device bytes, and the split of a step into
 selection / transfer / attention / rest. Writes bench.json, bench.png and a table.
 
-example (H200): kvdex bench --shape llama3-8b --contexts 32k,128k --batches 1,8 --budget 2048
+example (H200): kvdex bench --shape llama3-8b --contexts 32k,128k --batches 1 --budget 2048 --graph
 """
 
 
@@ -52,7 +52,7 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (default %(default)s)")
     p.add_argument("--device", default="cuda", help="cuda | cpu (default %(default)s)")
     p.add_argument("--contexts", default="32k,128k", help="context lengths, e.g. 32k,128k,512k")
-    p.add_argument("--batches", default="1,8", help="batch sizes (default %(default)s)")
+    p.add_argument("--batches", default="1", help="batch sizes, e.g. 1,8 (default %(default)s)")
     p.add_argument("--policies", default="quest", help="kvdex policies, comma separated (default %(default)s)")
     p.add_argument("--storages", default="device,offload", help="device and/or offload (default %(default)s)")
     p.add_argument(

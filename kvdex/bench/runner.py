@@ -41,7 +41,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     device: str = "cuda"
     contexts: tuple[int, ...] = (32768, 131072)
-    batches: tuple[int, ...] = (1, 8)
+    batches: tuple[int, ...] = (1,)
     policies: tuple[str, ...] = ("quest",)
     storages: tuple[str, ...] = ("device", "offload")
     baselines: tuple[str, ...] = HF_METHODS
@@ -291,6 +291,11 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     cache = None
+    need, avail = _host_need(model, method, context, batch, cfg), _host_available()
+    if need and avail and need > 0.9 * avail:  # pinned host memory cannot be swapped: an OOM kill, not an error
+        rec["status"] = "skipped"
+        rec["error"] = f"offloaded KV needs {need / 1e9:.0f} GB of pinned host memory, {avail / 1e9:.0f} GB available"
+        return rec
     try:
         cache = make_cache(model, method, cfg)
         ids = _prompt(batch, context, vocab, cfg.seed + context + batch, device)
@@ -349,6 +354,29 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rec
+
+
+def _host_need(model, method: str, context: int, batch: int, cfg: BenchConfig) -> int:
+    """Bytes of KV an offloaded kvdex method puts in host memory (0 for the others)."""
+    if "/offload" not in method:
+        return 0
+    c = model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    layers = max(c.num_hidden_layers - cfg.dense_layers, 0)
+    item = next(model.parameters()).element_size()
+    return 2 * layers * batch * kv_heads * (context + cfg.steps + cfg.warmup) * head_dim * item
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _h2d(cache) -> int:
