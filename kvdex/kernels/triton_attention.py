@@ -20,6 +20,9 @@ about two programs per SM.
 ``dense_decode_attention`` is the same kernel in "dense" mode: slot == position and the valid
 slots of sequence b are ``[0, lengths[b])`` (ragged batch), so no index tensor is built at all;
 it serves the dense layers and the ``full`` policy on a GPU-resident store.
+``paged_decode_attention`` is the "paged" mode: the kernel builds ``DeviceStore.attend``'s slot list
+(sink | window | the selected pages, from the device lengths and page ids) itself, so a page policy
+on a GPU-resident store costs no index tensors either.
 
 Softmax statistics and accumulation are fp32. ``p`` is rounded to the value dtype before the
 ``p @ V`` product (as FlashAttention does); with fp32 inputs every product is exact IEEE fp32.
