@@ -150,7 +150,9 @@ def cmd_rebuilds(args) -> dict:
     samples = task.samples(tok, parse_sizes(args.lengths)[0], args.samples, 0)
     stops = stop_token_ids(tok, model)
     specs = {
-        "uncertainty": f"chess:preset={args.preset}" + (f":thresholds={args.thresholds}" if args.thresholds else ""),
+        "uncertainty": f"chess:preset={args.preset}"
+        + (f":thresholds={args.thresholds}" if args.thresholds else "")
+        + args.trigger_options,
         "interval": f"chess:preset={args.preset}:trigger=interval",
     }
     totals = {k: {"rebuilds": 0, "steps": 0, "checks": 0} for k in specs}
@@ -168,9 +170,16 @@ def cmd_rebuilds(args) -> dict:
             totals[name]["rebuilds"] += ps["rebuilds"]
             totals[name]["steps"] += ps["decode_steps"]
             totals[name]["checks"] += ps["checks"]
+            totals[name].setdefault("page_stats", []).extend((h, v) for _, _, h, v in cache.policy.check_log)
         del base
     out = {}
     for name, t in totals.items():
+        st = t.pop("page_stats", [])
+        if st:  # where the checked pages sit relative to the thresholds
+            hs, vs = torch.tensor([h for h, _ in st]), torch.tensor([v for _, v in st])
+            t["page_entropy_p50_p90_max"] = [round(float(x), 3) for x in (hs.median(), hs.quantile(0.9), hs.max())]
+            t["page_varentropy_p50_p90_max"] = [round(float(x), 3) for x in (vs.median(), vs.quantile(0.9), vs.max())]
+            t["thresholds"] = list(kvdex.make_policy(specs[name])._tau)
         pages = t["steps"] / SIZES["page_size"]
         out[name] = {**t, "pages": pages, "pages_per_rebuild": pages / t["rebuilds"] if t["rebuilds"] else None}
         print(name, json.dumps(out[name]))
@@ -193,6 +202,7 @@ def main() -> int:
     )
     p.add_argument("--min-new", type=int, default=256, help="rebuilds: generated tokens per sample at least")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--trigger-options", default="", help="rebuilds: appended to the uncertainty spec, e.g. :combine=or")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args()

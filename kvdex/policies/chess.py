@@ -222,6 +222,7 @@ class ChessPolicy(Policy):
         self.checks = 0  # trigger evaluations summed over sequences
         self.decode_steps = 0
         self.rebuild_log: list[tuple[int, int]] = []  # (step, sequence) of each rebuild
+        self.check_log: list[tuple[int, int, float, float]] = []  # (step, sequence, entropy, varentropy stat)
         self.rebuild_ms = 0.0  # time in _build (measured only with the cache's timing=True)
         self.selected_pages: list[float] = []  # mean selected pages per sequence at each build
 
@@ -452,9 +453,12 @@ class ChessPolicy(Policy):
         self._nacc += 1
         if self._nacc < self._every:
             return None
-        exceed = self.exceeds(*self.page_stats(self._acc))
+        h_page, v_page = self.page_stats(self._acc)
+        exceed = self.exceeds(h_page, v_page)
         self._acc, self._nacc = None, 0
         self.checks += b
+        pairs = zip(h_page.tolist(), v_page.tolist(), strict=True)
+        self.check_log += [(step, i, h, v) for i, (h, v) in enumerate(pairs)]
         return exceed.cpu() if bool(exceed.any()) else None
 
     def page_stats(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
