@@ -10,6 +10,7 @@ kernel equals its PyTorch twin (under the interpreter on CPU, compiled on a GPU 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -17,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair, window_start
+from conftest import PAGE, SINK, WINDOW, build_pair, greedy, prompt, shared_pair, window_start
 
 import kvdex
 from kvdex.config import CacheConfig
@@ -310,13 +311,23 @@ def test_adaptive_ratios_table():
 @pytest.mark.parametrize("policy", ["pariskv", "pariskv-kmeans"])
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen3"])
 def test_covering_budget_matches_sdpa(family, policy, offload):
-    model, _ = shared_pair(family)
+    model, ref = _own_pair(family)  # not the session-shared pair: other files' tests may round its weights
     n, new = 70, 56
-    ref_tokens, ref_logits = reference_greedy(family, n, n, new)
+    ref_tokens, ref_logits = _reference(family, n, new)
     cache = kvdex.Cache(model, policy, budget=256, page_size=PAGE, sink=SINK, window=WINDOW, offload=offload)
     tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     assert torch.equal(tokens, ref_tokens)
+
+
+@functools.cache
+def _own_pair(family):
+    return build_pair(family)
+
+
+@functools.cache
+def _reference(family, n, new):
+    return greedy(_own_pair(family)[1], prompt(n, seed=n), new=new)
 
 
 def _decode_with_selections(policy, n=400, new=24, budget=96, offload=False, **opts):
@@ -610,8 +621,6 @@ def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offlo
     """On CUDA ('auto' picks the Triton kernels): a covering budget equals sdpa; at a small budget the
     Triton pipeline selects the tokens the twin pipeline selects (float summation order may swap a
     near-tie, so >= 99% overlap)."""
-    from conftest import build_pair
-
     model, ref = build_pair("llama_gqa")
     model, ref = model.cuda(), ref.cuda()
     ids = prompt(70, seed=70).cuda()
