@@ -355,3 +355,13 @@ def test_arkvale_cache_smaller_than_selection_raises():
     model, _ = shared_pair("llama_gqa")
     with pytest.raises(ValueError, match="k < c"):
         kvdex.Cache(model, "arkvale", budget=BUDGET, dense_layers=1, cache_pages=3)  # 3 pages attended
+
+
+def test_h2o_score_memory_stays_bounded():
+    """The score buffers grow with the context, not with the number of steps (a padding-index bug
+    once grew them every step)."""
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "h2o", budget=BUDGET, dense_layers=1)
+    greedy(model, prompt(130, seed=4), cache=cache, new=60)
+    for layer in (1, 2):
+        assert cache.policy.score[layer].shape[2] <= 130 + 60 + 1024

@@ -115,8 +115,7 @@ class H2OPolicy(Policy):
         ks = a.k.gather(2, gi).float()  # [B, H, N, D]
         s = torch.einsum("bhgd,bhnd->bhgn", q.view(b, h, hq // h, d).float(), ks) * scale
         p = torch.softmax(s.masked_fill(~a.valid[:, :, None, :], float("-inf")), dim=-1).sum(2)  # [B, H, N]
-        score = self.score[layer]
-        pos = torch.where(a.valid, a.positions.long(), score.shape[2] - 1)
+        pos = torch.where(a.valid, a.positions.long(), 0)  # padding adds 0 to position 0
         p = torch.where(a.valid, p, 0.0)
-        self._reserve(layer, int(pos.max()) + 2, score)
-        self.score[layer].scatter_add_(2, pos.to(score.device), p)
+        self._reserve(layer, int(pos.max()) + 1, self.score[layer])
+        self.score[layer].scatter_add_(2, pos.to(self.score[layer].device), p)
