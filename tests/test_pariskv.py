@@ -300,6 +300,21 @@ def test_triton_kernels_refuse_cpu_tensors():
         T.bucket_topk(torch.zeros(2, 10, dtype=torch.int32), 3, 6)
 
 
+def test_without_triton_auto_falls_back_and_triton_is_refused(monkeypatch):
+    from kvdex.kernels import pariskv_triton as T
+
+    monkeypatch.setattr(T, "_HAS_TRITON", False)
+    p = make_policy("pariskv")
+    p.bind(_info())
+    assert p.ops(torch.device("cuda")) is K  # 'auto': the twins
+    p = make_policy("pariskv", kernels="triton")
+    p.bind(_info())
+    with pytest.raises(ValueError, match="needs the triton package"):
+        p.ops(torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs the triton package"):
+        T.bucket_topk(torch.zeros(2, 10, dtype=torch.int32), 3, 6)
+
+
 def test_adaptive_ratios_table():
     assert adaptive_ratios(1000) == (0.5, 0.5)
     assert adaptive_ratios(7000) == (0.25, 0.3)
