@@ -111,14 +111,15 @@ class IceCachePolicy(Policy):
         every = self.reuse_every if self.reuse else 1
         self.anchor_of = {lay: sparse[(i // every) * every] for i, lay in enumerate(sparse)}
         self._trees: dict[int, list[DCITree | None]] = {}
-        self._jobs: dict[int, deque] = {}  # layer -> (future, {b: positions}) not applied yet
+        self._jobs: dict[int, deque] = {}  # layer -> (future, {b: positions}, step) not applied yet
+        self._clamped: dict[int, int] = {}  # layer -> inserted keys longer than c (ranked by cosine)
         self._gens: dict[tuple[int, int], torch.Generator] = {}
         self._last: dict[int, Selection] = {}
         self._selects: dict[int, int] = {}  # decode steps (selects) seen per layer
         self._stores: dict = {}  # layer -> its store (semantic placement of inserted tokens)
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
-        self._stats.update(query_s=0.0, queries=0, clamped_keys=0, pages_selected=0, tokens_selected=0)
+        self._stats.update(query_s=0.0, queries=0, pages_selected=0, tokens_selected=0)
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer:
@@ -161,7 +162,6 @@ class IceCachePolicy(Policy):
         trees = list(base) if base is not None else [None] * (B * heads)
         placements = []
         built = inserted = 0
-        clamped = sum(t.clamped for t in trees if t is not None)
         for b, pos in per_b.items():
             for h in range(heads):
                 k = keys[b, h, : pos.numel() // self.cfg.page_size].reshape(pos.numel(), -1)
@@ -191,7 +191,7 @@ class IceCachePolicy(Policy):
             else:
                 s["insert_s"] += dt
                 s["inserts"] += inserted
-            s["clamped_keys"] = max(s["clamped_keys"], sum(t.clamped for t in trees if t is not None) - clamped)
+            self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
         return trees, placements
 
     def flush(self) -> None:
@@ -308,6 +308,7 @@ class IceCachePolicy(Policy):
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         s = dict(self._stats)
+        s["clamped_keys"] = sum(self._clamped.values())
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
         if s["build_s"]:
