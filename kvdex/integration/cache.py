@@ -258,6 +258,11 @@ class Cache(HFCache):
     def _new_store(self, layer: KVDexLayer, k: torch.Tensor):
         b, h, _, d = k.shape
         args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
+        if not layer.dense:  # a policy may bring its own store (IceCache's semantic pages)
+            work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
+            custom = self.policy.make_store(layer.layer_idx, self.config.offload, args, work)
+            if custom is not None:
+                return custom
         if self.config.offload and not layer.dense:
             work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
             return OffloadStore(*args, work_tokens=work)

@@ -3,6 +3,7 @@
 from kvdex.policies import full, oracle, quest, streaming  # noqa: F401  (registration)
 from kvdex.policies import arkvale, h2o, prkv, snapkv  # noqa: F401  (registration)
 from kvdex.policies import chess  # noqa: F401  (registration)
+from kvdex.policies import icecache  # noqa: F401  (registration)
 from kvdex.policies import pariskv  # noqa: F401  (registration)
 from kvdex.policies.base import (
     Policy,

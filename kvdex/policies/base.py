@@ -83,6 +83,12 @@ class Policy:
         """Run-time counters a policy reports in ``Cache.stats()["policy_stats"]`` (e.g. CHESS rebuilds)."""
         return {}
 
+    def make_store(self, layer: int, offload: bool, args: tuple, work_tokens: int) -> LayerStore | None:
+        """A policy-specific store for sparse ``layer`` (IceCache keeps its offloaded middle in
+        semantic pages), or None for the default. ``args``: the positional arguments of
+        :class:`~kvdex.storage.LayerStore`; ``work_tokens``: the default working-set size."""
+        return None
+
 
 # ---- shared mechanics --------------------------------------------------------------------------
 
