@@ -24,7 +24,7 @@ import kvdex
 from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
-from kvdex.policies.pariskv import adaptive_ratios, kmeans, recall_at_k
+from kvdex.policies.pariskv import adaptive_ratios, kmeans, nearest, recall_at_k
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -456,6 +456,12 @@ def test_recall_at_k_is_one_when_every_candidate_is_reranked():
     cache.observer = observer
     greedy(model, prompt(400, seed=2), cache=cache, new=2)
     assert out and all(0.5 <= r["e2e"] <= 1 and 0 <= r["coarse"] <= 1 for r in out.values())
+
+
+def test_nearest_centroid_in_chunks_equals_brute_force():
+    x = torch.randn(2, 3, 1000, 8, generator=gen(12))
+    c = torch.randn(2, 3, 64, 8, generator=gen(13))
+    assert torch.equal(nearest(x, c, chunk=96), torch.cdist(x, c).argmin(-1))
 
 
 def test_kmeans_uses_only_valid_points():

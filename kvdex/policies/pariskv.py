@@ -291,9 +291,7 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
             w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
             self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w)
-        c = self.centroids[layer]
-        dist = (c * c).sum(-1)[..., None, :] - 2 * sub @ c.transpose(-1, -2)  # [B, H, nsub, N, K]
-        return dist.argmin(-1).transpose(2, 3).to(torch.uint8)
+        return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
 
     def centroid_scores(self, layer, q, qb):
         qs = q.unflatten(-1, (-1, self.m))  # raw query subspaces [B, H, nsub, m]
@@ -314,11 +312,18 @@ def kmeans(x: torch.Tensor, k: int, iters: int, seed: int, valid: torch.Tensor |
     c = xf.gather(1, init[..., None].expand(-1, -1, m)).clone()
     wd = w.to(x.device)
     for _ in range(iters):
-        a = ((c * c).sum(-1)[:, None, :] - 2 * xf @ c.transpose(1, 2)).argmin(-1)  # [G, N]
+        a = nearest(xf, c)  # [G, N]
         s = torch.zeros_like(c).scatter_add_(1, a[..., None].expand(-1, -1, m), xf * wd[..., None])
         cnt = torch.zeros(c.shape[:2], device=x.device).scatter_add_(1, a, wd)
         c = torch.where(cnt[..., None] > 0, s / cnt.clamp(min=1)[..., None], c)  # empty cluster: keep
     return c.view(*lead, k, m)
+
+
+def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Index of the nearest centroid: x [..., N, m], c [..., K, m] -> int64 [..., N] (chunks of N bound memory)."""
+    c2 = (c * c).sum(-1)[..., None, :]
+    parts = [(c2 - 2 * x[..., i : i + chunk, :] @ c.transpose(-1, -2)).argmin(-1) for i in range(0, x.shape[-2], chunk)]
+    return torch.cat(parts, dim=-1) if parts else x.new_zeros(x.shape[:-1], dtype=torch.long)
 
 
 def recall_at_k(policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100) -> dict[str, float]:
