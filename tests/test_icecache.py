@@ -261,3 +261,34 @@ def test_eval_harness_runs_icecache_by_name_in_both_storage_modes(tmp_path):
     assert 0 < ice["recall"] < 1
     for metric in ("recall", "topk_hit", "rel_l2"):
         assert got[1][("icecache", 64)][metric] == pytest.approx(ice[metric], abs=1e-6), metric
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_semantic_offload_matches_resident(dtype, monkeypatch):
+    """On the GPU: pinned semantic pages, async key copies to the index threads, bulk loading with
+    residency; same tokens as the GPU-resident store, and the full budget equals sdpa."""
+    import copy
+
+    from conftest import build_pair
+
+    monkeypatch.setenv("KVDEX_PAGED", "0")  # the same decode kernel for both stores
+    model, ref = build_pair("llama_gqa")
+    model = copy.deepcopy(model).cuda().to(dtype)
+    ids, mask, _ = left_padded([150, 97, 40], seed=2)
+    ids, mask = ids.cuda(), mask.cuda()
+    out = {}
+    for offload in (False, True):
+        cache = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+        out[offload] = greedy(model, ids, mask, cache, new=60)
+    assert torch.equal(out[True][0], out[False][0])
+    assert cache.transfer.fields["icecache_pages_loaded"] > 0
+    assert cache.transfer.fields["icecache_pages_reused"] > 0
+    if dtype == torch.float32:
+        ref = ref.cuda()
+        p = prompt(80, seed=1).cuda()
+        want = greedy(ref, p, new=40)
+        got = greedy(model, p, cache=kvdex.Cache(model, "icecache", budget=512, offload=True, dense_layers=1), new=40)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=0)
