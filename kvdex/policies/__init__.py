@@ -1,10 +1,18 @@
 """Selection policies, one file each. Importing this package registers the built-in ones."""
 
-from kvdex.policies import full, oracle, quest, streaming  # noqa: F401  (registration)
-from kvdex.policies import arkvale, h2o, prkv, snapkv  # noqa: F401  (registration)
-from kvdex.policies import chess  # noqa: F401  (registration)
-from kvdex.policies import icecache  # noqa: F401  (registration)
-from kvdex.policies import pariskv  # noqa: F401  (registration)
+from kvdex.policies import (  # noqa: F401  (registration)  # noqa: F401  (registration)
+    arkvale,
+    chess,  # noqa: F401  (registration)
+    full,
+    h2o,
+    icecache,  # noqa: F401  (registration)
+    oracle,
+    pariskv,  # noqa: F401  (registration)
+    prkv,
+    quest,
+    snapkv,
+    streaming,
+)
 from kvdex.policies.base import (
     Policy,
     PolicyInfo,
