@@ -1,13 +1,13 @@
 """Selection policies, one file each. Importing this package registers the built-in ones."""
 
-from kvdex.policies import (  # noqa: F401  (registration)  # noqa: F401  (registration)
+from kvdex.policies import (  # noqa: F401  (importing a policy module registers it)
     arkvale,
-    chess,  # noqa: F401  (registration)
+    chess,
     full,
     h2o,
-    icecache,  # noqa: F401  (registration)
+    icecache,
     oracle,
-    pariskv,  # noqa: F401  (registration)
+    pariskv,
     prkv,
     quest,
     snapkv,
