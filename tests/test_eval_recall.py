@@ -278,3 +278,14 @@ def test_probe_mode_scores_selections_on_the_dense_decode(model, tok, tmp_path):
         assert probed["per_layer"][first] == pytest.approx(own["per_layer"][first], abs=1e-6), key
         assert probed["ppl"] == pytest.approx(results[True][("full", None)]["ppl"], rel=1e-4)  # dense decode
     assert results[True][("full", None)]["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_probe_refuses_policies_that_learn_from_their_own_attention():
+    from kvdex.config import CacheConfig
+    from kvdex.eval.recall import Probe
+    from kvdex.policies import PolicyInfo
+
+    info = PolicyInfo(CacheConfig(budget=128), 4, (2, 3), 4, 2, 8)
+    with pytest.raises(ValueError, match="cannot measure 'h2o'"):
+        Probe(target="h2o").bind(info)
+    Probe(target="quest").bind(info)  # a policy that only selects is probed as before

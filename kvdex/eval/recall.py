@@ -147,6 +147,13 @@ class Probe(SelectAll):
     def bind(self, info) -> None:
         super().bind(info)
         self.target_policy = make_policy(self.target)
+        if self.target_policy.observes:
+            # Such a policy learns from the attention over its own attended set (H2O's accumulated
+            # scores); a dense decode would feed it attention it never had. No honest probe exists.
+            raise ValueError(
+                f"--probe cannot measure {self.target_policy.name!r}: it learns from the attention of its own "
+                "attended tokens, which a dense probe decode does not have; measure it without --probe"
+            )
         self.target_policy.bind(info)
         self.obs_window = self.target_policy.obs_window  # the prefill keeps the queries the target needs
 
