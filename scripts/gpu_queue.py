@@ -32,8 +32,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "queue.log").open("a")
     cmds = [ln.strip() for ln in Path(args.queue).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    # commands that finished (rc 0) in an earlier call are not run again (scripts do not resume)
+    finished = Path(args.res) / "queue_finished.txt"
+    finished.parent.mkdir(parents=True, exist_ok=True)
+    already = set(finished.read_text().splitlines()) if finished.exists() else set()
     done = 0
     for cmd in cmds:
+        if cmd in already:
+            done += 1
+            continue
         left = args.deadline - (time.time() - t0)
         if left < 20:
             print(f"[queue] out of time before: {cmd}", file=log, flush=True)
@@ -43,7 +50,10 @@ def main(argv=None) -> int:
         try:
             r = subprocess.run(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT, timeout=left)
             status = f"rc={r.returncode}"
-            done += r.returncode == 0
+            if r.returncode == 0:
+                done += 1
+                with finished.open("a") as f:
+                    f.write(cmd + "\n")
         except subprocess.TimeoutExpired:
             status = "killed at the deadline (will resume)"
         print(f"[queue] {status} after {time.time() - s:.0f} s: {cmd}", file=log, flush=True)
