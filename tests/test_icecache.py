@@ -209,18 +209,106 @@ def test_registered_and_bad_options_raise():
     assert p.promotion_ratio == 0.125 and p.reuse is True
 
 
-def test_fork_reindexes_with_its_own_trees():
+def _tree_tensors(tree):
+    return {
+        f: getattr(tree, f).clone()
+        for f in ("X", "proj", "pos", "top", "root", "page_pts", "page_fill", "node_last_page", "pt_page", "pt_slot")
+    } | {
+        f"{f}{i}": t.clone()
+        for f in ("parent", "kids", "kid_start", "kid_count")
+        for i, t in enumerate(getattr(tree, f))
+    }
+
+
+def _same_tree(a, b) -> bool:
+    ta, tb = _tree_tensors(a), _tree_tensors(b)
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _decode_from_fork(model, ids, mask, fork, first, new):
+    ids2 = torch.cat([ids, first], dim=1)
+    mask2 = torch.cat([mask, torch.ones_like(first)], dim=1)
+    return greedy(model, ids2, mask2, fork, new=new)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
+    """Forks of one prefill reuse its trees (no rebuild) and select exactly what a freshly built
+    cache selects; a fork's insertions never reach the shared trees, the original or a sibling."""
+    from conftest import positions
+
     model, _ = shared_pair("llama_gqa")
-    ids = prompt(200, seed=7)
-    base = kvdex.Cache(model, "full", budget=64)
-    model(ids, past_key_values=base, use_cache=True)
-    a = base.fork(policy="icecache", budget=96)
-    b = base.fork(policy="icecache", budget=96)
-    assert a.policy is not b.policy
+    ids, mask, _ = left_padded([260, 150], seed=7)
+    base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
+    with torch.no_grad():
+        last = model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=base).logits[:, -1]
+    first = last.argmax(-1, keepdim=True)
+    a = base.fork(policy="icecache", budget=96, offload=offload)
+    b = base.fork(policy="icecache", budget=64, offload=offload)  # another budget: the trees do not depend on it
     a.policy.flush()
     b.policy.flush()
-    assert a.policy._trees[2][0].n == b.policy._trees[2][0].n > 0
-    assert torch.equal(a.policy._trees[2][0].page_pts, b.policy._trees[2][0].page_pts)  # seeded
+    assert a.policy.stats()["builds"] == 2 and a.policy.stats()["builds_reused"] == 0
+    assert b.policy.stats()["builds"] == 0 and b.policy.stats()["builds_reused"] == 2
+    before = {lay: [_tree_tensors(t) for t in a.policy._trees[lay]] for lay in (1, 2)}
+    for lay in (1, 2):
+        assert all(x is y for x, y in zip(a.policy._trees[lay], b.policy._trees[lay], strict=True))
+
+    # the trees equal a freshly built cache's, and so do the decoded tokens, logits and selections
+    fresh = kvdex.Cache(model, "icecache", budget=64, offload=offload, dense_layers=1)
+    log_fresh, log_b = [], []
+    _observe(fresh, log_fresh)
+    t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=41)
+    _observe(b, log_b)
+    t_b, l_b = _decode_from_fork(model, ids, mask, b, first, 40)
+    assert torch.equal(t_b, t_fresh)
+    torch.testing.assert_close(l_b, l_fresh[1:], atol=1e-5, rtol=0)
+    assert len(log_b) == len(log_fresh) == 2 * 40  # 40 decode steps x 2 sparse layers in both
+    for (lay1, p1, v1, _), (lay2, p2, v2, _) in zip(log_b, log_fresh, strict=True):
+        assert lay1 == lay2
+        for bb in range(p1.shape[0]):
+            for h in range(p1.shape[1]):
+                assert torch.equal(torch.sort(p1[bb, h][v1[bb, h]]).values, torch.sort(p2[bb, h][v2[bb, h]]).values)
+    b.policy.flush()
+    assert b.policy.stats()["inserts"] > 0  # b inserted evicted window pages into its own trees
+
+    # isolation: b's insertions left the shared trees (held by a) untouched; a decodes as fresh too
+    for lay in (1, 2):
+        for t, snap in zip(a.policy._trees[lay], before[lay], strict=True):
+            assert _tree_tensors(t).keys() == snap.keys()
+            assert all(torch.equal(_tree_tensors(t)[k], snap[k]) for k in snap)
+        assert b.policy._trees[lay][0].n > a.policy._trees[lay][0].n
+    fresh96 = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+    t_f96, _ = greedy(model, ids, mask, fresh96, new=21)
+    t_a, _ = _decode_from_fork(model, ids, mask, a, first, 20)
+    assert torch.equal(t_a, t_f96)
+    # a sibling forked after the others decoded still starts from the prefill trees
+    c = base.fork(policy="icecache", budget=64, offload=offload)
+    c.policy.flush()
+    assert c.policy.stats()["builds_reused"] == 2
+    for lay in (1, 2):
+        for t, snap in zip(c.policy._trees[lay], before[lay], strict=True):
+            assert all(torch.equal(_tree_tensors(t)[k], snap[k]) for k in snap)
+
+
+def test_forks_with_other_tree_settings_build_their_own():
+    model, _ = shared_pair("llama_gqa")
+    ids = prompt(200, seed=7)
+    src = kvdex.Cache(model, "icecache", budget=96)  # an icecache source shares its own prefill build
+    with torch.no_grad():
+        model(ids, past_key_values=src, use_cache=True)
+    same = src.fork(budget=64)
+    other_seed = src.fork(policy="icecache:seed=3", budget=96)
+    other_r = src.fork(policy="icecache:promotion_ratio=0.25", budget=96)
+    other_grid = src.fork(budget=96, page_size=8, window=32)
+    for c in (src, same, other_seed, other_r, other_grid):
+        c.policy.flush()
+    assert same.policy.stats()["builds_reused"] == 1 and same.policy.stats()["builds"] == 0
+    assert same.policy._trees[2][0] is src.policy._trees[2][0]
+    for c in (other_seed, other_r, other_grid):
+        assert c.policy.stats()["builds"] == 1 and c.policy.stats()["builds_reused"] == 0
+        assert c.policy._trees[2][0] is not src.policy._trees[2][0]
+    assert not torch.equal(other_seed.policy._trees[2][0].top, src.policy._trees[2][0].top)
+    assert other_grid.policy._trees[2][0].params.page_size == 8
 
 
 def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_select():

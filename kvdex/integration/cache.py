@@ -25,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvdex.config import CacheConfig
 from kvdex.integration.attention import TAG
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
+from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
 
@@ -115,6 +116,8 @@ class KVDexLayer(CacheLayerMixin):
             return self._decode(q[:, :, 0], scale).unsqueeze(1)
         # several new tokens on top of a filled cache (e.g. a second turn): dense over everything
         kd, vd = self.store.dense()
+        if bool((self.store.lengths_host == kd.shape[2]).all()):  # no ragged lengths: fused lower-right causal
+            return causal_chunk_attention(q, kd, vd, scale)
         q_pos = self._lengths_before[:, None] + torch.arange(t, device=q.device)[None, :]
         key_mask = torch.arange(kd.shape[2], device=q.device)[None, :] < self.store.lengths[:, None]
         return dense_attention(q, kd, vd, q_pos, key_mask, scale, parent.config.prefill_chunk)
@@ -211,6 +214,7 @@ class Cache(HFCache):
         dense_layers: int = 2,
         timing: bool = False,
         prefill_chunk: int = 2048,
+        page_cache: int = 0,
         **policy_options,
     ):
         from kvdex.integration.loading import attention_modules, enable, text_config
@@ -226,6 +230,9 @@ class Cache(HFCache):
             timing=timing,
         )
         enable(model)
+        if not isinstance(page_cache, int) or isinstance(page_cache, bool) or page_cache < 0:
+            raise ValueError(f"page_cache must be an int >= 0 (page slots per sequence, kv head), got {page_cache!r}")
+        self.page_cache = page_cache  # offloaded stores: device cache of recently selected pages (0 = off)
         cfg = text_config(model)
         self._modules = attention_modules(model)
         n = cfg.num_hidden_layers
@@ -265,7 +272,7 @@ class Cache(HFCache):
                 return custom
         if self.config.offload and not layer.dense:
             work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
-            return OffloadStore(*args, work_tokens=work)
+            return OffloadStore(*args, work_tokens=work, page_cache=self.page_cache)
         return DeviceStore(*args)
 
     def _install_logits_hook(self, model) -> None:
@@ -336,10 +343,15 @@ class Cache(HFCache):
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
         sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-        args = {**sizes, **overrides}
+        args = {"page_cache": self.page_cache, **sizes, **overrides}
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)
+        # every fork of this prefill shares one memo of immutable index state (Policy.share_index)
+        memo = self.__dict__.setdefault("_index_memo", {})
+        new._index_memo = memo
+        self.policy.share_index(memo)
+        new.policy.share_index(memo)
         for src, dst in zip(self.layers, new.layers, strict=True):
             k, v = src.store.dense()
             dst.lazy_initialization(k, v)
@@ -397,6 +409,16 @@ class Cache(HFCache):
             "attended_tokens_per_step": per_head,
             "policy_stats": self.policy.stats(),
         }
+        pcs = [lay.store.page_cache_stats() for lay in sparse if getattr(lay.store, "page_cache", 0)]
+        if pcs:  # offloaded with a device page cache: its hits, and the bytes it moved (not in the line above)
+            hits, misses = sum(p["hits"] for p in pcs), sum(p["misses"] for p in pcs)
+            out["page_cache"] = {
+                "slots": self.page_cache,
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "bytes_moved": sum(p["bytes_moved"] for p in pcs),
+            }
         if c.timing:
             steps = max(self.step, 1)
             out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self._timing.items())}

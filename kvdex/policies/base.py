@@ -83,6 +83,12 @@ class Policy:
         """Run-time counters a policy reports in ``Cache.stats()["policy_stats"]`` (e.g. CHESS rebuilds)."""
         return {}
 
+    def share_index(self, memo: dict) -> None:
+        """``Cache.fork`` hands the cache it forks and every fork of that prefill the same ``memo``
+        dict. A policy may keep *immutable* index state built from the prefill there (keyed by
+        everything it depends on), so that forks with equal settings reuse it instead of
+        rebuilding it (IceCache's DCI trees). Default: nothing is shared."""
+
     def make_store(self, layer: int, offload: bool, args: tuple, work_tokens: int) -> LayerStore | None:
         """A policy-specific store for sparse ``layer`` (IceCache keeps its offloaded middle in
         semantic pages), or None for the default. ``args``: the positional arguments of

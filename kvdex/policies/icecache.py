@@ -117,9 +117,11 @@ class IceCachePolicy(Policy):
         self._last: dict[int, Selection] = {}
         self._selects: dict[int, int] = {}  # decode steps (selects) seen per layer
         self._stores: dict = {}  # layer -> its store (semantic placement of inserted tokens)
+        self._memo: dict | None = None  # shared by the forks of one prefill (share_index)
+        self._prefill_builds: dict = {}  # memo key -> future of this policy's prefill build
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
-        self._stats.update(query_s=0.0, queries=0, pages_selected=0, tokens_selected=0)
+        self._stats.update(query_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer:
@@ -146,10 +148,39 @@ class IceCachePolicy(Policy):
         prev = q[-1][0] if q else None
         step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
         base = None if prev is not None else self._trees.get(layer)
+        memo_key = None
+        if prev is None and base is None:  # the prefill build: a fork of the same prefill may have it
+            memo_key = self._memo_key(layer, per_b, tuple(update.keys.shape[:2]))
+            fut = self._memo.get(memo_key) if self._memo is not None else None
+            if fut is not None:
+                self._stats["builds_reused"] += 1
+                q.append((fut, per_b, step))
+                return
         fut = _pool(self._threads()).submit(
             self._index_job, layer, keys, ready, per_b, prev, base, update.keys.shape[1]
         )
+        if memo_key is not None:
+            self._prefill_builds[memo_key] = fut
+            if self._memo is not None:
+                self._memo.setdefault(memo_key, fut)
         q.append((fut, per_b, step))
+
+    def share_index(self, memo: dict) -> None:
+        """Forks of one prefill share the prefill's trees instead of rebuilding them (Cache.fork).
+
+        The memo holds the *future* of each layer's prefill build, keyed by everything the trees
+        depend on (the tree parameters and seed, the grid that decides which tokens are in the
+        middle, the batch layout). Trees are immutable snapshots (:meth:`DCITree.insert` returns a
+        new tree and never writes into the old one's tensors), so a fork's later insertions cannot
+        change the shared trees, the original's or a sibling's: sharing is a zero-copy fork."""
+        self._memo = memo
+        for key, fut in self._prefill_builds.items():
+            memo.setdefault(key, fut)
+
+    def _memo_key(self, layer: int, per_b: dict, shape: tuple) -> tuple:
+        g = self.cfg
+        rows = tuple((b, int(p[0]), p.numel()) for b, p in sorted(per_b.items()))
+        return ("icecache", layer, self.params, self.seed, g.sink, g.page_size, g.window, shape, rows)
 
     def _index_job(self, layer, keys, ready, per_b, prev: Future | None, base, heads: int):
         """Worker thread: build or extend the trees of one layer; returns (trees, placements)."""
@@ -191,7 +222,6 @@ class IceCachePolicy(Policy):
             else:
                 s["insert_s"] += dt
                 s["inserts"] += inserted
-            self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
         return trees, placements
 
     def flush(self) -> None:
@@ -205,7 +235,9 @@ class IceCachePolicy(Policy):
         t0 = time.perf_counter()
         trees, placements = fut.result()
         self._stats["wait_s"] += time.perf_counter() - t0
+        trees = list(trees)  # the list may be shared with forks (share_index); the trees are immutable
         self._trees[layer] = trees
+        self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
         if isinstance(store, SemanticOffloadStore):
             for b, h, pages, slots, pos in placements:
                 store.place(b, h, pages, slots, pos)
