@@ -142,3 +142,36 @@ def dense_attention(
         )
         out[:, i0 : i0 + rows] = o.transpose(1, 2)
     return out
+
+
+def causal_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_bytes: int = 1 << 30
+) -> torch.Tensor:
+    """The last T of L positions attending causally to all L keys (a prefill chunk on a filled cache).
+
+    q [B, Hq, T, D]; k/v [B, H, L, D], every sequence exactly L real keys (no padding); query i sits
+    at position L - T + i. Fused SDPA with a lower-right causal bias (flash attention on CUDA), so
+    no [T, L] score matrix is materialised there. GQA: each call takes a group of kv heads with
+    their K/V repeated for their query heads, at most ``max_bytes`` of repeated K/V per call.
+    Returns [B, T, Hq, D] (transformers' output layout).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    b, hq, t, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    if hq % h or t > L:
+        raise ValueError(f"causal_chunk_attention: {hq} query heads over {h} kv heads, T={t} > L={L}")
+    g = hq // h
+    bias = causal_lower_right(t, L)
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale).transpose(1, 2)
+    per_head = 2 * b * g * L * d * k.element_size()
+    step = max(1, min(h, max_bytes // max(per_head, 1)))
+    out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    for h0 in range(0, h, step):
+        h1 = min(h, h0 + step)
+        kk = k[:, h0:h1].repeat_interleave(g, dim=1)
+        vv = v[:, h0:h1].repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(q[:, h0 * g : h1 * g], kk, vv, attn_mask=bias, scale=scale)
+        out[:, :, h0 * g : h1 * g] = o.transpose(1, 2)
+    return out

@@ -86,6 +86,49 @@ def _rows_kernel(
     tl.store(out + D, vx, mask=sm)
 
 
+@triton.jit
+def _fill_kernel(
+    SRC,
+    PAGES,
+    DST,
+    KBUF,
+    VBUF,
+    stride_sb,
+    stride_sh,
+    stride_sp,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    base,
+    H,
+    N,
+    PS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)  # one program per selected (sequence, kv head, page); hits and padding return at once
+    bh = i // N
+    b = bh // H
+    h = bh % H
+    page = tl.load(PAGES + i)
+    slot = tl.load(DST + i)
+    if (slot >= 0) & (page >= 0):
+        offs = tl.arange(0, BLOCK)
+        m = offs < PS * D
+        src = SRC + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + page.to(tl.int64) * stride_sp
+        kx = tl.load(src + offs, mask=m, other=0.0)
+        vx = tl.load(src + PS * D + offs, mask=m, other=0.0)
+        row = (base + slot.to(tl.int64) * PS + offs // D).to(tl.int64)
+        col = offs % D
+        kd = KBUF + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh + row * stride_ks + col
+        vd = VBUF + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh + row * stride_vs + col
+        tl.store(kd, kx, mask=m)
+        tl.store(vd, vx, mask=m)
+
+
 def _check_src(src: torch.Tensor) -> None:
     if src.dim() != 6 or src.shape[3] != 2:
         raise ValueError(f"source must be host pages [B, H, P, 2, page_size, D], got {tuple(src.shape)}")
@@ -147,6 +190,46 @@ def gather_rows(src: torch.Tensor, positions: torch.Tensor, sink: int) -> torch.
     return out
 
 
+def _check_fill(src, pages, dst, kbuf, vbuf, base):
+    _check_src(src)
+    b, h, _, _, ps, d = src.shape
+    if pages.dim() != 3 or pages.shape[:2] != (b, h) or dst.shape != pages.shape:
+        raise ValueError(f"pages and dst must be [B, H, N] = [{b}, {h}, N]: {tuple(pages.shape)} {tuple(dst.shape)}")
+    for name, buf in (("k_buf", kbuf), ("v_buf", vbuf)):
+        if buf.dim() != 4 or buf.shape[:2] != (b, h) or buf.shape[3] != d or buf.stride(3) != 1:
+            raise ValueError(f"{name} must be [B, H, S, D] = [{b}, {h}, S, {d}] with unit last stride")
+        if buf.dtype != src.dtype:
+            raise ValueError(f"{name} dtype {buf.dtype} != source dtype {src.dtype}")
+    if base < 0:
+        raise ValueError(f"base must be >= 0, got {base}")
+
+
+def fill_slots(
+    src: torch.Tensor, pages: torch.Tensor, dst: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, base: int
+) -> None:
+    """Copy the selected pages that missed a device page cache into their cache slots, one launch.
+
+    src [B, H, P, 2, ps, D] (pinned host or device); pages / dst [B, H, N] on the kernel's device:
+    entry (b, h, j) with ``dst >= 0`` and ``pages >= 0`` copies host page ``pages[b, h, j]`` of
+    (b, h) to rows ``base + dst*ps ... + ps - 1`` of ``k_buf[b, h]`` (K) and ``v_buf[b, h]`` (V);
+    every other entry (a hit, padding) reads nothing. The grid is one program per entry whatever
+    the number of misses, so a CUDA graph can capture it; only the misses cross PCIe.
+    Rows written must lie inside the buffers (the caller's slots are < its pool size).
+    """
+    _check_fill(src, pages, dst, k_buf, v_buf, base)
+    _readable(src, pages.device)
+    b, h, _, _, ps, d = src.shape
+    n = pages.shape[2]
+    if b * h * n == 0:
+        return
+    pages, dst = pages.contiguous(), dst.contiguous()
+    _fill_kernel[(b * h * n,)](
+        src, pages, dst, k_buf, v_buf, src.stride(0), src.stride(1), src.stride(2),
+        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
+        base, h, n, PS=ps, D=d, BLOCK=triton.next_power_of_2(ps * d),
+    )  # fmt: skip
+
+
 # ---- twins ------------------------------------------------------------------------------------------
 
 
@@ -170,3 +253,21 @@ def gather_rows_reference(src: torch.Tensor, positions: torch.Tensor, sink: int)
     hi = torch.arange(h, device=src.device)[None, :, None]
     out = src[bi, hi, rel // ps, :, rel % ps]  # [B, H, T, 2, D]
     return torch.where(ok[..., None, None], out, torch.zeros((), dtype=src.dtype))
+
+
+def fill_slots_reference(
+    src: torch.Tensor, pages: torch.Tensor, dst: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, base: int
+) -> None:
+    """The spec of :func:`fill_slots` (PyTorch; reads the source on its own device, then copies)."""
+    _check_fill(src, pages, dst, k_buf, v_buf, base)
+    ps = src.shape[4]
+    ok = (dst >= 0) & (pages >= 0)
+    bi, hi, ji = ok.nonzero(as_tuple=True)  # a host sync: the twin is not for graph capture
+    if bi.numel() == 0:
+        return
+    dev = src.device
+    blocks = src[bi.to(dev), hi.to(dev), pages[bi, hi, ji].to(dev)].to(k_buf.device)  # [M, 2, ps, D]
+    rows = base + dst[bi, hi, ji][:, None].to(k_buf.device) * ps + torch.arange(ps, device=k_buf.device)
+    bi, hi = bi.to(k_buf.device)[:, None], hi.to(k_buf.device)[:, None]
+    k_buf[bi, hi, rows] = blocks[:, 0]
+    v_buf[bi, hi, rows] = blocks[:, 1]

@@ -144,6 +144,51 @@ class HostPages:
         self._count(stage)
         return out.view(2, b, h, t, self.head_dim).permute(1, 2, 3, 0, 4)
 
+    def fill_slots(self, pages: torch.Tensor, dst: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, base: int):
+        """Copy host page ``pages[b, h, j]`` into rows ``base + dst*ps ...`` of k_buf / v_buf [B, H, S, D]
+        wherever ``dst[b, h, j] >= 0`` (the misses of a device page cache); other entries move nothing.
+
+        UVA (pinned + triton): one kernel over every entry, no host sync (graph-capturable). Else the
+        misses are found on the host, gathered with ``index_select`` and copied (a host sync).
+        Transfer bytes are counted by the caller (on the device).
+        """
+        if self._uva is not None:
+            self._uva.fill_slots(self.data, pages.to(self.device), dst.to(self.device), k_buf, v_buf, base)
+            self.stats.h2d_calls += 1
+            return
+        ok = ((dst >= 0) & (pages >= 0)).cpu()
+        bi, hi, ji = ok.nonzero(as_tuple=True)
+        if bi.numel() == 0:
+            return
+        pg, slot = pages.cpu()[bi, hi, ji], dst.cpu()[bi, hi, ji]
+        ids = (bi * self.kv_heads + hi) * self.capacity + pg
+        src = self.data.view(-1, 2, self.page_size, self.head_dim)
+        stage = self._stage((ids.numel(), 2, self.page_size, self.head_dim))
+        torch.index_select(src, 0, ids, out=stage)
+        blocks = stage.to(k_buf.device, non_blocking=True)
+        if self.pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.stats.h2d_calls += 1
+        dev = k_buf.device
+        rows = base + slot[:, None].to(dev) * self.page_size + torch.arange(self.page_size, device=dev)
+        bi, hi = bi.to(dev)[:, None], hi.to(dev)[:, None]
+        k_buf[bi, hi, rows] = blocks[:, 0]
+        v_buf[bi, hi, rows] = blocks[:, 1]
+
+    def read_prefix(self, pages: int) -> torch.Tensor:
+        """The first ``pages`` pages of every (sequence, head) on the device, [B, H, pages, 2, ps, D]:
+        one contiguous copy per (sequence, head) (pinned: DMA at the PCIe rate, no pageable bounce)."""
+        out = torch.empty(
+            (self.batch, self.kv_heads, pages, 2, self.page_size, self.head_dim), dtype=self.dtype, device=self.device
+        )
+        for b in range(self.batch):
+            for h in range(self.kv_heads):
+                out[b, h].copy_(self.data[b, h, :pages], non_blocking=self.pin)
+        self.stats.h2d_bytes += out.numel() * out.element_size()
+        self.stats.h2d_calls += self.batch * self.kv_heads
+        return out
+
     def _count_uva(self, out: torch.Tensor) -> None:
         self.stats.h2d_bytes += out.numel() * out.element_size()  # bytes read over PCIe (-1 padding included)
         self.stats.h2d_calls += 1

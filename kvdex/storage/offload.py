@@ -9,6 +9,21 @@ Device buffer per layer, [B, H, S, D] with S = sink + window + work:
                                  first and reported to the policy;
 * ``[sink + window, S)``         the working set: the selected middle pages/tokens of this step,
                                  fetched from host in one batched transfer.
+
+**Device page cache** (``page_cache=C > 0``): the first ``C * page_size`` rows of the working set
+become a pool of C page slots per (sequence, kv head) that keeps recently selected pages, so a step
+transfers only the pages it selects that are not already there (consecutive steps select mostly
+the same pages). Everything runs on the device with static shapes (graph-capturable): a hit is a
+selected page equal to one of the C slot tags; each miss takes a slot that no hit of this step
+uses, least recently used first (ties: lowest slot), ranked by a stable sort of the slots' last-use
+stamps; one gather launch over the whole selection copies only the misses (hits and padding
+return at once), and attention reads the pool slots in selection order, so its input is the same
+as without the cache. Needs C >= the pages selected per step; a step selecting more (e.g. ``full``
+over a long middle) bypasses the pool and empties it. Hits, misses and the bytes moved are
+counted on the device (:meth:`OffloadStore.page_cache_stats`).
+
+**Multi-token appends** (chunked prefill, a second turn) are written in bulk: the pages that leave
+the window go to host memory in one write per sequence, not token by token.
 """
 
 from __future__ import annotations
@@ -21,23 +36,73 @@ from kvdex.storage.host import HostPages
 
 
 class OffloadStore(LayerStore):
-    def __init__(self, *args, work_tokens: int, **kwargs):
+    def __init__(self, *args, work_tokens: int, page_cache: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         g = self.grid
+        if not isinstance(page_cache, int) or isinstance(page_cache, bool) or page_cache < 0:
+            raise ValueError(f"page_cache must be an int >= 0 (page slots per sequence, kv head), got {page_cache!r}")
         self.host = HostPages(
             self.batch, self.kv_heads, g.page_size, self.head_dim, self.dtype, self.device, self.stats
         )
         self.fixed = g.sink + g.window
-        self._alloc_device(max(work_tokens, g.page_size))
+        self.page_cache = page_cache
+        work = page_cache * g.page_size if page_cache else max(work_tokens, g.page_size)
+        self._alloc_device(work)
+        if page_cache:
+            dev, shape = self.device, (self.batch, self.kv_heads, page_cache + 1)  # column C: a write sink
+            self.pc_page = torch.full(shape, -1, dtype=torch.long, device=dev)  # page held by each slot
+            self.pc_stamp = torch.full(shape, -1, dtype=torch.long, device=dev)  # step it was last used
+            self.pc_tick = torch.zeros((), dtype=torch.long, device=dev)
+            self.pc_hits = torch.zeros((), dtype=torch.long, device=dev)
+            self.pc_misses = torch.zeros((), dtype=torch.long, device=dev)
 
     def _alloc_device(self, work: int) -> None:
         shape = (self.batch, self.kv_heads, self.fixed + work, self.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if getattr(self, "k", None) is not None:
-            k[:, :, : self.fixed] = self.k[:, :, : self.fixed]
-            v[:, :, : self.fixed] = self.v[:, :, : self.fixed]
+            n = min(self.k.shape[2], shape[2])  # the fixed rows and the working set (the page cache's pool)
+            k[:, :, :n] = self.k[:, :, :n]
+            v[:, :, :n] = self.v[:, :, :n]
         self.k, self.v = k, v
+
+    # ---- device page cache ----------------------------------------------------------------
+    def _page_cache_flush(self) -> None:
+        if self.page_cache:
+            self.pc_page.fill_(-1)
+            self.pc_stamp.fill_(-1)
+
+    def page_cache_stats(self) -> dict:
+        """Hits, misses (selected pages, summed over sequences and kv heads) and bytes moved host ->
+        device through the page cache since the store was made (reads the device counters: a sync)."""
+        if not self.page_cache:
+            return {}
+        hits, misses = int(self.pc_hits), int(self.pc_misses)
+        page = 2 * self.grid.page_size * self.head_dim * self.k.element_size()
+        return {"hits": hits, "misses": misses, "bytes_moved": misses * page}
+
+    def _cached_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Make every selected page resident in the pool; returns each page's slot, [B, H, P]."""
+        c = self.page_cache
+        pages = pages.long()
+        live = pages >= 0
+        eq = (pages[..., :, None] == self.pc_page[..., None, :c]) & live[..., None]  # [B, H, P, C]
+        hit = eq.any(-1)
+        hit_slot = eq.to(torch.uint8).argmax(-1)
+        miss = live & ~hit
+        used = eq.any(-2)  # slots a hit of this step keeps
+        key = torch.where(used, torch.iinfo(torch.long).max, self.pc_stamp[..., :c])
+        order = torch.sort(key, dim=-1, stable=True).indices  # free slots, least recently used first
+        rank = (miss.long().cumsum(-1) - 1).clamp(min=0)  # the r-th miss takes the r-th free slot (C >= P)
+        miss_slot = order.gather(-1, rank)
+        slot = torch.where(hit, hit_slot, miss_slot)
+        self.pc_tick.add_(1)
+        self.pc_page.scatter_(-1, torch.where(miss, miss_slot, c), pages)
+        self.pc_stamp.scatter_(-1, torch.where(live, slot, c), self.pc_tick.expand(pages.shape))
+        self.pc_hits.add_(hit.sum())
+        self.pc_misses.add_(miss.sum())
+        self.host.fill_slots(pages, torch.where(miss, miss_slot, -1), self.k, self.v, self.fixed)
+        return slot
 
     @property
     def work_capacity(self) -> int:
@@ -50,6 +115,7 @@ class OffloadStore(LayerStore):
     # ---- writes -------------------------------------------------------------------------
     def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
         g = self.grid
+        self._page_cache_flush()
         self.lengths_host = lengths.clone()
         self.lengths.copy_(lengths)
         n = min(g.sink, k.shape[2])
@@ -76,7 +142,9 @@ class OffloadStore(LayerStore):
         return self._middle_update(torch.zeros_like(nmid), nmid, k, v)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
-        """One token per step per sequence; several columns are appended one at a time."""
+        """One token per step per sequence (several columns: :meth:`_append_many`, in bulk)."""
+        if k.shape[2] > 1:
+            return self._append_many(k, v)
         g = self.grid
         evicted: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(self.batch)]
         for j in range(k.shape[2]):
@@ -96,6 +164,44 @@ class OffloadStore(LayerStore):
             self.v[bi, :, slot] = v[:, :, j]
             self._advance(1)
         return self._evicted_update(evicted)
+
+    def _append_many(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
+        """t columns at once, the same end state as t single appends: per sequence, the rows from the
+        start of the current window to the new end are laid out once; the pages among them that
+        leave the window go to host memory in one write, the last ``window`` rows go to the ring."""
+        g = self.grid
+        ps, t = g.page_size, k.shape[2]
+        l0 = self.lengths_host.clone()
+        l1 = l0 + t
+        m0, m1 = g.num_middle_pages(l0), g.num_middle_pages(l1)
+        count = m1 - m0
+        pn = int(count.max()) if self.batch else 0
+        keys = self.k.new_zeros(self.batch, self.kv_heads, pn, ps, self.head_dim)
+        vals = torch.zeros_like(keys)
+        for b in range(self.batch):
+            a, e = int(l0[b]), int(l1[b])
+            ns = max(0, min(g.sink, e) - a)  # new rows that fall in the sink
+            if ns:
+                self.k[b, :, a : a + ns] = k[b, :, :ns]
+                self.v[b, :, a : a + ns] = v[b, :, :ns]
+            w0 = g.sink + int(m0[b]) * ps  # first position of the current window
+            old = torch.arange(w0, max(w0, a), device=self.device)  # window rows already in the ring
+            slots = self._slot(old)
+            tail_k = torch.cat([self.k[b][:, slots], k[b, :, ns:]], dim=1)  # positions w0 ... e-1
+            tail_v = torch.cat([self.v[b][:, slots], v[b, :, ns:]], dim=1)
+            n = int(m1[b] - m0[b])
+            if n:
+                kp = tail_k[:, : n * ps].reshape(self.kv_heads, n, ps, self.head_dim)
+                vp = tail_v[:, : n * ps].reshape(self.kv_heads, n, ps, self.head_dim)
+                self.host.write(b, int(m0[b]), kp, vp)
+                keys[b, :, :n], vals[b, :, :n] = kp, vp
+            keep = min(g.window, tail_k.shape[1])  # the newest rows, each in its ring slot
+            if keep:
+                pos = torch.arange(e - keep, e, device=self.device)
+                self.k[b][:, self._slot(pos)] = tail_k[:, -keep:]
+                self.v[b][:, self._slot(pos)] = tail_v[:, -keep:]
+        self._advance(t)
+        return MiddleUpdate(torch.where(count > 0, m0, 0), count, keys, vals)
 
     def _evicted_update(self, evicted) -> MiddleUpdate:
         g = self.grid
@@ -132,14 +238,25 @@ class OffloadStore(LayerStore):
         parts_slot, parts_valid, parts_pos = [], [], []
         cursor = self.fixed
         need = 0
+        pooled = sel.pages is not None and 0 < sel.pages.shape[-1] <= self.page_cache
         if sel.pages is not None:
-            need += sel.pages.shape[-1] * g.page_size
+            need += (self.page_cache if pooled else sel.pages.shape[-1]) * g.page_size
         if sel.tokens is not None:
             need += sel.tokens.shape[-1]
         if need > self.work_capacity:
             self._alloc_device(need)
         b, h = self.batch, self.kv_heads
-        if sel.pages is not None and sel.pages.shape[-1]:
+        if pooled:  # through the device page cache: only the misses cross PCIe
+            p = sel.pages.shape[-1]
+            slot = self._cached_pages(sel.pages)  # [B, H, P]
+            offs = torch.arange(g.page_size, device=self.device)
+            parts_slot.append((cursor + slot[..., None] * g.page_size + offs).flatten(2))
+            pos = Selection(pages=sel.pages).token_positions(g.sink, g.page_size)
+            parts_valid.append(pos >= 0)
+            parts_pos.append(pos)
+            cursor += self.page_cache * g.page_size
+        elif sel.pages is not None and sel.pages.shape[-1]:
+            self._page_cache_flush()  # more pages than slots: they land on the pool's rows
             p = sel.pages.shape[-1]
             blocks = self.host.fetch_pages(sel.pages.clamp(min=0))  # [B, H, P, 2, ps, D]
             n = p * g.page_size
@@ -170,36 +287,32 @@ class OffloadStore(LayerStore):
         m = self._check_middle_order(order)
         if m:
             self.host.permute_tokens(order.cpu())
+            self._page_cache_flush()  # the pool's pages no longer hold what their ids say
 
     def dense(self):
         """Rebuild every token on the device (oracle scoring, multi-token extends): copies the middle."""
         g = self.grid
         n = int(self.lengths_host.max())
-        shape = (self.batch, self.kv_heads, n, self.head_dim)
+        shape = (self.batch, self.kv_heads, n + 1, self.head_dim)  # row n: where invalid window rows land
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         s = min(g.sink, n)
         k[:, :, :s], v[:, :, :s] = self.k[:, :, :s], self.v[:, :, :s]
         nmid = int(g.num_middle_pages(self.lengths_host).max())
         if nmid:
-            blocks = self.host.data[:, :, :nmid].to(self.device)
+            blocks = self.host.read_prefix(nmid)  # one DMA per (sequence, head); counts the bytes
             m = nmid * g.page_size
             k[:, :, g.sink : g.sink + m] = blocks[:, :, :, 0].reshape(self.batch, self.kv_heads, m, -1)
             v[:, :, g.sink : g.sink + m] = blocks[:, :, :, 1].reshape(self.batch, self.kv_heads, m, -1)
-            self.stats.h2d_bytes += blocks.numel() * blocks.element_size()
+            del blocks
         pos = self._window_slots_positions()
         ok = pos < self.lengths[:, None]
         slots = self._slot(pos)
         tgt = torch.where(ok, pos, n)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         ix = slots[:, None, :, None].expand_as(tgt)
-        for i, buf in enumerate((self.k, self.v)):
-            dst = torch.cat([(k, v)[i], k.new_zeros(self.batch, self.kv_heads, 1, self.head_dim)], dim=2)
+        for dst, buf in ((k, self.k), (v, self.v)):
             dst.scatter_(2, tgt, buf.gather(2, ix))  # invalid rows land in the extra row n
-            if i == 0:
-                k = dst[:, :, :n]
-            else:
-                v = dst[:, :, :n]
-        return k, v
+        return k[:, :, :n], v[:, :, :n]
 
     def device_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

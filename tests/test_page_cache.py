@@ -1,0 +1,213 @@
+"""Device page cache of offloaded stores (``OffloadStore(page_cache=C)``, ``kvdex.Cache(page_cache=C)``).
+
+Invariants: with the cache, attention gets exactly the K/V it gets without it (bit-identical,
+over many steps of changing selections, so slots are evicted and reused); hits / misses equal a
+Python model of the cache (LRU among the slots no hit of the step keeps, ties to the lowest slot);
+the Triton gather (``kvdex.kernels.uva.fill_slots``, run by Triton's interpreter on CPU) equals its
+PyTorch twin; bad sizes raise ValueError. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import greedy, left_padded
+
+import kvdex
+from kvdex.kernels.attention import sparse_decode_attention_reference
+from kvdex.selection import Selection
+from kvdex.storage import Grid, OffloadStore, TransferStats
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+B, H, D, PS = 2, 3, 8, 4
+GRID = Grid(sink=4, page_size=PS, window_pages=2)
+
+if INTERP and not torch.cuda.is_available():  # the same triton 3.6 interpreter shim as test_triton_kernels.py
+    from triton.runtime import interpreter as _itp
+
+    _orig_patch = _itp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _itp._patch_lang_tensor = _patch_lang_tensor
+
+
+def _store(page_cache, lengths=(90, 77), seed=0, uva=False):
+    st = OffloadStore(GRID, B, H, D, torch.float32, "cpu", TransferStats(), work_tokens=4 * PS, page_cache=page_cache)
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+    st.ingest(k, v, torch.tensor(lengths))
+    if uva:  # after ingest (a host-buffer growth with UVA syncs a CUDA stream)
+        from kvdex.kernels import uva as uva_mod
+
+        st.host._uva = uva_mod  # the Triton kernel on host tensors (interpreter)
+    return st
+
+
+def _selections(steps, n_sel, seed=1):
+    """Random page selections [B, H, n_sel] over each sequence's middle: consecutive steps keep about
+    half their pages (reuse, as decoding does), some entries are -1 padding; pages are distinct."""
+    g = torch.Generator().manual_seed(seed)
+    nmid = GRID.num_middle_pages(torch.tensor([90, 77]))
+    prev = None
+    out = []
+    for _ in range(steps):
+        sel = torch.full((B, H, n_sel), -1, dtype=torch.long)
+        for b in range(B):
+            for h in range(H):
+                pool = torch.randperm(int(nmid[b]), generator=g)
+                if prev is not None:  # keep some of the previous step's pages
+                    keep = [p for p in prev[b, h].tolist() if p >= 0 and torch.rand(1, generator=g) < 0.6]
+                    rest = [p for p in pool.tolist() if p not in keep]
+                    pool = torch.tensor(keep + rest)
+                cnt = n_sel - int(torch.randint(0, 2, (1,), generator=g))  # sometimes one padding entry
+                sel[b, h, :cnt] = pool[:cnt][torch.randperm(cnt, generator=g)]
+        out.append(sel)
+        prev = sel
+    return out
+
+
+class LRUModel:
+    """The page cache in plain Python: per (b, h) C slots, hits keep their slot, each miss (in selection
+    order) takes the free slot with the oldest last use (never used first, ties to the lowest slot)."""
+
+    def __init__(self, c):
+        self.c = c
+        self.page = {}  # (b, h) -> [page or None] * C
+        self.stamp = {}
+        self.tick = 0
+
+    def step(self, sel):
+        self.tick += 1
+        hits = misses = 0
+        for b in range(sel.shape[0]):
+            for h in range(sel.shape[1]):
+                page = self.page.setdefault((b, h), [None] * self.c)
+                stamp = self.stamp.setdefault((b, h), [-1] * self.c)
+                want = [p for p in sel[b, h].tolist() if p >= 0]
+                kept = {i for i, p in enumerate(page) if p in want}
+                free = sorted((i for i in range(self.c) if i not in kept), key=lambda i: (stamp[i], i))
+                for p in want:
+                    if p in page:
+                        hits += 1
+                        stamp[page.index(p)] = self.tick
+                    else:
+                        misses += 1
+                        i = free.pop(0)
+                        page[i], stamp[i] = p, self.tick
+        return hits, misses
+
+
+@pytest.mark.parametrize("c", [6, 9])
+def test_page_cache_feeds_attention_the_same_kv_and_counts_like_the_model(c):
+    n_sel = 6  # c == n_sel: the smallest pool, every step evicts
+    plain, cached = _store(0), _store(c)
+    model = LRUModel(c)
+    q = torch.randn(B, 2 * H, D, generator=torch.Generator().manual_seed(5))
+    hits = misses = 0
+    for sel in _selections(30, n_sel):
+        a0, a1 = plain.attend(Selection(pages=sel)), cached.attend(Selection(pages=sel))
+        assert torch.equal(a0.valid, a1.valid) and torch.equal(a0.positions, a1.positions)
+        gi = lambda a, x: x.gather(2, a.idx[..., None].expand(-1, -1, -1, D))  # noqa: E731
+        ok = a0.valid[..., None]
+        assert torch.equal(torch.where(ok, gi(a0, a0.k), 0), torch.where(ok, gi(a1, a1.k), 0))
+        assert torch.equal(torch.where(ok, gi(a0, a0.v), 0), torch.where(ok, gi(a1, a1.v), 0))
+        o0 = sparse_decode_attention_reference(q, a0.k, a0.v, a0.idx, a0.valid, 0.3)
+        o1 = sparse_decode_attention_reference(q, a1.k, a1.v, a1.idx, a1.valid, 0.3)
+        assert torch.equal(o0, o1)
+        h_, m_ = model.step(sel)
+        hits, misses = hits + h_, misses + m_
+        assert (int(cached.pc_hits), int(cached.pc_misses)) == (hits, misses)
+    st = cached.page_cache_stats()
+    assert st["hits"] == hits > 0 and st["misses"] == misses > 0
+    assert st["bytes_moved"] == misses * 2 * PS * D * 4
+    assert misses < sum(int((s >= 0).sum()) for s in _selections(30, n_sel))  # fewer pages moved than selected
+
+
+def test_oversized_selection_bypasses_and_empties_the_pool():
+    st = _store(4)
+    sel = _selections(1, 4)[0]
+    st.attend(Selection(pages=sel))
+    assert int((st.pc_page[..., :4] >= 0).sum()) > 0
+    ref = _store(0)
+    big = torch.arange(6).expand(B, H, 6).contiguous()  # 6 pages > 4 slots
+    a, r = st.attend(Selection(pages=big)), ref.attend(Selection(pages=big))
+    gi = lambda s, x: x.gather(2, s.idx[..., None].expand(-1, -1, -1, D))  # noqa: E731
+    assert torch.equal(gi(a, a.k), gi(r, r.k))
+    assert bool((st.pc_page == -1).all())
+    a = st.attend(Selection(pages=sel))  # the pool refills from empty: all misses
+    r = ref.attend(Selection(pages=sel))
+    assert torch.equal(torch.where(a.valid[..., None], gi(a, a.v), 0), torch.where(r.valid[..., None], gi(r, r.v), 0))
+
+
+def test_bad_page_cache_sizes_raise(llama):
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="page_cache"):
+            OffloadStore(GRID, B, H, D, torch.float32, "cpu", TransferStats(), work_tokens=8, page_cache=bad)
+        with pytest.raises(ValueError, match="page_cache"):
+            kvdex.Cache(llama[0], "quest", 96, offload=True, page_cache=bad)
+
+
+@pytest.mark.parametrize("budget", [96, 160])
+def test_cache_with_page_cache_decodes_bit_identically(llama, budget):
+    """End to end (tiny Llama, fp32, ragged batch, Quest): offloaded with the smallest page cache (so
+    steps evict) == offloaded without it, logits bit for bit over 40 steps; the stats add up."""
+    model = llama[0]
+    ids, mask, _ = left_padded([150, 97, 40], seed=3)
+    plain = kvdex.Cache(model, "quest", budget, offload=True, dense_layers=1)
+    t0, l0 = greedy(model, ids, mask, plain, new=40)
+    pages = plain.config.retrieval_pages
+    cached = kvdex.Cache(model, "quest", budget, offload=True, dense_layers=1, page_cache=pages)
+    t1, l1 = greedy(model, ids, mask, cached, new=40)
+    assert torch.equal(t0, t1) and torch.equal(l0, l1)
+    s = cached.stats()["page_cache"]
+    assert s["slots"] == pages and s["hits"] > 0 and s["misses"] > 0 and 0 < s["hit_rate"] < 1
+    page_bytes = 2 * 16 * model.config.head_dim * 4
+    assert s["bytes_moved"] == s["misses"] * page_bytes
+    assert "page_cache" not in plain.stats()
+
+
+@pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="runs the kernels itself")
+def test_interpreter_suite():
+    """This file's kernel tests under TRITON_INTERPRET=1 in a fresh interpreter (triton must be imported
+    after the variable is set)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_triton_fill_slots_matches_twin_and_store_paths_agree():
+    pytest.importorskip("triton")
+    from kvdex.kernels import uva
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(2, 3, 7, 2, 4, 8, generator=g)
+    pages = torch.randint(-1, 7, (2, 3, 5), generator=g)
+    dst = torch.where(torch.rand(2, 3, 5, generator=g) < 0.6, torch.arange(5).expand(2, 3, 5), -1)
+    bufs = [torch.full((2, 3, 30, 8), 7.0) for _ in range(4)]
+    uva.fill_slots_reference(src, pages, dst, bufs[0], bufs[1], base=6)
+    src_d = src.pin_memory() if dev == "cuda" else src
+    kd, vd = bufs[2].to(dev), bufs[3].to(dev)
+    uva.fill_slots(src_d, pages.to(dev), dst.to(dev), kd, vd, base=6)
+    assert torch.equal(kd.cpu(), bufs[0]) and torch.equal(vd.cpu(), bufs[1])
+    assert not torch.equal(bufs[0], torch.full_like(bufs[0], 7.0))  # something was written
+    with pytest.raises(ValueError):
+        uva.fill_slots(src_d, pages.to(dev), dst[:, :, :2].to(dev), kd, vd, base=6)
+    if dev == "cpu":  # the whole store: the Triton path (interpreter) == the twin path, slots and outputs
+        twin, kern = _store(6), _store(6, uva=True)
+        for sel in _selections(12, 6):
+            a, b = twin.attend(Selection(pages=sel)), kern.attend(Selection(pages=sel))
+            assert torch.equal(a.idx, b.idx) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert int(twin.pc_hits) == int(kern.pc_hits) > 0
