@@ -220,3 +220,68 @@ def test_offloaded_run_that_would_exhaust_host_memory_is_skipped(monkeypatch):
     rec = runner.measure(model, "quest/offload", 96, 1, _cfg())
     assert rec["status"] == "skipped" and "pinned host memory" in rec["error"]
     assert runner.measure(model, "quest/device", 96, 1, _cfg(split_steps=0))["status"] == "ok"
+
+
+def test_page_cache_and_chunked_prefill_in_the_bench():
+    """Offloaded with a device page cache and a chunked prefill: the check passes, hits + misses are
+    every selected page of every timed step, and H2D bytes are exactly the misses' pages."""
+    cfg = _cfg(storages=("offload",), batches=(1, 2), baselines=(), page_cache=3, prefill_chunk=40, budget=96)
+    res = runner.run(cfg, log=lambda s: None)
+    assert all(c["ok"] for c in res["check"])
+    page_bytes = 2 * 16 * 16 * 4  # K and V, 16 tokens, head_dim 16, fp32
+    pages = (96 - 16 - 32) // 16  # Quest's pages per kv head at this budget
+    for r in res["results"]:
+        assert r["status"] == "ok" and r["prefill_chunk"] == 40 and r["page_cache"] == 3
+        selected = r["steps"] * r["batch"] * 2 * 1 * pages  # steps x batch x kv heads x sparse layers x pages
+        assert r["page_cache_hits"] + r["page_cache_misses"] == selected
+        assert 0 <= r["page_cache_hit_rate"] <= 1
+        assert r["h2d_bytes_per_step"] == r["page_cache_misses"] * page_bytes / r["steps"]
+    assert "pc hit" in report.table(res)
+
+
+def test_chunked_prefill_bench_prefill_matches_one_forward():
+    model = shapes.build_model("tiny", torch.float32, "cpu")
+    ids = runner._prompt(2, 150, model.config.vocab_size, 0, "cpu")
+    cfg = _cfg()
+    a = runner._prefill(model, runner.make_cache(model, "quest/offload", cfg), ids)
+    b = runner._prefill(model, runner.make_cache(model, "quest/offload", cfg), ids, chunk=32)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_from_text_ids():
+    text = torch.arange(10, 60)
+    ids = runner._prompt(3, 120, 1000, 0, "cpu", text)
+    assert ids.shape == (3, 120)
+    for row in ids:  # consecutive windows of the (repeated) text
+        d = torch.diff(row)
+        assert bool(((d == 1) | (d == -49)).all())
+
+
+def test_cli_new_flag_errors(capsys):
+    base = ["bench", "--device", "cpu", "--shape", "tiny"]
+    for bad in (["--page-cache", "-1"], ["--prefill-chunk", "-2"], ["--text", "x.txt"], ["--model", "nope.gguf"]):
+        assert cli.main([*base, *bad]) == 2
+        assert "kvdex: error:" in capsys.readouterr().err
+
+
+SMOL = "~/.cache/kvdex/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_bench_real_model_with_text(tmp_path):
+    """``--model`` (a GGUF through kvdex.load) with ``--text`` prompts: the run checks and measures."""
+    import os
+
+    path = os.path.expanduser(SMOL)
+    if not os.path.isfile(path):
+        pytest.skip("SmolLM2 GGUF not downloaded")
+    pytest.importorskip("gguf")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = _cfg(
+        shape="smol", model=path, text=str(text), contexts=(200,), batches=(1,), storages=("offload",),
+        baselines=(), page_cache=8, steps=2, split_steps=0, check_context=96, budget=80,
+    )  # fmt: skip
+    res = runner.run(cfg, log=lambda s: None)
+    assert all(c["ok"] for c in res["check"]), res["check"]
+    r = res["results"][0]
+    assert r["status"] == "ok" and r["page_cache_hit_rate"] is not None

@@ -77,6 +77,22 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "checked against eager first",
     )
     p.add_argument("--graph-only", action="store_true", help="only the graph variants of the kvdex methods")
+    p.add_argument(
+        "--page-cache",
+        type=int,
+        default=0,
+        help="offloaded methods: device page cache of C slots per sequence and kv head (C >= pages selected "
+        "per step, e.g. 2x the budget's pages); only misses cross PCIe; 0 = off (default)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="prefill in forwards of N tokens (KV goes to host as chunks finish; device memory stays flat); "
+        "0 = one forward (default)",
+    )
+    p.add_argument("--model", default=None, help="a real model (HF dir/id or .gguf via kvdex.load) instead of --shape")
+    p.add_argument("--text", default=None, help="with --model: prompt text file (.txt, or .json with a 'text' field)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
     p.set_defaults(func=run)
     return p
@@ -104,8 +120,15 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
     if args.steps < 1 or args.warmup < 0 or args.split_steps < 0:
         raise ValueError("--steps must be >= 1, --warmup and --split-steps >= 0")
     shapes.make_config(args.shape)  # unknown shape: ValueError now
+    if args.page_cache < 0 or args.prefill_chunk < 0:
+        raise ValueError("--page-cache and --prefill-chunk must be >= 0")
+    for name, path in (("--model", args.model), ("--text", args.text)):
+        if path and path.endswith((".gguf", ".txt", ".json")) and not Path(path).is_file():
+            raise ValueError(f"{name}: file not found: {path}")
+    if args.text and not args.model:
+        raise ValueError("--text needs --model (random weights have no tokenizer)")
     return runner.BenchConfig(
-        shape=args.shape,
+        shape=Path(args.model).stem if args.model else args.shape,
         dtype=args.dtype,
         device=args.device,
         contexts=parse_sizes(args.contexts),
@@ -124,6 +147,10 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         check_context=args.check_context,
         check=not args.no_check,
         graph="only" if args.graph_only else args.graph,
+        page_cache=args.page_cache,
+        prefill_chunk=args.prefill_chunk,
+        model=args.model,
+        text=args.text,
     )
 
 

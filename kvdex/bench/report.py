@@ -18,7 +18,8 @@ def table(result: dict) -> str:
     """One row per (context, batch, method): speed, memory, transfer and the split of a step."""
     head = (
         f"{'method':<18} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
-        f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22} {'reuse':>5}"
+        f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22} "
+        f"{'reuse':>5} {'pc hit':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in result.get("results", []):
@@ -38,7 +39,7 @@ def table(result: dict) -> str:
             f"{lead} {r['ms_median']:>8.2f} {r['ms_p90']:>8.2f} {r['tokens_per_s']:>9.1f} {r['prefill_s']:>9.2f} "
             f"{_fmt(r.get('peak_device_gb'), '.1f'):>7} {_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
             f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
-            f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5}"
+            f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6}"
         )
     return "\n".join(lines)
 

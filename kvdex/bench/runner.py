@@ -60,6 +60,14 @@ class BenchConfig:
     graph: bool | str = False
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
+    # offloaded kvdex methods: device page-cache slots per (sequence, kv head); 0 = off
+    page_cache: int = 0
+    # prefill in forwards of this many tokens (kvdex.integration.prefill.chunked_prefill); 0 = one forward
+    prefill_chunk: int = 0
+    # a real model (path or .gguf, loaded by kvdex.load) instead of random weights of ``shape``
+    model: str | None = None
+    # prompt text for a real model (a .txt file, or .json with a "text" field); else random token ids
+    text: str | None = None
 
     def methods(self) -> list[str]:
         out = [f"{p}/{s}" for p in self.policies for s in self.storages]
@@ -136,12 +144,17 @@ def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
         window=cfg.window,
         offload=storage == "offload",
         dense_layers=cfg.dense_layers,
+        page_cache=cfg.page_cache if storage == "offload" else 0,
         **cfg.policy_options.get(policy, {}),
     )
 
 
 @torch.no_grad()
-def _prefill(model, cache, ids):
+def _prefill(model, cache, ids, chunk: int = 0):
+    if chunk and ids.shape[1] > chunk:
+        from kvdex.integration.prefill import chunked_prefill
+
+        return chunked_prefill(model, cache, ids, chunk)[:, -1]
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
@@ -153,9 +166,41 @@ def _step(model, cache, ids):
     return logits.argmax(-1, keepdim=True), logits
 
 
-def _prompt(batch: int, length: int, vocab: int, seed: int, device) -> torch.Tensor:
+def _prompt(
+    batch: int, length: int, vocab: int, seed: int, device, text_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Random token ids, or (``text_ids``: a tokenized text) windows of that text, one per row at
+    different offsets, the text repeated as often as the length needs."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (batch, length), generator=g).to(device)
+    if text_ids is None or text_ids.numel() == 0:
+        return torch.randint(1, vocab, (batch, length), generator=g).to(device)
+    reps = -(-(length + text_ids.numel()) // text_ids.numel())
+    long = text_ids.repeat(reps)
+    starts = torch.randint(0, text_ids.numel(), (batch,), generator=g).tolist()
+    return torch.stack([long[s : s + length] for s in starts]).to(device)
+
+
+def load_text_ids(path: str, tokenizer) -> torch.Tensor:
+    """Token ids of a text file (.txt, or .json with a "text" field) for real-model prompts."""
+    import json
+    from pathlib import Path
+
+    raw = Path(path).read_text(errors="replace")
+    if path.endswith(".json"):
+        data = json.loads(raw)
+        raw = data["text"] if isinstance(data, dict) else "\n\n".join(x["text"] for x in data)
+    return torch.tensor(tokenizer(raw, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def _page_cache(cache) -> tuple[int, int, int]:
+    """(hits, misses, bytes moved) of every offloaded store's device page cache so far (a sync)."""
+    h = m = by = 0
+    for lay in getattr(cache, "layers", []):
+        st = getattr(lay, "store", None)
+        if getattr(st, "page_cache", 0):
+            s = st.page_cache_stats()
+            h, m, by = h + s["hits"], m + s["misses"], by + s["bytes_moved"]
+    return h, m, by
 
 
 # ---- correctness before timing ----------------------------------------------------------------------
@@ -282,7 +327,7 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[i]
 
 
-def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> dict:
+def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text_ids=None) -> dict:
     device = next(model.parameters()).device
     rec = dict(method=method, context=context, batch=batch, status="ok")
     vocab = model.config.vocab_size
@@ -298,12 +343,16 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         return rec
     try:
         cache = make_cache(model, method, cfg)
-        ids = _prompt(batch, context, vocab, cfg.seed + context + batch, device)
+        ids = _prompt(batch, context, vocab, cfg.seed + context + batch, device, text_ids)
         _sync(device)
         t0 = time.perf_counter()
-        logits = _prefill(model, cache, ids)
+        logits = _prefill(model, cache, ids, cfg.prefill_chunk)
         _sync(device)
         rec["prefill_s"] = time.perf_counter() - t0
+        if cfg.prefill_chunk:
+            rec["prefill_chunk"] = cfg.prefill_chunk
+        if device.type == "cuda":
+            rec["prefill_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         del ids
         nxt = logits.argmax(-1, keepdim=True)
         stepper = None
@@ -318,7 +367,14 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         h2d0 = _h2d(cache)
+        pc0 = _page_cache(cache)
         ms, wall = _timed_steps(step, nxt, cfg.steps, device)
+        pc1 = _page_cache(cache)
+        if pc1 != pc0 or getattr(cache, "page_cache", 0):  # hits / misses over the timed steps
+            hits, misses = pc1[0] - pc0[0], pc1[1] - pc0[1]
+            rec["page_cache"] = cache.page_cache
+            rec["page_cache_hits"], rec["page_cache_misses"] = hits, misses
+            rec["page_cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
         if stepper is not None:
             rec["graph_counts"] = dict(stepper.counts)
         rec["ms_median"] = statistics.median(ms)
@@ -340,7 +396,10 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig) -> d
                 t = rec["split"].get("transfer_ms", 0.0)
                 rec["h2d_gbps_during_transfer"] = rec["h2d_bytes_per_step"] / (t * 1e-3) / 1e9 if t > 0 else None
         if device.type == "cuda":
-            rec["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9  # since reset above
+            # whole method: the prefill's peak and the peak since the reset after warm-up
+            rec["peak_device_gb"] = max(
+                torch.cuda.max_memory_allocated(device) / 1e9, rec.get("prefill_peak_device_gb", 0.0)
+            )
         rec["host_rss_gb"] = _host_rss() / 1e9
     except torch.OutOfMemoryError as e:
         rec["status"] = "OOM"
@@ -380,7 +439,8 @@ def _host_available() -> int:
 
 
 def _h2d(cache) -> int:
-    return cache.transfer.h2d_bytes if isinstance(cache, kvdex.Cache) else 0
+    """Host->device bytes so far: the cache's counter plus what its device page caches moved."""
+    return cache.transfer.h2d_bytes + _page_cache(cache)[2] if isinstance(cache, kvdex.Cache) else 0
 
 
 def _stepper(model, cache, graph=None):
@@ -513,10 +573,24 @@ def run(cfg: BenchConfig, log=print) -> dict:
     dtype = _dtype(cfg.dtype)
     methods = cfg.methods()
     t0 = time.perf_counter()
-    model = shapes.build_model(cfg.shape, dtype, device, max(cfg.contexts) + cfg.steps + cfg.warmup + 1024, cfg.seed)
+    text_ids = None
+    if cfg.model:
+        model, tok = kvdex.load(cfg.model, dtype=dtype, device=device)
+        model.generation_config.eos_token_id = None
+        if cfg.text:
+            text_ids = load_text_ids(cfg.text, tok)
+        name = f"{cfg.model} (real weights)"
+    else:
+        if cfg.text:
+            raise ValueError("--text needs --model (random weights have no tokenizer)")
+        model = shapes.build_model(
+            cfg.shape, dtype, device, max(cfg.contexts) + cfg.steps + cfg.warmup + 1024, cfg.seed
+        )
+        name = cfg.shape
     log(
-        f"model {cfg.shape}: {shapes.param_bytes(model) / 1e9:.2f} GB of {cfg.dtype} weights on {device} "
+        f"model {name}: {shapes.param_bytes(model) / 1e9:.2f} GB of {cfg.dtype} weights on {device} "
         f"(built in {time.perf_counter() - t0:.1f} s)"
+        + (f"; prompts from {cfg.text} ({text_ids.numel()} tokens)" if text_ids is not None else "")
     )
     result = dict(config=dataclasses.asdict(cfg), versions=versions(), weights_gb=shapes.param_bytes(model) / 1e9)
     if cfg.check:
@@ -550,7 +624,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     for context in cfg.contexts:
         for batch in cfg.batches:
             for method in methods:
-                rec = measure(model, method, context, batch, cfg)
+                rec = measure(model, method, context, batch, cfg, text_ids)
                 rows.append(rec)
                 log(_line(rec))
     result["results"] = rows
@@ -561,7 +635,9 @@ def _line(r: dict) -> str:
     head = f"{r['method']:<18} ctx {r['context']:>7} b {r['batch']:>2}"
     if r["status"] != "ok":
         return f"{head}  {r['status']}: {r.get('error', '')}"
+    hit = r.get("page_cache_hit_rate")
     return (
         f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
-        f"prefill {r['prefill_s']:.2f} s"
+        f"prefill {r['prefill_s']:.2f} s  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
+        + ("" if hit is None else f"  page-cache hits {hit:.3f}")
     )

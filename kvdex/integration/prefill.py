@@ -54,6 +54,7 @@ def chunked_prefill(
         first = max(chunk, pads + 1)
     out = None
     start = 0
+    reserved = False
     while start < n:
         end = min(n, start + (first if start == 0 else chunk))
         kw = {}
@@ -67,6 +68,24 @@ def chunked_prefill(
             **kw,
         )
         start = end
+        if not reserved and start < n:
+            _reserve(cache, n)
+            reserved = True
     if hasattr(cache, "policy") and hasattr(cache, "step"):  # a kvdex.Cache: the whole prompt is its step 0
         cache.step = 0
     return out.logits
+
+
+def _reserve(cache, n: int) -> None:
+    """Size a kvdex cache's buffers for the whole prompt (plus decode slack) after its first chunk, so
+    they do not grow by copying chunk after chunk (a growth needs old + new at once: near the host
+    memory limit at 512k, and slow for pinned memory)."""
+    from kvdex.storage import DeviceStore, OffloadStore
+    from kvdex.storage.host import _GROW_PAGES
+
+    for lay in getattr(cache, "layers", []):
+        st = getattr(lay, "store", None)
+        if isinstance(st, OffloadStore):
+            st.host.reserve(int(st.grid.num_middle_pages(torch.tensor([n]))[0]) + _GROW_PAGES)
+        elif isinstance(st, DeviceStore):
+            st._reserve(n + 1024)
