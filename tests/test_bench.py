@@ -200,6 +200,16 @@ def test_graph_decoding_matches_eager_on_gpu(method):
     assert c["replays"] > 20 and c["eager"] >= 2 and c["captures"] >= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_decoding_with_page_cache_matches_eager_on_gpu():
+    model = shapes.build_model("tiny", torch.float32, "cuda")
+    cfg = _cfg(device="cuda", budget=80, check_context=150, page_cache=4)
+    res = runner.check_graph(model, cfg, ["quest/offload+graph"], steps=40)
+    assert res[0]["ok"], res
+    assert res[0]["counts"]["replays"] > 20
+
+
 def test_graph_methods_and_cpu_refusal(capsys):
     cfg = _cfg(storages=("device", "offload"), baselines=())
     assert runner.BenchConfig(**{**vars(cfg), "graph": True}).methods() == [

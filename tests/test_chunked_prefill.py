@@ -119,3 +119,28 @@ def test_bulk_append_equals_token_by_token(t):
     assert torch.equal(sa.valid, sc.valid)
     pick = lambda s: torch.where(s.valid[..., None], s.k.gather(2, s.idx[..., None].expand(-1, -1, -1, d)), 0)  # noqa: E731
     assert torch.equal(pick(sa), pick(sc))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.no_grad()
+def test_cuda_chunked_prefill_offloaded_equals_one_shot(llama):
+    """CUDA (pinned host pages, fused lower-right causal SDPA for the chunks), fp32."""
+    import copy
+
+    model = copy.deepcopy(llama[0]).cuda()
+    ids = torch.cat([prompt(400, 21), prompt(400, 22)]).cuda()
+    one = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
+    ref = model(input_ids=ids, past_key_values=one, use_cache=True, logits_to_keep=1).logits
+    many = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
+    got = chunked_prefill(model, many, ids, 64)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    for (k0, v0, n0), (k1, v1, n1) in zip(_kv(one), _kv(many), strict=True):
+        assert torch.equal(n0, n1)
+        torch.testing.assert_close(k1, k0, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1, v0, atol=1e-4, rtol=1e-4)
+    assert many.layers[-1].store.host.data.is_pinned()
+    nxt = ref[:, -1].argmax(-1, keepdim=True)
+    t0, _ = _decode(model, one, nxt, 20)
+    t1, _ = _decode(model, many, nxt, 20)
+    assert torch.equal(t0, t1)
