@@ -83,6 +83,35 @@ def test_selection_is_whole_semantic_pages_within_budget(offload):
     assert st["queries"] > 0 and st["pages_selected"] > 0
 
 
+def test_search_asks_for_the_budget_many_keys_and_attends_within_the_budget(monkeypatch):
+    """Alg. 3's k is the cache budget: every query head's M-DCI search asks for the top-``budget``
+    keys with a beam of at least ``budget`` points (k = budget - sink - window, 16 at budget 64,
+    missed the passkey on Qwen); the pages attended still fit budget - sink - window tokens."""
+    from kvdex.index.dci import DCITree
+
+    model, _ = shared_pair("llama_gqa")
+    calls = []
+    orig = DCITree.topk
+
+    def spy(self, q, k, fov, prop):
+        calls.append((k, fov))
+        return orig(self, q, k, fov, prop)
+
+    monkeypatch.setattr(DCITree, "topk", spy)
+    for budget in (64, 80):
+        calls.clear()
+        cache = kvdex.Cache(model, "icecache", budget=budget, dense_layers=1)
+        log = []
+        _observe(cache, log)
+        greedy(model, prompt(400, seed=3), cache=cache, new=12)
+        assert calls and all(k == budget and fov == budget for k, fov in calls)
+        assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) <= budget
+    calls.clear()
+    cache = kvdex.Cache(model, "icecache:topk=24:query_fov=40", budget=64, dense_layers=1)
+    greedy(model, prompt(400, seed=3), cache=cache, new=4)
+    assert calls and all(c == (24, 40) for c in calls)
+
+
 def _pages_of(tree, positions):
     order = torch.argsort(tree.pos)
     at = torch.searchsorted(tree.pos[order], positions)

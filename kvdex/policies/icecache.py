@@ -71,7 +71,7 @@ class IceCachePolicy(Policy):
     construction_prop: float = 0.25
     query_fov: int = 0  # points kept per level when selecting; 0 -> topk
     query_prop: float = 0.8
-    topk: int = 0  # keys retrieved per query head; 0 -> the retrieval budget in tokens
+    topk: int = 0  # keys retrieved per query head (Alg. 3's k); 0 -> the budget (docs: "budget 64")
     max_pages: int = 0  # pages per kv head and step; 0 -> 2 * retrieval_pages
     norm_margin: float = 1.25
     reuse: bool = False
@@ -311,7 +311,11 @@ class IceCachePolicy(Policy):
 
     def _select_pages(self, tree: DCITree, qg: torch.Tensor, room: int) -> torch.Tensor:
         """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]."""
-        k = self.topk or self.cfg.retrieval_tokens
+        # Alg. 3's k is the cache budget (the paper's "budget 64" retrieves the top-64 keys; sink and
+        # window pages are kept on top, App. A). The pages attended still fit the retrieval budget
+        # in tokens (kvdex's equal-budget rule). k = budget - sink - window (16 at budget 64) made
+        # the M-DCI beam too narrow to find the needle: docs/policies/icecache.md, "budget 64".
+        k = self.topk or self.cfg.budget
         ids = tree.topk(qg, k, self.query_fov or k, self.query_prop)  # [G, k] descending
         pages = torch.where(ids >= 0, tree.pt_page[ids.clamp(min=0)], -1).T.flatten()  # rank-major
         pages = pages[pages >= 0]
