@@ -232,3 +232,41 @@ def test_cuda_page_cache_decodes_bit_identically(llama, dtype):
     assert torch.equal(t0, t1) and torch.equal(l0, l1)
     s = cached.stats()["page_cache"]
     assert s["hits"] > 0 and s["misses"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_registered_host_pages(llama, monkeypatch):
+    """Host pages pinned in place (cudaHostRegister, exact size; what large buffers use): the UVA gather,
+    the page-cache fill and the staging path read them right, growth unpins the old buffer, and a
+    whole offloaded decode with a page cache equals the offloaded decode without."""
+    from kvdex.storage import host as host_mod
+
+    monkeypatch.setattr(host_mod, "_REGISTER_MIN_BYTES", 0)  # register even the tiny test buffers
+    hp = host_mod.HostPages(1, 2, 4, 8, torch.float32, "cuda", TransferStats())
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 4, 8, generator=g).cuda(), torch.randn(2, 10, 4, 8, generator=g).cuda()
+    hp.write(0, 0, k, v)
+    assert hp._registered and hp.data is hp._registered[0] and hp.data.is_pinned()
+    pages = torch.tensor([[[3, 0, -1], [9, 2, 5]]], device="cuda")
+    uva = hp.fetch_pages(pages.clamp(min=0))
+    uva_mod, hp._uva = hp._uva, None
+    staged = hp.fetch_pages(pages.clamp(min=0))
+    hp._uva = uva_mod
+    assert torch.equal(uva, staged)
+    first = hp.data
+    hp.write(0, 10, k[:, :1], v[:, :1])
+    hp.reserve(hp.capacity + 100)  # growth: a new registered buffer, the old one unpinned
+    assert hp.data is not first and len(hp._registered) == 1 and torch.equal(hp.data[0, :, :10, 0].cuda(), k)
+
+    import copy
+
+    model = copy.deepcopy(llama[0]).cuda()
+    ids, mask, _ = left_padded([150, 97, 40], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    plain = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
+    t0, l0 = greedy(model, ids, mask, plain, new=30)
+    cached = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1, page_cache=3)
+    t1, l1 = greedy(model, ids, mask, cached, new=30)
+    assert cached.layers[-1].store.host._registered
+    assert torch.equal(t0, t1) and torch.equal(l0, l1)

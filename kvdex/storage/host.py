@@ -11,12 +11,39 @@ the same memory and the copy is a plain copy, so CI runs the same code.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
 from kvdex.storage.base import TransferStats
 
 _GROW_PAGES = 64
+# Pinned buffers at least this large are pinned in place (cudaHostRegister on an ordinary allocation)
+# instead of through torch's caching host allocator, which rounds every block up to a power of two:
+# at 512k tokens one layer's 2.15 GB of host pages would take 4.3 GB, and 30 layers 129 GB of pinned
+# memory on a 128 GiB host. KVDEX_HOST_REGISTER=0 turns this off.
+_REGISTER_MIN_BYTES = 64 << 20
+
+
+def _registered_zeros(shape, dtype) -> torch.Tensor | None:
+    """A zeroed CPU tensor pinned with cudaHostRegister (exact size), or None if that fails."""
+    t = torch.zeros(shape, dtype=dtype)
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except (RuntimeError, AttributeError):
+        return None
+    return t if int(rc) == 0 else None
+
+
+def _unregister(tensors: list, device) -> None:
+    """Unpin registered buffers once no copy or kernel can still read them."""
+    if not tensors:
+        return
+    torch.cuda.synchronize(device)
+    cudart = torch.cuda.cudart()
+    for t in tensors:
+        cudart.cudaHostUnregister(t.data_ptr())
+    tensors.clear()
 
 
 def _uva_kernels():
@@ -38,6 +65,9 @@ class HostPages:
         # The Triton kernel that reads selected pages straight from pinned memory (kvdex.kernels.uva);
         # None: the index_select + staging + copy path below (CPU, no triton, or KVDEX_UVA=0).
         self._uva = _uva_kernels() if self.pin else None
+        self._registered: list[torch.Tensor] = []  # buffers pinned by cudaHostRegister (unpinned when dropped)
+        if self.pin:
+            weakref.finalize(self, _unregister, self._registered, self.device)
         self.data = self._alloc(0)
         self._staging = None
         self._copied = None  # CUDA event: the last host->device copy out of the staging buffer
@@ -45,6 +75,12 @@ class HostPages:
     # ---- memory ------------------------------------------------------------------------
     def _alloc(self, pages: int) -> torch.Tensor:
         shape = (self.batch, self.kv_heads, pages, 2, self.page_size, self.head_dim)
+        nbytes = self.batch * self.kv_heads * pages * 2 * self.page_size * self.head_dim * self.dtype.itemsize
+        if self.pin and nbytes >= _REGISTER_MIN_BYTES and os.environ.get("KVDEX_HOST_REGISTER", "1") != "0":
+            t = _registered_zeros(shape, self.dtype)
+            if t is not None:
+                self._registered.append(t)
+                return t
         return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin)
 
     @property
@@ -61,7 +97,11 @@ class HostPages:
         new[:, :, : self.capacity] = self.data
         if self._uva is not None:  # a UVA kernel may still read the old pinned buffer: let it finish
             torch.cuda.current_stream(self.device).synchronize()
+        old = [t for t in self._registered if t is self.data]
         self.data = new
+        if old:  # unpin the replaced buffer (after the device is done with it)
+            self._registered.remove(old[0])
+            _unregister(old, self.device)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
