@@ -159,11 +159,14 @@ def test_parse_sizes_and_shapes():
         shapes.make_config("gpt-17")
 
 
-@pytest.mark.parametrize("method", ["quest/device", "streaming/device", "full/device", "quest/offload"])
-def test_static_sizing_decodes_like_dynamic(method):
+@pytest.mark.parametrize(
+    "method,page_cache",
+    [("quest/device", 0), ("streaming/device", 0), ("full/device", 0), ("quest/offload", 0), ("quest/offload", 3)],
+)
+def test_static_sizing_decodes_like_dynamic(method, page_cache):
     """What graph decoding relies on: with ``store.static`` (whole slot buffer for dense layers, whole
     Quest index) eager decoding gives the dynamic result, across page boundaries."""
-    cfg = _cfg(budget=80, check_context=64)
+    cfg = _cfg(budget=80, check_context=64, page_cache=page_cache)
     model = shapes.build_model("tiny", torch.float32, "cpu")
     ids = runner._prompt(2, 150, model.config.vocab_size, 0, "cpu")
     runs = []
