@@ -5,7 +5,7 @@
 #   pc     ~3 min   128k/32k batch 1, quest offloaded + CUDA graph: without vs with the page cache (256 slots)
 #   b8a    ~3 min   batch 8 at 32k: quest resident / offloaded (page cache) + graph vs transformers' DynamicCache
 #   b8b    ~4 min   batch 8 at 64k: the same (128k x 8 does not fit: 128 GiB of bf16 KV, see docs/benchmarks.md)
-#   b512   ~6 min   512k batch 1, offloaded + graph + page cache, chunked prefill (16k tokens a forward)
+#   b512   ~6 min   512k batch 1, offloaded + graph + page cache, chunked prefill (32k tokens a forward)
 #   real   ~4 min   page-cache hit rate: Qwen2.5-Coder-0.5B GGUF on essay text vs random weights of its shape
 # usage: bash scripts/gpu_bench_s3.sh PART [OUTDIR]     (repo root; OUTDIR default runs/s3)
 set -o pipefail
@@ -56,7 +56,7 @@ b8a|b8b)
      2>&1 | grep -v "^ *$" | tail -6 ;;
 b512)
   $B --shape llama3-8b --contexts 512k --batches 1 --policies quest --storages offload --graph-only \
-     --baselines none --split-steps 0 --page-cache 256 --prefill-chunk 16384 --out "$out/b512/run" \
+     --baselines none --split-steps 0 --page-cache 256 --prefill-chunk 32768 --out "$out/b512/run" \
      2>&1 | grep -v "^ *$" | tail -4 ;;
 real)
   if ! python -c "import gguf" 2>/dev/null; then echo "the gguf package is missing: cannot load $MODEL"; exit 1; fi
