@@ -84,6 +84,9 @@ def test_chunked_prefill_bad_input(llama):
         chunked_prefill(llama[0], cache, prompt(10, 1), 0)
     with pytest.raises(ValueError, match="attention_mask"):
         chunked_prefill(llama[0], cache, prompt(10, 1), 4, attention_mask=torch.ones(1, 9))
+    snap = kvdex.Cache(llama[0], "snapkv", 96)
+    with pytest.raises(ValueError, match="observation window"):
+        chunked_prefill(llama[0], snap, prompt(100, 1), 32)
 
 
 @pytest.mark.parametrize("t", [2, 7, 16, 45, 200])

@@ -43,6 +43,13 @@ def chunked_prefill(
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, length] with length >= 1, got {tuple(input_ids.shape)}")
     b, n = input_ids.shape
+    policy = getattr(cache, "policy", None)
+    if getattr(policy, "obs_window", 0) and n > chunk:
+        # such a policy scores the prompt with its last queries at ingest, which a first chunk does not have
+        raise ValueError(
+            f"policy {policy.name!r} reads an observation window of the prompt's last {policy.obs_window} queries "
+            "when the prompt is ingested; chunked prefill ingests only the first chunk. Prefill it in one forward."
+        )
     position_ids = None
     first = chunk
     if attention_mask is not None:
