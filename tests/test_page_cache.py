@@ -270,3 +270,20 @@ def test_cuda_registered_host_pages(llama, monkeypatch):
     t1, l1 = greedy(model, ids, mask, cached, new=30)
     assert cached.layers[-1].store.host._registered
     assert torch.equal(t0, t1) and torch.equal(l0, l1)
+
+
+def test_token_selections_bypass_the_pool_and_stay_exact():
+    """A token selection (no pages) lands on the pool's rows: the pool is emptied, and a later page
+    selection refills it; every step's attended K/V equals the store without a cache."""
+    st, ref = _store(6), _store(0)
+    sels = _selections(3, 6)
+    toks = torch.tensor([[[4, 9, 30], [5, 6, 7], [40, 41, 8]], [[4, 5, 6], [70, 12, 13], [20, 21, 22]]])
+    gi = lambda s, x: x.gather(2, s.idx[..., None].expand(-1, -1, -1, D))  # noqa: E731
+    for sel in (Selection(pages=sels[0]), Selection(tokens=toks), Selection(pages=sels[1]), Selection(pages=sels[2])):
+        a, r = st.attend(sel), ref.attend(sel)
+        ok = r.valid[..., None]
+        assert torch.equal(a.valid, r.valid)
+        assert torch.equal(torch.where(ok, gi(a, a.k), 0), torch.where(ok, gi(r, r.k), 0))
+        assert torch.equal(torch.where(ok, gi(a, a.v), 0), torch.where(ok, gi(r, r.v), 0))
+        if sel.tokens is not None:
+            assert bool((st.pc_page == -1).all())

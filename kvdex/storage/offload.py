@@ -245,6 +245,8 @@ class OffloadStore(LayerStore):
             need += sel.tokens.shape[-1]
         if need > self.work_capacity:
             self._alloc_device(need)
+        if self.page_cache and not pooled and need:
+            self._page_cache_flush()  # this step's pages / tokens land on the pool's rows
         b, h = self.batch, self.kv_heads
         if pooled:  # through the device page cache: only the misses cross PCIe
             p = sel.pages.shape[-1]
@@ -256,7 +258,6 @@ class OffloadStore(LayerStore):
             parts_pos.append(pos)
             cursor += self.page_cache * g.page_size
         elif sel.pages is not None and sel.pages.shape[-1]:
-            self._page_cache_flush()  # more pages than slots: they land on the pool's rows
             p = sel.pages.shape[-1]
             blocks = self.host.fetch_pages(sel.pages.clamp(min=0))  # [B, H, P, 2, ps, D]
             n = p * g.page_size
