@@ -199,6 +199,9 @@ class Cache(HFCache):
 
     ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
     are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
+    ``page_cache``: with ``offload=True``, page slots per sequence and kv head that keep recently
+    selected pages on the device, so a step transfers only the others (>= the pages selected per
+    step; 0 = off). See ``kvdex.storage.offload``. Long prompts: ``kvdex.integration.prefill``.
     """
 
     def __init__(
