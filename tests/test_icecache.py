@@ -112,6 +112,26 @@ def test_search_asks_for_the_budget_many_keys_and_attends_within_the_budget(monk
     assert calls and all(c == (24, 40) for c in calls)
 
 
+@pytest.mark.parametrize("chunks", [2, 0], ids=["two", "auto"])
+def test_query_heads_split_over_threads_select_the_same_pages(chunks):
+    """``query_chunks``: a tree's group of query heads searched in several tasks selects exactly
+    what one batched search selects (the rows of a search are independent)."""
+    model, _ = shared_pair("qwen3")
+    logs = []
+    for spec in ("icecache:threads=4", f"icecache:threads=4:query_chunks={chunks}"):  # auto: 4 // 2 trees = 2
+        cache = kvdex.Cache(model, spec, budget=64, dense_layers=1)
+        log = []
+        _observe(cache, log)
+        out = greedy(model, prompt(300, seed=5), cache=cache, new=20)
+        logs.append((out, log))
+    (t1, l1), log1 = logs[0]
+    (t2, l2), log2 = logs[1]
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2, atol=0, rtol=0)
+    for (_, p1, v1, _), (_, p2, v2, _) in zip(log1, log2, strict=True):
+        assert torch.equal(torch.sort(p1[v1]).values, torch.sort(p2[v2]).values)
+
+
 def _pages_of(tree, positions):
     order = torch.argsort(tree.pos)
     at = torch.searchsorted(tree.pos[order], positions)
@@ -229,6 +249,7 @@ def test_registered_and_bad_options_raise():
         dict(max_pages=-2),
         dict(reuse_every=0),
         dict(norm_margin=0.5),
+        dict(query_chunks=-1),
     ):
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)

@@ -77,6 +77,7 @@ class IceCachePolicy(Policy):
     reuse: bool = False
     reuse_every: int = 3
     threads: int = 0  # CPU threads for tree construction / insertion / search; 0 -> the cores we may use
+    query_chunks: int = 1  # search tasks per tree and step (its group's query heads split); 0 -> fill the threads
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,7 +85,7 @@ class IceCachePolicy(Policy):
             raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
         for name in ("num_comp", "num_simp", "construction_fov", "reuse_every"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("query_fov", "topk", "max_pages", "threads", "seed"):
+        for name in ("query_fov", "topk", "max_pages", "threads", "seed", "query_chunks"):
             _check_int(name, getattr(self, name), 0)
         for name in ("construction_prop", "query_prop"):
             v = getattr(self, name)
@@ -121,7 +122,7 @@ class IceCachePolicy(Policy):
         self._prefill_builds: dict = {}  # memo key -> future of this policy's prefill build
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
-        self._stats.update(query_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
+        self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer:
@@ -273,23 +274,38 @@ class IceCachePolicy(Policy):
         G = q.shape[1] // H
         budget = self.cfg.retrieval_tokens
         qc = q.detach().float().cpu()  # the tree search runs on the CPU (one sync per layer)
-        work = []
+        t1 = time.perf_counter()
+        self._stats["q_wait_s"] += t1 - t0  # waiting for the device to produce q (and applying jobs)
+        work, searches = [], []  # per (b, h): a result or a tree to pick pages from; search tasks
         for b in range(B):
             for h in range(H):
                 tree = trees[b * H + h] if trees is not None else None
                 n = (0 if tree is None else tree.n) + pending[b].numel()
                 if n <= budget:  # a top-k with k >= n is every key, indexed or being inserted
-                    every = pending[b] if tree is None else torch.cat([tree.pos, pending[b]])
-                    work.append(lambda every=every: every)
+                    work.append(pending[b] if tree is None else torch.cat([tree.pos, pending[b]]))
                 elif tree is None:
-                    work.append(lambda: torch.empty(0, dtype=torch.long))
+                    work.append(torch.empty(0, dtype=torch.long))
                 else:  # Alg. 1: a page leaving the window this step is selectable from the next step
-                    work.append(lambda tree=tree, b=b, h=h: self._select_pages(
-                        tree, qc[b, h * G : (h + 1) * G], budget))  # fmt: skip
-        if len(work) > 1 and self._threads() > 1:  # the trees of one layer are searched in parallel
-            chosen = list(_pool(self._threads(), "query").map(lambda f: f(), work))
+                    work.append(tree)
+                    searches.append((len(work) - 1, tree, qc[b, h * G : (h + 1) * G]))
+        threads = self._threads()
+        chunks = self.query_chunks or max(1, threads // max(1, len(searches)))
+        chunks = min(chunks, G)
+        if chunks == 1:  # one task per tree: its search and its page choice
+            tasks = [lambda t=t, qg=qg: self._select_pages(t, qg, budget) for _, t, qg in searches]
+        else:  # the group's query heads in `chunks` searches (rows are independent); pages chosen below
+            parts = [(t, part) for _, t, qg in searches for part in qg.tensor_split(chunks)]
+            tasks = [lambda t=t, part=part: self._search(t, part) for t, part in parts]
+        if len(tasks) > 1 and threads > 1:  # the trees of one layer (and their heads) are searched in parallel
+            done = list(_pool(threads, "query").map(lambda f: f(), tasks))
         else:
-            chosen = [f() for f in work]
+            done = [f() for f in tasks]
+        for j, (i, tree, _) in enumerate(searches):
+            if chunks == 1:
+                work[i] = done[j]
+            else:
+                work[i] = self._select_pages(tree, None, budget, _cat_rows(done[j * chunks : (j + 1) * chunks]))
+        chosen = work
         rows = chosen
         T = max((r.numel() for r in rows), default=0)
         pin = q.device.type == "cuda"
@@ -300,7 +316,7 @@ class IceCachePolicy(Policy):
         sel = Selection(tokens=tokens.to(q.device, non_blocking=pin))
         setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
         self._last[layer] = sel
-        self._stats["query_s"] += time.perf_counter() - t0
+        self._stats["query_s"] += time.perf_counter() - t1  # tree searches + page choice, on the CPU
         self._stats["queries"] += 1
         return sel
 
@@ -309,14 +325,20 @@ class IceCachePolicy(Policy):
             return self.threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def _select_pages(self, tree: DCITree, qg: torch.Tensor, room: int) -> torch.Tensor:
-        """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]."""
+    def _search(self, tree: DCITree, qg: torch.Tensor) -> torch.Tensor:
+        """Each query head's top-k keys (M-DCI, Algorithm 4): point ids [G, k'] in descending order."""
         # Alg. 3's k is the cache budget (the paper's "budget 64" retrieves the top-64 keys; sink and
         # window pages are kept on top, App. A). The pages attended still fit the retrieval budget
         # in tokens (kvdex's equal-budget rule). k = budget - sink - window (16 at budget 64) made
         # the M-DCI beam too narrow to find the needle: docs/policies/icecache.md, "budget 64".
         k = self.topk or self.cfg.budget
-        ids = tree.topk(qg, k, self.query_fov or k, self.query_prop)  # [G, k] descending
+        return tree.topk(qg, k, self.query_fov or k, self.query_prop)
+
+    def _select_pages(self, tree: DCITree, qg: torch.Tensor | None, room: int, ids=None) -> torch.Tensor:
+        """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]
+        (or the search's ``ids`` [G, k'])."""
+        if ids is None:
+            ids = self._search(tree, qg)  # [G, k] descending
         pages = torch.where(ids >= 0, tree.pt_page[ids.clamp(min=0)], -1).T.flatten()  # rank-major
         pages = pages[pages >= 0]
         if pages.numel() == 0:
@@ -365,6 +387,12 @@ def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     ev = torch.cuda.Event()
     ev.record()
     return buf, ev
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack the id rows of several searches [g_i, k_i] into [sum g_i, max k_i], -1 padded."""
+    w = max(x.shape[1] for x in parts)
+    return torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=-1) for x in parts])
 
 
 def _check_int(name: str, v, low: int) -> None:
