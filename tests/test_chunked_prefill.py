@@ -147,3 +147,28 @@ def test_cuda_chunked_prefill_offloaded_equals_one_shot(llama):
     t0, _ = _decode(model, one, nxt, 20)
     t1, _ = _decode(model, many, nxt, 20)
     assert torch.equal(t0, t1)
+
+
+@torch.no_grad()
+def test_chunked_prefill_holds_one_layers_dense_kv_at_a_time(llama, monkeypatch):
+    """The memory invariant behind 512k: when an offloaded layer rebuilds its dense K/V for a chunk, no
+    earlier layer's (or chunk's) rebuilt K/V is still alive."""
+    import gc
+    import weakref
+
+    real = OffloadStore.dense
+    alive, calls = [], []
+
+    def tracked(self):
+        gc.collect()
+        calls.append(sum(r() is not None for r in alive))
+        k, v = real(self)
+        alive.extend([weakref.ref(k), weakref.ref(v)])
+        return k, v
+
+    monkeypatch.setattr(OffloadStore, "dense", tracked)
+    model = llama[0]
+    cache = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
+    chunked_prefill(model, cache, torch.cat([prompt(300, 11), prompt(300, 12)]), 64)
+    assert len(calls) == 4 * 2  # 300 tokens in chunks of 64: every later chunk, both offloaded layers
+    assert max(calls) == 0
