@@ -256,9 +256,10 @@ def test_chunked_prefill_bench_prefill_matches_one_forward():
     model = shapes.build_model("tiny", torch.float32, "cpu")
     ids = runner._prompt(2, 150, model.config.vocab_size, 0, "cpu")
     cfg = _cfg()
-    a = runner._prefill(model, runner.make_cache(model, "quest/offload", cfg), ids)
-    b = runner._prefill(model, runner.make_cache(model, "quest/offload", cfg), ids, chunk=32)
-    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for method in ("quest/offload", "hf/dynamic"):  # the helper works with transformers' caches too
+        a = runner._prefill(model, runner.make_cache(model, method, cfg), ids)
+        b = runner._prefill(model, runner.make_cache(model, method, cfg), ids, chunk=32)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_prompt_from_text_ids():

@@ -28,6 +28,8 @@ the window go to host memory in one write per sequence, not token by token.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvdex.selection import Selection
@@ -46,6 +48,7 @@ class OffloadStore(LayerStore):
         )
         self.fixed = g.sink + g.window
         self.page_cache = page_cache
+        self._pc_warned = False
         work = page_cache * g.page_size if page_cache else max(work_tokens, g.page_size)
         self._alloc_device(work)
         if page_cache:
@@ -247,6 +250,13 @@ class OffloadStore(LayerStore):
             self._alloc_device(need)
         if self.page_cache and not pooled and need:
             self._page_cache_flush()  # this step's pages / tokens land on the pool's rows
+            if sel.pages is not None and sel.pages.shape[-1] > self.page_cache and not self._pc_warned:
+                self._pc_warned = True
+                warnings.warn(
+                    f"page_cache={self.page_cache} is smaller than the {sel.pages.shape[-1]} pages selected this "
+                    "step: such steps bypass the device page cache (use page_cache >= the pages per step)",
+                    stacklevel=2,
+                )
         b, h = self.batch, self.kv_heads
         if pooled:  # through the device page cache: only the misses cross PCIe
             p = sel.pages.shape[-1]
