@@ -21,6 +21,17 @@ def _pyplot():
     return plt
 
 
+_MARKERS = "osD^vP*Xh<>p"
+
+
+def _style(i: int) -> dict:
+    """A distinct colour and marker per series (more policies than the default 10-colour cycle)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    return {"color": cmap(i % 20), "marker": _MARKERS[i % len(_MARKERS)]}
+
+
 def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
     """recall vs budget per policy (one panel per length), and recall over decoding steps."""
     plt = _pyplot()
@@ -37,9 +48,9 @@ def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
             if r.length == length and r.budget is not None:
                 by_policy[r.policy].append((r.budget, r.metrics["recall"], r.metrics.get("ceiling")))
         ceiling = defaultdict(list)
-        for policy, pts in sorted(by_policy.items()):
+        for i, (policy, pts) in enumerate(sorted(by_policy.items())):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=policy, **_style(i))
             for b, _, c in pts:
                 ceiling[b].append(c)
         if ceiling:
@@ -51,7 +62,7 @@ def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
         ax.set_ylim(0, 1.02)
         ax.set_title(f"{model}, context {length}, {label}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2 if len(by_policy) > 8 else 1)
     fig.tight_layout()
     paths.append(task_dir / f"recall_vs_budget__{model}__{label}.png")
     fig.savefig(paths[-1], dpi=120)
@@ -63,13 +74,14 @@ def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
     fig, axes = plt.subplots(
         len(lengths), len(budgets), figsize=(4.5 * len(budgets), 3.5 * len(lengths)), squeeze=False
     )
+    colour = {p: _style(k)["color"] for k, p in enumerate(sorted({r.policy for r in results}))}
     for i, length in enumerate(lengths):
         for j, budget in enumerate(budgets):
             ax = axes[i][j]
             for r in results:
                 if r.length == length and r.budget == budget:
                     steps, vals = _curve(r)
-                    ax.plot(steps, vals, label=r.policy, lw=1)
+                    ax.plot(steps, vals, label=r.policy, lw=1, color=colour[r.policy])
             ax.set_title(f"context {length}, budget {budget}", fontsize=9)
             ax.set_xlabel("decode step")
             ax.set_ylabel("recall")
