@@ -3,14 +3,19 @@
 The model decodes densely (exact attention, so every policy sees the same queries and keys) while
 each ParisKV variant indexes the same pages as they leave the window; at sampled steps and layers
 every variant searches with the real decode query and is scored against the exact top-k keys by
-``<q_mean, k>`` (``kvdex.policies.pariskv.recall_at_k``): ``coarse`` = top-k by collision votes alone,
-``e2e`` = top-k after the 4-bit rerank of the candidate pool. Free-running (greedy) decoding over
+``<q_mean, k>`` (``kvdex.policies.pariskv.recall_at_k``), stage by stage: ``coarse`` = top-k by
+collision votes alone, ``pool`` = truth inside the beta candidate pool, ``e2e`` = top-k after the
+4-bit rerank of that pool, ``rerank`` = top-k by the 4-bit estimate over every key (no coarse
+stage). The default variants are the paper's method, its learned-centroid ablation baseline and
+kvdex's mean-centred option (``pariskv:center=True``). Free-running (greedy) decoding over
 thousands of steps shows drift: new keys are indexed with analytic centroids (``pariskv``) or with
 k-means centroids frozen at prefill (``pariskv-kmeans``).
 
-    PYTHONPATH=. python scripts/pariskv_recall.py --model smollm2 --length 3k --steps 64 --every 16
-    PYTHONPATH=. python scripts/pariskv_recall.py --model /tmp/m/qwen.gguf --length 8k --steps 4096 --every 256 \\
-        --data /tmp/m/evaldata --out pariskv_recall_8k.json
+    PYTHONPATH=. python scripts/pariskv_recall.py --model smollm2 --lengths 3k --steps 64 --every 16
+    PYTHONPATH=. python scripts/pariskv_recall.py --model /tmp/m/qwen.gguf --lengths 8k,32k --steps 33 --every 16 \\
+        --data /tmp/m/evaldata --out pariskv_recall.json
+    PYTHONPATH=. python scripts/pariskv_recall.py --model /tmp/m/qwen.gguf --lengths 8k --steps 4097 --every 256 \\
+        --per-step --data /tmp/m/evaldata --out pariskv_drift_8k.json
 """
 
 from __future__ import annotations
@@ -52,30 +57,13 @@ class MultiProbe(SelectAll):
             p.index(layer, update)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--gguf", default=None)
-    ap.add_argument("--policies", type=parse_names, default=["pariskv", "pariskv-kmeans"])
-    ap.add_argument("--length", type=lambda s: parse_sizes(s)[0], default=4096)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--every", type=int, default=16)
-    ap.add_argument("--layers", type=parse_names, default=None, help="layers to measure (default: all sparse)")
-    ap.add_argument("--k", type=int, default=100)
-    ap.add_argument("--mode", choices=("free", "teacher"), default="free")
-    ap.add_argument("--source", default="books")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default=None, help="write the per-step table as JSON here")
-    args = ap.parse_args(argv)
-
+def run_length(model, tok, length: int, args) -> dict[int, dict[str, float]]:
+    """Prefill ``length`` tokens, decode ``args.steps`` densely; per measured step the mean over
+    (layer, kv head) of every variant's stage recalls."""
     import kvdex
 
-    model, tok = load(args.model, args.gguf, args.device, args.dtype)
     extra = args.steps + 1 if args.mode == "teacher" else 0
-    sample = data.long_text_samples(data.data_root(args.data), args.source, tok, args.length, extra, 1, args.seed)[0]
+    sample = data.long_text_samples(data.data_root(args.data), args.source, tok, length, extra, 1, args.seed)[0]
     cache = kvdex.Cache(model, MultiProbe(targets=tuple(args.policies)), budget=16 + 32 + args.k)
     probe = cache.policy  # the cache binds its own copy of the policy
     layers = None if args.layers is None else {int(x) for x in args.layers}
@@ -90,7 +78,6 @@ def main(argv=None) -> int:
             for key, v in r.items():
                 rows.setdefault(state["step"], {}).setdefault(f"{name}/{key}", []).append(v)
 
-    t0 = time.time()
     with torch.no_grad():
         ids = torch.tensor([sample.input_ids], device=model.device)
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
@@ -101,17 +88,64 @@ def main(argv=None) -> int:
             state["step"] = step
             logits = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache).logits[0, -1]
             token = int(logits.argmax()) if args.mode == "free" else cont[step + 1]
-    table = {s: {k: float(np.mean(v)) for k, v in m.items()} for s, m in sorted(rows.items())}
-    cols = sorted({k for m in table.values() for k in m})
-    print(f"# Recall@{args.k}, {args.length} prompt tokens, {args.steps} {args.mode} steps, {time.time() - t0:.0f} s")
-    print("step  " + "  ".join(f"{c:>22}" for c in cols))
-    for s, m in table.items():
-        print(f"{s:<5} " + "  ".join(f"{m.get(c, float('nan')):>22.3f}" for c in cols))
-    means = {c: float(np.mean([m[c] for m in table.values() if c in m])) for c in cols}
-    print("mean  " + "  ".join(f"{means[c]:>22.3f}" for c in cols))
+    return {s: {k: float(np.mean(v)) for k, v in m.items()} for s, m in sorted(rows.items())}
+
+
+STAGES = ("coarse", "pool", "e2e", "rerank")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument(
+        "--policies",
+        type=parse_names,
+        default=["pariskv", "pariskv-kmeans", "pariskv:center=True"],
+        help="ParisKV variants indexed side by side (NAME:KEY=VALUE options allowed)",
+    )
+    ap.add_argument("--lengths", "--length", type=parse_sizes, default=[4096], help="prompt lengths, e.g. 8k,32k")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--every", type=int, default=16)
+    ap.add_argument("--layers", type=parse_names, default=None, help="layers to measure (default: all sparse)")
+    ap.add_argument("--k", type=int, default=100)
+    ap.add_argument("--mode", choices=("free", "teacher"), default="free")
+    ap.add_argument("--source", default="books")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--per-step", action="store_true", help="also print the per-step table (drift runs)")
+    ap.add_argument("--out", default=None, help="write the tables as JSON here")
+    args = ap.parse_args(argv)
+
+    t_all = time.time()
+    model, tok = load(args.model, args.gguf, args.device, args.dtype)
+    result = {}
+    for length in args.lengths:
+        t0 = time.time()
+        table = run_length(model, tok, length, args)
+        cols = sorted({k for m in table.values() for k in m})
+        means = {c: float(np.mean([m[c] for m in table.values() if c in m])) for c in cols}
+        result[length] = {"per_step": table, "mean": means, "seconds": time.time() - t0}
+        print(f"# {length}: {args.steps} {args.mode} steps, every {args.every}: {time.time() - t0:.0f} s", flush=True)
+        if args.per_step:
+            print("step  " + "  ".join(f"{c:>22}" for c in cols))
+            for s, m in table.items():
+                print(f"{s:<5} " + "  ".join(f"{m.get(c, float('nan')):>22.3f}" for c in cols))
+    k = args.k
+    print(f"\n# Recall@{k} by stage (mean over measured steps, sparse layers, kv heads); truth = exact top-{k} by "
+          f"<q_mean, k>\n# coarse: top-{k} by votes; pool: truth inside the beta pool; e2e: after the 4-bit "
+          f"rerank of the pool; rerank: 4-bit estimate over every key (no coarse stage)")  # fmt: skip
+    print(f"{'length':>7}  {'variant':<28} " + " ".join(f"{s:>7}" for s in STAGES))
+    for length, r in result.items():
+        for name in args.policies:
+            vals = [r["mean"].get(f"{name}/{s}", float("nan")) for s in STAGES]
+            print(f"{length:>7}  {name:<28} " + " ".join(f"{v:>7.3f}" for v in vals))
+    print(f"# total {time.time() - t_all:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "per_step": table, "mean": means}, f, indent=1)
+            json.dump({"args": vars(args), "lengths": result}, f, indent=1)
     return 0
 
 

@@ -273,6 +273,7 @@ def _info(head_dim=64, kv_heads=2, q_heads=4, budget=256):
         ("pariskv", {"collision_ratio": -0.1}, "collision_ratio"),
         ("pariskv", {"collision_ratio": "0.2"}, "collision_ratio"),
         ("pariskv", {"kernels": "cuda"}, "kernels must be one of"),
+        ("pariskv", {"center": "yes"}, "center must be True or False"),
         ("pariskv-kmeans", {"kmeans_iters": 0}, "kmeans_iters"),
     ],
 )
@@ -435,6 +436,72 @@ def test_index_tracks_every_middle_key_and_never_relearns():
     assert all(torch.equal(before[lay], p.centroids[lay]) for lay in before)
 
 
+def test_center_mean_is_frozen_per_sequence_and_indexes_centred_keys():
+    """center=True: mu = mean of the prefill middle keys of each (sequence, kv head), never updated;
+    every key (prefill or generated) is summarised as k - mu."""
+    cache, seen = _decode_with_selections("pariskv", new=40, center=True)
+    p = cache.policy
+    assert seen and set(p.means) == set(p.info.sparse_layers)
+    before = {lay: mu.clone() for lay, (mu, _) in p.means.items()}
+    model, _ = shared_pair("llama_gqa")
+    with torch.no_grad():
+        for _ in range(20):  # more pages leave the window and are indexed
+            model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+    for layer in p.info.sparse_layers:
+        store = cache.layers[layer].store
+        n = int(store.grid.num_middle_pages(store.lengths_host)[0]) * PAGE
+        mu, done = p.means[layer]
+        assert bool(done.all()) and torch.equal(mu, before[layer])  # frozen after the prefill
+        n0 = int(store.grid.num_middle_pages(torch.tensor([400]))[0]) * PAGE  # middle at prefill
+        keys = store.middle_keys().float()
+        torch.testing.assert_close(mu, keys[:, :, :n0].mean(2), atol=1e-4, rtol=1e-4)
+        _, codes, _ = K.encode_keys(keys[:, :, :n] - mu[:, :, None], p.signs, p.m, p.thresholds, p.centers)
+        assert torch.equal(p.index_[layer].codes[:, :, :n], codes)
+
+
+def test_center_mean_ignores_batch_padding():
+    from conftest import left_padded
+
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([400, 120], seed=4)
+    cache = kvdex.Cache(model, "pariskv", budget=96, dense_layers=1, center=True)
+    greedy(model, ids, mask, cache, new=2)
+    for layer, (mu, _) in cache.policy.means.items():
+        store = cache.layers[layer].store
+        n = int(store.grid.num_middle_pages(torch.tensor([120]))[0]) * PAGE
+        torch.testing.assert_close(mu[1], store.middle_keys()[1, :, :n].float().mean(1), atol=1e-4, rtol=1e-4)
+
+
+def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
+    """<q, k - mu> ranks keys like <q, k>; with a large common offset (Qwen2's k bias) the sign-pattern
+    buckets collapse without centring and the coarse pool misses the truth; centring restores it."""
+    g = gen(21)
+    h, n, d, k = 2, 4000, 64, 50
+    keys = torch.randn(1, h, n, d, generator=g) * torch.linspace(0.5, 1.5, d) + 6.0 * torch.randn(d, generator=g)
+    q = torch.randn(1, 2 * h, d, generator=g)
+    qm = q.view(1, h, 2, d).mean(2)
+    mu = keys.mean(2, keepdim=True)
+    exact = torch.einsum("bhd,bhnd->bhn", qm, keys)
+    centred = torch.einsum("bhd,bhnd->bhn", qm, keys - mu)
+    assert torch.equal(exact.topk(k).indices.sort().values, centred.topk(k).indices.sort().values)
+    info = PolicyInfo(CacheConfig(budget=k), 4, (2, 3), 2 * h, h, d)
+    from kvdex.storage.base import MiddleUpdate
+
+    out = {}
+    for center in (False, True):
+        p = make_policy("pariskv", center=center, candidate_ratio=0.1, collision_ratio=0.2, kernels="torch")
+        p.bind(info)
+        p.index(2, MiddleUpdate(torch.tensor([0]), torch.tensor([n // PAGE]), keys.view(1, h, n // PAGE, PAGE, d)))
+        ids = p.index_[2].ids[0, :, :n].long()  # [H, n, nsub]
+        share = torch.stack([torch.bincount(ids[i, :, b], minlength=256).max() for i in range(h) for b in range(8)])
+        _, pool = p.search(2, q, n, torch.tensor([n]), k)
+        truth = exact.topk(k).indices
+        found = (pool[..., :, None] == truth[..., None, :]).any(-2).float().mean()
+        out[center] = (float(share.float().mean() / n), float(found))
+    assert out[False][0] > 0.5 and out[True][0] < 0.1  # biggest bucket: most keys vs a few percent
+    assert out[True][1] > out[False][1] + 0.2, out  # measured: 0.31 -> 0.62
+
+
 def test_offload_selects_the_same_tokens_as_device():
     _, dev = _decode_with_selections("pariskv", offload=False)
     _, off = _decode_with_selections("pariskv", offload=True)
@@ -456,6 +523,8 @@ def test_recall_at_k_is_one_when_every_candidate_is_reranked():
     cache.observer = observer
     greedy(model, prompt(400, seed=2), cache=cache, new=2)
     assert out and all(0.5 <= r["e2e"] <= 1 and 0 <= r["coarse"] <= 1 for r in out.values())
+    # the pool is the whole middle, so it holds the whole truth and the rerank of it == the rerank of all
+    assert all(r["pool"] == 1.0 and r["e2e"] == r["rerank"] for r in out.values())
 
 
 def test_nearest_centroid_in_chunks_equals_brute_force():

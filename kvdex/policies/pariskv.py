@@ -84,6 +84,12 @@ class ParisKVPolicy(Policy):
     collision_ratio: float | None = None  # rho: share of keys whose centroids vote (None: adaptive)
     seed: int = 42  # SRHT signs
     kernels: str = "auto"  # "torch" twins, "triton", or "auto" (triton on CUDA when importable)
+    # kvdex extension, off by default (not in the paper): subtract a per-(sequence, kv head) mean key,
+    # computed once from the first keys a layer indexes (the prefill) and then frozen, before the
+    # summary. <q, k - mu> = <q, k> - <q, mu> ranks keys exactly like <q, k>, so the top-k target is
+    # unchanged; it removes the common offset (Qwen2's k_proj bias) that normalise + rotate cannot
+    # spread, which collapses the sign-pattern buckets (docs/policies/pariskv.md, "Why recall is low").
+    center: bool = False
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -95,12 +101,15 @@ class ParisKVPolicy(Policy):
                 raise ValueError(f"pariskv: {name} must be in (0, 1] or None (adaptive), got {v!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"pariskv: kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.center, bool):
+            raise ValueError(f"pariskv: center must be True or False, got {self.center!r}")
         self.rot_dim = K.padded_dim(info.head_dim)
         if self.m > self.rot_dim:
             raise ValueError(f"pariskv: m={self.m} exceeds the rotated head dim {self.rot_dim}; pass a smaller m")
         self.signs = K.srht_signs(info.head_dim, self.seed)
         self.thresholds, self.centers = K.magnitude_levels(self.m)
         self.index_: dict[int, _LayerIndex] = {}
+        self.means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # center=True: layer -> (mu [B, H, d], set [B])
         self._ops = None
         self._consts: dict[torch.device, tuple] = {}
         self._rows_key, self._rows = None, {}
@@ -146,9 +155,11 @@ class ParisKVPolicy(Policy):
             return
         b, h, pn, ps, d = update.keys.shape
         keys = update.keys.reshape(b, h, pn * ps, d)
+        valid = torch.arange(pn * ps)[None, :] < (update.count * ps)[:, None]  # [B, N] (CPU)
+        if self.center:
+            keys = keys.float() - self.key_mean(layer, keys, valid)[:, :, None, :]
         signs, thresholds, centers, _ = self.consts(keys.device)
         ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
-        valid = torch.arange(pn * ps)[None, :] < (update.count * ps)[:, None]  # [B, N] (CPU)
         ids = self.assign(layer, keys, ids, valid)
         start, count = update.start * ps, update.count * ps
         idx = self._reserve(layer, int((start + count).max()), keys)
@@ -160,6 +171,21 @@ class ParisKVPolicy(Policy):
             valid = torch.ones(h, c, dtype=torch.bool, device=keys.device)
             idx.counts[bi] += K.cluster_counts(ids[bi, :, :c], valid, 1 << self.m)
             idx.n[bi] = max(int(idx.n[bi]), s + c)
+
+    def key_mean(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``center=True``: the frozen mean key per (sequence, kv head) [B, H, d] fp32. A sequence's mean
+        is set from the first update that holds keys of it (the prefill) and never changes after."""
+        b, h, _, d = keys.shape
+        if layer not in self.means:
+            self.means[layer] = (torch.zeros(b, h, d, device=keys.device), torch.zeros(b, dtype=torch.bool))
+        mu, done = self.means[layer]
+        w = valid.to(keys.device, torch.float32)  # [B, N]
+        fresh = (~done) & valid.any(1)
+        if fresh.any():
+            mean = torch.einsum("bn,bhnd->bhd", w, keys.float()) / w.sum(1).clamp(min=1)[:, None, None]
+            mu[fresh.to(mu.device)] = mean[fresh.to(mu.device)]
+            done |= fresh
+        return mu
 
     def _reserve(self, layer: int, tokens: int, like: torch.Tensor) -> _LayerIndex:
         cur = self.index_.get(layer)
@@ -327,11 +353,13 @@ def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 4096) -> torch.Tensor
 
 
 def recall_at_k(policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100) -> dict[str, float]:
-    """The paper's ablation metric on one decode query, averaged over (sequence, kv head).
+    """The paper's ablation metric on one decode query, averaged over (sequence, kv head), stage by stage.
 
     Truth: the exact top-k middle keys by <q_mean, key> (q_mean = the query the policy searches
-    with). ``coarse``: the top-k by collision votes alone (bucket top-k); ``e2e``: the top-k after the
-    4-bit rerank of the beta candidate pool. Both are |found & truth| / k (Recall@k of ANN search).
+    with). ``coarse``: the top-k by collision votes alone (bucket top-k); ``pool``: the share of the
+    truth inside the beta candidate pool (what the rerank can at best recover); ``e2e``: the top-k
+    after the 4-bit rerank of that pool; ``rerank``: the top-k by the 4-bit estimate over *every*
+    middle key (the rerank stage alone, no coarse stage). All are |found & truth| / k (ANN Recall@k).
     """
     nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size
     n = int(nmid.max())
@@ -344,14 +372,20 @@ def recall_at_k(policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: in
     exact = torch.einsum("bhd,bhnd->bhn", qm, keys)
     live = torch.arange(n, device=q.device)[None, None, :] < nmid.to(q.device)[:, None, None]
     truth = exact.masked_fill(~live, float("-inf")).topk(k, dim=-1).indices
-    final, _ = policy.search(layer, q, n, nmid, k)
+    final, pool = policy.search(layer, q, n, nmid, k)
     coarse = _coarse_topk(policy, layer, q, n, nmid, k)
+    everything = torch.where(live, torch.arange(n, device=q.device), -1).expand(b, h, n).reshape(b * h, n)
+    _, qb, qn = policy.votes(layer, q, n, nmid)
+    idx = policy.index_[layer]
+    codes, weight = idx.codes[:, :, :n].reshape(b * h, n, -1), idx.weight[:, :, :n].reshape(b * h, n, -1)
+    est = K.rerank_scores(everything, codes, weight, qb, qn, policy.consts(q.device)[2], policy.m)
+    rerank = est.topk(k, dim=-1).indices.view(b, h, k)
 
     def rec(found):
         hit = (found[..., :, None] == truth[..., None, :]).any(-2).float()  # truth entries found
         return float(hit.mean())
 
-    return {"coarse": rec(coarse), "e2e": rec(final)}
+    return {"coarse": rec(coarse), "pool": rec(pool), "e2e": rec(final), "rerank": rec(rerank)}
 
 
 def _coarse_topk(policy: ParisKVPolicy, layer, q, n, nmid, k):
