@@ -2,7 +2,7 @@
 # Issue 8, third GPU session: device page cache, chunked prefill, batch 8, 512k, real-model hit rate.
 # One part per call (each well under 9 minutes on the H200; estimates from docs/benchmarks.md):
 #   tests  ~2 min   GPU tests of the page cache, chunked prefill, bench, kernels, offload == resident
-#   pc     ~3 min   128k/32k batch 1, quest offloaded + CUDA graph: without vs with the page cache (256 slots)
+#   pc     ~4 min   32k/128k batch 1, quest offloaded + CUDA graph: no page cache / cache 256 / cache 256 + fused bookkeeping
 #   b8a    ~3 min   batch 8 at 32k: quest resident / offloaded (page cache) + graph vs transformers' DynamicCache
 #   b8b    ~4 min   batch 8 at 64k: the same (128k x 8 does not fit: 128 GiB of bf16 KV, see docs/benchmarks.md)
 #   b512   ~6 min   512k batch 1, offloaded + graph + page cache, chunked prefill (32k tokens a forward)
@@ -48,7 +48,10 @@ pc)
   $B --shape llama3-8b --contexts 32k,128k --batches 1 --policies quest --storages offload --graph-only \
      --baselines none --split-steps 0 --out "$out/pc/nocache" 2>&1 | grep -v "^ *$" | tail -4
   $B --shape llama3-8b --contexts 32k,128k --batches 1 --policies quest --storages offload --graph-only \
-     --baselines none --split-steps 0 --page-cache 256 --out "$out/pc/cache256" 2>&1 | grep -v "^ *$" | tail -4 ;;
+     --baselines none --split-steps 0 --page-cache 256 --out "$out/pc/cache256" 2>&1 | grep -v "^ *$" | tail -4
+  KVDEX_PC_FUSED=1 $B --shape llama3-8b --contexts 32k,128k --batches 1 --policies quest --storages offload \
+     --graph-only --baselines none --split-steps 0 --page-cache 256 --out "$out/pc/cache256fused" 2>&1 \
+     | grep -v "^ *$" | tail -4 ;;
 b8a|b8b)
   ctx=$([ "$part" = b8a ] && echo 32k || echo 64k)
   $B --shape llama3-8b --contexts "$ctx" --batches 8 --policies quest --storages device,offload --graph-only \

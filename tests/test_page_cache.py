@@ -124,7 +124,8 @@ def test_page_cache_feeds_attention_the_same_kv_and_counts_like_the_model(c):
         assert torch.equal(o0, o1)
         h_, m_ = model.step(sel)
         hits, misses = hits + h_, misses + m_
-        assert (int(cached.pc_hits), int(cached.pc_misses)) == (hits, misses)
+        st = cached.page_cache_stats()
+        assert (st["hits"], st["misses"]) == (hits, misses)
     st = cached.page_cache_stats()
     assert st["hits"] == hits > 0 and st["misses"] == misses > 0
     assert st["bytes_moved"] == misses * 2 * PS * D * 4
@@ -212,17 +213,19 @@ def test_triton_fill_slots_matches_twin_and_store_paths_agree():
         for sel in _selections(12, 6):
             a, b = twin.attend(Selection(pages=sel)), kern.attend(Selection(pages=sel))
             assert torch.equal(a.idx, b.idx) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-        assert int(twin.pc_hits) == int(kern.pc_hits) > 0
+        assert torch.equal(twin.pc_count, kern.pc_count) and int(twin.pc_count[..., 0].sum()) > 0
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["torch-bookkeeping", "fused-bookkeeping"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_page_cache_decodes_bit_identically(llama, dtype):
+def test_cuda_page_cache_decodes_bit_identically(llama, dtype, fused, monkeypatch):
     """CUDA, pinned host pages, the UVA fill kernel: logits bit-identical to the offloaded store without
     a page cache (both run the same slot-list decode kernel over the same K/V in the same order)."""
     import copy
 
+    monkeypatch.setenv("KVDEX_PC_FUSED", fused)
     model = copy.deepcopy(llama[0]).to(dtype).cuda()
     ids, mask, _ = left_padded([150, 97, 40], seed=3)
     ids, mask = ids.cuda(), mask.cuda()
@@ -289,3 +292,25 @@ def test_token_selections_bypass_the_pool_and_stay_exact():
         assert torch.equal(torch.where(ok, gi(a, a.v), 0), torch.where(ok, gi(r, r.v), 0))
         if sel.tokens is not None:
             assert bool((st.pc_page == -1).all())
+
+
+@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("c", [6, 9])
+def test_triton_page_cache_step_matches_twin(c, monkeypatch):
+    """The fused bookkeeping kernel (KVDEX_PC_FUSED=1) takes the twin's decisions: same rows, same pool
+    contents, same tags / stamps / counts, step after step (with eviction)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("store-level comparison on host tensors: interpreter only (the CUDA end-to-end test covers GPU)")
+    monkeypatch.setenv("KVDEX_PC_FUSED", "1")
+    twin, kern = _store(c), _store(c, uva=True)
+    twin.host._uva = None
+    assert kern._pc_fused() is not None and twin._pc_fused() is None
+    for sel in _selections(25, 6):
+        a, b = twin.attend(Selection(pages=sel)), kern.attend(Selection(pages=sel))
+        assert torch.equal(a.idx, b.idx) and torch.equal(a.valid, b.valid)
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert torch.equal(twin.pc_page[..., :c], kern.pc_page[..., :c])
+        assert torch.equal(twin.pc_stamp[..., :c], kern.pc_stamp[..., :c])
+        assert torch.equal(twin.pc_count, kern.pc_count)
+    assert int(kern.pc_count[..., 0].sum()) > 0 and int(kern.pc_count[..., 1].sum()) > 0

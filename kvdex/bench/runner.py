@@ -593,6 +593,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
         + (f"; prompts from {cfg.text} ({text_ids.numel()} tokens)" if text_ids is not None else "")
     )
     result = dict(config=dataclasses.asdict(cfg), versions=versions(), weights_gb=shapes.param_bytes(model) / 1e9)
+    import os
+
+    result["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVDEX_")}  # kernel switches
     if cfg.check:
         checks = check_full_budget(model, cfg, methods)
         result["check"] = checks

@@ -129,6 +129,67 @@ def _fill_kernel(
         tl.store(vd, vx, mask=m)
 
 
+@triton.jit
+def _pc_step_kernel(
+    PAGES,
+    TAG,
+    STAMP,
+    TICK,
+    COUNT,
+    SLOT_TOK,
+    DST,
+    P,
+    C,
+    base,
+    PS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One (sequence, kv head) of a device page-cache step: the same decisions as
+    ``OffloadStore._cached_pages`` (hits by tag, misses to the least recently used free slots, ties to
+    the lowest slot), tags / stamps / counters updated in place, the selection's token rows written."""
+    bh = tl.program_id(0).to(tl.int64)
+    po = tl.arange(0, BLOCK_P)
+    co = tl.arange(0, BLOCK_C)
+    pm = po < P
+    cm = co < C
+    pages = tl.load(PAGES + bh * P + po, mask=pm, other=-1)
+    tags = tl.load(TAG + bh * (C + 1) + co, mask=cm, other=-2)
+    stamps = tl.load(STAMP + bh * (C + 1) + co, mask=cm, other=0)
+    tick = tl.load(TICK)
+    live = pages >= 0
+    eq = (pages[:, None] == tags[None, :]) & live[:, None] & cm[None, :]  # [BLOCK_P, BLOCK_C]
+    eqi = eq.to(tl.int32)
+    hit = tl.max(eqi, axis=1) > 0
+    hit_slot = tl.argmax(eqi, axis=1)
+    used = tl.max(eqi, axis=0) > 0
+    free = (used == 0) & cm
+    miss = live & (hit == 0)
+    # rank of each free slot among the free slots, by (last use, slot)
+    ki = stamps[:, None]
+    kj = stamps[None, :]
+    before = ((kj < ki) | ((kj == ki) & (co[None, :] < co[:, None]))) & free[None, :]
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    rmiss = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+    match = (rank[None, :] == rmiss[:, None]) & free[None, :] & miss[:, None]  # [BLOCK_P, BLOCK_C]
+    mi = match.to(tl.int32)
+    miss_slot = tl.sum(mi * co[None, :], axis=1)
+    slot = tl.where(hit, hit_slot, miss_slot)
+    tl.store(DST + bh * P + po, tl.where(miss, miss_slot, -1).to(tl.int64), mask=pm)
+    assigned = tl.max(mi, axis=0) > 0
+    new_page = tl.sum(tl.where(match, pages[:, None], 0), axis=0)
+    tl.store(TAG + bh * (C + 1) + co, tl.where(assigned, new_page, tags), mask=cm)
+    tl.store(STAMP + bh * (C + 1) + co, tl.where(assigned | used, tick, stamps), mask=cm)
+    nh = tl.sum((hit & live).to(tl.int64), axis=0)
+    nm = tl.sum(miss.to(tl.int64), axis=0)
+    tl.store(COUNT + bh * 2, tl.load(COUNT + bh * 2) + nh)
+    tl.store(COUNT + bh * 2 + 1, tl.load(COUNT + bh * 2 + 1) + nm)
+    # token rows of the selection in the pool: base + slot * PS + 0..PS-1 (dead entries: slot 0, masked later)
+    so = tl.arange(0, PS)
+    rows = base + slot.to(tl.int64)[:, None] * PS + so[None, :]
+    tl.store(SLOT_TOK + (bh * P + po)[:, None] * PS + so[None, :], rows, mask=pm[:, None])
+
+
 def _check_src(src: torch.Tensor) -> None:
     if src.dim() != 6 or src.shape[3] != 2:
         raise ValueError(f"source must be host pages [B, H, P, 2, page_size, D], got {tuple(src.shape)}")
@@ -228,6 +289,41 @@ def fill_slots(
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
         base, h, n, PS=ps, D=d, BLOCK=triton.next_power_of_2(ps * d),
     )  # fmt: skip
+
+
+def page_cache_step(
+    pages: torch.Tensor,
+    tag: torch.Tensor,
+    stamp: torch.Tensor,
+    tick: torch.Tensor,
+    count: torch.Tensor,
+    base: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bookkeeping of one device page-cache step in one launch (one program per (sequence, kv head)).
+
+    pages [B, H, P] int64 (-1 padding, distinct otherwise); tag / stamp [B, H, C+1] int64 (the pool's page
+    ids and last-use steps; column C unused), tick: int64 scalar tensor (this step's stamp), count [B, H, 2]
+    int64 (hits, misses; accumulated) -- all updated in place. Returns (token rows [B, H, P*page_size]:
+    ``base + slot*page_size + i`` for each selected page, dst [B, H, P]: the slot a miss is copied to, or -1).
+    Same decisions as the PyTorch path ``OffloadStore._cached_pages`` (the twin).
+    """
+    b, h, p = pages.shape
+    c = tag.shape[-1] - 1
+    if tag.shape != (b, h, c + 1) or stamp.shape != tag.shape or count.shape != (b, h, 2):
+        raise ValueError("page_cache_step: tag / stamp must be [B, H, C+1] and count [B, H, 2]")
+    for name, t in (("pages", pages), ("tag", tag), ("stamp", stamp), ("count", count), ("tick", tick)):
+        if t.dtype != torch.long or not t.is_contiguous():
+            raise ValueError(f"page_cache_step: {name} must be a contiguous int64 tensor")
+    rows = torch.empty(b, h, p * page_size, dtype=torch.long, device=pages.device)
+    dst = torch.empty(b, h, p, dtype=torch.long, device=pages.device)
+    if b * h * p == 0:
+        return rows, dst.fill_(-1)
+    _pc_step_kernel[(b * h,)](
+        pages, tag, stamp, tick, count, rows, dst, p, c, base,
+        PS=page_size, BLOCK_P=triton.next_power_of_2(p), BLOCK_C=triton.next_power_of_2(c), num_warps=8,
+    )  # fmt: skip
+    return rows, dst
 
 
 # ---- twins ------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ the window go to host memory in one write per sequence, not token by token.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -56,8 +57,7 @@ class OffloadStore(LayerStore):
             self.pc_page = torch.full(shape, -1, dtype=torch.long, device=dev)  # page held by each slot
             self.pc_stamp = torch.full(shape, -1, dtype=torch.long, device=dev)  # step it was last used
             self.pc_tick = torch.zeros((), dtype=torch.long, device=dev)
-            self.pc_hits = torch.zeros((), dtype=torch.long, device=dev)
-            self.pc_misses = torch.zeros((), dtype=torch.long, device=dev)
+            self.pc_count = torch.zeros((self.batch, self.kv_heads, 2), dtype=torch.long, device=dev)  # hits, misses
 
     def _alloc_device(self, work: int) -> None:
         shape = (self.batch, self.kv_heads, self.fixed + work, self.head_dim)
@@ -80,14 +80,30 @@ class OffloadStore(LayerStore):
         device through the page cache since the store was made (reads the device counters: a sync)."""
         if not self.page_cache:
             return {}
-        hits, misses = int(self.pc_hits), int(self.pc_misses)
+        hits, misses = (int(x) for x in self.pc_count.sum((0, 1)))
         page = 2 * self.grid.page_size * self.head_dim * self.k.element_size()
         return {"hits": hits, "misses": misses, "bytes_moved": misses * page}
 
+    def _pc_fused(self):
+        """kvdex.kernels.uva when the bookkeeping runs as one Triton kernel (UVA stores, KVDEX_PC_FUSED=1,
+        at most 512 slots), else None (the PyTorch ops below, the kernel's twin)."""
+        if self.host._uva is None or os.environ.get("KVDEX_PC_FUSED", "0") != "1" or self.page_cache > 512:
+            return None
+        return self.host._uva
+
     def _cached_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """Make every selected page resident in the pool; returns each page's slot, [B, H, P]."""
-        c = self.page_cache
+        """Make every selected page resident in the pool; returns the rows of the selected pages' tokens in
+        the store's buffers, [B, H, P * page_size] (entries that are padding point at slot 0)."""
+        c, ps = self.page_cache, self.grid.page_size
         pages = pages.long()
+        fused = self._pc_fused()
+        if fused is not None:
+            self.pc_tick.add_(1)
+            rows, dst = fused.page_cache_step(
+                pages.contiguous(), self.pc_page, self.pc_stamp, self.pc_tick, self.pc_count, self.fixed, ps
+            )
+            self.host.fill_slots(pages, dst, self.k, self.v, self.fixed)
+            return rows
         live = pages >= 0
         eq = (pages[..., :, None] == self.pc_page[..., None, :c]) & live[..., None]  # [B, H, P, C]
         hit = eq.any(-1)
@@ -98,14 +114,14 @@ class OffloadStore(LayerStore):
         order = torch.sort(key, dim=-1, stable=True).indices  # free slots, least recently used first
         rank = (miss.long().cumsum(-1) - 1).clamp(min=0)  # the r-th miss takes the r-th free slot (C >= P)
         miss_slot = order.gather(-1, rank)
-        slot = torch.where(hit, hit_slot, miss_slot)
+        slot = torch.where(hit, hit_slot, torch.where(miss, miss_slot, 0))
         self.pc_tick.add_(1)
         self.pc_page.scatter_(-1, torch.where(miss, miss_slot, c), pages)
         self.pc_stamp.scatter_(-1, torch.where(live, slot, c), self.pc_tick.expand(pages.shape))
-        self.pc_hits.add_(hit.sum())
-        self.pc_misses.add_(miss.sum())
+        self.pc_count.add_(torch.stack([hit.sum(-1), miss.sum(-1)], dim=-1))
         self.host.fill_slots(pages, torch.where(miss, miss_slot, -1), self.k, self.v, self.fixed)
-        return slot
+        offs = torch.arange(ps, device=self.device)
+        return (self.fixed + slot[..., None] * ps + offs).flatten(2)
 
     @property
     def work_capacity(self) -> int:
@@ -259,10 +275,7 @@ class OffloadStore(LayerStore):
                 )
         b, h = self.batch, self.kv_heads
         if pooled:  # through the device page cache: only the misses cross PCIe
-            p = sel.pages.shape[-1]
-            slot = self._cached_pages(sel.pages)  # [B, H, P]
-            offs = torch.arange(g.page_size, device=self.device)
-            parts_slot.append((cursor + slot[..., None] * g.page_size + offs).flatten(2))
+            parts_slot.append(self._cached_pages(sel.pages))  # [B, H, P * page_size] rows in the pool
             pos = Selection(pages=sel.pages).token_positions(g.sink, g.page_size)
             parts_valid.append(pos >= 0)
             parts_pos.append(pos)
