@@ -11,9 +11,12 @@ keys in the transformed space of eq. 2/3; its leaf nodes are the pages. Algorith
   (offload at line 17, select at line 22, insert at line 26) the page is selectable from the
   layer's next step, which joins the insertion (deterministic; it rarely has to wait);
 * decode (``select``, Algorithms 3-4): every query head of a kv head's group asks the tree for its
-  top-k keys by inner product (M-DCI); the pages holding them are the selection (GQA: the union
-  over the group, merged rank by rank), taken in order of their best-ranked key while they fit the
-  retrieval budget (tokens) and ``max_pages``.
+  top-k keys by inner product (M-DCI; k = the budget, Alg. 3's k); the pages holding them are the
+  selection (GQA: the union over the group, merged rank by rank), taken in order of their
+  best-ranked key while they fit the retrieval budget (tokens) and ``max_pages``.
+
+Forks (``Cache.fork``) of one prefill share its trees through :meth:`IceCachePolicy.share_index`:
+the trees are immutable snapshots, so sharing them is a zero-copy, fully isolated fork.
 
 With ``offload=True`` the layer store is a :class:`~kvdex.storage.semantic.SemanticOffloadStore`:
 the host keeps every leaf page contiguous, and each step only the selected pages that are not
