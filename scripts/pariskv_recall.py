@@ -33,6 +33,7 @@ from kvdex.eval import data
 from kvdex.eval.cli import parse_names, parse_sizes
 from kvdex.eval.models import load
 from kvdex.eval.recall import SelectAll
+from kvdex.kernels import pariskv as K
 from kvdex.policies import make_policy
 from kvdex.policies.pariskv import recall_at_k
 
@@ -57,6 +58,53 @@ class MultiProbe(SelectAll):
             p.index(layer, update)
 
 
+def attention_mass(probes: dict, layer: int, q: torch.Tensor, store, scale: float, budgets) -> dict[str, float]:
+    """Where the attention-recall loss of a budget comes from: the true softmax mass (mean over query
+    heads; sink + window + the selected middle tokens) of the top ``budget - sink - window`` middle
+    tokens chosen by ``oracle`` (summed group attention, the harness's oracle), ``exact`` (exact
+    <q_mean, k>: ParisKV's target, the GQA mean query), and per variant ``rerank`` (the 4-bit estimate
+    over every middle key: no coarse stage) and the variant's full two-stage pipeline."""
+    k, _ = store.dense()
+    b, hq, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    kf = k.float()
+    p = torch.softmax(torch.einsum("bhgd,bhld->bhgl", q.float().view(b, h, hq // h, d), kf) * scale, -1)
+    nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size
+    n, sink = int(nmid.max()), store.grid.sink
+    if b != 1 or L != int(store.lengths_host[0]):
+        raise ValueError("attention_mass measures one unpadded sequence")
+    pm = p[..., sink : sink + n]  # [B, H, G, n]
+    base = p.sum(-1) - pm.sum(-1)  # sink + window
+    qm = q.float().view(b, h, hq // h, d).mean(2)
+    exact = torch.einsum("bhd,bhnd->bhn", qm, kf[:, :, sink : sink + n])
+    window = L - sink - n
+    out = {}
+
+    def mass(sel):  # middle offsets [B, H, T] (-1: none)
+        m = torch.zeros(b, h, n + 1, device=q.device)
+        m.scatter_(2, torch.where(sel >= 0, sel, n), 1.0)
+        return float((base + (pm * m[:, :, None, :n]).sum(-1)).mean())
+
+    for budget in budgets:
+        kk = budget - sink - window
+        if not 0 < kk < n:
+            continue
+        out[f"B{budget}/oracle"] = mass(pm.sum(2).topk(kk, -1).indices)
+        out[f"B{budget}/exact"] = mass(exact.topk(kk, -1).indices)
+        for name, pol in probes.items():
+            if layer not in pol.index_:
+                continue
+            final, _ = pol.search(layer, q, n, nmid, kk)
+            out[f"B{budget}/{name}"] = mass(final)
+            _, qb, qn = pol.votes(layer, q, n, nmid)
+            idx = pol.index_[layer]
+            codes, w = idx.codes[:, :, :n].reshape(b * h, n, -1), idx.weight[:, :, :n].reshape(b * h, n, -1)
+            every = torch.arange(n, device=q.device).expand(b * h, n)
+            est = K.rerank_scores(every, codes, w, qb, qn, pol.consts(q.device)[2], pol.m)
+            out[f"B{budget}/{name} rerank-all"] = mass(est.topk(kk, -1).indices.view(b, h, kk))
+    return out
+
+
 def run_length(model, tok, length: int, args) -> dict[int, dict[str, float]]:
     """Prefill ``length`` tokens, decode ``args.steps`` densely; per measured step the mean over
     (layer, kv head) of every variant's stage recalls."""
@@ -73,10 +121,13 @@ def run_length(model, tok, length: int, args) -> dict[int, dict[str, float]]:
     def observer(layer, q, store, aset, scale):
         if state["step"] % args.every or (layers is not None and layer not in layers):
             return
+        row = rows.setdefault(state["step"], {})
         for name, p in probe.probes.items():
-            r = recall_at_k(p, layer, q, store, args.k)
-            for key, v in r.items():
-                rows.setdefault(state["step"], {}).setdefault(f"{name}/{key}", []).append(v)
+            for key, v in recall_at_k(p, layer, q, store, args.k).items():
+                row.setdefault(f"{name}/{key}", []).append(v)
+        if args.budgets:
+            for key, v in attention_mass(probe.probes, layer, q, store, scale, args.budgets).items():
+                row.setdefault(key, []).append(v)
 
     with torch.no_grad():
         ids = torch.tensor([sample.input_ids], device=model.device)
@@ -109,6 +160,12 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--layers", type=parse_names, default=None, help="layers to measure (default: all sparse)")
     ap.add_argument("--k", type=int, default=100)
+    ap.add_argument(
+        "--budgets",
+        type=parse_sizes,
+        default=[],
+        help="also split the attention recall of these budgets (sink + window included) by stage",
+    )
     ap.add_argument("--mode", choices=("free", "teacher"), default="free")
     ap.add_argument("--source", default="books")
     ap.add_argument("--seed", type=int, default=0)
@@ -142,6 +199,17 @@ def main(argv=None) -> int:
         for name in args.policies:
             vals = [r["mean"].get(f"{name}/{s}", float("nan")) for s in STAGES]
             print(f"{length:>7}  {name:<28} " + " ".join(f"{v:>7.3f}" for v in vals))
+    if args.budgets:
+        print("\n# attention recall (true softmax mass on sink + window + selected; mean over query heads) by what")
+        print("# selects the middle: oracle (group attention), exact <q_mean,k> top-k (ParisKV's target), the 4-bit")
+        print("# rerank over every key (no coarse stage), and the two-stage pipeline (votes -> beta pool -> rerank)")
+        print(f"{'length':>7} {'budget':>6}  {'variant':<28} {'oracle':>7} {'exact':>7} {'rerank':>7} {'2-stage':>7}")
+        for length, r in result.items():
+            for budget in args.budgets:
+                for name in args.policies:
+                    cols = ("oracle", "exact", f"{name} rerank-all", name)
+                    vals = [r["mean"].get(f"B{budget}/{c}", float("nan")) for c in cols]
+                    print(f"{length:>7} {budget:>6}  {name:<28} " + " ".join(f"{v:>7.3f}" for v in vals))
     print(f"# total {time.time() - t_all:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
