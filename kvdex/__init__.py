@@ -8,6 +8,7 @@ print(cache.stats())
 
 from kvdex.config import CacheConfig
 from kvdex.integration import Cache, enable, load
+from kvdex.integration.graph import GraphDecoder, generate
 from kvdex.policies import Policy, make_policy, policies, register_policy
 from kvdex.selection import Selection
 
@@ -16,9 +17,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Cache",
     "CacheConfig",
+    "GraphDecoder",
     "Policy",
     "Selection",
     "enable",
+    "generate",
     "load",
     "make_policy",
     "policies",

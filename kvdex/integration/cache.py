@@ -177,9 +177,10 @@ class KVDexLayer(CacheLayerMixin):
                 q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale
             )
         if out is not None:  # attended tokens: sink + window rows below each length, plus the pages
-            L = store.lengths_host
+            static = getattr(store, "static", False)  # CUDA-graph decode: device lengths (no host value baked in)
+            L = store.lengths if static else store.lengths_host
             fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
-            parent._count_attended((pages >= 0).sum() * g.page_size + int(fixed))
+            parent._count_attended((pages >= 0).sum() * g.page_size + (fixed if static else int(fixed)))
         return out
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -329,7 +330,10 @@ class Cache(HFCache):
         self._timing[name] = self._timing.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
     def _count_attended(self, total: torch.Tensor) -> None:
-        self._attended = total if self._attended is None else self._attended + total
+        if self._attended is not None and getattr(self, "_attended_inplace", False):
+            self._attended.add_(total)  # CUDA-graph decode: one buffer that replayed steps accumulate into
+        else:
+            self._attended = total if self._attended is None else self._attended + total
         self._attended_calls += 1
 
     # ---- prefill once, decode many ----------------------------------------------------------------

@@ -112,7 +112,9 @@ class QueryRing:
         if self.q is None:
             b, hq, d = q.shape
             self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
-        self.q = torch.cat([self.q[:, :, 1:], q[:, :, None]], dim=2)
-        self.pos = torch.cat([self.pos[:, 1:], pos.to(self.pos.device)[:, None]], dim=1)
+        # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.integration.graph)
+        # that pushes reads and writes the same ring on every replay
+        self.q.copy_(torch.cat([self.q[:, :, 1:], q[:, :, None]], dim=2))
+        self.pos.copy_(torch.cat([self.pos[:, 1:], pos.to(self.pos.device)[:, None]], dim=1))
         ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
-        self.valid = torch.cat([self.valid[:, 1:], ones], dim=1)
+        self.valid.copy_(torch.cat([self.valid[:, 1:], ones], dim=1))

@@ -28,19 +28,32 @@ from kvdex.policies.base import Policy, group_reduce, mask_pages, register_polic
 from kvdex.selection import Selection
 
 
-def page_scores(index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None):
+def page_scores(
+    index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None, p: int | None = None
+):
     """Digest estimate per kv head (group max) of every middle page: [B, H, P], ``-inf`` past the middle.
 
     ``first`` [B] (optional): pages before it are not candidates (PRKV's static region).
+    ``p``: pages to score (default :func:`static_pages`).
     """
     h = store.kv_heads
-    p = int(store.grid.num_middle_pages(store.lengths_host).max())
+    p = static_pages(index, layer, store) if p is None else p
     score = group_reduce(index.scores(layer, q, p), h, "max")
     score = mask_pages(score, store.grid.num_middle_pages(store.lengths))
     if first is not None:
         ids = torch.arange(p, device=score.device)
         score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
     return score
+
+
+def static_pages(index: DigestIndex, layer: int, store, *others: torch.Tensor) -> int:
+    """Pages to score: the longest middle, or under static sizing (CUDA-graph decoding) the index
+    capacity (and no more than the capacity of ``others`` [B, H, cap] that are sliced alike): a value
+    that changes only when a buffer is re-allocated, never with the lengths. Pages past each
+    sequence's middle are masked with the device lengths either way."""
+    if getattr(store, "static", False):
+        return min([index.centre[layer].shape[2], *(t.shape[2] for t in others)])
+    return int(store.grid.num_middle_pages(store.lengths_host).max())
 
 
 def top_pages(
@@ -75,8 +88,27 @@ class ArkValePolicy(Policy):
                 "as ArkVale requires k < c; pass 0 for twice the attended pages"
             )
         self.cached: dict[int, torch.Tensor] = {}  # layer -> [B, H, P] bool: in ArkVale's device cache
+        self._lookup_layers: set[int] = set()
         self.recalled = 0  # pages recalled into the cache, summed over layers, steps and kv heads
         self.lookups = 0  # (layer, step, sequence, kv head) selections
+        self._lookups_per_step = 0  # what one step's selects add to lookups (CUDA-graph replays)
+
+    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # Under static sizing the digests are scored over the index capacity (masked past the middle) and
+    # the cache bookkeeping runs every step on the device, in place, so select has no host read. With
+    # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it
+    # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        if not isinstance(self.recalled, torch.Tensor) and self.cached:  # a device counter, added to in place
+            t = next(iter(self.cached.values()))
+            self.recalled = torch.as_tensor(self.recalled, dtype=torch.long, device=t.device).clone()
+        return ("arkvale", id(self.recalled)) + _ids(self.digests.centre, self.digests.radius, self.cached)
+
+    def graph_replayed(self) -> None:
+        self.lookups += self._lookups_per_step
 
     def stats(self) -> dict:
         per = float(self.recalled) / max(1, self.lookups)
@@ -101,7 +133,8 @@ class ArkValePolicy(Policy):
         k = self.cfg.retrieval_pages
         if layer not in self.digests or k <= 0:
             return Selection(pages=top_pages(self.digests, layer, q, store, k))
-        score = page_scores(self.digests, layer, q, store)
+        p = static_pages(self.digests, layer, store, self.cached[layer])
+        score = page_scores(self.digests, layer, q, store, p=p)
         pages = topk_ids(score, k)
         self._recall(layer, pages, score)
         return Selection(pages=pages)
@@ -112,8 +145,13 @@ class ArkValePolicy(Policy):
         cached = self.cached[layer][:, :, :p]
         sel = torch.zeros_like(cached)
         sel.scatter_(2, pages.clamp(min=0), pages >= 0)
-        self.recalled = self.recalled + (sel & ~cached).sum()
+        if isinstance(self.recalled, torch.Tensor):  # in place: a CUDA graph replays the addition
+            self.recalled.add_((sel & ~cached).sum())
+        else:
+            self.recalled = self.recalled + (sel & ~cached).sum()
         self.lookups += sel.shape[0] * sel.shape[1]
+        self._lookup_layers.add(layer)
+        self._lookups_per_step = len(self._lookup_layers) * sel.shape[0] * sel.shape[1]
         cached |= sel
         if p > self.capacity:
             top = torch.finfo(score.dtype).max  # finite: topk_ids drops non-finite entries
@@ -121,3 +159,8 @@ class ArkValePolicy(Policy):
             keep = topk_ids(rank, self.capacity)
             cached.zero_()
             cached.scatter_(2, keep.clamp(min=0), keep >= 0)
+
+
+def _ids(*tables: dict) -> tuple:
+    """Identity and shape of every tensor of per-layer tables (a CUDA-graph key)."""
+    return tuple((i, lay, id(t), tuple(t.shape)) for i, tab in enumerate(tables) for lay, t in sorted(tab.items()))

@@ -213,6 +213,7 @@ class ChessPolicy(Policy):
         self._npages = None  # [layers, B] pages indexed per layer (CPU)
         self._pages = None  # [B, K] the selection, -1 padded
         self._sel = None
+        self._static_pages = None  # [B, W] the selection, -1 padded to a fixed width (CUDA-graph decoding)
         self._last_len = None  # lengths at the last build / on_step (CPU)
         self._acc = None  # per-sequence sums since the last check: H, H^2, V, steps
         self._nacc = 0  # steps in those sums
@@ -395,6 +396,7 @@ class ChessPolicy(Policy):
             old, new = _pad(self._pages, width), _pad(new.to(self._pages.device), width)
             pages = torch.where(rows.to(old.device)[:, None], new, old)
         self._pages = _trim(pages)
+        self._refresh_static()
         store = self._stores[self.info.sparse_layers[0]]
         self._sel = Selection(pages=self._pages.to(store.device)[:, None, :].expand(b, store.kv_heads, -1))
         self._last_len = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
@@ -409,7 +411,41 @@ class ChessPolicy(Policy):
         self._stores[layer] = store
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
+        if getattr(store, "static", False):  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
+            return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, store.kv_heads, -1))
         return self._sel
+
+    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # The selection only changes in _build, which runs in on_step (after the step, outside a captured
+    # graph) or at a page boundary (an eager step). Under static sizing select returns one persistent
+    # [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
+    # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
+    # new buffer, whose identity is in the graph key.
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        buf = self._static_pages
+        return ("chess", None if buf is None else (id(buf), tuple(buf.shape)))
+
+    def _static_selection(self, store) -> torch.Tensor:
+        if self._static_pages is None:  # allocated in an eager step (the graph key changed)
+            w = self._pages.shape[1]
+            width = max(w, self.cfg.retrieval_pages) if self.ratios is None else w + max(1, w // 4)
+            self._static_pages = torch.full((self._pages.shape[0], width), -1, dtype=torch.long, device=store.device)
+            self._refresh_static()
+        return self._static_pages
+
+    def _refresh_static(self) -> None:
+        buf = self._static_pages
+        if buf is None:
+            return
+        w = self._pages.shape[1]
+        if w > buf.shape[1]:
+            self._static_pages = None  # wider than the buffer: a new one at the next static select
+            return
+        buf.fill_(-1)
+        buf[:, :w] = self._pages.to(buf.device)
 
     # ---- quality-aware backtracking ----------------------------------------------------------------
     def on_step(self, step, logits) -> None:

@@ -80,8 +80,30 @@ class H2OPolicy(Policy):
             evicted[:, :, :cap] = self.evicted[layer]
         self.score[layer], self.evicted[layer] = score, evicted
 
+    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # The first decode step (prefill scores) runs eagerly, and so does a step whose position would
+    # outgrow the score buffers (re-allocated: a new graph key). Otherwise, under static sizing, select
+    # ranks the whole score buffer (positions past the heavy range masked by the device lengths), the
+    # recent part has the fixed width ``recent`` (-1 padded), and observe's scatter-add accumulates
+    # the step's attention into the persistent score buffer inside the graph.
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple | None:
+        if self.pending:
+            return None
+        for layer in self.info.sparse_layers:
+            cur = self.score.get(layer)
+            if cur is None or int(stores[layer].lengths_host.max()) + 2 > cur.shape[2]:
+                return None  # select reserves lengths + 1 (after this step's append): a re-allocation
+        tabs = (self.score, self.evicted)
+        ids = tuple((i, lay, id(t), tuple(t.shape)) for i, tab in enumerate(tabs) for lay, t in sorted(tab.items()))
+        return ("h2o", *ids)
+
     def select(self, layer, q, store, scale) -> Selection:
         g = store.grid
+        static = getattr(store, "static", False)
+        self._static = static
         k = None
         if layer in self.pending:
             k = store.dense()[0]
@@ -89,11 +111,12 @@ class H2OPolicy(Policy):
         if k is not None:  # prefill scores from the prompt's last queries (the prompt is lengths - 1 tokens)
             qo, pos, valid = prompt_rows(self.pending.pop(layer), store.lengths - 1)
             mass = group_reduce(attention_mass(qo, pos, valid, k, store.lengths, scale), store.kv_heads, "sum")
-            self.score[layer][:, :, : mass.shape[2]] += mass
+            m = min(mass.shape[2], self.score[layer].shape[2])  # static: mass spans the store's whole buffer,
+            self.score[layer][:, :, :m] += mass[:, :, :m]  # zero past the lengths (< the score capacity)
         ws = g.window_start(store.lengths)  # [B]
         recent_mid = (self.recent - (store.lengths - ws)).clamp(min=0)  # middle tokens that are recent
         heavy_end = (ws - recent_mid).clamp(min=g.sink)  # [B]: middle positions before it compete
-        n = int(ws.max())
+        n = self.score[layer].shape[2] if static else int(ws.max())  # static: the whole buffer, masked
         pos = torch.arange(n, device=q.device)
         cand = (pos[None, :] >= g.sink) & (pos[None, :] < heavy_end[:, None])  # [B, n]
         cand = cand[:, None, :] & ~self.evicted[layer][:, :, :n]
@@ -102,7 +125,7 @@ class H2OPolicy(Policy):
         keep = torch.zeros_like(cand)
         keep.scatter_(2, heavy.clamp(min=0), heavy >= 0)
         self.evicted[layer][:, :, :n] |= cand & ~keep  # H2O evicts for good
-        width = int(recent_mid.max())
+        width = self.recent if static else int(recent_mid.max())  # recent_mid <= recent
         rec = heavy_end[:, None] + torch.arange(width, device=q.device)[None, :]
         rec = torch.where(rec < ws[:, None], rec, -1)[:, None, :].expand(-1, store.kv_heads, -1)
         return Selection(tokens=torch.cat([heavy, rec], dim=-1))
@@ -117,5 +140,6 @@ class H2OPolicy(Policy):
         p = torch.softmax(s.masked_fill(~a.valid[:, :, None, :], float("-inf")), dim=-1).sum(2)  # [B, H, N]
         pos = torch.where(a.valid, a.positions.long(), 0)  # padding adds 0 to position 0
         p = torch.where(a.valid, p, 0.0)
-        self._reserve(layer, int(pos.max()) + 1, self.score[layer])
+        if not getattr(self, "_static", False):  # static: select reserved lengths + 1 > every position
+            self._reserve(layer, int(pos.max()) + 1, self.score[layer])
         self.score[layer].scatter_add_(2, pos.to(self.score[layer].device), p)

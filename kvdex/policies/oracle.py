@@ -33,6 +33,18 @@ class OraclePolicy(Policy):
     name = "oracle"
     granularity = "token"
 
+    # CUDA-graph decoding (kvdex.integration.graph). On the resident store with static sizing,
+    # dense() is the whole slot buffer (rows past each length masked here by the device lengths).
+    def graph_unsupported(self, stores) -> str | None:
+        from kvdex.storage import OffloadStore
+
+        if any(isinstance(s, OffloadStore) for s in stores):
+            return "oracle with offload=True copies the whole middle through host memory every step"
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        return ()
+
     def select(self, layer, q, store, scale) -> Selection:
         k, _ = store.dense()
         p = group_reduce(true_attention(q, k, store.lengths, scale), store.kv_heads, "sum")  # [B, H, L]

@@ -40,7 +40,7 @@ import torch
 
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
-from kvdex.policies.arkvale import top_pages
+from kvdex.policies.arkvale import _ids, top_pages
 from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
@@ -146,7 +146,11 @@ class PRKVPolicy(Policy):
         order = key.argsort(dim=-1, stable=True)
         store.permute_middle(order)
         self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
-        self.static[layer] = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
+        count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
+        if layer in self.static:  # in place: a captured CUDA graph reads this buffer
+            self.static[layer].copy_(count)
+        else:
+            self.static[layer] = count
         # page representations of the restructured pages, from the keys already on the device
         moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
         pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
@@ -203,17 +207,45 @@ class PRKVPolicy(Policy):
         dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None)
         if not n_static:
             return Selection(pages=dynamic)  # S = 0: ArkVale
-        f = int(full.max())
+        static = getattr(store, "static", False)  # CUDA-graph decoding: widths from the split, not the counts
+        f = n_static // ps if static else int(full.max())
         sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
         sp = torch.where(sp < full[:, None], sp, -1)[:, None, :].expand(b, h, -1)
         pages = torch.cat([sp, dynamic], dim=-1)
-        t = int(tail.max())
+        t = min(ps - 1, n_static) if static else int(tail.max())
         tokens = None
         if t:
             tk = store.grid.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
             tokens = torch.where(torch.arange(t, device=q.device)[None, :] < tail[:, None], tk, -1)
             tokens = tokens[:, None, :].expand(b, h, -1)
         return Selection(pages=pages, tokens=tokens)
+
+    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # A step replays when it does not restructure (the first decode step and every refresh-th step
+    # run eagerly: Algorithm 1 permutes the store with data-dependent shapes). Otherwise select pushes
+    # the query into the ring (in place) and scores the digests over the index capacity; the static
+    # region is attended through fixed widths (n_static // page_size pages and up to page_size - 1
+    # tail tokens, -1 padded) read from the device count, which a refresh rewrites in place.
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple | None:
+        if self.pending:
+            return None  # the first decode step restructures
+        restructures = bool(self.n_static or self.auto)
+        if restructures:
+            for layer in self.info.sparse_layers:
+                step = self.steps.get(layer, 0)
+                if layer not in self.rings or (step and step % self.refresh == 0):
+                    return None
+        rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
+        static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))
+        splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
+        return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius)
+
+    def graph_replayed(self) -> None:
+        for layer in self.info.sparse_layers:
+            self.steps[layer] = self.steps.get(layer, 0) + 1
 
     def positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Token positions of store slots ``slots`` [B, H, N] of ``layer`` (undoes the relocation; -1 stays)."""

@@ -78,6 +78,15 @@ class QuestPolicy(Policy):
             self.kmin[layer], self.kmax[layer] = kmin, kmax
         return self.kmin[layer], self.kmax[layer]
 
+    # CUDA-graph decoding (kvdex.integration.graph): static select reads only device tensors
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        return tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items())) + tuple(
+            (lay, id(t)) for lay, t in sorted(self.kmax.items())
+        )
+
     def select(self, layer, q, store, scale) -> Selection:
         k = self.cfg.retrieval_pages
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window

@@ -66,6 +66,8 @@ class SnapKVPolicy(Policy):
         self.rings: dict[int, QueryRing] = {}
         self.chosen: dict[int, torch.Tensor] = {}  # layer -> [B, H, n] positions, -1 padded
         self.kept_from: dict[int, torch.Tensor] = {}  # layer -> [B] end of the prefill's middle
+        self._kept_host: dict[int, list[int]] = {}  # the same on the host (CUDA-graph decoding)
+        self._kept_w: dict[int, int] = {}  # layer -> static width of the kept tokens (CUDA-graph decoding)
         self.steps: dict[int, int] = {}
         self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which it re-selected
 
@@ -73,12 +75,55 @@ class SnapKVPolicy(Policy):
         if update.obs_queries is not None:
             self.pending[layer] = update
 
+    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # The first decode step (the prompt's votes) and every refresh-th step (SnapKV+) run eagerly; the
+    # others only push the query into the ring (in place) and read the chosen tokens (a buffer that a
+    # refresh rewrites in place) and, with refresh=0, the tokens kept since the prefill: a -1-padded
+    # width computed from host lengths that grows in steps of >= 256 tokens (a new graph key), not
+    # with every page.
+    _KEPT_GROW = 256
+
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple | None:
+        if self.pending:
+            return None
+        for layer in self.info.sparse_layers:
+            step = self.steps.get(layer, 0)
+            if self.refresh and (layer not in self.rings or (step and step % self.refresh == 0)):
+                return None
+            if self.refresh == 0 and layer in self.kept_from:
+                self._kept_width(layer, stores[layer], ahead=1)
+        rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
+        chosen = tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.chosen.items()))
+        return ("snapkv", rings, chosen, tuple(sorted(self._kept_w.items())))
+
+    def graph_replayed(self) -> None:
+        for layer in self.info.sparse_layers:
+            self.steps[layer] = self.steps.get(layer, 0) + 1
+
+    def _kept_width(self, layer, store, ahead: int = 0) -> int:
+        """Static width of the kept tokens of ``layer``: >= their count ``ahead`` tokens from now."""
+        widths = self._kept_w
+        end = store.grid.window_start(store.lengths_host + ahead)
+        need = max([0] + [e - k for e, k in zip(end.tolist(), self._kept_host[layer], strict=True)])
+        w = widths.get(layer, 0)
+        if need > w:
+            widths[layer] = w = max(need, w + max(self._KEPT_GROW, w // 4))
+        return w
+
     def _choose(self, layer, store, scale) -> None:
         ring = self.rings[layer]
         s = middle_scores(ring.q, ring.pos, ring.valid, store.dense()[0], store.lengths, store.grid, scale,
                           self.kernel, self.pooling)  # fmt: skip
         ids = topk_ids(s, self.cfg.retrieval_tokens)
-        self.chosen[layer] = torch.where(ids >= 0, ids + store.grid.sink, -1)
+        chosen = torch.where(ids >= 0, ids + store.grid.sink, -1)
+        cur = self.chosen.get(layer)
+        if cur is not None and cur.shape == chosen.shape:  # in place: a captured CUDA graph reads it
+            cur.copy_(chosen)
+        else:
+            self.chosen[layer] = chosen
 
     def select(self, layer, q, store, scale) -> Selection:
         step = self.steps.get(layer, 0)
@@ -86,6 +131,7 @@ class SnapKVPolicy(Policy):
         if layer in self.pending:  # first decode step: the prompt is lengths - 1 tokens
             prompt = store.lengths - 1
             self.kept_from[layer] = store.grid.window_start(prompt)
+            self._kept_host[layer] = store.grid.window_start(store.lengths_host - 1).tolist()  # the same, host ints
             self.rings[layer] = ring = QueryRing(self.obs)
             ring.load(*prompt_rows(self.pending.pop(layer), prompt))
             self._choose(layer, store, scale)
@@ -105,7 +151,10 @@ class SnapKVPolicy(Policy):
         """Middle positions past the prefill's middle (SnapKV keeps them all): [B, H, n], -1 padded."""
         start = self.kept_from[layer]
         end = store.grid.window_start(store.lengths)
-        n = int((end - start).clamp(min=0).max())
+        if getattr(store, "static", False):  # CUDA-graph decoding: a width from host values, grown in steps
+            n = self._kept_width(layer, store)
+        else:
+            n = int((end - start).clamp(min=0).max())
         pos = start[:, None] + torch.arange(n, device=start.device)[None, :]
         pos = torch.where(pos < end[:, None], pos, -1)
         return pos[:, None, :].expand(-1, store.kv_heads, -1)

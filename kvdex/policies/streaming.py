@@ -22,6 +22,13 @@ class StreamingPolicy(Policy):
     name = "streaming"
     granularity = "token"
 
+    # CUDA-graph decoding (kvdex.integration.graph): select is device arithmetic on the lengths only
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        return ()
+
     def select(self, layer, q, store, scale) -> Selection:
         g = store.grid
         start = g.window_start(store.lengths)  # [B]

@@ -1,0 +1,358 @@
+"""CUDA-graph decoding of a kvdex cache: :class:`GraphDecoder` and :func:`generate`.
+
+Eager decoding of a 32-layer model launches thousands of small kernels per token from Python;
+the GPU waits on the CPU. A CUDA graph records one step's kernels once and replays them with one
+launch. A kvdex step is replayable when nothing in it depends on values the CPU must look at:
+
+* between page boundaries nothing joins the middle region, so ``policy.index`` (Python over
+  data-dependent shapes) does not run and every shape is fixed. A step in which a new page starts
+  (the oldest window page joins the middle, once every ``page_size`` tokens) runs eagerly, and so
+  does a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring every
+  ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores);
+* stores and policies are switched to *static sizing* (``store.static = True``): the dense layers
+  read the whole slot buffer (rows past each length are masked by the kernel using the device
+  lengths), Quest / ArkVale / PRKV score their whole index capacity (pages past the middle masked),
+  H2O its whole score buffer, and every selection has a width fixed by the budget (``-1`` padding)
+  instead of the largest count of this step. No host-side length is baked into the captured step;
+* positions are fed from a device buffer (``position_ids``, per row: left padding is honoured);
+* offloaded stores are replayable only with the UVA gather (page ids never leave the device).
+
+**The policy protocol.** A policy takes part by defining (duck-typed, no base-class change):
+
+* ``graph_unsupported(stores) -> str | None``: why its decode step cannot be captured with these
+  stores (e.g. ``oracle`` with ``offload=True``: it copies the whole middle through host memory);
+* ``graph_key(stores) -> tuple | None`` before each step: ``None`` when this step must run eagerly,
+  else the identity and shape of every tensor its ``select`` / ``observe`` read plus every host
+  value they bake into the step. A changed key captures again (after one eager step, so every
+  kernel is loaded before capturing);
+* ``graph_replayed()`` after each replay: the Python-side effects of ``select`` / ``observe`` that
+  the replay skipped (step counters, lookup counts). Device-side effects (H2O's score accumulation,
+  ArkVale's cache bookkeeping) are inside the graph, written in place into persistent buffers.
+
+A policy without ``graph_key`` (``pariskv``, ``icecache``: their selection touches the CPU) is decoded
+eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
+
+**CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
+every layer's sequence length and host lengths, the transfer counters (the captured step's counts),
+the attended-token count (``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device
+inside the graph, its call count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
+with the replayed logits (CHESS's trigger and rebuild, PRKV's refresh clock run outside the graph).
+A capture runs the step's Python once (its CPU-side effects are those of the captured step; the
+``on_step`` hook is held back and called after the first replay, when the logits exist).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from kvdex.integration.cache import Cache
+from kvdex.storage import DeviceStore, OffloadStore
+
+# Policies with built-in graph support that do not define the protocol themselves.
+_BUILTIN = {"full"}
+
+
+def graph_policies() -> list[str]:
+    """Registered policies whose decode step can be captured (with a suitable store)."""
+    from kvdex.policies.base import _REGISTRY
+
+    return sorted(n for n, cls in _REGISTRY.items() if n in _BUILTIN or hasattr(cls, "graph_key"))
+
+
+class GraphDecoder:
+    """Decode a prefilled :class:`kvdex.Cache` one token at a time, replaying CUDA graphs.
+
+    ``step(ids [B, 1]) -> logits [B, vocab]``. Where the cache cannot be captured (no CUDA device, a
+    policy or store without graph support, ``timing=True``, an observer) every step runs eagerly
+    and :attr:`reason` says why (warned once). ``counts``: eager steps, captures, replays.
+    """
+
+    def __init__(self, model, cache: Cache, batch: int | None = None, *, enabled: bool = True, warn: bool = True):
+        if not isinstance(cache, Cache):
+            raise ValueError("graph decoding needs a kvdex.Cache")
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.batch = batch
+        self.enabled, self.warn = enabled, warn
+        self.reason: str | None = None
+        self._checked = False
+        self.graph = None
+        self.key = None
+        self._warm_key = None
+        self.logits = None
+        self.ids = self.pos = self._neg_pads = None
+        self.counts = {"eager": 0, "captures": 0, "replays": 0}
+
+    # ---- decisions --------------------------------------------------------------------------------
+    def _stores(self):
+        return [lay.store for lay in self.cache.layers]
+
+    def _unsupported(self) -> str | None:
+        c = self.cache
+        if self.device.type != "cuda":
+            return "it needs a CUDA device"
+        if c.config.timing:
+            return "timing=True synchronises inside the step"
+        if c.observer is not None:
+            return "an observer runs Python inside the step"
+        stores = self._stores()
+        for st in stores:
+            if type(st) not in (DeviceStore, OffloadStore):
+                return f"the store {type(st).__name__} has no graph support"
+            if isinstance(st, OffloadStore) and st.host._uva is None:
+                return "an offloaded store needs the UVA gather (triton, KVDEX_UVA != 0)"
+        p = c.policy
+        if hasattr(p, "graph_unsupported"):
+            return p.graph_unsupported(stores)
+        if p.name in _BUILTIN:
+            return None
+        return f"policy {p.name!r} does not support graph capture (its selection touches the CPU)"
+
+    def _prepare(self) -> None:
+        if self._checked:
+            return
+        stores = self._stores()
+        if any(st is None for st in stores):
+            raise ValueError("prefill the cache before decoding with GraphDecoder")
+        self._checked = True
+        self.reason = self._unsupported() if self.enabled else "disabled (cuda_graph=False)"
+        b = stores[0].batch
+        if self.batch is not None and self.batch != b:
+            raise ValueError(f"batch {self.batch} does not match the cache's batch {b}")
+        self.batch = b
+        dev = stores[0].device
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        pads = getattr(self.cache.layers[0], "_pads", None)
+        pads = torch.zeros(b, dtype=torch.long) if pads is None else pads.to(torch.long).cpu()
+        self._neg_pads = (-pads).to(dev)[:, None]
+        if self.reason is not None:
+            if self.warn and self.enabled:
+                warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=3)
+            return
+        for st in stores:
+            st.static = True
+
+    def _needs_eager(self) -> bool:
+        st = self._stores()[0]
+        g, L = st.grid, st.lengths_host
+        if bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
+            return True  # a page joins the middle: store/policy index work with data-dependent shapes
+        for s in self._stores():
+            if not isinstance(s, OffloadStore) and int(s.lengths_host.max()) + 1 > s.k.shape[2]:
+                return True  # the resident buffer grows
+        return False
+
+    def _key(self):
+        stores = self._stores()
+        key = []
+        for s in stores:
+            key.append((id(s.k), tuple(s.k.shape)))
+            if isinstance(s, OffloadStore):  # the UVA gather reads the host buffer by address
+                key.append((id(s.host.data), tuple(s.host.data.shape)))
+        p = self.cache.policy
+        if hasattr(p, "graph_key"):
+            pk = p.graph_key(stores)
+            if pk is None:
+                return None
+            key.append(pk)
+        elif any(isinstance(s, OffloadStore) for s in stores):  # offloaded "full" fetches range(nmid)
+            st = stores[-1]
+            key.append(int(st.grid.num_middle_pages(st.lengths_host).max()))
+        return tuple(key)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
+        self._prepare()
+        c = self.cache
+        key = None if self.reason is not None or self._needs_eager() else self._key()
+        torch.add(self._neg_pads, c.layers[0].seen, out=self.pos)  # position of the new token, per row
+        if key is None or (key != self.key and key != self._warm_key):
+            # eager: a boundary, or a new key run once eagerly first so that every kernel variant is
+            # compiled and loaded before a capture (no module loads while capturing)
+            self._warm_key = key
+            self.counts["eager"] += 1
+            out = self.model(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos)
+            return out.logits[:, -1]
+        self.ids.copy_(ids)
+        if self.graph is None or key != self.key:
+            self._capture()
+            self.key = key
+            self.graph.replay()  # the capture ran this step's CPU side; this does its device work
+            self.counts["replays"] += 1
+            c.policy.on_step(c.step, self.logits)  # held back during the capture
+            return self.logits
+        self._bookkeeping()
+        self.graph.replay()
+        self.counts["replays"] += 1
+        if hasattr(c.policy, "graph_replayed"):
+            c.policy.graph_replayed()
+        c.policy.on_step(c.step, self.logits)
+        return self.logits
+
+    def _bookkeeping(self) -> None:
+        """The CPU side of one replayed step, as the captured step's Python did it."""
+        c = self.cache
+        c.step += 1
+        for lay in c.layers:
+            lay.seen += 1
+            lay.store.lengths_host += 1
+        c.transfer.h2d_bytes += self._delta[0]
+        c.transfer.h2d_calls += self._delta[1]
+        c._attended_calls += self._delta[2]
+        total = c.layers[0].seen
+        if c._max_positions and total > c._max_positions and not c._warned_long:
+            c._warned_long = True
+            warnings.warn(
+                f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
+                f"({c._max_positions}); quality past the trained context is not guaranteed",
+                stacklevel=3,
+            )
+
+    def _capture(self) -> None:
+        c = self.cache
+        self.graph = None
+        # attended tokens: a persistent device counter that the replays accumulate into (in place)
+        c._attended = (
+            torch.zeros((), dtype=torch.long, device=self.device)
+            if c._attended is None
+            else c._attended.to(torch.long).clone()
+        )
+        c._attended_inplace = True
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        t = c.transfer
+        before = (t.h2d_bytes, t.h2d_calls, c._attended_calls)
+        with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
+            out = self.model(
+                input_ids=self.ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos
+            )
+            self.logits = out.logits[:, -1]
+        self.graph = g
+        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c._attended_calls - before[2])
+        self.counts["captures"] += 1
+
+
+@contextmanager
+def _on_step_held(policy):
+    """``policy.on_step`` does nothing inside (the logits hook fires during a capture, before any
+    logits exist; the decoder calls it after the first replay)."""
+    had = "on_step" in vars(policy)
+    old = vars(policy).get("on_step")
+    policy.on_step = lambda step, logits: None
+    try:
+        yield
+    finally:
+        if had:
+            policy.on_step = old
+        else:
+            del policy.on_step
+
+
+# ---- a decode loop for users ---------------------------------------------------------------------------
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
+    """Next ids [B, 1] from logits [B, V]: temperature, then top-k, then nucleus (top-p), as
+    transformers' default processors; all on the device."""
+    x = logits.float() / max(temperature, 1e-5)
+    if top_k and top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = x.sort(dim=-1, descending=False)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[:, -1] = False  # always keep the most likely token
+        x = x.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    return torch.multinomial(x.softmax(-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 64,
+    cuda_graph: bool = True,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    prefill_chunk: int = 0,
+    check_every: int = 16,
+) -> torch.Tensor:
+    """Prefill ``input_ids`` [B, L] (left padding marked by ``attention_mask``) into a fresh ``cache``
+    and decode up to ``max_new_tokens``; returns ``[B, L + n]`` like ``model.generate``.
+
+    ``cuda_graph=True``: decode steps replay CUDA graphs (:class:`GraphDecoder`), falling back to
+    eager steps with a warning where the cache cannot be captured. Greedy by default; ``do_sample``
+    with ``temperature`` / ``top_k`` / ``top_p``. ``eos_token_id`` (default: the model's generation
+    config) ends a row; finished rows get ``pad_token_id``. The next ids never leave the device
+    inside the loop; whether every row has finished is looked at every ``check_every`` steps.
+    ``prefill_chunk``: prefill in forwards of that many tokens (``kvdex.integration.prefill``).
+    """
+    if not isinstance(cache, Cache):
+        raise ValueError("kvdex.generate needs a kvdex.Cache")
+    if cache.layers[0].store is not None:
+        raise ValueError("kvdex.generate needs a fresh kvdex.Cache (this one has a prompt already)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got {tuple(input_ids.shape)}")
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every!r}")
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    if eos_token_id is None:
+        gc = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gc, "eos_token_id", None)
+    eos = None
+    if eos_token_id is not None:
+        eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+        if pad_token_id is None:
+            pad_token_id = int(eos[0])
+    # prefill
+    kw = {}
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        pos = attention_mask.long().cumsum(-1) - 1
+        kw = dict(attention_mask=attention_mask, position_ids=pos.masked_fill(attention_mask == 0, 1))
+    if prefill_chunk and input_ids.shape[1] > prefill_chunk:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("prefill_chunk needs prompts without padding")
+        from kvdex.integration.prefill import chunked_prefill
+
+        logits = chunked_prefill(model, cache, input_ids, prefill_chunk)[:, -1]
+    else:
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+    dec = GraphDecoder(model, cache, enabled=cuda_graph)
+    out = []
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        nxt = _sample(logits, temperature, top_k, top_p, generator) if do_sample else logits.argmax(-1, keepdim=True)
+        if eos is not None:
+            nxt = torch.where(done[:, None], pad_token_id, nxt)
+            done = done | torch.isin(nxt[:, 0], eos)
+        out.append(nxt)
+        if i + 1 == max_new_tokens or (eos is not None and (i + 1) % check_every == 0 and bool(done.all())):
+            break
+        logits = dec.step(nxt)
+    new = torch.cat(out, dim=1) if out else input_ids.new_zeros(input_ids.shape[0], 0)
+    if eos is not None and new.shape[1]:  # drop the steps after the one in which the last row finished
+        is_eos = torch.isin(new, eos)
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1), new.shape[1])  # each row's first eos
+        new = new[:, : min(int(first.max()) + 1, new.shape[1])]
+    cache.graph_counts = dict(dec.counts)
+    cache.graph_reason = dec.reason
+    return torch.cat([input_ids, new], dim=1)
