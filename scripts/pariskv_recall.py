@@ -194,22 +194,23 @@ def main(argv=None) -> int:
     print(f"\n# Recall@{k} by stage (mean over measured steps, sparse layers, kv heads); truth = exact top-{k} by "
           f"<q_mean, k>\n# coarse: top-{k} by votes; pool: truth inside the beta pool; e2e: after the 4-bit "
           f"rerank of the pool; rerank: 4-bit estimate over every key (no coarse stage)")  # fmt: skip
-    print(f"{'length':>7}  {'variant':<28} " + " ".join(f"{s:>7}" for s in STAGES))
+    w = max(28, *(len(x) for x in args.policies))
+    print(f"{'length':>7}  {'variant':<{w}} " + " ".join(f"{s:>7}" for s in STAGES))
     for length, r in result.items():
         for name in args.policies:
             vals = [r["mean"].get(f"{name}/{s}", float("nan")) for s in STAGES]
-            print(f"{length:>7}  {name:<28} " + " ".join(f"{v:>7.3f}" for v in vals))
+            print(f"{length:>7}  {name:<{w}} " + " ".join(f"{v:>7.3f}" for v in vals))
     if args.budgets:
         print("\n# attention recall (true softmax mass on sink + window + selected; mean over query heads) by what")
         print("# selects the middle: oracle (group attention), exact <q_mean,k> top-k (ParisKV's target), the 4-bit")
         print("# rerank over every key (no coarse stage), and the two-stage pipeline (votes -> beta pool -> rerank)")
-        print(f"{'length':>7} {'budget':>6}  {'variant':<28} {'oracle':>7} {'exact':>7} {'rerank':>7} {'2-stage':>7}")
+        print(f"{'length':>7} {'budget':>6}  {'variant':<{w}} {'oracle':>7} {'exact':>7} {'rerank':>7} {'2-stage':>7}")
         for length, r in result.items():
             for budget in args.budgets:
                 for name in args.policies:
                     cols = ("oracle", "exact", f"{name} rerank-all", name)
                     vals = [r["mean"].get(f"B{budget}/{c}", float("nan")) for c in cols]
-                    print(f"{length:>7} {budget:>6}  {name:<28} " + " ".join(f"{v:>7.3f}" for v in vals))
+                    print(f"{length:>7} {budget:>6}  {name:<{w}} " + " ".join(f"{v:>7.3f}" for v in vals))
     print(f"# total {time.time() - t_all:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
