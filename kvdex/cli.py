@@ -109,13 +109,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
         sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    with torch.no_grad():
-        out = model.generate(
-            **enc, past_key_values=cache, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id, **sampling
-        )
+    if getattr(args, "cuda_graph", False):  # kvdex's own decode loop, steps replayed from CUDA graphs
+        top_k = getattr(model.generation_config, "top_k", None) or 0  # as model.generate samples
+        knobs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=top_k) if args.sample else {}
+        out = kvdex.generate(
+            model, cache, enc["input_ids"], enc.get("attention_mask"), max_new_tokens=args.max_new_tokens,
+            pad_token_id=tok.pad_token_id, cuda_graph=True, **knobs,
+        )  # fmt: skip
+    else:
+        with torch.no_grad():
+            out = model.generate(
+                **enc, past_key_values=cache, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id,
+                **sampling,
+            )  # fmt: skip
     print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     print()
     print(format_stats(cache.stats()))
+    if getattr(args, "cuda_graph", False):
+        print(format_stats({"graph_steps": cache.graph_counts, "graph_off_because": cache.graph_reason or "-"}))
     return 0
 
 
@@ -160,6 +171,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="with --sample (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="with --sample (default %(default)s)")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode with kvdex.generate, replaying each step from a CUDA graph where the policy and store "
+        "allow it (eager otherwise, with the reason)",
+    )
     p.set_defaults(func=cmd_generate)
 
 

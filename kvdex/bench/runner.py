@@ -310,6 +310,7 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
                 steps=steps,
                 max_rel=worst,
                 counts=dict(dec.counts),
+                reason=dec.reason,  # why nothing was captured (None: graphs were used)
                 ok=bool(worst <= tol and dec.counts["replays"] > 0),
             )
         )
@@ -616,7 +617,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         for c in checks:
             log(
                 f"graph {c['method']:<22} vs eager over {c['steps']} steps: max rel dlogit {c['max_rel']:.2e} "
-                f"{c['counts']} -> {'OK' if c['ok'] else 'FAILED'}"
+                f"{c['counts']} -> {'OK' if c['ok'] else 'FAILED'}" + (f" ({c['reason']})" if c.get("reason") else "")
             )
         bad = [c["method"] for c in checks if not c["ok"]]
         if bad:

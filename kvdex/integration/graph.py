@@ -131,7 +131,7 @@ class GraphDecoder:
         self._neg_pads = (-pads).to(dev)[:, None]
         if self.reason is not None:
             if self.warn and self.enabled:
-                warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=3)
+                warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=4)
             return
         for st in stores:
             st.static = True
