@@ -274,6 +274,8 @@ def _info(head_dim=64, kv_heads=2, q_heads=4, budget=256):
         ("pariskv", {"collision_ratio": "0.2"}, "collision_ratio"),
         ("pariskv", {"kernels": "cuda"}, "kernels must be one of"),
         ("pariskv", {"center": "yes"}, "center must be True or False"),
+        ("pariskv", {"pool_factor": 0.5}, "pool_factor"),
+        ("pariskv", {"pool_factor": "10"}, "pool_factor"),
         ("pariskv-kmeans", {"kmeans_iters": 0}, "kmeans_iters"),
     ],
 )
@@ -500,6 +502,23 @@ def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
         out[center] = (float(share.float().mean() / n), float(found))
     assert out[False][0] > 0.5 and out[True][0] < 0.1  # biggest bucket: most keys vs a few percent
     assert out[True][1] > out[False][1] + 0.2, out  # measured: 0.31 -> 0.62
+
+
+def test_pool_sizes_follow_beta_and_the_pool_factor():
+    p = make_policy("pariskv", candidate_ratio=0.1)
+    p.bind(_info())
+    nmid = torch.tensor([20_000, 3_000, 500])
+    assert p.pool_sizes(nmid, 100) == [2000, 300, 100]  # ceil(beta n), at least k
+    assert p.pool_sizes(nmid, 1000) == [2000, 1000, 500]  # at most n
+    q = make_policy("pariskv", candidate_ratio=0.1, pool_factor=10)
+    q.bind(_info())
+    assert q.pool_sizes(nmid, 100) == [2000, 1000, 500]  # at least 10 k
+    assert q.pool_sizes(nmid, 1000) == [10_000, 3000, 500]
+    # a larger pool only adds candidates: the bucket top-c of the votes are nested in c
+    scores = torch.randint(-1, 49, (3, 5000), generator=gen(31)).int()
+    small, big = K.bucket_topk(scores, 500, 48), K.bucket_topk(scores, 2000, 48)
+    for a, b in zip(small, big, strict=True):
+        assert set(a[a >= 0].tolist()) <= set(b[b >= 0].tolist())
 
 
 def test_offload_selects_the_same_tokens_as_device():

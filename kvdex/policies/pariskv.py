@@ -90,6 +90,10 @@ class ParisKVPolicy(Policy):
     # unchanged; it removes the common offset (Qwen2's k_proj bias) that normalise + rotate cannot
     # spread, which collapses the sign-pattern buckets (docs/policies/pariskv.md, "Why recall is low").
     center: bool = False
+    # kvdex option, off by default: keep at least pool_factor * k candidates (k = tokens selected). The
+    # paper's pool is ceil(beta * n) whatever k is; the authors' later adaptive-k variant caps k at 10% of
+    # the pool. For budgets far above the paper's k = 100 the beta pool holds too little (docs).
+    pool_factor: float | None = None
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -103,6 +107,9 @@ class ParisKVPolicy(Policy):
             raise ValueError(f"pariskv: kernels must be one of {KERNELS}, got {self.kernels!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"pariskv: center must be True or False, got {self.center!r}")
+        pf = self.pool_factor
+        if pf is not None and (isinstance(pf, bool) or not isinstance(pf, (int, float)) or not pf >= 1):
+            raise ValueError(f"pariskv: pool_factor must be a number >= 1 or None, got {pf!r}")
         self.rot_dim = K.padded_dim(info.head_dim)
         if self.m > self.rot_dim:
             raise ValueError(f"pariskv: m={self.m} exceeds the rotated head dim {self.rot_dim}; pass a smaller m")
@@ -267,8 +274,9 @@ class ParisKVPolicy(Policy):
         return self.candidate_ratio or beta, self.collision_ratio or rho
 
     def pool_sizes(self, nmid: torch.Tensor, k: int) -> list[int]:
-        """Candidates kept by voting per sequence: min(n, max(k, ceil(beta * n)))."""
-        return [min(int(x), max(k, math.ceil(self.ratios(int(x))[0] * int(x)))) for x in nmid]
+        """Candidates kept by voting per sequence: min(n, max(k, ceil(beta * n), ceil(pool_factor * k)))."""
+        floor = k if self.pool_factor is None else max(k, math.ceil(self.pool_factor * k))
+        return [min(int(x), max(floor, math.ceil(self.ratios(int(x))[0] * int(x)))) for x in nmid]
 
     @property
     def max_votes(self) -> int:
