@@ -436,3 +436,39 @@ def test_generate_with_graphs_matches_eager_on_gpu(spec, dtype):
     for k in ("decode_steps", "context_tokens", "bytes_host_to_device", "policy_stats"):
         assert s0[k] == s1[k], k
     assert s1["attended_tokens_per_step"] == pytest.approx(s0["attended_tokens_per_step"], rel=1e-6)
+
+
+# ---- found while making SnapKV replayable --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [254, 255, 256, 257, 258])
+def test_snapkv_never_attends_a_token_twice(tiny, length):
+    """SnapKV (refresh=0) at a budget covering the context == dense attention, whatever the prompt length.
+    Before the fix, when the first decode token started a page, the tokens of the page that joined the
+    middle were both chosen and kept, so they were attended twice (the bench's full-budget check failed)."""
+    ids = _prompt(tiny, batch=1, length=length, seed=11)
+    budget = length + 64 + 16 + 32
+    dense = _cache(tiny, "full")
+    runner._prefill(tiny, dense, ids)
+    cache = kvdex.Cache(tiny, "snapkv", budget, dense_layers=1)
+    runner._prefill(tiny, cache, ids)
+    log = _SelectionLog(cache.policy)
+    sel = cache.policy.select
+    seen = []
+
+    def counting(layer, q, store, scale):
+        out = sel(layer, q, store, scale)
+        for row in out.tokens.flatten(0, 1):  # every (sequence, kv head)
+            t = row[row >= 0]
+            seen.append((t.numel(), t.unique().numel()))
+        return out
+
+    cache.policy.select = counting
+    tok = torch.tensor([[5]])
+    for _ in range(20):
+        _, a = runner._step(tiny, dense, tok)
+        nxt, b = runner._step(tiny, cache, tok)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        tok = nxt
+    assert all(n == u for n, u in seen), seen[:3]
+    assert log.log

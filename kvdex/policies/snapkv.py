@@ -117,6 +117,12 @@ class SnapKVPolicy(Policy):
         ring = self.rings[layer]
         s = middle_scores(ring.q, ring.pos, ring.valid, store.dense()[0], store.lengths, store.grid, scale,
                           self.kernel, self.pooling)  # fmt: skip
+        if self.refresh == 0 and layer in self.kept_from:
+            # SnapKV compresses the prompt's middle only: positions from kept_from on are kept by _kept
+            # (when the first decode token starts a page, the middle already reaches past kept_from;
+            # choosing them here too attended those tokens twice)
+            pos = store.grid.sink + torch.arange(s.shape[-1], device=s.device)
+            s = s.masked_fill(pos[None, None, :] >= self.kept_from[layer].to(s.device)[:, None, None], float("-inf"))
         ids = topk_ids(s, self.cfg.retrieval_tokens)
         chosen = torch.where(ids >= 0, ids + store.grid.sink, -1)
         cur = self.chosen.get(layer)
