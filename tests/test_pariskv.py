@@ -521,9 +521,10 @@ def test_pool_sizes_follow_beta_and_the_pool_factor():
         assert set(a[a >= 0].tolist()) <= set(b[b >= 0].tolist())
 
 
-def test_offload_selects_the_same_tokens_as_device():
-    _, dev = _decode_with_selections("pariskv", offload=False)
-    _, off = _decode_with_selections("pariskv", offload=True)
+@pytest.mark.parametrize("opts", [{}, {"center": True, "pool_factor": 4}], ids=["paper", "center+pool_factor"])
+def test_offload_selects_the_same_tokens_as_device(opts):
+    _, dev = _decode_with_selections("pariskv", offload=False, **opts)
+    _, off = _decode_with_selections("pariskv", offload=True, **opts)
     assert len(dev) == len(off)
     for a, b in zip(dev, off, strict=True):
         assert torch.equal(a[2], b[2])
