@@ -115,6 +115,16 @@ def test_static_selection_equals_dynamic(tiny, spec):
 # ---- the trace of a replayable step -------------------------------------------------------------------
 
 
+# ops whose output size depends on device data: on CUDA they copy it to the host (a synchronisation)
+_SYNCING = {
+    torch.ops.aten.nonzero,
+    torch.ops.aten.masked_select,
+    torch.ops.aten._unique2,
+    torch.ops.aten.unique_consecutive,
+    torch.ops.aten.unique_dim,
+}
+
+
 class _Trace(TorchDispatchMode):
     """Device ops issued inside select / observe, normalised so that two steps that a CUDA graph
     would replay identically give equal traces. Tensors are named by where they come from: a
@@ -189,6 +199,11 @@ class _Trace(TorchDispatchMode):
             self.errors.append(f"{func}: host bookkeeping mixed into device work")
         if func is torch.ops.aten._local_scalar_dense.default:
             self.errors.append("a device value read on the host (.item() / int() / bool())")
+        if func.overloadpacket in _SYNCING or (
+            func.overloadpacket is torch.ops.aten.index
+            and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat[1:])
+        ):
+            self.errors.append(f"{func}: synchronises on CUDA (data-dependent output size)")
         desc = (
             str(func),
             tuple(self._desc(a, i in written) for i, a in enumerate(args)),
@@ -210,8 +225,16 @@ class _Trace(TorchDispatchMode):
 class _Tracer:
     """Wraps policy.select / observe; while ``on``, every call is traced into ``self.traces[-1]``."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, whole: bool = False):
         self.cache, self.on, self.steps = cache, False, []
+        if whole:  # the cache side of every layer: append, select, attend, kernel, observe, counters
+            for lay in cache.layers:
+                up, att = lay.update, lay.attention
+                lay.update = lambda k, v, *a, _f=up, **kw: self._run(lambda: _f(k, v, *a, **kw), [k, v])
+                lay.attention = lambda m, q, k, v, mask, sc, _f=att: self._run(
+                    lambda: _f(m, q, k, v, mask, sc), [q, k, v]
+                )
+            return
         p = cache.policy
         self._select, self._observe = p.select, p.observe
         p.select, p.observe = self._sel, self._obs
@@ -222,6 +245,8 @@ class _Tracer:
     def _run(self, fn, tensors, *args):
         if not self.on:
             return fn(*args)
+        if getattr(self, "_inside", False):
+            raise AssertionError("nested trace")
         names = {id(t): f"arg{i}" for i, t in enumerate(tensors)}
         with _Trace(self._host(), names) as tr:
             out = fn(*args)
@@ -235,7 +260,7 @@ class _Tracer:
         return self._run(self._observe, [q, aset.idx, aset.valid, aset.positions], layer, q, aset, scale)
 
 
-def _replay_contract(model, spec, static=True, steps=60):
+def _replay_contract(model, spec, static=True, steps=60, whole=False):
     """Run ``steps`` decode steps; returns (replayable steps, graph keys, problems found)."""
     ids = _prompt(model, seed=3)
     cache = _cache(model, spec)
@@ -243,7 +268,10 @@ def _replay_contract(model, spec, static=True, steps=60):
     for lay in cache.layers:
         lay.store.static = static
     dec = GraphDecoder(model, cache)  # used for its decisions only (no CUDA: nothing is captured)
-    tracer = _Tracer(cache)
+    if whole:  # as GraphDecoder._capture: the attended-token counter is one buffer, added to in place
+        cache._attended = torch.zeros((), dtype=torch.long) if cache._attended is None else cache._attended.clone()
+        cache._attended_inplace = True
+    tracer = _Tracer(cache, whole)
     by_key: dict = {}
     replayable, problems = 0, []
     for i in range(steps):
@@ -260,7 +288,11 @@ def _replay_contract(model, spec, static=True, steps=60):
         if key not in by_key:
             by_key[key] = ops
         elif ops != by_key[key]:
-            problems.append(f"step {i}: the same graph key as an earlier step, different device work")
+            diff = next(
+                ((j, x, y) for j, (a, b) in enumerate(zip(by_key[key], ops, strict=True))
+                 for x, y in zip(a, b, strict=False) if x != y), None,
+            )  # fmt: skip
+            problems.append(f"step {i}: the same graph key as an earlier step, different device work: {diff}")
     return replayable, len(by_key), problems
 
 
@@ -270,6 +302,19 @@ def test_replayable_steps_issue_identical_device_work(tiny, spec):
     assert not problems, problems[:5]
     assert replayable >= 30, f"only {replayable} of 60 steps replayable"
     assert keys <= 12, f"{keys} graph keys in 60 steps: too many captures"
+
+
+WHOLE = ["quest", "streaming", "oracle", "chess:trigger=interval:interval=5", "arkvale",
+         "prkv:static_ratio=0.5:refresh=6", "snapkv", "snapkv:refresh=8", "h2o", "full"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", WHOLE)
+def test_whole_cache_side_of_a_replayable_step(tiny, spec):
+    """The same contract for everything kvdex does in a step (GPU-resident store, the CPU reference
+    kernels): append, select, attend set, attention, observe, the attended-token counter."""
+    replayable, keys, problems = _replay_contract(tiny, spec, whole=True)
+    assert not problems, problems[:5]
+    assert replayable >= 30 and keys <= 12
 
 
 @pytest.mark.parametrize("spec,what", [("h2o", "read on the host"), ("quest", "different device work"),
