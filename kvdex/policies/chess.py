@@ -424,9 +424,11 @@ class ChessPolicy(Policy):
     def graph_unsupported(self, stores) -> str | None:
         return None
 
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores) -> tuple | None:
         buf = self._static_pages
-        return ("chess", None if buf is None else (id(buf), tuple(buf.shape)))
+        if buf is None:
+            return None  # this step's select allocates the buffer: an eager step
+        return ("chess", id(buf), tuple(buf.shape))
 
     def _static_selection(self, store) -> torch.Tensor:
         if self._static_pages is None:  # allocated in an eager step (the graph key changed)
