@@ -91,13 +91,14 @@ def test_search_asks_for_the_budget_many_keys_and_attends_within_the_budget(monk
 
     model, _ = shared_pair("llama_gqa")
     calls = []
-    orig = DCITree.topk
+    orig = DCITree.search
 
-    def spy(self, q, k, fov, prop):
-        calls.append((k, fov))
-        return orig(self, q, k, fov, prop)
+    def spy(self, Xq, k, stop_level, fov, prop, collect_all=False):
+        if collect_all:  # page selection (insertions search for parents with k = 1)
+            calls.append((k, fov))
+        return orig(self, Xq, k, stop_level, fov, prop, collect_all)
 
-    monkeypatch.setattr(DCITree, "topk", spy)
+    monkeypatch.setattr(DCITree, "search", spy)
     for budget in (64, 80):
         calls.clear()
         cache = kvdex.Cache(model, "icecache", budget=budget, dense_layers=1)
@@ -130,6 +131,29 @@ def test_query_heads_split_over_threads_select_the_same_pages(chunks):
     torch.testing.assert_close(l1, l2, atol=0, rtol=0)
     for (_, p1, v1, _), (_, p2, v2, _) in zip(log1, log2, strict=True):
         assert torch.equal(torch.sort(p1[v1]).values, torch.sort(p2[v2]).values)
+
+
+def test_nsa_group_merge_orders_pages_by_importance_summed_over_the_group():
+    """``group_merge="nsa"``: when the group's union does not fit, pages go by the softmax weight of
+    their retrieved keys summed over the group's heads (rank-major would favour head 0)."""
+    from kvdex.index.dci import DCIParams, DCITree
+    from kvdex.policies.icecache import _nsa_order
+
+    tree = DCITree.build(torch.randn(200, 8), torch.arange(200), DCIParams(page_size=4, promotion_ratio=0.25))
+    p0, p1, p2 = (int(tree.page_pts[i, 0]) for i in range(3))  # a key in each of three pages
+    ids = torch.tensor([[p0, p2], [p1, p2]])  # head 0: p0 then p2; head 1: p1 then p2
+    qk = torch.tensor([[1.0, 0.9], [9.0, 0.0]])  # head 1 is sure of p1; p2 collects weight from both heads
+    order = _nsa_order(tree, ids, qk, 1.0).tolist()
+    # weights: p0 .525, p2 .475 + .0001, p1 .9999 -> page of p1, then p0, then p2
+    assert order == [int(tree.pt_page[p1]), int(tree.pt_page[p0]), int(tree.pt_page[p2])]
+    assert _nsa_order(tree, torch.full((2, 2), -1), torch.full((2, 2), float("-inf")), 1.0).numel() == 0
+    # through the cache: whole pages, within the budget
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "icecache:group_merge=nsa", budget=80, dense_layers=1)
+    log = []
+    _observe(cache, log)
+    greedy(model, prompt(300, seed=4), cache=cache, new=12)
+    assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) <= 80
 
 
 def _pages_of(tree, positions):
@@ -250,6 +274,7 @@ def test_registered_and_bad_options_raise():
         dict(reuse_every=0),
         dict(norm_margin=0.5),
         dict(query_chunks=-1),
+        dict(group_merge="sum"),
     ):
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)

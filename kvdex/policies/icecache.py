@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.index.dci import DCIParams, DCITree
+from kvdex.index.dci import DCIParams, DCITree, transform_queries
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -81,6 +81,7 @@ class IceCachePolicy(Policy):
     reuse_every: int = 3
     threads: int = 0  # CPU threads for tree construction / insertion / search; 0 -> the cores we may use
     query_chunks: int = 1  # search tasks per tree and step (its group's query heads split); 0 -> fill the threads
+    group_merge: str = "rank"  # GQA union order when it exceeds the budget: "rank" (rank-major) | "nsa" (summed probs)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +97,8 @@ class IceCachePolicy(Policy):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         if self.norm_margin < 1.0:
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
+        if self.group_merge not in ("rank", "nsa"):
+            raise ValueError(f"group_merge must be 'rank' or 'nsa', got {self.group_merge!r}")
 
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info) -> None:
@@ -295,7 +298,7 @@ class IceCachePolicy(Policy):
         chunks = self.query_chunks or max(1, threads // max(1, len(searches)))
         chunks = min(chunks, G)
         if chunks == 1:  # one task per tree: its search and its page choice
-            tasks = [lambda t=t, qg=qg: self._select_pages(t, qg, budget) for _, t, qg in searches]
+            tasks = [lambda t=t, qg=qg: self._select_pages(t, qg, budget, scale=scale) for _, t, qg in searches]
         else:  # the group's query heads in `chunks` searches (rows are independent); pages chosen below
             parts = [(t, part) for _, t, qg in searches for part in qg.tensor_split(chunks)]
             tasks = [lambda t=t, part=part: self._search(t, part) for t, part in parts]
@@ -307,7 +310,8 @@ class IceCachePolicy(Policy):
             if chunks == 1:
                 work[i] = done[j]
             else:
-                work[i] = self._select_pages(tree, None, budget, _cat_rows(done[j * chunks : (j + 1) * chunks]))
+                found = _cat_rows(done[j * chunks : (j + 1) * chunks])
+                work[i] = self._select_pages(tree, None, budget, found, scale)
         chosen = work
         rows = chosen
         T = max((r.numel() for r in rows), default=0)
@@ -328,20 +332,24 @@ class IceCachePolicy(Policy):
             return self.threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def _search(self, tree: DCITree, qg: torch.Tensor) -> torch.Tensor:
-        """Each query head's top-k keys (M-DCI, Algorithm 4): point ids [G, k'] in descending order."""
+    def _search(self, tree: DCITree, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query head's top-k keys (M-DCI, Algorithm 4): point ids [G, k'] in descending order
+        (-1 padded) and their inner products q.k [G, k'] (-inf padded)."""
         # Alg. 3's k is the cache budget (the paper's "budget 64" retrieves the top-64 keys; sink and
         # window pages are kept on top, App. A). The pages attended still fit the retrieval budget
         # in tokens (kvdex's equal-budget rule). k = budget - sink - window (16 at budget 64) made
         # the M-DCI beam too narrow to find the needle: docs/policies/icecache.md, "budget 64".
         k = self.topk or self.cfg.budget
-        return tree.topk(qg, k, self.query_fov or k, self.query_prop)
+        ids, dot = tree.search(transform_queries(qg), k, 0, self.query_fov or k, self.query_prop, collect_all=True)
+        # dot = T_Q(q).T_K(k) = q.k / (c |q|) (eq. 2/3), so q.k = dot * c * |q|
+        return ids, dot * (tree.c * qg.float().norm(dim=-1, keepdim=True))
 
-    def _select_pages(self, tree: DCITree, qg: torch.Tensor | None, room: int, ids=None) -> torch.Tensor:
+    def _select_pages(self, tree: DCITree, qg, room: int, found=None, scale: float = 1.0) -> torch.Tensor:
         """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]
-        (or the search's ``ids`` [G, k'])."""
-        if ids is None:
-            ids = self._search(tree, qg)  # [G, k] descending
+        (or the search's ``found`` = (ids, q.k) [G, k'])."""
+        ids, qk = self._search(tree, qg) if found is None else found
+        if self.group_merge == "nsa":
+            return self._take_pages(tree, _nsa_order(tree, ids, qk, scale), room)
         pages = torch.where(ids >= 0, tree.pt_page[ids.clamp(min=0)], -1).T.flatten()  # rank-major
         pages = pages[pages >= 0]
         if pages.numel() == 0:
@@ -349,7 +357,12 @@ class IceCachePolicy(Policy):
         uniq, inv = torch.unique(pages, return_inverse=True)
         first = torch.full((uniq.numel(),), pages.numel(), dtype=torch.long)
         first.scatter_reduce_(0, inv, torch.arange(pages.numel()), reduce="amin")
-        ordered = uniq[torch.argsort(first)]
+        return self._take_pages(tree, uniq[torch.argsort(first)], room)
+
+    def _take_pages(self, tree: DCITree, ordered: torch.Tensor, room: int) -> torch.Tensor:
+        """Token positions of the pages ``ordered`` (best first) that fit ``room`` tokens."""
+        if ordered.numel() == 0:
+            return torch.empty(0, dtype=torch.long)
         # Pages in order of their best-ranked key; a page that does not fit the room left is
         # skipped and a later, smaller one may still fit (the budget is in tokens).
         take, cap = [], self._max_pages()
@@ -392,10 +405,26 @@ def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return buf, ev
 
 
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Stack the id rows of several searches [g_i, k_i] into [sum g_i, max k_i], -1 padded."""
-    w = max(x.shape[1] for x in parts)
-    return torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=-1) for x in parts])
+def _cat_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack several searches' (ids, q.k) [g_i, k_i] into [sum g_i, max k_i] (-1 / -inf padded)."""
+    w = max(x.shape[1] for x, _ in parts)
+    pad = torch.nn.functional.pad
+    ids = torch.cat([pad(x, (0, w - x.shape[1]), value=-1) for x, _ in parts])
+    return ids, torch.cat([pad(d, (0, w - d.shape[1]), value=float("-inf")) for _, d in parts])
+
+
+def _nsa_order(tree: DCITree, ids: torch.Tensor, qk: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pages of the group's retrieved keys, by importance summed over the group's query heads
+    (NSA's shared selection, which the paper follows for GQA): a head's importance of a key is its
+    softmax weight among the head's retrieved keys, a page's the sum over its keys and the heads."""
+    ok = ids >= 0
+    if not bool(ok.any()):
+        return torch.empty(0, dtype=torch.long)
+    prob = torch.softmax(qk.float() * scale, dim=1).nan_to_num(0.0).masked_fill(~ok, 0.0)
+    pages = tree.pt_page[ids[ok]]
+    uniq, inv = torch.unique(pages, return_inverse=True)
+    score = torch.zeros(uniq.numel()).index_add_(0, inv, prob[ok])
+    return uniq[torch.argsort(score, descending=True, stable=True)]
 
 
 def _check_int(name: str, v, low: int) -> None:
