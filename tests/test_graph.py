@@ -419,7 +419,7 @@ GPU_SPECS = [
     "chess:preset=moderate:trigger=interval:interval=7",
     "arkvale",
     "arkvale:cache_pages=3",
-    "prkv:refresh=8",
+    "prkv:static_ratio=0.5:refresh=8",
     "prkv:static_ratio=0",
     "snapkv",
     "snapkv:refresh=8",
@@ -446,8 +446,11 @@ def test_graph_decoding_matches_eager_on_gpu(spec, storage):
     assert c["replays"] >= 20 and c["captures"] >= 1, c
 
 
+GEN_SPECS = ["quest", "chess:trigger=interval:interval=5", "arkvale", "prkv:static_ratio=0.5:refresh=8", "h2o"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("spec", ["quest", "chess:trigger=interval:interval=5", "arkvale", "prkv:refresh=8", "h2o"])
+@pytest.mark.parametrize("spec", GEN_SPECS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_generate_with_graphs_matches_eager_on_gpu(spec, dtype):
