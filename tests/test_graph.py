@@ -521,3 +521,11 @@ def test_snapkv_never_attends_a_token_twice(tiny, length):
         tok = nxt
     assert all(n == u for n, u in seen), seen[:3]
     assert log.log
+
+
+def test_cli_generate_has_cuda_graph_flag():
+    from kvdex import cli
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--cuda-graph"])
+    assert args.cuda_graph is True and args.func is cli.cmd_generate
+    assert cli.build_parser().parse_args(["generate", "--prompt", "hi"]).cuda_graph is False

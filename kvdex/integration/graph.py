@@ -301,6 +301,7 @@ def generate(
     config) ends a row; finished rows get ``pad_token_id``. The next ids never leave the device
     inside the loop; whether every row has finished is looked at every ``check_every`` steps.
     ``prefill_chunk``: prefill in forwards of that many tokens (``kvdex.integration.prefill``).
+    ``generator``: a ``torch.Generator`` on the model's device, for reproducible sampling.
     """
     if not isinstance(cache, Cache):
         raise ValueError("kvdex.generate needs a kvdex.Cache")
