@@ -222,6 +222,21 @@ class DCITree:
         order = torch.argsort(leaf, stable=True)
         ids, leaf = ids[order], leaf[order]
         uniq, cnt = torch.unique_consecutive(leaf, return_counts=True)
+        if page_pts.shape[0] == 0:  # a fresh build: every node starts its own pages (vectorised, no per-node loop)
+            npages = (cnt + ps - 1) // ps
+            first = npages.cumsum(0) - npages
+            rank = torch.arange(ids.numel()) - torch.repeat_interleave(cnt.cumsum(0) - cnt, cnt)
+            page = torch.repeat_interleave(first, cnt) + rank // ps
+            slot = rank % ps
+            P = int(npages.sum())
+            page_pts = torch.full((P, ps), -1, dtype=torch.long)
+            page_pts[page, slot] = ids
+            pt_page[ids], pt_slot[ids] = page, slot
+            last[uniq] = first + npages - 1
+            fill = torch.bincount(page, minlength=P)
+            return dataclasses.replace(
+                self, page_pts=page_pts, page_fill=fill, node_last_page=last, pt_page=pt_page, pt_slot=pt_slot
+            )
         new_pages_pts, new_fill = [], []
         P = page_pts.shape[0]
         at = 0
