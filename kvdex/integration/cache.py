@@ -340,8 +340,11 @@ class Cache(HFCache):
     def fork(self, policy=None, budget: int | None = None, **overrides) -> Cache:
         """A new cache holding this cache's prefill, for another policy / budget / storage.
 
-        Only a cache that has prefilled and not decoded can be forked; the fork re-indexes the
-        prompt with its own policy (and observation window), so policies never share state.
+        Only a cache that has prefilled and not decoded can be forked; the fork indexes the
+        prompt with its own policy (and observation window), so policies never share mutable
+        state. An index that is expensive to build and immutable once built (IceCache's trees)
+        is shared between forks of one prefill through ``Policy.share_index``; a fork's later
+        insertions make new snapshots, never touching the shared ones.
         This is how the evaluation harness prefills once per sample and decodes per policy.
         """
         if self.step != 0 or self.layers[0].store is None:
