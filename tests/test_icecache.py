@@ -156,6 +156,35 @@ def test_nsa_group_merge_orders_pages_by_importance_summed_over_the_group():
     assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) <= 80
 
 
+def test_budget_rule_keys_attends_every_page_of_the_retrieved_keys():
+    """``budget_rule="keys"`` (the paper's accounting): every page of the ordered list is attended,
+    however many tokens; the default ("tokens") takes a prefix-fitting subset within the room."""
+    from kvdex.index.dci import DCIParams, DCITree
+
+    tree = DCITree.build(torch.randn(200, 8), torch.arange(200), DCIParams(page_size=4, promotion_ratio=0.25))
+    ordered = torch.randperm(tree.page_fill.numel(), generator=torch.Generator().manual_seed(0))[:12]
+    ordered = ordered[tree.page_fill[ordered] > 0]
+    keys, tok = make_policy("icecache", budget_rule="keys"), make_policy("icecache", max_pages=1000)
+    for p in (keys, tok):
+        p._stats = {"pages_selected": 0, "tokens_selected": 0}
+    every = set(tree.page_positions(ordered).flatten().tolist()) - {-1}
+    got_keys = keys._take_pages(tree, ordered, room=10)
+    got_tok = tok._take_pages(tree, ordered, room=10)
+    assert set(got_keys.tolist()) == every and got_keys.numel() == int(tree.page_fill[ordered].sum())
+    assert got_tok.numel() <= 10 and set(got_tok.tolist()) <= every
+    # through the cache: whole pages, and more than the budget on some step
+    model, _ = shared_pair("llama_gqa")
+    cache = kvdex.Cache(model, "icecache:budget_rule=keys", budget=64, dense_layers=1)
+    log = []
+    _observe(cache, log)
+    tokens, logits = greedy(model, prompt(400, seed=3), cache=cache, new=8)
+    assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) > 64
+    off = kvdex.Cache(model, "icecache:budget_rule=keys", budget=64, dense_layers=1, offload=True)
+    tokens_off, logits_off = greedy(model, prompt(400, seed=3), cache=off, new=8)  # the semantic store grows
+    assert torch.equal(tokens, tokens_off)
+    torch.testing.assert_close(logits, logits_off, atol=0, rtol=0)
+
+
 def _pages_of(tree, positions):
     order = torch.argsort(tree.pos)
     at = torch.searchsorted(tree.pos[order], positions)
@@ -275,6 +304,7 @@ def test_registered_and_bad_options_raise():
         dict(norm_margin=0.5),
         dict(query_chunks=-1),
         dict(group_merge="sum"),
+        dict(budget_rule="pages"),
     ):
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)

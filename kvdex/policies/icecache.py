@@ -82,6 +82,10 @@ class IceCachePolicy(Policy):
     threads: int = 0  # CPU threads for tree construction / insertion / search; 0 -> the cores we may use
     query_chunks: int = 1  # search tasks per tree and step (its group's query heads split); 0 -> fill the threads
     group_merge: str = "rank"  # GQA union order when it exceeds the budget: "rank" (rank-major) | "nsa" (summed probs)
+    # "tokens": the attended pages fit budget - sink - window tokens (kvdex's equal-budget rule, the default);
+    # "keys": the paper's accounting (Alg. 3, App. A): every page holding one of the group's top-k keys is
+    # attended (at most max_pages if set), sink and window on top, so a step may attend more than the budget.
+    budget_rule: str = "tokens"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -99,6 +103,8 @@ class IceCachePolicy(Policy):
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
         if self.group_merge not in ("rank", "nsa"):
             raise ValueError(f"group_merge must be 'rank' or 'nsa', got {self.group_merge!r}")
+        if self.budget_rule not in ("tokens", "keys"):
+            raise ValueError(f"budget_rule must be 'tokens' or 'keys', got {self.budget_rule!r}")
 
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info) -> None:
@@ -365,7 +371,10 @@ class IceCachePolicy(Policy):
             return torch.empty(0, dtype=torch.long)
         # Pages in order of their best-ranked key; a page that does not fit the room left is
         # skipped and a later, smaller one may still fit (the budget is in tokens).
-        take, cap = [], self._max_pages()
+        if self.budget_rule == "keys":  # the paper's accounting: every page of the top-k keys
+            take, room, cap = [], int(tree.page_fill.sum()), self.max_pages or ordered.numel()
+        else:
+            take, cap = [], self._max_pages()
         for i, f in enumerate(tree.page_fill[ordered].tolist()):
             if f <= room:
                 take.append(i)
