@@ -23,16 +23,44 @@ _GROW_PAGES = 64
 # at 512k tokens one layer's 2.15 GB of host pages would take 4.3 GB, and 30 layers 129 GB of pinned
 # memory on a 128 GiB host. KVDEX_HOST_REGISTER=0 turns this off.
 _REGISTER_MIN_BYTES = 64 << 20
+_HOST_PAGE = 4096
 
 
 def _registered_zeros(shape, dtype) -> torch.Tensor | None:
-    """A zeroed CPU tensor pinned with cudaHostRegister (exact size), or None if that fails."""
-    t = torch.zeros(shape, dtype=dtype)
+    """A zeroed CPU tensor pinned with cudaHostRegister (exact size up to a 4 KiB page), or None if that fails.
+
+    The registered range starts and ends on a host page boundary (an over-allocation of one page is
+    sliced), as cudaHostRegister requires on some drivers; the tensor is a view at its start.
+    """
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    size = max(_HOST_PAGE, -(-nbytes // _HOST_PAGE) * _HOST_PAGE)
+    raw = torch.zeros(size + _HOST_PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % _HOST_PAGE
+    region = raw[off : off + size]
+    cudart = torch.cuda.cudart()
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        rc = int(cudart.cudaHostRegister(region.data_ptr(), size, 0))
     except (RuntimeError, AttributeError):
         return None
-    return t if int(rc) == 0 else None
+    if rc != 0:
+        _clear_cuda_error()
+        return None
+    return region[:nbytes].view(dtype).view(shape)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed cudaHostRegister.
+
+    The runtime keeps the error until someone reads it, and PyTorch's check after the next kernel
+    launch would report it there ("invalid argument" from an unrelated op). A tiny launch reads and
+    clears it.
+    """
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
 
 
 def _unregister(tensors: list, device) -> None:
