@@ -42,6 +42,7 @@ def padding_mask(
     return m[:, None, None, :]
 
 
+@torch.compiler.disable  # selection + store + kernels stay eager Python under torch.compile (a graph break)
 def kvdex_attention(
     module,
     query: torch.Tensor,

@@ -303,6 +303,13 @@ class Cache(HFCache):
                 "create a new kvdex.Cache(model, ...) for each model"
             )
 
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``, kept out of ``torch.compile`` graphs (a graph break): the store,
+        the policy's index and their Python bookkeeping always run eagerly (``GraphDecoder(compile=True)``
+        compiles the model's layers around them)."""
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def _on_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
         if layer_idx == 0:
             self.step += 1

@@ -39,10 +39,23 @@ inside the graph, its call count here), the policy's :meth:`graph_replayed`, the
 with the replayed logits (CHESS's trigger and rebuild, PRKV's refresh clock run outside the graph).
 A capture runs the step's Python once (its CPU-side effects are those of the captured step; the
 ``on_step`` hook is held back and called after the first replay, when the logits exist).
+
+**torch.compile of the model's own work** (``compile=True``, opt-in; docs/bench/compile.md). Inside a
+CUDA graph each kernel still costs ~2 us, and transformers' eager decoder layer issues ~40 small
+elementwise kernels (RMSNorm's cast / pow / mean / rsqrt / mul, RoPE's slices / neg / cat, SiLU * up,
+residual adds). The decoder compiles each decoder layer with inductor (``dynamic=False``, no inductor
+cudagraphs: kvdex captures its own graph around the whole step) so that these fuse. kvdex's entry points
+stay eager Python: ``kvdex.Cache.update`` and the ``"kvdex"`` attention function are
+``torch.compiler.disable``d, so each layer compiles to the work before the cache update and the work
+after the attention (two graph breaks per layer). The compiled layers are swapped into the model's
+layer list only while the decoder runs a step (prefill and the user's own calls run the model as it
+was), one compilation per layer and shape (dynamo specialises on the module's ``layer_idx``), on the
+first decode step; later steps, eager page-boundary steps included, reuse them (no recompiles).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -53,6 +66,90 @@ from kvdex.storage import DeviceStore, OffloadStore
 
 # Policies with built-in graph support that do not define the protocol themselves.
 _BUILTIN = {"full"}
+
+
+# torch.compile modes that keep inductor's own CUDA graphs off (kvdex captures the whole step itself).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _compile_mode(compile) -> str | None:
+    """``compile`` argument -> inductor mode (None: off)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return "default"
+    if isinstance(compile, str) and compile in COMPILE_MODES:
+        return compile
+    raise ValueError(
+        f"compile must be a bool or one of {', '.join(COMPILE_MODES)} (modes with inductor cudagraphs such as "
+        f"'reduce-overhead' would nest graphs inside kvdex's own capture), got {compile!r}"
+    )
+
+
+def decoder_layers(model) -> list[tuple[torch.nn.ModuleList, int, torch.nn.Module]]:
+    """(layer list, index, decoder layer) of every layer holding a kvdex-served attention module: the
+    direct parent of the attention module, an element of a ``ModuleList``. ValueError where a model is
+    built otherwise."""
+    from kvdex.integration.loading import attention_modules
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for idx, attn in sorted(attention_modules(model).items()):
+        parent, _, _ = names[id(attn)].rpartition(".")
+        holder, _, key = parent.rpartition(".")
+        box = model.get_submodule(holder) if holder else model
+        if not isinstance(box, torch.nn.ModuleList) or not key.isdigit():
+            raise ValueError(f"layer {idx}: the attention module's parent {parent!r} is not in a ModuleList")
+        out.append((box, int(key), box[int(key)]))
+    if not out:
+        raise ValueError("no attention modules found to compile")
+    return out
+
+
+class CompiledLayers:
+    """Each decoder layer of ``model`` compiled with ``torch.compile(layer, dynamic=False, mode=mode)``,
+    swapped into the model's layer list only inside :meth:`active` (the model object is restored after
+    every call). Dynamo specialises on each layer's ``layer_idx`` (an int attribute handed to the cache
+    update), so every layer is its own compiled entry: the recompile limit is raised to cover them while
+    active. ``graphs``: the graphs dynamo compiled while active (``torch._dynamo`` counters)."""
+
+    def __init__(self, model, mode: str = "default"):
+        self.mode = mode
+        self.slots = [(box, i, layer, torch.compile(layer, dynamic=False, mode=mode)) for box, i, layer in
+                      decoder_layers(model)]
+        n = len(self.slots)
+        cfg = torch._dynamo.config
+        self._patch = {}
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                self._patch[name] = max(getattr(cfg, name), 2 * n + 8)
+                break
+        if hasattr(cfg, "accumulated_recompile_limit"):
+            self._patch["accumulated_recompile_limit"] = max(cfg.accumulated_recompile_limit, 8 * n + 64)
+        self.graphs = 0
+        self.compile_s = 0.0  # wall time of the calls in which dynamo compiled something
+
+    @staticmethod
+    def _graph_count() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    @contextmanager
+    def active(self):
+        g0, t0 = self._graph_count(), time.perf_counter()
+        for box, i, _, comp in self.slots:
+            box[i] = comp
+        try:
+            with torch._dynamo.config.patch(**self._patch):
+                yield
+        finally:
+            for box, i, layer, _ in self.slots:
+                box[i] = layer
+            new = self._graph_count() - g0
+            if new:
+                self.graphs += new
+                self.compile_s += time.perf_counter() - t0
 
 
 def graph_policies() -> list[str]:
@@ -68,9 +165,23 @@ class GraphDecoder:
     ``step(ids [B, 1]) -> logits [B, vocab]``. Where the cache cannot be captured (no CUDA device, a
     policy or store without graph support, ``timing=True``, an observer) every step runs eagerly
     and :attr:`reason` says why (warned once). ``counts``: eager steps, captures, replays.
+
+    ``compile=True`` (or an inductor mode from :data:`COMPILE_MODES`): every step, eager or captured,
+    runs the model's decoder layers compiled by ``torch.compile`` (:class:`CompiledLayers`); also on CPU
+    and with ``enabled=False``. :attr:`compiled` holds them (``.graphs``, ``.compile_s``);
+    :attr:`compile_reason` says why compilation is off where it was asked for (warned once).
     """
 
-    def __init__(self, model, cache: Cache, batch: int | None = None, *, enabled: bool = True, warn: bool = True):
+    def __init__(
+        self,
+        model,
+        cache: Cache,
+        batch: int | None = None,
+        *,
+        enabled: bool = True,
+        warn: bool = True,
+        compile: bool | str = False,
+    ):
         if not isinstance(cache, Cache):
             raise ValueError("graph decoding needs a kvdex.Cache")
         self.model, self.cache = model, cache
@@ -85,6 +196,48 @@ class GraphDecoder:
         self.logits = None
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
+        self.compile_mode = _compile_mode(compile)
+        self.compiled: CompiledLayers | None = None
+        self.compile_reason: str | None = None
+        self._compile_proven = False
+        if self.compile_mode is not None:
+            why = None
+            if not torch._dynamo.is_dynamo_supported():
+                why = "torch.compile is not supported on this Python / platform"
+            else:
+                try:
+                    self.compiled = CompiledLayers(model, self.compile_mode)
+                except ValueError as e:
+                    why = str(e)
+            if why is not None:
+                self._compile_off(why)
+
+    def _compile_off(self, why: str) -> None:
+        self.compiled, self.compile_reason = None, why
+        if self.warn:
+            warnings.warn(f"kvdex: torch.compile is off, running the model uncompiled: {why}", stacklevel=4)
+
+    def _run(self, **kw):
+        """The model's forward for one decode step, through the compiled layers when compiling. If the
+        very first compiled call fails before any layer's cache was updated (no compiler, an inductor
+        error), compilation is switched off with a warning and the step runs uncompiled; a failure after
+        the cache changed cannot be undone and is raised."""
+        if self.compiled is None:
+            return self.model(**kw)
+        if self._compile_proven:
+            with self.compiled.active():
+                return self.model(**kw)
+        seen = [lay.seen for lay in self.cache.layers]
+        try:
+            with self.compiled.active():
+                out = self.model(**kw)
+        except Exception as e:
+            if [lay.seen for lay in self.cache.layers] != seen:
+                raise
+            self._compile_off(f"compiling failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return self.model(**kw)
+        self._compile_proven = True
+        return out
 
     # ---- decisions --------------------------------------------------------------------------------
     def _stores(self):
@@ -177,7 +330,7 @@ class GraphDecoder:
             # compiled and loaded before a capture (no module loads while capturing)
             self._warm_key = key
             self.counts["eager"] += 1
-            out = self.model(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos)
+            out = self._run(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos)
             return out.logits[:, -1]
         self.ids.copy_(ids)
         if self.graph is None or key != self.key:
@@ -228,8 +381,9 @@ class GraphDecoder:
         g = torch.cuda.CUDAGraph()
         t = c.transfer
         before = (t.h2d_bytes, t.h2d_calls, c._attended_calls)
+        # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
         with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
-            out = self.model(
+            out = self._run(
                 input_ids=self.ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
@@ -291,6 +445,7 @@ def generate(
     generator: torch.Generator | None = None,
     prefill_chunk: int = 0,
     check_every: int = 16,
+    compile: bool | str = False,
 ) -> torch.Tensor:
     """Prefill ``input_ids`` [B, L] (left padding marked by ``attention_mask``) into a fresh ``cache``
     and decode up to ``max_new_tokens``; returns ``[B, L + n]`` like ``model.generate``.
@@ -302,6 +457,9 @@ def generate(
     inside the loop; whether every row has finished is looked at every ``check_every`` steps.
     ``prefill_chunk``: prefill in forwards of that many tokens (``kvdex.integration.prefill``).
     ``generator``: a ``torch.Generator`` on the model's device, for reproducible sampling.
+    ``compile``: decode steps run the model's decoder layers through ``torch.compile`` (inductor fuses
+    the elementwise work; the prefill stays uncompiled), see :class:`GraphDecoder`. Compiling happens on
+    the first decode step. ``cache.compile_reason`` says why it was switched off, if it was.
     """
     if not isinstance(cache, Cache):
         raise ValueError("kvdex.generate needs a kvdex.Cache")
@@ -313,6 +471,7 @@ def generate(
         raise ValueError(f"input_ids must be [batch, length], got {tuple(input_ids.shape)}")
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every!r}")
+    _compile_mode(compile)  # a bad value: ValueError before the prefill
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if eos_token_id is None:
@@ -337,7 +496,7 @@ def generate(
         logits = chunked_prefill(model, cache, input_ids, prefill_chunk)[:, -1]
     else:
         logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
-    dec = GraphDecoder(model, cache, enabled=cuda_graph)
+    dec = GraphDecoder(model, cache, enabled=cuda_graph, compile=compile)
     out = []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     for i in range(max_new_tokens):
@@ -356,4 +515,6 @@ def generate(
         new = new[:, : min(int(first.max()) + 1, new.shape[1])]
     cache.graph_counts = dict(dec.counts)
     cache.graph_reason = dec.reason
+    if dec.compile_mode is not None:
+        cache.compile_reason = dec.compile_reason
     return torch.cat([input_ids, new], dim=1)
