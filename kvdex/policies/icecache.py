@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.index.dci import DCIParams, DCITree, transform_queries
+from kvdex.index.forest import DCIForest
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -86,6 +87,10 @@ class IceCachePolicy(Policy):
     # "keys": the paper's accounting (Alg. 3, App. A): every page holding one of the group's top-k keys is
     # attended (at most max_pages if set), sink and window on top, so a step may attend more than the budget.
     budget_rule: str = "tokens"
+    # where the per-step tree searches run: "device" = one batched search over all trees of a layer
+    # (kvdex.index.forest, a mirror of the trees on q's device, no host sync), "host" = one search per
+    # tree on the CPU thread pool, "auto" = device when the model runs on CUDA, else host.
+    search: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -105,6 +110,8 @@ class IceCachePolicy(Policy):
             raise ValueError(f"group_merge must be 'rank' or 'nsa', got {self.group_merge!r}")
         if self.budget_rule not in ("tokens", "keys"):
             raise ValueError(f"budget_rule must be 'tokens' or 'keys', got {self.budget_rule!r}")
+        if self.search not in ("auto", "device", "host"):
+            raise ValueError(f"search must be 'auto', 'device' or 'host', got {self.search!r}")
 
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info) -> None:
@@ -135,6 +142,9 @@ class IceCachePolicy(Policy):
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
+        self._forests: dict[int, DCIForest] = {}  # layer -> device mirror of its trees (search="device")
+        self._dev_counts: torch.Tensor | None = None  # pages / tokens selected by device searches (no sync)
+        self._row_idx: dict = {}  # (device, searched rows) -> index tensor on the device
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer:
@@ -285,7 +295,8 @@ class IceCachePolicy(Policy):
         B, H = store.batch, store.kv_heads
         G = q.shape[1] // H
         budget = self.cfg.retrieval_tokens
-        qc = q.detach().float().cpu()  # the tree search runs on the CPU (one sync per layer)
+        on_device = self.search == "device" or (self.search == "auto" and q.device.type == "cuda")
+        qc = None if on_device else q.detach().float().cpu()  # the host search needs q on the CPU (a sync)
         t1 = time.perf_counter()
         self._stats["q_wait_s"] += t1 - t0  # waiting for the device to produce q (and applying jobs)
         work, searches = [], []  # per (b, h): a result or a tree to pick pages from; search tasks
@@ -299,7 +310,9 @@ class IceCachePolicy(Policy):
                     work.append(torch.empty(0, dtype=torch.long))
                 else:  # Alg. 1: a page leaving the window this step is selectable from the next step
                     work.append(tree)
-                    searches.append((len(work) - 1, tree, qc[b, h * G : (h + 1) * G]))
+                    searches.append((len(work) - 1, tree, None if qc is None else qc[b, h * G : (h + 1) * G]))
+        if on_device:
+            return self._select_device(layer, q, trees, work, searches, scale, t1)
         threads = self._threads()
         chunks = self.query_chunks or max(1, threads // max(1, len(searches)))
         chunks = min(chunks, G)
@@ -330,6 +343,55 @@ class IceCachePolicy(Policy):
         setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
         self._last[layer] = sel
         self._stats["query_s"] += time.perf_counter() - t1  # tree searches + page choice, on the CPU
+        self._stats["queries"] += 1
+        return sel
+
+    def _select_device(self, layer, q, trees, work, searches, scale, t1) -> Selection:
+        """The searches of every (sequence, kv head) tree of the layer as one batched search on q's
+        device (:class:`DCIForest`): the same M-DCI / P-DCI and page choice as the host path, no
+        host sync (rows whose budget covers every key come from the host as before)."""
+        dev = q.device
+        B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+        R = len(work)
+        G = Hq // (R // B) if R else 1
+        budget = self.cfg.retrieval_tokens
+        parts = []
+        if searches:
+            forest = self._forests.get(layer)
+            forest = DCIForest(trees, dev) if forest is None or forest.device != dev else forest.update(trees)
+            self._forests[layer] = forest
+            rows = tuple(i for i, _, _ in searches)
+            key = (dev, rows)
+            if key not in self._row_idx:
+                self._row_idx[key] = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+            ridx = self._row_idx[key]
+            qd = q.detach().float().reshape(R, G, D)[ridx].reshape(-1, D)
+            tq = ridx.repeat_interleave(G)
+            k = self.topk or self.cfg.budget  # Alg. 3's k (see _search)
+            ids, dot = forest.search(transform_queries(qd), tq, rows, k, self.query_fov or k, self.query_prop)
+            keys_rule = self.budget_rule == "keys"
+            cap = (self.max_pages or 1 << 40) if keys_rule else self._max_pages()
+            qk_scale = forest.c[tq][:, None] * qd.norm(dim=-1, keepdim=True)
+            toks, npages = forest.select_pages(
+                ids, dot, ridx, G, budget, cap, self.budget_rule, self.group_merge, qk_scale, scale
+            )
+            out = torch.full((R, toks.shape[1]), -1, dtype=torch.long, device=dev)
+            out[ridx] = toks
+            parts.append(out)
+            counts = torch.stack([npages.sum(), (toks >= 0).sum()])
+            self._dev_counts = counts if self._dev_counts is None else self._dev_counts + counts
+        host = [(i, r) for i, r in enumerate(work) if isinstance(r, torch.Tensor) and r.numel()]
+        if host or not parts:
+            T = max((r.numel() for _, r in host), default=0)
+            pin = dev.type == "cuda"
+            tok = torch.full((R, T), -1, dtype=torch.long, pin_memory=pin)
+            for i, r in host:
+                tok[i, : r.numel()] = r
+            parts.append(tok.to(dev, non_blocking=pin))
+        tokens = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        sel = Selection(tokens=tokens.view(B, R // B, -1))
+        self._last[layer] = sel
+        self._stats["query_s"] += time.perf_counter() - t1  # host time to issue the search (device: asynchronous)
         self._stats["queries"] += 1
         return sel
 
@@ -391,6 +453,10 @@ class IceCachePolicy(Policy):
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         s = dict(self._stats)
+        if self._dev_counts is not None:
+            pages, tokens = self._dev_counts.tolist()
+            s["pages_selected"] += pages
+            s["tokens_selected"] += tokens
         s["clamped_keys"] = sum(self._clamped.values())
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768

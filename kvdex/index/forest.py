@@ -1,0 +1,351 @@
+"""One batched M-DCI search over all DCI-trees of a layer, on the device the model runs on.
+
+:class:`DCIForest` mirrors a list of :class:`~kvdex.index.dci.DCITree` snapshots (the (sequence,
+kv head) trees of one IceCache layer) as flat tensors on one device, and runs the *same* search as
+:meth:`DCITree.search` (Algorithm 4 with prioritized DCI per level: same levels, same beam
+``max(k, fov)``, same per-composite-index candidate count ``k1 = max(ceil(prop * n), 2)``, same
+lower bounds, same final top-k) for every query of every tree at once: one set of tensor ops per
+level instead of one search per tree on a CPU thread.
+
+Layout: tree ``t`` owns rows ``[t*S, (t+1)*S)`` of every per-point array (``S`` = a point capacity
+with headroom) and pages ``[t*Pc, (t+1)*Pc)``; a point's global id is ``t*S + local id``. Insertions
+(Algorithm 1, lines 26-36) only append points, so :meth:`update` copies the new points' transformed
+keys and projections and re-copies the tree's (small, int) structure arrays; when a tree outgrows
+its capacity the mirror is rebuilt with more headroom. All copies go host -> device from pinned
+memory without blocking, on the current stream (so they are ordered after the searches already
+queued on the old arrays).
+
+No host syncs in :meth:`search` / :meth:`select_pages`: every tensor shape comes from host-known
+bounds (per level, the sum of the ``width`` largest node sizes of each tree), never from device
+values. Rows padded with ``-1`` behave as in the per-tree search (they only add padding entries).
+
+Differences to the per-tree CPU search: the query projections and the exact inner products are
+computed in other batches (a ``bmm`` over all trees, on the GPU), which can change their last bit;
+where two lower bounds or two inner products are within that rounding, a different candidate,
+beam point or page can win. Without such near-ties the results are the same (tested on CPU,
+tests/test_icecache_batched.py). See docs/policies/icecache.md, "Batched device search".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvdex.index.dci import DCITree
+
+_HEADROOM = 1.25  # capacity growth factor of the per-tree regions
+
+
+def _k1(n: int, prop: float, min_cand: int) -> int:
+    """Candidates per composite index for ``n`` visited points, computed as :meth:`DCITree._pdci` does."""
+    c = int((prop * torch.tensor(n)).ceil().long().clamp(min=min_cand))
+    return min(c, n)
+
+
+class DCIForest:
+    """A device mirror of the trees ``trees`` (``None`` = an empty tree) of one layer."""
+
+    def __init__(self, trees: list[DCITree | None], device: torch.device | str, capacity: tuple[int, int] | None = None):
+        self.device = torch.device(device)
+        live = [t for t in trees if t is not None]
+        if not live:
+            raise ValueError("DCIForest needs at least one tree")
+        p = live[0].params
+        self.m, self.p, self.ps, self.min_cand = p.num_comp, p.num_simp, p.page_size, p.min_candidates
+        self.d1 = live[0].X.shape[1]
+        self.T = len(trees)
+        self.L = max(t.num_levels for t in live)
+        self.S = max(8, math.ceil(max(t.n for t in live) * _HEADROOM))
+        self.Pc = max(8, math.ceil(max(t.num_pages for t in live) * _HEADROOM))
+        if capacity is not None:  # (points, pages) per tree, e.g. to compare with an updated mirror
+            if capacity[0] < max(t.n for t in live) or capacity[1] < max(t.num_pages for t in live):
+                raise ValueError(f"capacity {capacity} is below the trees' sizes")
+            self.S, self.Pc = capacity
+        T, S, Pc, dev = self.T, self.S, self.Pc, self.device
+        N = T * S
+        self.X = torch.zeros(N + 1, self.d1, device=dev)
+        self.proj = torch.full((N + 1, self.m * self.p), float("inf"), device=dev)
+        self.dirs = torch.zeros(T, self.m * self.p, self.d1, device=dev)
+        self.kids = [torch.zeros(N, dtype=torch.long, device=dev) for _ in range(self.L - 1)]
+        self.kid_start = [torch.zeros(N, dtype=torch.long, device=dev) for _ in range(self.L - 1)]
+        self.kid_count = [torch.zeros(N, dtype=torch.long, device=dev) for _ in range(self.L - 1)]
+        self.pt_page = torch.full((N,), -1, dtype=torch.long, device=dev)
+        self.page_pos = torch.full((T * Pc, self.ps), -1, dtype=torch.long, device=dev)
+        self.page_fill = torch.zeros(T * Pc, dtype=torch.long, device=dev)
+        self.c = torch.ones(T, device=dev)
+        self.trees: list[DCITree | None] = [None] * T
+        self.levels = [0] * T  # host: levels of each tree (0 = empty)
+        self.roots: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * T
+        # host: per child level, the cumsum of the node sizes sorted descending (bounds on candidate counts)
+        self.node_cum: list[list[torch.Tensor]] = [[] for _ in range(T)]
+        self._bounds: dict = {}
+        for t, tree in enumerate(trees):
+            if tree is not None:
+                self._put(t, tree, 0)
+        self._put_roots()
+
+    # ---- mirroring -----------------------------------------------------------------------------------
+    def _h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.device.type == "cuda":  # pinned staging: the copy does not block the host
+            dst.copy_(src.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def _put(self, t: int, tree: DCITree, n_from: int) -> None:
+        """Copy tree ``t``'s points ``n_from:`` and its structure arrays into its region."""
+        Pc, n, off = self.Pc, tree.n, t * self.S
+        if n_from == 0:
+            self._h2d(self.dirs[t], tree.proj_dirs)
+            self.c[t] = tree.c
+        if n > n_from:
+            self._h2d(self.X[off + n_from : off + n], tree.X[n_from:])
+            self._h2d(self.proj[off + n_from : off + n], tree.proj[n_from:n])
+        self._h2d(self.pt_page[off : off + n], torch.where(tree.pt_page >= 0, tree.pt_page + t * Pc, -1))
+        cums = []
+        for lev in range(tree.num_levels - 1):
+            kids = tree.kids[lev]
+            self._h2d(self.kids[lev][off : off + kids.numel()], kids + off)
+            self._h2d(self.kid_start[lev][off : off + n], tree.kid_start[lev] + off)
+            self._h2d(self.kid_count[lev][off : off + n], tree.kid_count[lev])
+            heads = tree.kid_count[lev][tree.top >= lev + 1]
+            cums.append(torch.sort(heads, descending=True).values.cumsum(0))
+        P = tree.num_pages
+        self._h2d(self.page_pos[t * Pc : t * Pc + P], tree.page_positions(torch.arange(P)))
+        self._h2d(self.page_fill[t * Pc : t * Pc + P], tree.page_fill)
+        self.node_cum[t] = cums
+        self.levels[t] = tree.num_levels
+        self.roots[t] = tree.root + off
+        self.trees[t] = tree
+        self._bounds.clear()
+
+    def _put_roots(self) -> None:
+        self.Rmax = max(1, max(r.numel() for r in self.roots))
+        root = torch.full((self.T, self.Rmax), -1, dtype=torch.long)
+        for t, r in enumerate(self.roots):
+            root[t, : r.numel()] = r
+        self.root = torch.empty_like(root, device=self.device)
+        self._h2d(self.root, root)
+        start = torch.zeros(self.L, self.T, dtype=torch.bool)
+        for t, lv in enumerate(self.levels):
+            if lv:
+                start[lv - 1, t] = True
+        self.starts_at = torch.empty_like(start, device=self.device)  # [L, T]: the tree's root is on level l
+        self._h2d(self.starts_at, start)
+
+    def update(self, trees: list[DCITree | None]) -> DCIForest:
+        """Mirror new snapshots of the trees (insertions append points): returns self, updated in
+        place, or a fresh forest when a tree outgrew its capacity or changed its shape."""
+        if len(trees) != self.T:
+            return DCIForest(trees, self.device)
+        changed = False
+        for t, (old, new) in enumerate(zip(self.trees, trees, strict=True)):
+            if new is old:
+                continue
+            if new is None:
+                return DCIForest(trees, self.device)
+            grown = old is not None and new.n >= old.n and new.num_levels == old.num_levels
+            same = grown and torch.equal(new.proj_dirs, old.proj_dirs) and new.c == old.c
+            if new.n > self.S or new.num_pages > self.Pc or new.num_levels > self.L:
+                return DCIForest(trees, self.device)
+            self._put(t, new, old.n if same else 0)
+            changed = True
+        if changed:
+            self._put_roots()
+        return self
+
+    # ---- static sizes -------------------------------------------------------------------------------
+    def _children_bound(self, trees: tuple[int, ...], lev: int, width: int) -> int:
+        """Largest number of level-``lev`` points in the nodes of ``width`` level-``lev+1`` points."""
+        key = (trees, lev, width)
+        if key not in self._bounds:
+            b = 0
+            for t in trees:
+                if lev < len(self.node_cum[t]):
+                    cum = self.node_cum[t][lev]
+                    if cum.numel():
+                        b = max(b, int(cum[min(width, cum.numel()) - 1]))
+            self._bounds[key] = b
+        return self._bounds[key]
+
+    # ---- search (Algorithm 4, batched) --------------------------------------------------------------
+    def search(
+        self, Xq: torch.Tensor, tq: torch.Tensor, trees: tuple[int, ...], k: int, fov: int, prop: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page-selection search (``collect_all``) of transformed queries Xq [Q, d+1] in trees ``tq``
+        [Q] (device; ``trees`` = the distinct values of tq, host). Returns global point ids [Q, k']
+        (-1 padded) and T_Q(q).T_K(k) [Q, k'] (descending, -inf padded), as DCITree.search."""
+        Q = Xq.shape[0]
+        pq = torch.bmm(self.dirs[tq], Xq[:, :, None]).view(Q, -1)
+        width = max(k, fov)
+        top = max(self.levels[t] for t in trees) - 1
+        pool_ids, pool_dot = [], []
+        ids = None
+        for lev in range(top, -1, -1):
+            parts = []
+            if ids is not None:
+                C = sum(self._children_bound(trees, lev, w) for w in [ids.shape[1]])
+                parts.append(self._children(ids, lev, C))
+            if any(self.levels[t] - 1 == lev for t in trees):
+                parts.append(torch.where(self.starts_at[lev][tq][:, None], self.root[tq], -1))
+            cand = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+            ids, dot = self._pdci(Xq, pq, cand, width, prop)
+            pool_ids.append(ids)
+            pool_dot.append(dot)
+        ids, dot = torch.cat(pool_ids, 1), torch.cat(pool_dot, 1)
+        if len(pool_ids) > 1:
+            ids, dot = _dedupe(ids, dot)
+        kk = min(k, ids.shape[1])
+        dot, j = torch.topk(dot, kk, dim=1)
+        return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
+
+    def _pdci(self, Xq, pq, cand, width, prop):
+        """DCITree._pdci with host-known shapes: the k1-th smallest bound per row by a sort."""
+        Q, C = cand.shape
+        if C == 0:
+            return cand, torch.empty(Q, 0, device=cand.device)
+        valid = cand >= 0
+        pc = torch.index_select(self.proj, 0, (cand % self.proj.shape[0]).flatten()).view(Q, C, -1)
+        lb = pc.sub_(pq[:, None, :]).abs_().view(Q, C, self.m, self.p).amax(-1)  # [Q, C, m]
+        nvalid = valid.sum(1)
+        k1 = torch.minimum((prop * nvalid).ceil().long().clamp(min=self.min_cand), nvalid)  # [Q]
+        K1 = _k1(C, prop, self.min_cand)  # >= every row's k1 (k1 grows with the visited points)
+        if K1 * self.m >= C:  # dense: threshold each row's bounds at its k1-th smallest, score all
+            srt = torch.sort(lb, dim=1).values  # padding (+inf) last
+            thr = srt.gather(1, (k1 - 1).clamp(min=0)[:, None, None].expand(Q, 1, self.m)).view(Q, self.m)
+            thr = thr.masked_fill((k1 == 0)[:, None], float("-inf"))
+            is_cand = ((lb <= thr[:, None, :]) & valid[:, :, None]).any(-1)
+            dot = _dots(self.X, cand, Xq).masked_fill(~is_cand, float("-inf"))
+            ids = cand
+        else:  # sparse: the first k1 of each composite index's retrieval order
+            first = torch.topk(lb, K1, dim=1, largest=False).indices  # [Q, K1, m]
+            keep = (torch.arange(K1, device=cand.device)[None, :] < k1[:, None])[:, :, None].expand_as(first)
+            at = torch.where(keep, first, -1).flatten(1)
+            at, _ = torch.sort(at, dim=1)
+            dup = torch.zeros_like(at, dtype=torch.bool)
+            dup[:, 1:] = at[:, 1:] == at[:, :-1]
+            ok = (at >= 0) & ~dup
+            ids = torch.where(ok, cand.gather(1, at.clamp(min=0)), -1)
+            dot = _dots(self.X, ids, Xq).masked_fill(~ok, float("-inf"))
+        w = min(width, dot.shape[1])
+        dot, j = torch.topk(dot, w, dim=1)
+        return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
+
+    def _children(self, ids: torch.Tensor, level: int, C: int) -> torch.Tensor:
+        """DCITree._children with a host-known width C (>= every row's child count)."""
+        Q, w = ids.shape
+        dev = ids.device
+        if C == 0 or w == 0:
+            return torch.full((Q, 0), -1, dtype=torch.long, device=dev)
+        safe = ids.clamp(min=0)
+        cnt = torch.where(ids >= 0, self.kid_count[level][safe], 0)
+        st = self.kid_start[level][safe]
+        offs = cnt.cumsum(1)
+        tot = offs[:, -1]
+        j = torch.arange(C, device=dev).expand(Q, C).contiguous()
+        owner = torch.searchsorted(offs, j, right=True).clamp(max=w - 1)
+        within = j - (offs - cnt).gather(1, owner)
+        at = (st.gather(1, owner) + within).clamp(0, self.kids[level].numel() - 1)
+        return torch.where(j < tot[:, None], self.kids[level][at], -1)
+
+    # ---- page selection (Algorithm 3, kvdex's GQA union and budget rules, batched) -----------------
+    def select_pages(
+        self,
+        ids: torch.Tensor,
+        dot: torch.Tensor,
+        rows_tree: torch.Tensor,
+        G: int,
+        room: int,
+        cap: int,
+        rule: str = "tokens",
+        merge: str = "rank",
+        qk_scale: torch.Tensor | None = None,
+        scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """IceCachePolicy._select_pages for R trees at once: ids/dot [R*G, k'] (global, the search's
+        output; the G query heads of row r are rows r*G ... r*G+G-1), rows_tree [R] (device). Returns
+        token positions [R, T] (-1 padded, in page order) and the number of pages taken [R]."""
+        R = rows_tree.shape[0]
+        kp = ids.shape[1]
+        dev = ids.device
+        Pc, big = self.Pc, torch.iinfo(torch.long).max
+        base = (rows_tree * Pc)[:, None]
+        ok = ids >= 0
+        page = torch.where(ok, self.pt_page[ids.clamp(min=0)], -1)  # [R*G, k'] global pages
+        local = torch.where(ok, page - base.repeat_interleave(G, 0), 0)
+        M = min(Pc, G * kp)
+        if merge == "nsa":
+            qk = dot * qk_scale  # q.k
+            prob = torch.softmax(qk.float() * scale, dim=1).nan_to_num(0.0).masked_fill(~ok, 0.0)
+            score = torch.zeros(R, Pc, device=dev).scatter_add_(1, local.view(R, -1), prob.view(R, -1))
+            hits = torch.zeros(R, Pc, device=dev).scatter_add_(1, local.view(R, -1), ok.view(R, -1).float())
+            present = hits > 0
+            key = score.masked_fill(~present, float("-inf"))
+            srt, order = torch.sort(key, dim=1, descending=True, stable=True)
+            valid = torch.isfinite(srt[:, :M])
+        else:  # rank-major: a page's rank = the first (rank, head) position holding one of its keys
+            rank = torch.arange(kp, device=dev)[None, :] * G + torch.arange(G, device=dev).repeat(R)[:, None] % G
+            rank = torch.where(ok, rank, big).view(R, -1)
+            first = torch.full((R, Pc), big, dtype=torch.long, device=dev)
+            first.scatter_reduce_(1, local.view(R, -1), rank, reduce="amin")
+            srt, order = torch.sort(first, dim=1, stable=True)
+            valid = srt[:, :M] < big
+        order = order[:, :M] + base  # global page ids, best first
+        f = torch.where(valid, self.page_fill[order], 0)
+        pos_i = torch.arange(M, device=dev)[None, :]
+        if rule == "keys":
+            taken = valid & (pos_i < cap)
+        else:
+            taken = _greedy_fit(f, valid, room, cap, self.ps)
+        npages = taken.sum(1)
+        Tp = min(M, cap)
+        key = torch.where(taken, pos_i, M + pos_i)
+        sel = torch.sort(key, dim=1).values[:, :Tp]  # taken columns first, in order
+        pages = torch.where(sel < M, order.gather(1, sel.clamp(max=M - 1)), -1)
+        pos = torch.where(pages[:, :, None] >= 0, self.page_pos[pages.clamp(min=0)], -1).flatten(1)
+        Tt = min(pos.shape[1], room) if rule != "keys" else pos.shape[1]
+        keep = torch.argsort((pos < 0).to(torch.int8), dim=1, stable=True)[:, :Tt]
+        return pos.gather(1, keep), npages
+
+
+def _greedy_fit(f: torch.Tensor, valid: torch.Tensor, room: int, cap: int, ps: int) -> torch.Tensor:
+    """Exactly IceCachePolicy._take_pages' loop (take a page if its fill fits the room left, else skip
+    it; stop after ``cap`` pages) for every row at once. f [R, M] fills (>= 1 where valid; the valid
+    pages are a prefix). Phase 1: the longest prefix that fits (a cumsum). After the first page that
+    does not fit, the room left is < its fill <= ps, so the rest is an automaton over ps room
+    states; its transitions are composed by a prefix scan (log2 M steps), no per-page loop."""
+    R, M = f.shape
+    dev = f.device
+    pos_i = torch.arange(M, device=dev)[None, :]
+    cum = f.cumsum(1)
+    p1 = (valid & (cum <= room)).sum(1)  # pages taken before the first skip
+    before = torch.where(p1 > 0, cum.gather(1, (p1 - 1).clamp(min=0)[:, None]).view(R), 0)
+    room1 = (room - before).clamp(0, ps - 1)  # < ps whenever a page was skipped
+    # Transition of each page after the skipped one on room v: v - f if f <= v else v (identity elsewhere).
+    v = torch.arange(ps, device=dev)[None, None, :]
+    live = (valid & (pos_i > p1[:, None]))[:, :, None]
+    F = torch.where(live & (f[:, :, None] <= v), v - f[:, :, None], v)  # [R, M, ps]
+    d = 1
+    while d < M:  # inclusive prefix composition: F_i <- F_i o F_{i-d}
+        F = torch.cat([F[:, :d], torch.gather(F[:, d:], 2, F[:, :-d])], dim=1)
+        d *= 2
+    ident = v.expand(R, 1, ps)
+    excl = torch.cat([ident, F[:, :-1]], dim=1)  # the room map before each page
+    room_before = excl.gather(2, room1[:, None, None].expand(R, M, 1)).view(R, M)
+    taken = (pos_i < p1[:, None]) | (live.view(R, M) & (f <= room_before))
+    return taken & (taken.cumsum(1) <= cap)
+
+
+def _dots(X: torch.Tensor, ids: torch.Tensor, Xq: torch.Tensor) -> torch.Tensor:
+    Q, C = ids.shape
+    rows = torch.index_select(X, 0, ids.clamp(min=0).flatten()).view(Q, C, -1)
+    return torch.bmm(rows, Xq[:, :, None]).view(Q, C)
+
+
+def _dedupe(ids: torch.Tensor, dot: torch.Tensor):
+    s, o = torch.sort(ids, dim=1)
+    d = dot.gather(1, o)
+    dup = torch.zeros_like(s, dtype=torch.bool)
+    dup[:, 1:] = s[:, 1:] == s[:, :-1]
+    bad = dup | (s < 0)
+    return torch.where(bad, -1, s), d.masked_fill(bad, float("-inf"))

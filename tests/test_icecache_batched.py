@@ -1,0 +1,281 @@
+"""IceCache's batched search (kvdex/index/forest.py, ``icecache:search=device``): one search over all
+trees of a layer returns what the per-tree search returns, the device mirror follows insertions, the
+batched page choice is the host's, and the policy decodes like the host path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, left_padded, prompt, shared_pair
+
+import kvdex
+from kvdex.index import DCIParams, DCITree, transform_queries
+from kvdex.index.forest import DCIForest, _greedy_fit
+from kvdex.policies import make_policy
+
+G = 7  # query heads per kv head (Qwen2.5-0.5B)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(99)
+
+
+def clustered(n: int, d: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cent = torch.randn(max(1, n // 150), d, generator=g) * 2
+    a = torch.randint(0, cent.shape[0], (n,), generator=g)
+    return cent[a] + torch.randn(n, d, generator=g) * (0.3 + torch.rand(n, 1, generator=g))
+
+
+def forest_of(sizes, d=32, seed=0):
+    trees = [
+        None if n == 0 else DCITree.build(clustered(n, d, seed + i), torch.arange(n) + 16, DCIParams(seed=seed + 7 * i))
+        for i, n in enumerate(sizes)
+    ]
+    return trees
+
+
+def _same_or_near_tie(host_ids, host_dot, dev_ids, dev_dot, tol=1e-5):
+    """Same retrieved set; a difference is allowed only at the cut (near-tie of the k-th inner product)."""
+    a = {i: v for i, v in zip(host_ids.tolist(), host_dot.tolist(), strict=True) if i >= 0}
+    b = {i: v for i, v in zip(dev_ids.tolist(), dev_dot.tolist(), strict=True) if i >= 0}
+    for i in set(a) & set(b):
+        assert abs(a[i] - b[i]) <= tol
+    diff = set(a) ^ set(b)
+    if diff:
+        cut = min(min(a.values()), min(b.values()))
+        assert all(abs({**a, **b}[i] - cut) <= tol for i in diff), f"differ beyond a near-tie: {diff}"
+    return not diff
+
+
+def _check_search(trees, forest, rows, k, d=32, gen=None):
+    q = torch.randn(len(rows) * G, d, generator=gen) * 3
+    tq = torch.tensor(rows).repeat_interleave(G)
+    ids, dot = forest.search(transform_queries(q), tq, tuple(rows), k, k, 0.8)
+    exact = 0
+    for j, r in enumerate(rows):
+        hid, hdot = trees[r].search(transform_queries(q[j * G : (j + 1) * G]), k, 0, k, 0.8, collect_all=True)
+        gid = ids[j * G : (j + 1) * G]
+        loc = torch.where(gid >= 0, gid - r * forest.S, -1)
+        assert bool(((gid < 0) | ((gid >= r * forest.S) & (gid < r * forest.S + trees[r].n))).all())  # its own tree
+        for g in range(G):
+            exact += _same_or_near_tie(hid[g], hdot[g], loc[g], dot[j * G + g])
+    return exact, len(rows) * G
+
+
+@pytest.mark.parametrize("k", [64, 256])
+def test_batched_search_returns_the_per_tree_search_results_over_insertions(k):
+    """Trees of different sizes and levels (and an empty one), 7 query heads each, k = fov = 64 / 256,
+    query_prop 0.8; after each of several insertions the mirror is updated in place and the batched
+    search still returns each tree's own search result (on these data: exactly, no near-tie)."""
+    sizes = [1800, 700, 0, 2500, 90]
+    trees = forest_of(sizes)
+    forest = DCIForest(trees, "cpu")
+    gens = [torch.Generator().manual_seed(i) for i in range(len(sizes))]
+    gq = torch.Generator().manual_seed(5)
+    rows = [0, 1, 3, 4]
+    total = same = 0
+    for step in range(4):
+        e, n = _check_search(trees, forest, rows, k, gen=gq)
+        same, total = same + e, total + n
+        new = []
+        for t, tree in enumerate(trees):  # a window page of 16 keys evicted into every non-empty tree
+            if tree is not None:
+                tree = tree.insert(clustered(16, 32, 100 + 10 * step + t), torch.arange(16) + 5000 + 16 * step, gens[t])
+            new.append(tree)
+        trees = new
+        before = forest
+        forest = forest.update(trees)
+        assert forest is before  # incremental: capacity left, no rebuild
+    assert same == total  # no near-tie on these data: every head's result is identical
+
+
+def test_mirror_after_insertions_equals_a_fresh_mirror():
+    trees = forest_of([600, 0, 900])
+    forest = DCIForest(trees, "cpu")
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    for step in range(6):
+        trees = [
+            t if t is None else t.insert(clustered(16, 32, 50 + step + i), torch.arange(16) + 2000 + 16 * step, gens[i])
+            for i, t in enumerate(trees)
+        ]
+        forest = forest.update(trees)
+    fresh = DCIForest(trees, "cpu", capacity=(forest.S, forest.Pc))
+    for name in ("X", "proj", "dirs", "pt_page", "page_pos", "page_fill", "c", "root", "starts_at"):
+        assert torch.equal(getattr(forest, name), getattr(fresh, name)), name
+    for lev in range(forest.L - 1):
+        for name in ("kids", "kid_start", "kid_count"):
+            assert torch.equal(getattr(forest, name)[lev], getattr(fresh, name)[lev]), (name, lev)
+    for x, y in zip(forest.node_cum, fresh.node_cum, strict=True):
+        assert len(x) == len(y) and all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
+    assert forest.levels == fresh.levels
+    # a tree outgrowing its capacity gives a fresh, larger mirror
+    big = [t if t is None else t.insert(clustered(400, 32, 9), torch.arange(400) + 9000, gens[0]) for t in trees]
+    grown = forest.update(big)
+    assert grown is not forest and grown.S >= max(t.n for t in big if t is not None)
+
+
+def test_greedy_fit_equals_the_take_pages_loop():
+    """The batched page choice (cumsum prefix + automaton prefix scan) takes exactly the pages of
+    IceCachePolicy._take_pages' loop, for random fills, rooms and caps."""
+    g = torch.Generator().manual_seed(0)
+    ps = 16
+    for _ in range(300):
+        R, M = 3, int(torch.randint(1, 60, (1,), generator=g))
+        f = torch.randint(1, ps + 1, (R, M), generator=g)
+        nv = torch.randint(0, M + 1, (R,), generator=g)
+        valid = torch.arange(M)[None, :] < nv[:, None]
+        f = torch.where(valid, f, 0)
+        room = int(torch.randint(0, 300, (1,), generator=g))
+        cap = int(torch.randint(1, 40, (1,), generator=g))
+        got = _greedy_fit(f, valid, room, cap, ps)
+        for r in range(R):
+            take, left = [], room
+            for i in range(int(nv[r])):
+                if f[r, i] <= left:
+                    take.append(i)
+                    left -= int(f[r, i])
+                    if left == 0 or len(take) == cap:
+                        break
+            assert torch.nonzero(got[r]).flatten().tolist() == take
+
+
+@pytest.mark.parametrize("merge", ["rank", "nsa"])
+@pytest.mark.parametrize("rule", ["tokens", "keys"])
+@pytest.mark.parametrize("k", [64, 256])
+def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge):
+    trees = forest_of([1500, 0, 800, 2000])
+    forest = DCIForest(trees, "cpu")
+    pol = make_policy("icecache", budget_rule=rule, group_merge=merge, topk=k)
+    pol._stats = {"pages_selected": 0, "tokens_selected": 0}
+    pol._max_pages = lambda: 13
+    rows = (0, 2, 3)
+    q = torch.randn(len(rows) * G, 32) * 3
+    tq = torch.tensor(rows).repeat_interleave(G)
+    ids, dot = forest.search(transform_queries(q), tq, rows, k, k, 0.8)
+    room = 208
+    cap = (1 << 40) if rule == "keys" else 13
+    qk_scale = forest.c[tq][:, None] * q.norm(dim=-1, keepdim=True)
+    toks, npages = forest.select_pages(ids, dot, torch.tensor(rows), G, room, cap, rule, merge, qk_scale, 0.125)
+    for j, r in enumerate(rows):
+        gid = ids[j * G : (j + 1) * G]
+        found = (torch.where(gid >= 0, gid - r * forest.S, -1), dot[j * G : (j + 1) * G] * qk_scale[j * G : (j + 1) * G])
+        want = pol._select_pages(trees[r], None, room, found, 0.125)
+        got = toks[j][toks[j] >= 0]
+        assert got.tolist() == want.tolist()  # same pages in the same order
+        if rule == "tokens":
+            assert got.numel() <= room
+    assert int(npages.sum()) == pol._stats["pages_selected"]
+
+
+@pytest.mark.parametrize("spec", ["icecache", "icecache:budget_rule=keys", "icecache:group_merge=nsa"])
+@pytest.mark.parametrize("budget", [64, 96])
+def test_device_search_decodes_like_the_host_search(spec, budget):
+    """search=device (the batched forest, here on the CPU) vs search=host (one search per tree):
+    the same attended tokens at every step and layer, the same greedy tokens and logits; a ragged
+    batch of three sequences, 2 kv heads with groups of several query heads, insertions."""
+    model, _ = shared_pair("qwen2")
+    ids, mask, _ = left_padded([420, 260, 380], seed=7)
+    outs = []
+    for where in ("host", "device"):
+        cache = kvdex.Cache(model, f"{spec}:search={where}", budget=budget, dense_layers=1)
+        log = []
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(
+            (layer, aset.positions.clone(), aset.valid.clone())
+        )
+        out = greedy(model, ids, mask, cache, new=40)
+        outs.append((out, log, cache.stats()["policy_stats"]))
+    (t1, l1), log1, s1 = outs[0]
+    (t2, l2), log2, s2 = outs[1]
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    assert len(log1) == len(log2)
+    for (la, p1, v1), (lb, p2, v2) in zip(log1, log2, strict=True):
+        assert la == lb
+        for b in range(p1.shape[0]):
+            for h in range(p1.shape[1]):
+                a = torch.sort(p1[b, h][v1[b, h]]).values
+                c = torch.sort(p2[b, h][v2[b, h]]).values
+                assert torch.equal(a, c)
+    assert s1["pages_selected"] == s2["pages_selected"] and s1["tokens_selected"] == s2["tokens_selected"]
+    assert s1["inserts"] > 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_device_search_full_budget_equals_dense(offload):
+    """Full budget: every key is attended, so search=device decodes like the full cache."""
+    model, _ = shared_pair("llama_gqa")
+    x = prompt(200, seed=2)
+    ref = greedy(model, x, cache=kvdex.Cache(model, "full", budget=64, dense_layers=1), new=24)
+    cache = kvdex.Cache(model, "icecache:search=device", budget=4096, dense_layers=1, offload=offload)
+    out = greedy(model, x, cache=cache, new=24)
+    assert torch.equal(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=0)
+
+
+def test_search_option_is_checked():
+    with pytest.raises(ValueError, match="search"):
+        make_policy("icecache", search="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [64, 256])
+def test_cuda_forest_matches_cpu_forest_and_host_search(k):
+    """The mirror on CUDA (pinned, non-blocking copies) equals the CPU mirror after insertions, and
+    the CUDA search agrees with the per-tree host search up to near-ties (last-bit differences)."""
+    trees = forest_of([3000, 2000, 2600])
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    fc, fd = DCIForest(trees, "cpu"), DCIForest(trees, "cuda")
+    gq = torch.Generator().manual_seed(3)
+    same = total = 0
+    for step in range(3):
+        trees = [t.insert(clustered(16, 32, 70 + step + i), torch.arange(16) + 9000 + 16 * step, gens[i])
+                 for i, t in enumerate(trees)]  # fmt: skip
+        fc, fd = fc.update(trees), fd.update(trees)
+        for name in ("X", "proj", "pt_page", "page_pos", "page_fill", "root"):
+            assert torch.equal(getattr(fc, name), getattr(fd, name).cpu()), name
+        rows = (0, 1, 2)
+        q = torch.randn(len(rows) * G, 32, generator=gq) * 3
+        tq = torch.tensor(rows).repeat_interleave(G)
+        ids, dot = fd.search(transform_queries(q).cuda(), tq.cuda(), rows, k, k, 0.8)
+        ids, dot = ids.cpu(), dot.cpu()
+        for j, r in enumerate(rows):
+            hid, hdot = trees[r].search(transform_queries(q[j * G : (j + 1) * G]), k, 0, k, 0.8, collect_all=True)
+            gid = ids[j * G : (j + 1) * G]
+            loc = torch.where(gid >= 0, gid - r * fd.S, -1)
+            for g in range(G):
+                a, b = set(hid[g][hid[g] >= 0].tolist()), set(loc[g][loc[g] >= 0].tolist())
+                same += a == b
+                total += 1
+                assert len(a & b) >= 0.9 * len(a)  # near-ties may swap a few keys, never most of them
+    assert same >= 0.8 * total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
+    model, _ = shared_pair("qwen2")
+    model = model.cuda()
+    try:
+        x = prompt(300, seed=4).cuda()
+        ref = greedy(model, x, cache=kvdex.Cache(model, "full", budget=64, dense_layers=1), new=24)
+        out = greedy(model, x, cache=kvdex.Cache(model, "icecache", budget=4096, dense_layers=1, offload=offload), new=24)
+        assert torch.equal(out[0], ref[0])
+        torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=0)
+        # sparse: device vs host selections agree on most (layer, step, head) up to near-ties
+        agree = []
+        for where in ("host", "device"):
+            cache = kvdex.Cache(model, f"icecache:search={where}", budget=64, dense_layers=1, offload=offload)
+            log = []
+            cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(
+                torch.sort(torch.where(aset.valid, aset.positions, -1), dim=-1).values.cpu()
+            )
+            greedy(model, x, cache=cache, new=24)
+            agree.append(log)
+        same = [torch.equal(a, b) for a, b in zip(*agree, strict=True)]
+        assert sum(same) >= 0.8 * len(same)
+    finally:
+        model.cpu()
