@@ -160,7 +160,10 @@ def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge):
     toks, npages = forest.select_pages(ids, dot, torch.tensor(rows), G, room, cap, rule, merge, qk_scale, 0.125)
     for j, r in enumerate(rows):
         gid = ids[j * G : (j + 1) * G]
-        found = (torch.where(gid >= 0, gid - r * forest.S, -1), dot[j * G : (j + 1) * G] * qk_scale[j * G : (j + 1) * G])
+        found = (
+            torch.where(gid >= 0, gid - r * forest.S, -1),
+            dot[j * G : (j + 1) * G] * qk_scale[j * G : (j + 1) * G],
+        )
         want = pol._select_pages(trees[r], None, room, found, 0.125)
         got = toks[j][toks[j] >= 0]
         assert got.tolist() == want.tolist()  # same pages in the same order
@@ -262,7 +265,9 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     try:
         x = prompt(300, seed=4).cuda()
         ref = greedy(model, x, cache=kvdex.Cache(model, "full", budget=64, dense_layers=1), new=24)
-        out = greedy(model, x, cache=kvdex.Cache(model, "icecache", budget=4096, dense_layers=1, offload=offload), new=24)
+        out = greedy(
+            model, x, cache=kvdex.Cache(model, "icecache", budget=4096, dense_layers=1, offload=offload), new=24
+        )
         assert torch.equal(out[0], ref[0])
         torch.testing.assert_close(out[1], ref[1], atol=1e-4, rtol=0)
         # sparse: device vs host selections agree on most (layer, step, head) up to near-ties

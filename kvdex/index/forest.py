@@ -46,7 +46,9 @@ def _k1(n: int, prop: float, min_cand: int) -> int:
 class DCIForest:
     """A device mirror of the trees ``trees`` (``None`` = an empty tree) of one layer."""
 
-    def __init__(self, trees: list[DCITree | None], device: torch.device | str, capacity: tuple[int, int] | None = None):
+    def __init__(
+        self, trees: list[DCITree | None], device: torch.device | str, capacity: tuple[int, int] | None = None
+    ):
         self.device = torch.device(device)
         live = [t for t in trees if t is not None]
         if not live:
