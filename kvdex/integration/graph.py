@@ -115,17 +115,18 @@ class CompiledLayers:
 
     def __init__(self, model, mode: str = "default"):
         self.mode = mode
-        self.slots = [(box, i, layer, torch.compile(layer, dynamic=False, mode=mode)) for box, i, layer in
-                      decoder_layers(model)]
+        self.slots = [
+            (box, i, layer, torch.compile(layer, dynamic=False, mode=mode)) for box, i, layer in decoder_layers(model)
+        ]
         n = len(self.slots)
         cfg = torch._dynamo.config
         self._patch = {}
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
-                self._patch[name] = max(getattr(cfg, name), 2 * n + 8)
+                self._patch[name] = max(getattr(cfg, name), 8 * n + 8)  # a few batch sizes / dtypes
                 break
         if hasattr(cfg, "accumulated_recompile_limit"):
-            self._patch["accumulated_recompile_limit"] = max(cfg.accumulated_recompile_limit, 8 * n + 64)
+            self._patch["accumulated_recompile_limit"] = max(cfg.accumulated_recompile_limit, 16 * n + 64)
         self.graphs = 0
         self.compile_s = 0.0  # wall time of the calls in which dynamo compiled something
 
