@@ -8,6 +8,12 @@ query_prop 0.8, collect_all) for ``--heads`` query heads at once. Prints the med
 layer-query, the time per tree level (P-DCI and child expansion, with the candidate-set sizes),
 the torch ops that take the time, and (``--intra-threads 1,2,...``) the time with torch intra-op
 threads inside the search, checking that the results stay identical. Nothing is asserted on time.
+
+``--batched 2`` (session 4) also times one layer-query of ``--batched`` trees (a layer's kv heads)
+the two ways the policy can run it: ``search=host`` (one ``DCITree.search`` + page choice per tree,
+here sequentially on one thread) and ``search=device`` (one :class:`kvdex.index.forest.DCIForest`
+search + batched page choice over all trees, on ``--device``, synchronised), and how often the two
+select the same pages.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import time
 import torch
 
 from kvdex.index.dci import DCIParams, DCITree, transform_queries
+from kvdex.index.forest import DCIForest
+from kvdex.policies import make_policy
 
 
 def clustered_keys(n: int, d: int, seed: int) -> torch.Tensor:
@@ -54,6 +62,63 @@ class _Timed(DCITree):
         return out
 
 
+def batched_bench(args) -> None:
+    """One layer-query over ``args.batched`` trees: per-tree host search vs one batched forest search."""
+    dev = torch.device(args.device)
+    ntree = args.batched
+    t0 = time.perf_counter()
+    trees = [
+        DCITree.build(clustered_keys(args.keys, args.dim, args.seed + t), torch.arange(args.keys) + 16, DCIParams(seed=t))
+        for t in range(ntree)
+    ]
+    print(f"\n== batched: {ntree} trees of {args.keys} keys built in {time.perf_counter() - t0:.1f} s, device {dev}")
+    t0 = time.perf_counter()
+    forest = DCIForest(trees, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    print(f"mirror: {time.perf_counter() - t0:.3f} s (capacity {forest.S} points, {forest.Pc} pages per tree)")
+    G, room, cap = args.heads, args.room, args.cap
+    rows = tuple(range(ntree))
+    ridx = torch.tensor(rows, device=dev)
+    tq = ridx.repeat_interleave(G)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    for k in [int(x) for x in args.topk.split(",")]:
+        pol = make_policy("icecache", topk=k)
+        pol._stats = {"pages_selected": 0, "tokens_selected": 0}
+        pol._max_pages = lambda: cap
+        same = total = 0
+        qs = [torch.randn(ntree * G, args.dim, generator=g) * 2 for _ in range(args.reps)]
+        it = iter(range(10**9))
+
+        def host(qs=qs, it=it, pol=pol, k=k):
+            q = qs[next(it) % len(qs)]
+            return [pol._select_pages(trees[t], q[t * G : (t + 1) * G], room) for t in rows]
+
+        it2 = iter(range(10**9))
+        qd = [q.to(dev) for q in qs]
+
+        def device(qd=qd, it2=it2, k=k):
+            q = qd[next(it2) % len(qd)]
+            ids, dot = forest.search(transform_queries(q), tq, rows, k, k, 0.8)
+            toks, _ = forest.select_pages(ids, dot, ridx, G, room, cap)
+            sync()
+            return toks
+
+        h_ms, d_ms = median_ms(host, args.reps), median_ms(device, args.reps)
+        for q in qs:
+            want = [pol._select_pages(trees[t], q[t * G : (t + 1) * G], room) for t in rows]
+            ids, dot = forest.search(transform_queries(q.to(dev)), tq, rows, k, k, 0.8)
+            got = forest.select_pages(ids, dot, ridx, G, room, cap)[0].cpu()
+            for t in rows:
+                total += 1
+                same += set(want[t].tolist()) == set(got[t][got[t] >= 0].tolist())
+        print(
+            f"k = fov = {k}, {G} query heads per tree, room {room} tokens, max {cap} pages: "
+            f"host per-tree {h_ms:.2f} ms, batched on {dev} {d_ms:.2f} ms per layer-query "
+            f"({h_ms / d_ms:.1f}x); same pages {same}/{total}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keys", type=int, default=32720)
@@ -63,8 +128,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--intra-threads", default="", help="e.g. 1,2,4: torch threads inside one search")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batched", type=int, default=0, help="also time the batched search over this many trees")
+    ap.add_argument("--batched-only", action="store_true")
+    ap.add_argument("--device", default="cpu", help="device of the batched search")
+    ap.add_argument("--room", type=int, default=208, help="retrieval tokens (budget 256 - sink 16 - window 32)")
+    ap.add_argument("--cap", type=int, default=26, help="max pages per kv head (2 x retrieval pages)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.batched:
+        batched_bench(args)
+        if args.batched_only:
+            return
     t0 = time.perf_counter()
     tree = DCITree.build(clustered_keys(args.keys, args.dim, args.seed), torch.arange(args.keys), DCIParams(seed=1))
     levels = [int((tree.top >= lev).sum()) for lev in range(tree.num_levels)]

@@ -10,6 +10,7 @@ from conftest import greedy, left_padded, prompt, shared_pair
 
 import kvdex
 from kvdex.index import DCIParams, DCITree, transform_queries
+from kvdex.index import forest as forest_mod
 from kvdex.index.forest import DCIForest, _greedy_fit
 from kvdex.policies import make_policy
 
@@ -19,6 +20,14 @@ G = 7  # query heads per kv head (Qwen2.5-0.5B)
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(99)
+
+
+@pytest.fixture(params=[False, True], ids=["exact", "static"])
+def static(request, monkeypatch):
+    """Both variants of the forest: exact shapes (CPU default) and host-bounded static shapes (the
+    sync-free CUDA variant), here on the CPU."""
+    monkeypatch.setattr(forest_mod, "STATIC_ON_CPU", request.param)
+    return request.param
 
 
 def clustered(n: int, d: int = 32, seed: int = 0) -> torch.Tensor:
@@ -65,13 +74,14 @@ def _check_search(trees, forest, rows, k, d=32, gen=None):
 
 
 @pytest.mark.parametrize("k", [64, 256])
-def test_batched_search_returns_the_per_tree_search_results_over_insertions(k):
+def test_batched_search_returns_the_per_tree_search_results_over_insertions(k, static):
     """Trees of different sizes and levels (and an empty one), 7 query heads each, k = fov = 64 / 256,
     query_prop 0.8; after each of several insertions the mirror is updated in place and the batched
     search still returns each tree's own search result (on these data: exactly, no near-tie)."""
     sizes = [1800, 700, 0, 2500, 90]
     trees = forest_of(sizes)
     forest = DCIForest(trees, "cpu")
+    assert forest.static == static
     gens = [torch.Generator().manual_seed(i) for i in range(len(sizes))]
     gq = torch.Generator().manual_seed(5)
     rows = [0, 1, 3, 4]
@@ -144,7 +154,7 @@ def test_greedy_fit_equals_the_take_pages_loop():
 @pytest.mark.parametrize("merge", ["rank", "nsa"])
 @pytest.mark.parametrize("rule", ["tokens", "keys"])
 @pytest.mark.parametrize("k", [64, 256])
-def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge):
+def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge, static):
     trees = forest_of([1500, 0, 800, 2000])
     forest = DCIForest(trees, "cpu")
     pol = make_policy("icecache", budget_rule=rule, group_merge=merge, topk=k)
@@ -174,7 +184,7 @@ def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge):
 
 @pytest.mark.parametrize("spec", ["icecache", "icecache:budget_rule=keys", "icecache:group_merge=nsa"])
 @pytest.mark.parametrize("budget", [64, 96])
-def test_device_search_decodes_like_the_host_search(spec, budget):
+def test_device_search_decodes_like_the_host_search(spec, budget, static):
     """search=device (the batched forest, here on the CPU) vs search=host (one search per tree):
     the same attended tokens at every step and layer, the same greedy tokens and logits; a ragged
     batch of three sequences, 2 kv heads with groups of several query heads, insertions."""
@@ -206,7 +216,7 @@ def test_device_search_decodes_like_the_host_search(spec, budget):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_device_search_full_budget_equals_dense(offload):
+def test_device_search_full_budget_equals_dense(offload, static):
     """Full budget: every key is attended, so search=device decodes like the full cache."""
     model, _ = shared_pair("llama_gqa")
     x = prompt(200, seed=2)

@@ -35,6 +35,7 @@ import torch
 from kvdex.index.dci import DCITree
 
 _HEADROOM = 1.25  # capacity growth factor of the per-tree regions
+STATIC_ON_CPU = False  # tests: run the sync-free (static-shape) variant on the CPU too
 
 
 def _k1(n: int, prop: float, min_cand: int) -> int:
@@ -47,9 +48,18 @@ class DCIForest:
     """A device mirror of the trees ``trees`` (``None`` = an empty tree) of one layer."""
 
     def __init__(
-        self, trees: list[DCITree | None], device: torch.device | str, capacity: tuple[int, int] | None = None
+        self,
+        trees: list[DCITree | None],
+        device: torch.device | str,
+        capacity: tuple[int, int] | None = None,
+        static_shapes: bool | None = None,
     ):
         self.device = torch.device(device)
+        # static shapes (host-known bounds, no sync) on CUDA; on the CPU a sync is free, so the exact
+        # shapes of the per-tree search are cheaper (no padding to the bound)
+        if static_shapes is None:
+            static_shapes = self.device.type == "cuda" or STATIC_ON_CPU
+        self.static = static_shapes
         live = [t for t in trees if t is not None]
         if not live:
             raise ValueError("DCIForest needs at least one tree")
@@ -139,22 +149,25 @@ class DCIForest:
         """Mirror new snapshots of the trees (insertions append points): returns self, updated in
         place, or a fresh forest when a tree outgrew its capacity or changed its shape."""
         if len(trees) != self.T:
-            return DCIForest(trees, self.device)
+            return self._fresh(trees)
         changed = False
         for t, (old, new) in enumerate(zip(self.trees, trees, strict=True)):
             if new is old:
                 continue
             if new is None:
-                return DCIForest(trees, self.device)
+                return self._fresh(trees)
             grown = old is not None and new.n >= old.n and new.num_levels == old.num_levels
             same = grown and torch.equal(new.proj_dirs, old.proj_dirs) and new.c == old.c
             if new.n > self.S or new.num_pages > self.Pc or new.num_levels > self.L:
-                return DCIForest(trees, self.device)
+                return self._fresh(trees)
             self._put(t, new, old.n if same else 0)
             changed = True
         if changed:
             self._put_roots()
         return self
+
+    def _fresh(self, trees) -> DCIForest:
+        return DCIForest(trees, self.device, static_shapes=self.static)
 
     # ---- static sizes -------------------------------------------------------------------------------
     def _children_bound(self, trees: tuple[int, ...], lev: int, width: int) -> int:
@@ -186,7 +199,7 @@ class DCIForest:
         for lev in range(top, -1, -1):
             parts = []
             if ids is not None:
-                C = sum(self._children_bound(trees, lev, w) for w in [ids.shape[1]])
+                C = self._children_bound(trees, lev, ids.shape[1]) if self.static else None
                 parts.append(self._children(ids, lev, C))
             if any(self.levels[t] - 1 == lev for t in trees):
                 parts.append(torch.where(self.starts_at[lev][tq][:, None], self.root[tq], -1))
@@ -211,11 +224,19 @@ class DCIForest:
         lb = pc.sub_(pq[:, None, :]).abs_().view(Q, C, self.m, self.p).amax(-1)  # [Q, C, m]
         nvalid = valid.sum(1)
         k1 = torch.minimum((prop * nvalid).ceil().long().clamp(min=self.min_cand), nvalid)  # [Q]
-        K1 = _k1(C, prop, self.min_cand)  # >= every row's k1 (k1 grows with the visited points)
+        # static: K1 >= every row's k1 (k1 grows with the visited points); else exactly DCITree's K1
+        K1 = _k1(C, prop, self.min_cand) if self.static else int(k1.max())
+        if K1 == 0:
+            return cand[:, :0], torch.empty(Q, 0, device=cand.device)
         if K1 * self.m >= C:  # dense: threshold each row's bounds at its k1-th smallest, score all
-            srt = torch.sort(lb, dim=1).values  # padding (+inf) last
-            thr = srt.gather(1, (k1 - 1).clamp(min=0)[:, None, None].expand(Q, 1, self.m)).view(Q, self.m)
-            thr = thr.masked_fill((k1 == 0)[:, None], float("-inf"))
+            if self.static:  # a sort: no assumption on how many padding entries a row has
+                srt = torch.sort(lb, dim=1).values  # padding (+inf) last
+                thr = srt.gather(1, (k1 - 1).clamp(min=0)[:, None, None].expand(Q, 1, self.m)).view(Q, self.m)
+                thr = thr.masked_fill((k1 == 0)[:, None], float("-inf"))
+            else:  # DCITree._pdci's kthvalue (K1 - k1 padding entries of a row lifted to -inf)
+                pad_rank = (~valid).cumsum(1) - 1
+                lift = (~valid) & (pad_rank < (K1 - k1)[:, None])
+                thr = torch.kthvalue(lb.masked_fill(lift[:, :, None], float("-inf")), K1, dim=1).values
             is_cand = ((lb <= thr[:, None, :]) & valid[:, :, None]).any(-1)
             dot = _dots(self.X, cand, Xq).masked_fill(~is_cand, float("-inf"))
             ids = cand
@@ -233,8 +254,9 @@ class DCIForest:
         dot, j = torch.topk(dot, w, dim=1)
         return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
 
-    def _children(self, ids: torch.Tensor, level: int, C: int) -> torch.Tensor:
-        """DCITree._children with a host-known width C (>= every row's child count)."""
+    def _children(self, ids: torch.Tensor, level: int, C: int | None) -> torch.Tensor:
+        """DCITree._children with a host-known width C (>= every row's child count), or (None) the
+        exact width (a sync)."""
         Q, w = ids.shape
         dev = ids.device
         if C == 0 or w == 0:
@@ -244,6 +266,10 @@ class DCIForest:
         st = self.kid_start[level][safe]
         offs = cnt.cumsum(1)
         tot = offs[:, -1]
+        if C is None:
+            C = int(tot.max()) if Q else 0
+            if C == 0:
+                return torch.full((Q, 0), -1, dtype=torch.long, device=dev)
         j = torch.arange(C, device=dev).expand(Q, C).contiguous()
         owner = torch.searchsorted(offs, j, right=True).clamp(max=w - 1)
         within = j - (offs - cnt).gather(1, owner)
