@@ -120,8 +120,26 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, score.shape[-1])
     if k <= 0:
         return torch.empty(*score.shape[:-1], 0, dtype=torch.long, device=score.device)
+    fast = _fast_topk(score, k) if score.is_cuda else None
+    if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
+        return fast(score, k)
     val, ids = torch.topk(score, k, dim=-1)
     return torch.where(torch.isfinite(val), ids, -1)
+
+
+def _fast_topk(score: torch.Tensor, k: int):
+    """The Triton top-k (kvdex.kernels.topk) where it applies, else None. ``KVDEX_TRITON=0`` forces
+    torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` (default 32768, set from scripts/gpu_topk.py
+    timings) go to torch.topk, whose multi-block select is faster there."""
+    import os
+
+    if os.environ.get("KVDEX_TRITON", "1") == "0" or score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 32768)):
+        return None
+    try:
+        from kvdex.kernels import topk
+    except ImportError:
+        return None
+    return topk.topk_ids if topk.supported(score, k) else None
 
 
 def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:

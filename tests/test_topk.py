@@ -1,0 +1,206 @@
+"""The Triton top-k (kvdex.kernels.topk) against its twin and against torch.topk.
+
+Invariants: the kernel returns exactly its twin's ids (descending score, ties to the lowest index,
+-1 where the score is not finite); the selected set equals torch.topk's whenever the k-th value is
+not tied; the ``topk_ids`` seam keeps torch.topk on CPU (and with KVDEX_TRITON=0).
+
+On CPU the kernel runs through Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
+set before triton is imported), as tests/test_triton_kernels.py does; ``-m gpu`` runs it compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvdex.policies.base import topk_ids as seam_topk_ids
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA else "cpu"
+run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+if INTERP and not CUDA:
+    # same test-only shim as tests/test_triton_kernels.py: triton 3.6's interpreter calls int() on
+    # 1-element arrays in loop bounds, which newer numpy rejects
+    from triton.runtime import interpreter as _itp
+
+    _orig_patch = _itp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _itp._patch_lang_tensor = _patch_lang_tensor
+
+
+def _twin():
+    pytest.importorskip("triton")
+    from kvdex.kernels import topk
+
+    return topk
+
+
+def _torch_set_ok(score, ids, k):
+    """ids' finite entries == torch.topk's finite entries as sets, per row (no tie at the k-th value)."""
+    val, ref = torch.topk(score.float(), min(k, score.shape[-1]), dim=-1)
+    ref = torch.where(torch.isfinite(val), ref, -1)
+    for a, b in zip(ids.reshape(-1, ids.shape[-1]).tolist(), ref.reshape(-1, ref.shape[-1]).tolist(), strict=True):
+        assert sorted(a) == sorted(b)
+
+
+# ---- the twin (CPU, always) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (100, 100), (100, 150), (1000, 37), (8192, 125)])
+def test_twin_equals_torch_topk_without_ties(n, k):
+    tk = _twin()
+    g = torch.Generator().manual_seed(n + k)
+    score = torch.randn(2, 3, n, generator=g)
+    score[0, 1, : n // 2] = float("-inf")  # k > finite count in this row for some cases
+    ids = tk.topk_ids_reference(score, k)
+    assert ids.shape == (2, 3, min(k, n)) and ids.dtype == torch.long
+    assert torch.equal(ids, seam_topk_ids(score, k))  # random floats: no ties, same order too
+
+
+def test_twin_ties_go_to_the_lowest_index_and_nonfinite_is_minus_one():
+    tk = _twin()
+    score = torch.tensor([[[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf"), 0.0, -0.0, float("nan"), float("inf")]]])
+    assert tk.topk_ids_reference(score, 3).tolist() == [[[-1, -1, 1]]]  # nan, +inf, then the first 3.0
+    assert tk.topk_ids_reference(score, 5).tolist() == [[[-1, -1, 1, 2, 4]]]
+    assert tk.topk_ids_reference(score, 8).tolist() == [[[-1, -1, 1, 2, 4, 3, 0, 6]]]  # 0.0 before -0.0
+    assert tk.topk_ids_reference(score, 20).tolist() == [[[-1, -1, 1, 2, 4, 3, 0, 6, 7, -1]]]
+
+
+def test_seam_keeps_torch_topk_on_cpu():
+    score = torch.randn(1, 2, 50)
+    val, ids = torch.topk(score, 10, dim=-1)
+    assert torch.equal(seam_topk_ids(score, 10), ids)
+    assert seam_topk_ids(score, 0).shape == (1, 2, 0)
+
+
+def test_bad_inputs_raise_value_error():
+    tk = _twin()
+    with pytest.raises(ValueError):
+        tk.topk_ids(torch.zeros(2, 8, dtype=torch.long), 3)
+    with pytest.raises(ValueError):
+        tk.topk_ids(torch.zeros(2, 3 * tk.MAX_K_BLOCK), 2 * tk.MAX_K_BLOCK)
+    with pytest.raises(ValueError):
+        tk.topk_ids(torch.zeros(2, 8), 0)
+
+
+# ---- the kernel (interpreter on CPU, compiled on CUDA) ----------------------------------------------
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])  # numpy has no bf16
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
+def test_interpreter_suite():
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter: the kernel tests run on CPU."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "b,h,n,k,block",
+    [
+        (1, 1, 1, 1, None),
+        (1, 8, 100, 7, None),  # N not a power of two
+        (2, 3, 1000, 125, None),
+        (1, 8, 8192, 125, None),  # Quest at 128k tokens, page 16
+        (1, 2, 3000, 64, 512),  # several tiles, last one partial
+        (1, 2, 300, 300, 128),  # k == N over tiles
+    ],
+)
+def test_kernel_equals_twin(dtype, b, h, n, k, block):
+    tk = _twin()
+    g = torch.Generator().manual_seed(n * 7 + k)
+    score = torch.randn(b, h, n, generator=g).to(dtype)
+    if h > 1:
+        score[:, 1, n // 3 :] = float("-inf")  # masked tail (Quest's pages past the middle)
+    ids = tk.topk_ids(score.to(DEV), k, block=block).cpu()
+    assert torch.equal(ids, tk.topk_ids_reference(score, k))
+    if dtype == torch.float32:  # random fp32: no ties, torch.topk's set
+        _torch_set_ok(score, ids, k)
+
+
+@run_kernels
+@pytest.mark.parametrize("block,ks", [(None, (1, 40, 500)), (64, (40,))])
+def test_kernel_ties_nonfinite_and_k_past_finite_count(block, ks):
+    tk = _twin()
+    g = torch.Generator().manual_seed(3)
+    score = torch.randint(0, 5, (1, 5, 300), generator=g).float()  # many ties at the k-th value
+    score[0, 0, :290] = float("-inf")  # 10 finite entries, k = 40
+    score[0, 1, 5] = float("nan")
+    score[0, 1, 6] = float("inf")
+    score[0, 2, 10:20] = -0.0
+    score[0, 2, 20:] = 0.0
+    score[0, 3] = float("-inf")  # a row with nothing valid
+    for k in ks:
+        ids = tk.topk_ids(score.to(DEV), k, block=block).cpu()
+        assert torch.equal(ids, tk.topk_ids_reference(score, k)), k
+        if k == 40:
+            assert (ids[0, 0, 10:] == -1).all() and (ids[0, 3] == -1).all()
+
+
+@run_kernels
+def test_kernel_long_rows_token_scores():
+    """h2o / oracle score tokens: rows of 32k and 131k scores (looped tiles)."""
+    tk = _twin()
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((32768, 1000), (131072, 2000)):
+        score = torch.randn(1, 1 if INTERP else 8, n, generator=g)
+        score[..., n - 100 :] = float("-inf")
+        ids = tk.topk_ids(score.to(DEV), k).cpu()
+        assert torch.equal(ids, tk.topk_ids_reference(score, k))
+        _torch_set_ok(score, ids, k)
+
+
+# ---- GPU only -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("b,n,k", [(1, 8192, 125), (8, 8192, 125), (1, 32768, 125), (1, 131072, 2048), (2, 77, 200)])
+def test_gpu_seam_matches_torch_topk_set_and_twin(dtype, b, n, k):
+    from kvdex.kernels import topk as tk
+
+    g = torch.Generator().manual_seed(n)
+    score = torch.randn(b, 8, n, generator=g)
+    score[:, :, n - n // 5 :] = float("-inf")
+    score = score.to(dtype).cuda()
+    ids = tk.topk_ids(score, k)
+    assert torch.equal(ids.cpu(), tk.topk_ids_reference(score.cpu(), k))
+    if dtype == torch.float32:
+        _torch_set_ok(score, ids, k)
+        out = seam_topk_ids(score, k)  # Triton up to KVDEX_TOPK_MAX_N, torch.topk past it
+        _torch_set_ok(score, out, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_cuda_graph_capture_and_replay():
+    from kvdex.kernels import topk as tk
+
+    score = torch.randn(1, 8, 8192, device="cuda")
+    tk.topk_ids(score, 125)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.topk_ids(score, 125)
+    for seed in range(3):
+        score.copy_(torch.randn(1, 8, 8192, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), tk.topk_ids_reference(score.cpu(), 125))
