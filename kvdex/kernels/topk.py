@@ -7,9 +7,12 @@ program per row, but it does the selection with much less work per element:
 
 1. **Keys.** Each score is mapped to a signed int32 that orders like the float (``-0.0`` folded onto
    ``+0.0``, every NaN largest, as ``torch.topk`` orders NaN).
-2. **Radix select (bisection).** The k-th largest key ``T`` is built bit by bit from the top: for each
+2. **Radix select (bisection).** The k-th largest key ``T`` is built from the top bit down: for each
    bit, one pass counts the keys ``>= candidate`` and keeps the bit when the count is ``>= k``
    (32 passes for fp32; bf16 / fp16 scores have zero low bits in their fp32 image, so 16 / 19 passes).
+   By default a pass decides two bits: the three counts for the candidates ``..01 / ..10 / ..11`` are
+   packed into one int64 per element (20 bits each), so one reduction (one round of block
+   synchronisation) serves two bits: 17 passes for fp32, 9 for bf16.
    A row of up to ``BLOCK`` scores is held in registers for all passes; longer rows are re-read from
    global memory (L1 / L2) tile by tile.
 3. **Compaction.** With ``gt = #{key > T}``, the kernel takes every key ``> T`` and the ``k - gt``
@@ -54,6 +57,12 @@ def _keys(S, offs, N):
 
 
 @triton.jit
+def _count3(key, c1, c2, c3):
+    """Per element: [key >= c1] + [key >= c2] << 20 + [key >= c3] << 40 (three counts in one sum)."""
+    return (key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 20) + ((key >= c3).to(tl.int64) << 40)
+
+
+@triton.jit
 def _topk_kernel(
     S,
     OUT,
@@ -64,6 +73,7 @@ def _topk_kernel(
     TILES: tl.constexpr,
     K_BLOCK: tl.constexpr,
     LOW_BIT: tl.constexpr,  # bits below this are zero in every key (bf16: 16, fp16: 13, fp32: 0)
+    BITS: tl.constexpr = 2,  # key bits decided per pass over the row (1 or 2)
 ):
     row = tl.program_id(0)
     s_row = S + row.to(tl.int64) * stride_s
@@ -81,7 +91,26 @@ def _topk_kernel(
             kt = _keys(s_row, t * BLOCK + offs, N)
             cnt += tl.sum((kt >= 0).to(tl.int32), axis=0)
     lo = tl.where(cnt >= K, 0, -2147483647 - 1)
-    for i in tl.static_range(31 - LOW_BIT):
+    if BITS == 2:  # two bits per pass: the three counts packed in one int64 sum (N < 2**20)
+        for i in tl.static_range((31 - LOW_BIT) // 2):
+            c1 = lo + (1 << (29 - 2 * i))
+            c2 = lo + (2 << (29 - 2 * i))
+            c3 = lo + (3 << (29 - 2 * i))
+            if TILES == 1:
+                s3 = tl.sum(_count3(key, c1, c2, c3), axis=0)
+            else:
+                s3 = tl.full([], 0, tl.int64)
+                for t in range(TILES):
+                    kt = _keys(s_row, t * BLOCK + offs, N)
+                    s3 += tl.sum(_count3(kt, c1, c2, c3), axis=0)
+            n1 = s3 & 0xFFFFF
+            n2 = (s3 >> 20) & 0xFFFFF
+            n3 = s3 >> 40
+            lo = tl.where(n3 >= K, c3, tl.where(n2 >= K, c2, tl.where(n1 >= K, c1, lo)))
+        FIRST1: tl.constexpr = 31 - LOW_BIT - (31 - LOW_BIT) % 2  # the odd bit left, if any
+    else:
+        FIRST1: tl.constexpr = 0
+    for i in tl.static_range(FIRST1, 31 - LOW_BIT):
         cand = lo + (1 << (30 - i))
         if TILES == 1:
             c = tl.sum((key >= cand).to(tl.int32), axis=0)
@@ -159,11 +188,14 @@ def supported(score: torch.Tensor, k: int) -> bool:
     )
 
 
-def topk_ids(score: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
+def topk_ids(
+    score: torch.Tensor, k: int, block: int | None = None, bits: int = 2, num_warps: int | None = None
+) -> torch.Tensor:
     """score [..., N] (fp32 / bf16 / fp16) -> [..., min(k, N)] int64: the ids of the k largest scores in
     descending score order (ties: lowest index first), ``-1`` where the score is not finite.
 
-    ``block`` (a power of two, tests / tuning) caps the tile of scores a program holds at once."""
+    ``block`` (a power of two), ``bits`` (key bits per pass: 1 or 2) and ``num_warps`` are for tests and
+    tuning (scripts/gpu_topk.py); ``block`` caps the tile of scores a program holds at once."""
     if not supported(score, k):
         raise ValueError(f"triton topk needs float scores and 0 < k <= {MAX_K_BLOCK}, got {score.dtype}, k={k}")
     n = score.shape[-1]
@@ -180,7 +212,7 @@ def topk_ids(score: torch.Tensor, k: int, block: int | None = None) -> torch.Ten
     _topk_kernel[(rows,)](
         s, out, s.stride(0), n, k,
         BLOCK=blk, TILES=triton.cdiv(n, blk), K_BLOCK=max(16, triton.next_power_of_2(k)),
-        LOW_BIT=_low_bit(score.dtype), num_warps=_num_warps(blk),
+        LOW_BIT=_low_bit(score.dtype), BITS=bits if n < 1 << 20 else 1, num_warps=num_warps or _num_warps(blk),
     )  # fmt: skip
     return out.view(*lead, k)
 
