@@ -73,7 +73,7 @@ def _topk_kernel(
     TILES: tl.constexpr,
     K_BLOCK: tl.constexpr,
     LOW_BIT: tl.constexpr,  # bits below this are zero in every key (bf16: 16, fp16: 13, fp32: 0)
-    BITS: tl.constexpr = 2,  # key bits decided per pass over the row (1 or 2)
+    PAIRS: tl.constexpr = 0,  # passes that decide two bits each (bits 30..31-2*PAIRS), then one per pass
 ):
     row = tl.program_id(0)
     s_row = S + row.to(tl.int64) * stride_s
@@ -91,26 +91,22 @@ def _topk_kernel(
             kt = _keys(s_row, t * BLOCK + offs, N)
             cnt += tl.sum((kt >= 0).to(tl.int32), axis=0)
     lo = tl.where(cnt >= K, 0, -2147483647 - 1)
-    if BITS == 2:  # two bits per pass: the three counts packed in one int64 sum (N < 2**20)
-        for i in tl.static_range((31 - LOW_BIT) // 2):
-            c1 = lo + (1 << (29 - 2 * i))
-            c2 = lo + (2 << (29 - 2 * i))
-            c3 = lo + (3 << (29 - 2 * i))
-            if TILES == 1:
-                s3 = tl.sum(_count3(key, c1, c2, c3), axis=0)
-            else:
-                s3 = tl.full([], 0, tl.int64)
-                for t in range(TILES):
-                    kt = _keys(s_row, t * BLOCK + offs, N)
-                    s3 += tl.sum(_count3(kt, c1, c2, c3), axis=0)
-            n1 = s3 & 0xFFFFF
-            n2 = (s3 >> 20) & 0xFFFFF
-            n3 = s3 >> 40
-            lo = tl.where(n3 >= K, c3, tl.where(n2 >= K, c2, tl.where(n1 >= K, c1, lo)))
-        FIRST1: tl.constexpr = 31 - LOW_BIT - (31 - LOW_BIT) % 2  # the odd bit left, if any
-    else:
-        FIRST1: tl.constexpr = 0
-    for i in tl.static_range(FIRST1, 31 - LOW_BIT):
+    for i in tl.static_range(PAIRS):  # two bits per pass: three counts packed in one int64 sum (N < 2**20)
+        c1 = lo + (1 << (29 - 2 * i))
+        c2 = lo + (2 << (29 - 2 * i))
+        c3 = lo + (3 << (29 - 2 * i))
+        if TILES == 1:
+            s3 = tl.sum(_count3(key, c1, c2, c3), axis=0)
+        else:
+            s3 = tl.full([], 0, tl.int64)
+            for t in range(TILES):
+                kt = _keys(s_row, t * BLOCK + offs, N)
+                s3 += tl.sum(_count3(kt, c1, c2, c3), axis=0)
+        n1 = s3 & 0xFFFFF
+        n2 = (s3 >> 20) & 0xFFFFF
+        n3 = s3 >> 40
+        lo = tl.where(n3 >= K, c3, tl.where(n2 >= K, c2, tl.where(n1 >= K, c1, lo)))
+    for i in tl.static_range(2 * PAIRS, 31 - LOW_BIT):  # one bit per pass (the rest)
         cand = lo + (1 << (30 - i))
         if TILES == 1:
             c = tl.sum((key >= cand).to(tl.int32), axis=0)
@@ -209,10 +205,11 @@ def topk_ids(
     if rows == 0:
         return out.view(*lead, k)
     blk = min(triton.next_power_of_2(n), block or MAX_BLOCK)
+    low = _low_bit(score.dtype)
     _topk_kernel[(rows,)](
         s, out, s.stride(0), n, k,
         BLOCK=blk, TILES=triton.cdiv(n, blk), K_BLOCK=max(16, triton.next_power_of_2(k)),
-        LOW_BIT=_low_bit(score.dtype), BITS=bits if n < 1 << 20 else 1, num_warps=num_warps or _num_warps(blk),
+        LOW_BIT=low, PAIRS=(31 - low) // 2 if bits == 2 and n < 1 << 20 else 0, num_warps=num_warps or _num_warps(blk),
     )  # fmt: skip
     return out.view(*lead, k)
 
