@@ -235,7 +235,11 @@ class GraphDecoder:
         except Exception as e:
             if [lay.seen for lay in self.cache.layers] != seen:
                 raise
-            self._compile_off(f"compiling failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            root = getattr(e, "inner_exception", None) or e
+            while root.__cause__ is not None:
+                root = root.__cause__
+            line = next((x for x in str(root).splitlines() if x.strip()), "")
+            self._compile_off(f"compiling failed ({type(e).__name__}): {type(root).__name__}: {line[:200]}")
             return self.model(**kw)
         self._compile_proven = True
         return out
