@@ -198,7 +198,9 @@ def _check_src(src: torch.Tensor) -> None:
 
 
 def _readable(src: torch.Tensor, device: torch.device) -> None:
-    if src.device.type == "cpu" and device.type == "cuda" and not src.is_pinned():
+    from kvdex.storage.host import is_registered
+
+    if src.device.type == "cpu" and device.type == "cuda" and not (src.is_pinned() or is_registered(src)):
         raise ValueError("a CUDA kernel can read host memory only when it is pinned (pin_memory=True)")
 
 

@@ -24,6 +24,14 @@ _GROW_PAGES = 64
 # memory on a 128 GiB host. KVDEX_HOST_REGISTER=0 turns this off.
 _REGISTER_MIN_BYTES = 64 << 20
 _HOST_PAGE = 4096
+# data_ptr of every buffer kvdex registered: torch 2.11 (CUDA 13) reports registered memory as not pinned
+# (Tensor.is_pinned() is False although cudaHostRegister returned success), so the UVA kernels ask here too.
+_REGISTERED: set[int] = set()
+
+
+def is_registered(t: torch.Tensor) -> bool:
+    """True when t lies in a host buffer that kvdex pinned with cudaHostRegister (see _registered_zeros)."""
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _REGISTERED
 
 
 def _registered_zeros(shape, dtype) -> torch.Tensor | None:
@@ -47,6 +55,7 @@ def _registered_zeros(shape, dtype) -> torch.Tensor | None:
     if rc != 0:
         _clear_cuda_error()
         return None
+    _REGISTERED.add(raw.untyped_storage().data_ptr())
     return region[:nbytes].view(dtype).view(shape)
 
 
@@ -70,8 +79,14 @@ def _unregister(tensors: list, device) -> None:
     torch.cuda.synchronize(device)
     cudart = torch.cuda.cudart()
     for t in tensors:
-        cudart.cudaHostUnregister(t.data_ptr())
+        # the registered range starts at the tensor's first byte (an empty tensor's data_ptr may be 0)
+        cudart.cudaHostUnregister(t.untyped_storage().data_ptr() + _aligned_offset(t))
+        _REGISTERED.discard(t.untyped_storage().data_ptr())
     tensors.clear()
+
+
+def _aligned_offset(t: torch.Tensor) -> int:
+    return (-t.untyped_storage().data_ptr()) % _HOST_PAGE
 
 
 def _uva_kernels():
@@ -104,7 +119,7 @@ class HostPages:
     def _alloc(self, pages: int) -> torch.Tensor:
         shape = (self.batch, self.kv_heads, pages, 2, self.page_size, self.head_dim)
         nbytes = self.batch * self.kv_heads * pages * 2 * self.page_size * self.head_dim * self.dtype.itemsize
-        if self.pin and nbytes >= _REGISTER_MIN_BYTES and os.environ.get("KVDEX_HOST_REGISTER", "1") != "0":
+        if self.pin and nbytes >= max(_REGISTER_MIN_BYTES, 1) and os.environ.get("KVDEX_HOST_REGISTER", "1") != "0":
             t = _registered_zeros(shape, self.dtype)
             if t is not None:
                 self._registered.append(t)
