@@ -14,6 +14,14 @@ Self-contained, about 1-2 minutes on the GPU machine (Qwen2.5-0.5B at 32k, 16 co
    decode ``--steps`` tokens; reports the tree-query time per decode step (all sparse layers,
    ``policy_stats.query_s``), per layer, and the decode time per step against ``full``.
 
+4. (session 4) ``--search device,host``: every budget is decoded with the batched device search
+   (``icecache:search=device``, kvdex/index/forest.py) and with the per-tree host search; per run the
+   decode ms per step (no extra syncs) and, in a second pass with a device sync before and after
+   every ``select``, the true query ms per step (search + page choice, GPU work included);
+5. ``--agree``: a device-search decode where every layer-query is also run on the host (per tree,
+   same trees, same q) and the selected token sets are compared: the share of (step, layer, kv head)
+   selections that are identical, and the mean Jaccard overlap (near-ties may differ, see docs).
+
 Prints a table and writes JSON. Runs on CPU at a small ``--length`` as a smoke test.
 """
 
@@ -69,14 +77,63 @@ def build_bench(keys, params, threads):
     }
 
 
+def _timed_select(pol, times):
+    """Wrap ``pol.select``: a device sync before and after, so the time includes the GPU work."""
+    orig = pol.select
+
+    def select(layer, q, store, scale):
+        sync()
+        t0 = time.perf_counter()
+        sel = orig(layer, q, store, scale)
+        sync()
+        times.append(time.perf_counter() - t0)
+        return sel
+
+    pol.select = select
+
+
+def _agreeing_select(pol, agree):
+    """Wrap ``pol.select`` (device search): also choose each searched tree's pages on the host."""
+    orig = pol.select
+
+    def select(layer, q, store, scale):
+        sel = orig(layer, q, store, scale)
+        trees = pol._trees.get(layer)
+        if trees is None or pol.anchor_of[layer] != layer:
+            return sel
+        saved = dict(pol._stats)
+        tok = sel.tokens.cpu()
+        qc = q.detach().float().cpu()
+        H = store.kv_heads
+        G = q.shape[1] // H
+        room = pol.cfg.retrieval_tokens
+        for b in range(store.batch):
+            for h in range(H):
+                tree = trees[b * H + h]
+                if tree is None or tree.n <= room:
+                    continue
+                want = set(pol._select_pages(tree, qc[b, h * G : (h + 1) * G], room, scale=scale).tolist())
+                got = set(tok[b, h][tok[b, h] >= 0].tolist())
+                agree.append((want == got, len(want & got) / max(1, len(want | got))))
+        pol._stats = saved
+        return sel
+
+    pol.select = select
+
+
 @torch.inference_mode()
-def decode_bench(model, base, first, budgets, steps, threads):
-    """Fork icecache per budget from the ``full`` prefill, decode ``steps`` tokens greedily. The
-    first fork builds the trees, the others reuse them."""
+def decode_bench(model, base, first, budgets, steps, threads, searches=("host",), agree=False):
+    """Fork icecache per budget (and search) from the ``full`` prefill, decode ``steps`` tokens
+    greedily. The first fork builds the trees, the others reuse them."""
     rows = []
     # query_chunks=0 (a group's heads split over threads) measured 10x slower on the H200 host: not rerun
-    runs = [(f"icecache:threads={threads}", b) for b in budgets] + [("full", None)]
-    for policy, budget in runs:
+    runs = [
+        (f"icecache:threads={threads}:search={s}", b, m) for b in budgets for s in searches for m in ("plain", "timed")
+    ]
+    if agree:
+        runs += [(f"icecache:threads={threads}:search=device", b, "agree") for b in budgets]
+    runs += [("full", None, "plain")]
+    for policy, budget, mode in runs:
         t0 = time.perf_counter()
         cache = base.fork(policy, budget if budget is not None else base.config.budget)
         fork_s = time.perf_counter() - t0
@@ -86,6 +143,11 @@ def decode_bench(model, base, first, budgets, steps, threads):
             trees_s = time.perf_counter() - t0
         else:
             trees_s = 0.0
+        times, agreement = [], []
+        if mode == "timed":
+            _timed_select(cache.policy, times)
+        elif mode == "agree":
+            _agreeing_select(cache.policy, agreement)
         tok = first
         sync()
         t0 = time.perf_counter()
@@ -100,7 +162,14 @@ def decode_bench(model, base, first, budgets, steps, threads):
         rows.append(
             {
                 "policy": "full" if budget is None else "icecache",
+                "spec": policy,
+                "mode": mode,
+                "search": policy.split("search=")[1] if "search=" in policy else None,
                 "budget": budget,
+                "query_ms_per_step_synced": sum(times) / steps * 1e3 if times else None,
+                "agree_identical": sum(a for a, _ in agreement) / len(agreement) if agreement else None,
+                "agree_jaccard": sum(j for _, j in agreement) / len(agreement) if agreement else None,
+                "agree_n": len(agreement),
                 "fork_s": fork_s,
                 "trees_ready_s": trees_s,
                 "builds": ps.get("builds"),
@@ -127,6 +196,9 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--search", default="host", help="comma list of icecache search modes: device,host")
+    ap.add_argument("--agree", action="store_true", help="compare device-search selections with the host's")
+    ap.add_argument("--skip-build", action="store_true", help="skip the build benchmark (step 2)")
     ap.add_argument("--out", default="ice_speed.json")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -141,10 +213,14 @@ def main():
         prefill_s = time.perf_counter() - t0
     first = out.logits[:, -1:].argmax(-1)
     keys = {lay.layer_idx: lay.store.middle_keys()[0].float().cpu() for lay in base.layers if not lay.dense}
-    build = build_bench(keys, DCIParams(page_size=base.config.page_size), args.threads)
+    if args.skip_build:
+        build = None
+    else:
+        build = build_bench(keys, DCIParams(page_size=base.config.page_size), args.threads)
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
-    dec = decode_bench(model, base, first, budgets, args.steps, args.threads)
+    searches = tuple(args.search.split(","))
+    dec = decode_bench(model, base, first, budgets, args.steps, args.threads, searches, args.agree)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         "machine": platform.node(),
@@ -163,21 +239,28 @@ def main():
     print(json.dumps(result, indent=1))
     b = build
     print(f"\nIceCache speed, {result['device']}, {ids.shape[1]} tokens, {args.threads} threads, commit {commit}")
-    print(f"build, one tree of {b['keys_per_tree']} keys on 1 thread: {b['one_tree_1thread_s']:.2f} s "
-          f"({b['one_tree_1thread_s_per_32k']:.2f} s per 32k keys)")  # fmt: skip
-    print(f"build, all {b['trees']} trees on {args.threads} threads: {b['all_trees_pool_wall_s']:.2f} s wall "
-          f"({b['all_trees_pool_s_per_32k_keys']:.3f} s per 32k keys)")  # fmt: skip
-    print("| policy | budget | fork s | trees s | builds (reused) | decode ms/step | query ms/step | q wait ms/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    if b is not None:
+        print(f"build, one tree of {b['keys_per_tree']} keys on 1 thread: {b['one_tree_1thread_s']:.2f} s "
+              f"({b['one_tree_1thread_s_per_32k']:.2f} s per 32k keys)")  # fmt: skip
+        print(f"build, all {b['trees']} trees on {args.threads} threads: {b['all_trees_pool_wall_s']:.2f} s wall "
+              f"({b['all_trees_pool_s_per_32k_keys']:.3f} s per 32k keys)")  # fmt: skip
+    print("| policy | search | mode | budget | fork s | trees s | builds (reused) | decode ms/step | query ms/step "
+          "(host time) | query ms/step (synced) | same selection | Jaccard |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    f1 = lambda x: "" if x is None else f"{x:.1f}"  # noqa: E731
+    f3 = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
     for r in dec:
-        q = "" if r["query_ms_per_step"] is None else f"{r['query_ms_per_step']:.1f}"
-        w = "" if r["q_wait_ms_per_step"] is None else f"{r['q_wait_ms_per_step']:.1f}"
         print(
-            f"| {r['policy']} | {r['budget'] or ''} | {r['fork_s']:.2f} | {r['trees_ready_s']:.2f} | "
-            f"{r['builds'] or 0} ({r['builds_reused'] or 0}) | {r['decode_ms_per_step']:.1f} | {q} | {w} |"
+            f"| {r['policy']} | {r['search'] or ''} | {r['mode']} | {r['budget'] or ''} | {r['fork_s']:.2f} | "
+            f"{r['trees_ready_s']:.2f} | {r['builds'] or 0} ({r['builds_reused'] or 0}) | "
+            f"{r['decode_ms_per_step']:.1f} | "
+            f"{f1(r['query_ms_per_step'])} | {f1(r['query_ms_per_step_synced'])} | {f3(r['agree_identical'])} | "
+            f"{f3(r['agree_jaccard'])} |"
         )
-    print(f"(query: the CPU tree searches + page choice of all {result['sparse_layers']} sparse layers per step; "
-          "q wait: waiting for the device to produce q)")  # fmt: skip
+    print(f"(query, host time: policy_stats.query_s of all {result['sparse_layers']} sparse layers per step -- for "
+          "search=device only the time to issue the asynchronous GPU work; synced: a device sync before and after "
+          "every select (mode 'timed', its decode ms include those syncs); same selection / Jaccard: mode 'agree', "
+          "device vs host page choice per (step, layer, kv head))")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -67,10 +67,9 @@ def batched_bench(args) -> None:
     dev = torch.device(args.device)
     ntree = args.batched
     t0 = time.perf_counter()
-    trees = [
-        DCITree.build(clustered_keys(args.keys, args.dim, args.seed + t), torch.arange(args.keys) + 16, DCIParams(seed=t))
-        for t in range(ntree)
-    ]
+    pos = torch.arange(args.keys) + 16
+    keys = [clustered_keys(args.keys, args.dim, args.seed + t) for t in range(ntree)]
+    trees = [DCITree.build(k, pos, DCIParams(seed=t)) for t, k in enumerate(keys)]
     print(f"\n== batched: {ntree} trees of {args.keys} keys built in {time.perf_counter() - t0:.1f} s, device {dev}")
     t0 = time.perf_counter()
     forest = DCIForest(trees, dev)
