@@ -175,3 +175,30 @@ def test_compiler_failure_after_the_cache_changed_is_raised():
         with pytest.raises(Exception, match="no compiler here"):
             dec.step(nxt)
     assert all(box[i] is layer for box, i, layer in decoder_layers(model))  # restored even so
+
+
+# ---- kvdex bench --compile ---------------------------------------------------------------------------
+
+
+def test_bench_compile_methods_and_cpu_measure():
+    from kvdex.bench import runner, shapes
+    from kvdex.bench.cli import build_parser, config_from_args
+
+    cfg = runner.BenchConfig(
+        shape="tiny", dtype="float32", device="cpu", contexts=(96,), batches=(1,), policies=("quest",),
+        storages=("device", "offload"), baselines=(), budget=64, steps=3, warmup=1, split_steps=0,
+        check_context=80, graph=True, compile=True,
+    )  # fmt: skip
+    assert cfg.methods() == [
+        "quest/device", "quest/offload", "quest/device+graph", "quest/offload+graph",
+        "quest/device+graph+compile", "quest/offload+graph+compile",
+    ]  # fmt: skip
+    assert runner.base_method("quest/offload+graph+compile") == "quest/offload"
+    import argparse
+
+    args = build_parser(argparse.ArgumentParser()).parse_args(["--compile", "--device", "cpu"])
+    assert config_from_args(args).graph is True and config_from_args(args).compile is True
+    model = shapes.build_model("tiny", torch.float32, "cpu")
+    rec = runner.measure(model, "quest/device+graph+compile", 96, 1, cfg)  # CPU: eager steps, compiled layers
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["compile_reason"] is None and rec["compiled_graphs"] is not None

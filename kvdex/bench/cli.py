@@ -78,6 +78,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--graph-only", action="store_true", help="only the graph variants of the kvdex methods")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the graph variants with the model's decoder layers compiled by torch.compile "
+        "(POLICY/STORAGE+graph+compile; inductor fuses RMSNorm/RoPE/SiLU; kvdex's cache and attention stay "
+        "eager); implies --graph",
+    )
+    p.add_argument(
         "--page-cache",
         type=int,
         default=0,
@@ -146,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         split_steps=args.split_steps,
         check_context=args.check_context,
         check=not args.no_check,
-        graph="only" if args.graph_only else args.graph,
+        graph="only" if args.graph_only else (args.graph or args.compile),
+        compile=args.compile,
         page_cache=args.page_cache,
         prefill_chunk=args.prefill_chunk,
         model=args.model,

@@ -17,13 +17,13 @@ def _ctx(n: int) -> str:
 def table(result: dict) -> str:
     """One row per (context, batch, method): speed, memory, transfer and the split of a step."""
     head = (
-        f"{'method':<18} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
+        f"{'method':<26} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
         f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22} "
         f"{'reuse':>5} {'pc hit':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in result.get("results", []):
-        lead = f"{r['method']:<18} {_ctx(r['context']):>5} {r['batch']:>2}"
+        lead = f"{r['method']:<26} {_ctx(r['context']):>5} {r['batch']:>2}"
         if r["status"] != "ok":
             lines.append(f"{lead} {r['status']}: {r.get('error', '')[:80]}")
             continue

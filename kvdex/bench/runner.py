@@ -58,6 +58,9 @@ class BenchConfig:
     # True: also run every kvdex method through kvdex.bench.graph (CUDA graphs) as "POLICY/STORAGE+graph";
     # "only": just the graph variants
     graph: bool | str = False
+    # True: also the graph variants with the model's decoder layers through torch.compile (inductor, no
+    # inductor cudagraphs), as "POLICY/STORAGE+graph+compile" (kvdex.integration.graph.CompiledLayers)
+    compile: bool = False
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
     # offloaded kvdex methods: device page-cache slots per (sequence, kv head); 0 = off
@@ -75,7 +78,22 @@ class BenchConfig:
             out = [f"{m}+graph" for m in out]
         elif self.graph:
             out += [f"{m}+graph" for m in out]
+        if self.compile:
+            out += [f"{m}+compile" for m in out if m.endswith("+graph")]
         return out + list(self.baselines)
+
+
+def base_method(method: str) -> str:
+    """'quest/device+graph+compile' -> 'quest/device' (the cache; the suffixes say how it is decoded)."""
+    return method.split("+", 1)[0]
+
+
+def is_graph(method: str) -> bool:
+    return "+graph" in method
+
+
+def is_compiled(method: str) -> bool:
+    return method.endswith("+compile")
 
 
 def _dtype(name: str):
@@ -132,7 +150,7 @@ def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
             raise RuntimeError("transformers' offloaded cache needs a CUDA device")
         _set_attn(model, "sdpa")
         return DynamicCache(config=model.config, offloading=True)
-    policy, _, storage = method.removesuffix("+graph").partition("/")
+    policy, _, storage = base_method(method).partition("/")
     if storage not in ("device", "offload"):
         raise ValueError(f"method {method!r}: expected POLICY/device, POLICY/offload or one of {HF_METHODS}")
     return kvdex.Cache(
@@ -237,7 +255,7 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     tol = max({torch.float32: 1e-3}.get(next(model.parameters()).dtype, 2e-2), 3 * floor)
     budget = ctx + 64 + cfg.sink + cfg.window  # covers every token: the full-budget selection
     out = []
-    for method in dict.fromkeys(m.removesuffix("+graph") for m in methods):  # graph variants: their eager twin
+    for method in dict.fromkeys(base_method(m) for m in methods):  # graph variants: their eager twin
         if method in HF_METHODS:
             continue
         cache = make_cache(model, method, cfg, budget=budget)
@@ -274,17 +292,20 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
     ``steps`` steps (several page boundaries, so eager steps, captures and replays all occur). The
     eager run uses the same static sizing (``tests/test_bench.py`` shows static == dynamic sizing),
     so both run the same kernels on the same shapes: ``ok`` needs every step's logits within 1e-3
-    of max |logit| (in practice equal) and at least one replay.
+    of max |logit| (in practice equal) and at least one replay. A ``+compile`` variant is compared with
+    the same uncompiled eager run: inductor's fused kernels round at other points (in bf16 a rounding
+    is 4e-3 relative), so it gets ``COMPILE_TOL`` for 16-bit dtypes (1e-3 in fp32); its ``compile_s``
+    (wall time of the steps that compiled) and ``compiled_graphs`` are recorded.
     """
     from kvdex.bench.graph import GraphDecoder
 
     device = next(model.parameters()).device
     ctx = cfg.check_context
     ids = _prompt(1, ctx, model.config.vocab_size, cfg.seed + 9, device)
-    tol = 1e-3  # replaying the kernels of an eager step on the same inputs: equal up to nondeterminism
+    # tolerance (_tol): replaying the kernels of an eager step on the same inputs is equal up to nondeterminism
     out = []
     for method in methods:
-        if not method.endswith("+graph"):
+        if not is_graph(method):
             continue
         eager = make_cache(model, method, cfg)
         nxt = _prefill(model, eager, ids).argmax(-1, keepdim=True)
@@ -298,7 +319,7 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
         del eager
         cache = make_cache(model, method, cfg)
         _prefill(model, cache, ids)
-        dec = GraphDecoder(model, cache, 1)
+        dec = GraphDecoder(model, cache, 1, compile=is_compiled(method))
         worst = 0.0
         for i in range(steps):
             got = dec.step(forced[i]).float()
@@ -311,12 +332,33 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
                 max_rel=worst,
                 counts=dict(dec.counts),
                 reason=dec.reason,  # why nothing was captured (None: graphs were used)
-                ok=bool(worst <= tol and dec.counts["replays"] > 0),
+                ok=bool(worst <= _tol(method, model) and dec.counts["replays"] > 0),
             )
         )
+        if is_compiled(method):
+            out[-1].update(_compile_info(dec))
+            out[-1]["ok"] = out[-1]["ok"] and dec.compiled is not None
         del cache, dec
         gc.collect()
     return out
+
+
+COMPILE_TOL = 3e-2  # compiled vs uncompiled logits, bf16 / fp16 (max |dlogit| / max |logit|)
+
+
+def _tol(method: str, model) -> float:
+    if is_compiled(method) and next(model.parameters()).element_size() < 4:
+        return COMPILE_TOL
+    return 1e-3
+
+
+def _compile_info(dec) -> dict:
+    c = dec.compiled
+    return dict(
+        compile_s=None if c is None else round(c.compile_s, 2),
+        compiled_graphs=None if c is None else c.graphs,
+        compile_reason=dec.compile_reason,
+    )
 
 
 # ---- one measured run -------------------------------------------------------------------------------
@@ -357,10 +399,10 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         del ids
         nxt = logits.argmax(-1, keepdim=True)
         stepper = None
-        if method.endswith("+graph"):
+        if is_graph(method):
             from kvdex.bench.graph import GraphDecoder
 
-            stepper = GraphDecoder(model, cache, batch)
+            stepper = GraphDecoder(model, cache, batch, compile=is_compiled(method))
         step = _stepper(model, cache, stepper)
         for _ in range(cfg.warmup):
             nxt, _ = step(nxt)
@@ -378,6 +420,8 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             rec["page_cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
         if stepper is not None:
             rec["graph_counts"] = dict(stepper.counts)
+            if is_compiled(method):
+                rec.update(_compile_info(stepper))  # compile_s: the warm-up steps that compiled
         rec["ms_median"] = statistics.median(ms)
         rec["ms_p90"] = _percentile(ms, 0.9)
         rec["ms_mean"] = statistics.fmean(ms)
@@ -608,7 +652,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         bad = [c["method"] for c in checks if not c["ok"]]
         if bad:  # a method that fails its check is not timed (nor its graph variant)
             result["error"] = f"full-budget check failed for {', '.join(bad)}: not timed"
-            methods = [m for m in methods if m.removesuffix("+graph") not in bad]
+            methods = [m for m in methods if base_method(m) not in bad]
     if cfg.graph:
         if device.type != "cuda":
             raise ValueError("--graph needs a CUDA device")
@@ -617,7 +661,10 @@ def run(cfg: BenchConfig, log=print) -> dict:
         for c in checks:
             log(
                 f"graph {c['method']:<22} vs eager over {c['steps']} steps: max rel dlogit {c['max_rel']:.2e} "
-                f"{c['counts']} -> {'OK' if c['ok'] else 'FAILED'}" + (f" ({c['reason']})" if c.get("reason") else "")
+                f"{c['counts']} -> {'OK' if c['ok'] else 'FAILED'}"
+                + (f" ({c['reason']})" if c.get("reason") else "")
+                + (f" compiled {c['compiled_graphs']} graphs in {c['compile_s']} s" if "compile_s" in c else "")
+                + (f" (compile off: {c['compile_reason']})" if c.get("compile_reason") else "")
             )
         bad = [c["method"] for c in checks if not c["ok"]]
         if bad:
@@ -636,7 +683,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['method']:<18} ctx {r['context']:>7} b {r['batch']:>2}"
+    head = f"{r['method']:<26} ctx {r['context']:>7} b {r['batch']:>2}"
     if r["status"] != "ok":
         return f"{head}  {r['status']}: {r.get('error', '')}"
     hit = r.get("page_cache_hit_rate")
