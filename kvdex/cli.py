@@ -109,12 +109,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
         sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    if getattr(args, "cuda_graph", False):  # kvdex's own decode loop, steps replayed from CUDA graphs
+    compiled = getattr(args, "compile", False)  # decoder layers through torch.compile (kvdex.generate)
+    if getattr(args, "cuda_graph", False) or compiled:  # kvdex's own decode loop, steps replayed from CUDA graphs
         top_k = getattr(model.generation_config, "top_k", None) or 0  # as model.generate samples
         knobs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=top_k) if args.sample else {}
         out = kvdex.generate(
             model, cache, enc["input_ids"], enc.get("attention_mask"), max_new_tokens=args.max_new_tokens,
-            pad_token_id=tok.pad_token_id, cuda_graph=True, **knobs,
+            pad_token_id=tok.pad_token_id, cuda_graph=bool(getattr(args, "cuda_graph", False)), compile=compiled,
+            **knobs,
         )  # fmt: skip
     else:
         with torch.no_grad():
@@ -127,6 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(format_stats(cache.stats()))
     if getattr(args, "cuda_graph", False):
         print(format_stats({"graph_steps": cache.graph_counts, "graph_off_because": cache.graph_reason or "-"}))
+    if compiled:
+        print(format_stats({"compile_off_because": getattr(cache, "compile_reason", None) or "-"}))
     return 0
 
 
@@ -176,6 +180,12 @@ def _add_generate(sub) -> None:
         action="store_true",
         help="decode with kvdex.generate, replaying each step from a CUDA graph where the policy and store "
         "allow it (eager otherwise, with the reason)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with kvdex.generate, the model's decoder layers compiled by torch.compile (inductor fuses "
+        "norms, RoPE, SiLU; kvdex's cache and attention stay eager); with or without --cuda-graph",
     )
     p.set_defaults(func=cmd_generate)
 
