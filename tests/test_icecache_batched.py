@@ -266,6 +266,11 @@ def test_cuda_forest_matches_cpu_forest_and_host_search(k):
     assert same >= 0.8 * total
 
 
+def _head_sets(aset):
+    pos, valid = aset.positions.flatten(0, 1).cpu(), aset.valid.flatten(0, 1).cpu()
+    return [sorted(p[v].tolist()) for p, v in zip(pos, valid, strict=True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
@@ -287,9 +292,7 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     for where in ("host", "device"):
         cache = kvdex.Cache(model, f"icecache:search={where}", budget=64, dense_layers=1, offload=offload)
         log = []
-        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(
-            [sorted(p[v].tolist()) for p, v in zip(aset.positions.flatten(0, 1).cpu(), aset.valid.flatten(0, 1).cpu())]
-        )
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
         greedy(model, x, cache=cache, new=24)
         agree.append(log)
     assert len(agree[0]) == len(agree[1])
