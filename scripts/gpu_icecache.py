@@ -77,6 +77,12 @@ def build_bench(keys, params, threads):
     }
 
 
+def _search_name(policy: str) -> str | None:
+    if "search=" not in policy:
+        return None
+    return policy.split("search=")[1].replace(":graphs=True", "+graphs")
+
+
 def _timed_select(pol, times):
     """Wrap ``pol.select``: a device sync before and after, so the time includes the GPU work."""
     orig = pol.select
@@ -127,8 +133,12 @@ def decode_bench(model, base, first, budgets, steps, threads, searches=("host",)
     greedily. The first fork builds the trees, the others reuse them."""
     rows = []
     # query_chunks=0 (a group's heads split over threads) measured 10x slower on the H200 host: not rerun
+    spec = {"graphs": "search=device:graphs=True"}  # the device search captured as CUDA graphs
     runs = [
-        (f"icecache:threads={threads}:search={s}", b, m) for b in budgets for s in searches for m in ("plain", "timed")
+        (f"icecache:threads={threads}:{spec.get(s, 'search=' + s)}", b, m)
+        for b in budgets
+        for s in searches
+        for m in ("plain", "timed")
     ]
     if agree:
         runs += [(f"icecache:threads={threads}:search=device", b, "agree") for b in budgets]
@@ -164,7 +174,9 @@ def decode_bench(model, base, first, budgets, steps, threads, searches=("host",)
                 "policy": "full" if budget is None else "icecache",
                 "spec": policy,
                 "mode": mode,
-                "search": policy.split("search=")[1] if "search=" in policy else None,
+                "search": _search_name(policy),
+                "graph_captures": ps.get("graph_captures"),
+                "graph_error": ps.get("graph_error"),
                 "budget": budget,
                 "query_ms_per_step_synced": sum(times) / steps * 1e3 if times else None,
                 "agree_identical": sum(a for a, _ in agreement) / len(agreement) if agreement else None,
@@ -196,7 +208,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--search", default="host", help="comma list of icecache search modes: device,host")
+    ap.add_argument("--search", default="host", help="comma list of icecache search modes: device,graphs,host")
     ap.add_argument("--agree", action="store_true", help="compare device-search selections with the host's")
     ap.add_argument("--skip-build", action="store_true", help="skip the build benchmark (step 2)")
     ap.add_argument("--out", default="ice_speed.json")

@@ -298,3 +298,31 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     assert len(agree[0]) == len(agree[1])
     same = [a == b for a, b in zip(*agree, strict=True)]
     assert sum(same) >= 0.8 * len(same)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_cuda_graphs_select_exactly_what_the_eager_device_search_selects(offload):
+    """``graphs=True``: the captured search replays the same kernels on the same arrays, so the
+    selections equal the eager device search's bit for bit; insertions force re-captures."""
+    import copy
+
+    model, _ = shared_pair("qwen2")
+    model = copy.deepcopy(model).cuda()
+    ids, mask, _ = left_padded([420, 260], seed=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    logs, stats = [], []
+    for spec in ("icecache:search=device", "icecache:search=device:graphs=True"):
+        cache = kvdex.Cache(model, spec, budget=64, dense_layers=1, offload=offload)
+        log = []
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
+        out = greedy(model, ids, mask, cache, new=40)
+        logs.append((out, log))
+        stats.append(cache.stats()["policy_stats"])
+    assert "graph_error" not in stats[1], stats[1].get("graph_error")
+    assert stats[1]["graph_captures"] > 1 and stats[1]["graph_replays"] > stats[1]["graph_captures"]
+    (t1, _), log1 = logs[0]
+    (t2, _), log2 = logs[1]
+    assert torch.equal(t1, t2)
+    assert log1 == log2

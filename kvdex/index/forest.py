@@ -28,12 +28,14 @@ tests/test_icecache_batched.py). See docs/policies/icecache.md, "Batched device 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from kvdex.index.dci import DCITree
 
+_UIDS = itertools.count()
 _HEADROOM = 1.25  # capacity growth factor of the per-tree regions
 STATIC_ON_CPU = False  # tests: run the sync-free (static-shape) variant on the CPU too
 
@@ -92,6 +94,8 @@ class DCIForest:
         # host: per child level, the cumsum of the node sizes sorted descending (bounds on candidate counts)
         self.node_cum: list[list[torch.Tensor]] = [[] for _ in range(T)]
         self._bounds: dict = {}
+        self.version = 0
+        self.uid = next(_UIDS)  # (uid, version) identifies the arrays a captured CUDA graph reads
         for t, tree in enumerate(trees):
             if tree is not None:
                 self._put(t, tree, 0)
@@ -130,6 +134,7 @@ class DCIForest:
         self.roots[t] = tree.root + off
         self.trees[t] = tree
         self._bounds.clear()
+        self.version += 1  # arrays (and bounds) changed: a captured CUDA graph of the search is stale
 
     def _put_roots(self) -> None:
         self.Rmax = max(1, max(r.numel() for r in self.roots))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ class IceCachePolicy(Policy):
     # (kvdex.index.forest, a mirror of the trees on q's device, no host sync), "host" = one search per
     # tree on the CPU thread pool, "auto" = device when the model runs on CUDA, else host.
     search: str = "auto"
+    # search=device on CUDA: capture each layer's batched search + page choice as a CUDA graph (one
+    # launch instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion)
+    graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -145,6 +149,9 @@ class IceCachePolicy(Policy):
         self._forests: dict[int, DCIForest] = {}  # layer -> device mirror of its trees (search="device")
         self._dev_counts: torch.Tensor | None = None  # pages / tokens selected by device searches (no sync)
         self._row_idx: dict = {}  # (device, searched rows) -> index tensor on the device
+        self._graphs: dict = {}  # layer -> (signature, CUDA graph, static query, static outputs)
+        self._capture_stream = None
+        self._stats.update(graph_captures=0, graph_replays=0)
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer:
@@ -368,13 +375,20 @@ class IceCachePolicy(Policy):
             qd = q.detach().float().reshape(R, G, D)[ridx].reshape(-1, D)
             tq = ridx.repeat_interleave(G)
             k = self.topk or self.cfg.budget  # Alg. 3's k (see _search)
-            ids, dot = forest.search(transform_queries(qd), tq, rows, k, self.query_fov or k, self.query_prop)
             keys_rule = self.budget_rule == "keys"
             cap = (self.max_pages or 1 << 40) if keys_rule else self._max_pages()
-            qk_scale = forest.c[tq][:, None] * qd.norm(dim=-1, keepdim=True)
-            toks, npages = forest.select_pages(
-                ids, dot, ridx, G, budget, cap, self.budget_rule, self.group_merge, qk_scale, scale
-            )
+
+            def run(qd, forest=forest, tq=tq, ridx=ridx, k=k, cap=cap):
+                ids, dot = forest.search(transform_queries(qd), tq, rows, k, self.query_fov or k, self.query_prop)
+                qk_scale = forest.c[tq][:, None] * qd.norm(dim=-1, keepdim=True)
+                return forest.select_pages(
+                    ids, dot, ridx, G, budget, cap, self.budget_rule, self.group_merge, qk_scale, scale
+                )
+
+            if self.graphs and dev.type == "cuda":
+                toks, npages = self._graph_run(layer, (forest.uid, forest.version, rows, float(scale)), run, qd)
+            else:
+                toks, npages = run(qd)
             out = torch.full((R, toks.shape[1]), -1, dtype=torch.long, device=dev)
             out[ridx] = toks
             parts.append(out)
@@ -394,6 +408,43 @@ class IceCachePolicy(Policy):
         self._stats["query_s"] += time.perf_counter() - t1  # host time to issue the search (device: asynchronous)
         self._stats["queries"] += 1
         return sel
+
+    def _graph_run(self, layer, sig, run, qd):
+        """``run(qd)`` through a CUDA graph of the layer, captured again when ``sig`` changes (the
+        mirror's arrays, its host-known bounds, the searched trees or the scale changed). The capture
+        is on a side stream in thread-local mode (index worker threads may use CUDA meanwhile),
+        after one eager warm-up run there; the outputs are copied out of the graph's pool."""
+        ent = self._graphs.get(layer)
+        if ent is None or ent[0] != sig or ent[2].shape != qd.shape:
+            self._graphs.pop(layer, None)
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(qd.device)
+            s, main = self._capture_stream, torch.cuda.current_stream(qd.device)
+            static_q = qd.clone()
+            s.wait_stream(main)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.stream(s):
+                    run(static_q)  # warm-up (lazy initialisations stay out of the capture)
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        out = run(static_q)
+                    finally:
+                        graph.capture_end()
+            except RuntimeError as e:  # not capturable here: eager from now on, said in stats and a warning
+                main.wait_stream(s)
+                self.graphs = False
+                self._stats["graph_error"] = repr(e)[:300]
+                warnings.warn(f"icecache: CUDA graph capture failed, searching eagerly: {e!r}", stacklevel=2)
+                return run(qd)
+            main.wait_stream(s)
+            ent = (sig, graph, static_q, out)
+            self._graphs[layer] = ent
+            self._stats["graph_captures"] += 1
+        ent[2].copy_(qd)
+        ent[1].replay()
+        self._stats["graph_replays"] += 1
+        return ent[3][0].clone(), ent[3][1].clone()
 
     def _threads(self) -> int:
         if self.threads:
