@@ -13,6 +13,19 @@ from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
 _GROW_TOKENS = 1024
 
 
+def _fast_append():
+    """kvdex.kernels.append_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
+    import os
+
+    if os.environ.get("KVDEX_TRITON", "1") == "0":
+        return None
+    try:
+        from kvdex.kernels.append_triton import append_rows
+    except ImportError:
+        return None
+    return append_rows
+
+
 class DeviceStore(LayerStore):
     """k/v: [B, H, capacity, D]; slot == token position (left padding stripped)."""
 
@@ -50,10 +63,14 @@ class DeviceStore(LayerStore):
         t = k.shape[2]
         before = self.grid.num_middle_pages(self.lengths_host)
         self._reserve(int(self.lengths_host.max()) + t)
-        pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]
-        bi = torch.arange(self.batch, device=self.device)[:, None].expand_as(pos)
-        self.k[bi, :, pos] = k.permute(0, 2, 1, 3)
-        self.v[bi, :, pos] = v.permute(0, 2, 1, 3)
+        fast = _fast_append() if self.k.is_cuda else None
+        if fast is not None:  # one Triton launch instead of five kernels (kvdex.kernels.append_triton)
+            fast(self.k, self.v, k, v, self.lengths)
+        else:
+            pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]
+            bi = torch.arange(self.batch, device=self.device)[:, None].expand_as(pos)
+            self.k[bi, :, pos] = k.permute(0, 2, 1, 3)
+            self.v[bi, :, pos] = v.permute(0, 2, 1, 3)
         self._advance(t)
         after = self.grid.num_middle_pages(self.lengths_host)
         return self._middle_update(before, after - before, self.k, self.v)

@@ -1,0 +1,87 @@
+"""The decode-step append of a GPU-resident store (``DeviceStore.append``) in one Triton launch.
+
+``DeviceStore.append`` writes the step's new k/v rows at each sequence's length: in PyTorch that is
+``arange`` + ``add`` (positions), ``arange`` (batch rows), two advanced-index writes (k, v), i.e.
+five kernels per layer and step, ~2 us each even inside a CUDA graph. This kernel does the same
+writes in one launch: program ``(b * H + h, j)`` copies row ``j`` of the new k and v of sequence
+``b``, kv head ``h``, into slot ``lengths[b] + j`` of the buffers. The lengths are read on the
+device (nothing is baked into a captured step); the caller advances them afterwards as before.
+A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :func:`append_rows_reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _append_kernel(
+    K_BUF,
+    V_BUF,
+    K,
+    V,
+    LENS,
+    stride_bb,
+    stride_bh,
+    stride_bs,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    H,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    pos = tl.load(LENS + b) + j
+    dst = b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh + pos.to(tl.int64) * stride_bs + offs
+    kr = tl.load(K + b * stride_kb + h * stride_kh + j * stride_kt + offs, mask=m)
+    vr = tl.load(V + b * stride_vb + h * stride_vh + j * stride_vt + offs, mask=m)
+    tl.store(K_BUF + dst, kr, mask=m)
+    tl.store(V_BUF + dst, vr, mask=m)
+
+
+def append_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+    """k_buf/v_buf [B, H, S, D] (same strides, last dim contiguous); k/v [B, H, t, D]; lengths [B] (device):
+    ``k_buf[b, h, lengths[b] + j] = k[b, h, j]`` (and v) for every b, h, j < t. The caller guarantees
+    ``lengths[b] + t <= S``."""
+    b, h, t, d = k.shape
+    if k_buf.dim() != 4 or k_buf.shape[0] != b or k_buf.shape[1] != h or k_buf.shape[3] != d or v.shape != k.shape:
+        raise ValueError(
+            f"expected buffers [B, H, S, D] and rows [B, H, t, D], got {tuple(k_buf.shape)}, {tuple(k.shape)}"
+        )
+    if k_buf.stride() != v_buf.stride() or k_buf.stride(3) != 1 or lengths.shape != (b,):
+        raise ValueError("k_buf / v_buf must share strides with a contiguous last dim; lengths must be [B]")
+    if k_buf.dtype != k.dtype or v_buf.dtype != v.dtype:
+        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    if b * h * t == 0:
+        return
+    _append_kernel[(b * h, t)](
+        k_buf, v_buf, k, v, lengths,
+        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        h, D=d, BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip
+
+
+def append_rows_reference(k_buf, v_buf, k, v, lengths):
+    """The twin: DeviceStore.append's PyTorch writes."""
+    t = k.shape[2]
+    pos = lengths[:, None] + torch.arange(t, device=k_buf.device)[None, :]  # [B, t]
+    bi = torch.arange(k_buf.shape[0], device=k_buf.device)[:, None].expand_as(pos)
+    k_buf[bi, :, pos] = k.permute(0, 2, 1, 3)
+    v_buf[bi, :, pos] = v.permute(0, 2, 1, 3)

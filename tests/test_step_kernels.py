@@ -1,0 +1,102 @@
+"""Kernels that cut the small kernels of a decode step (issue 8): DeviceStore's one-launch append.
+
+The append kernel is a copy: the buffers must end bit-identical to DeviceStore's PyTorch writes
+(its twin), for ragged lengths and several new columns. On CPU it runs through Triton's interpreter
+in a subprocess (as tests/test_triton_kernels.py); ``-m gpu`` runs it compiled and checks a
+GPU DeviceStore decode with the kernel against ``KVDEX_TRITON=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA else "cpu"
+run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+if INTERP and not CUDA:  # the test-only shim of tests/test_triton_kernels.py
+    from triton.runtime import interpreter as _itp
+
+    _orig_patch = _itp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _itp._patch_lang_tensor = _patch_lang_tensor
+
+from kvdex.kernels import append_triton as ap  # noqa: E402
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
+def test_interpreter_suite():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("b,h,t,d", [(1, 8, 1, 128), (3, 2, 1, 64), (2, 3, 4, 48)])
+def test_append_equals_twin(dtype, b, h, t, d):
+    g = torch.Generator().manual_seed(b * 10 + t)
+    s = 40
+    kb = torch.randn(b, h, s, d, generator=g).to(dtype)
+    vb = torch.randn(b, h, s, d, generator=g).to(dtype)
+    k = torch.randn(b, h, t, d, generator=g).to(dtype)
+    v = torch.randn(b, h, t, d, generator=g).to(dtype)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # the model's layout: [B, t, H, D] transposed
+    lengths = torch.randint(0, s - t, (b,), generator=g)
+    rk, rv = kb.clone(), vb.clone()
+    ap.append_rows_reference(rk, rv, k, v, lengths)
+    fk, fv = kb.clone().to(DEV), vb.clone().to(DEV)
+    ap.append_rows(fk, fv, k.to(DEV), v.to(DEV), lengths.to(DEV))
+    assert torch.equal(fk.cpu(), rk) and torch.equal(fv.cpu(), rv)
+
+
+def test_append_bad_inputs_raise_value_error():
+    kb = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError):
+        ap.append_rows(
+            kb, kb.clone(), torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), torch.zeros(1, dtype=torch.long)
+        )
+    with pytest.raises(ValueError):
+        ap.append_rows(
+            kb, kb.clone(), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(2, dtype=torch.long)
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_device_store_decode_identical_with_and_without_kernel(monkeypatch):
+    import kvdex
+    from kvdex.bench import runner, shapes
+
+    model = shapes.build_model("tiny", torch.bfloat16, "cuda")
+    ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
+    from kvdex.storage import device
+
+    fast = device._fast_append()
+    assert fast is not None
+    outs = []
+    for use in (True, False):  # the append kernel vs the PyTorch writes; every other kernel the same
+        monkeypatch.setattr(device, "_fast_append", (lambda: fast) if use else (lambda: None))
+        cache = kvdex.Cache(model, "quest", 128, dense_layers=1)
+        nxt = runner._prefill(model, cache, ids).argmax(-1, keepdim=True)
+        logits = []
+        for _ in range(20):
+            nxt, lg = runner._step(model, cache, nxt)
+            logits.append(lg)
+        outs.append((torch.stack(logits), [lay.store.k.clone() for lay in cache.layers]))
+    assert torch.equal(outs[0][0], outs[1][0])  # bit-identical decode
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
