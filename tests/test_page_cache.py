@@ -295,14 +295,17 @@ def test_token_selections_bypass_the_pool_and_stay_exact():
 
 
 @pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
-@pytest.mark.parametrize("c", [6, 9])
-def test_triton_page_cache_step_matches_twin(c, monkeypatch):
+@pytest.mark.parametrize("c,chunk", [(6, 32), (9, 32), (9, 2), (14, 4)])
+def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
     """The fused bookkeeping kernel (KVDEX_PC_FUSED=1) takes the twin's decisions: same rows, same pool
     contents, same tags / stamps / counts, step after step (with eviction)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("store-level comparison on host tensors: interpreter only (the CUDA end-to-end test covers GPU)")
     monkeypatch.setenv("KVDEX_PC_FUSED", "1")
+    from kvdex.kernels import uva as uva_mod
+
+    monkeypatch.setattr(uva_mod, "_PC_CHUNK", chunk)  # several tag chunks per program when chunk < C
     twin, kern = _store(c), _store(c, uva=True)
     twin.host._uva = None
     assert kern._pc_fused() is not None and twin._pc_fused() is None
