@@ -64,13 +64,18 @@ class _LayerIndex:
 
 @dataclass
 class _Rows:
-    """Per-row sizes of one middle length (R = B * H rows), device tensors."""
+    """Per-row sizes of one middle length (R = B * H rows), persistent device buffers that a new middle
+    length (a page boundary) rewrites in place, so a captured CUDA graph reads the current sizes."""
 
     n_seq: torch.Tensor  # [B] middle tokens per sequence
     n_row: torch.Tensor  # [R]
     quotas: torch.Tensor  # [R, len(TIERS)] vote-tier key quotas
     pool: torch.Tensor  # [R] candidates kept by voting
     width: int  # max pool
+    lengths: tuple  # the middle lengths these sizes are for (host)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.n_seq, self.n_row, self.quotas, self.pool
 
 
 @register_policy
@@ -119,7 +124,7 @@ class ParisKVPolicy(Policy):
         self.means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # center=True: layer -> (mu [B, H, d], set [B])
         self._ops = None
         self._consts: dict[torch.device, tuple] = {}
-        self._rows_key, self._rows = None, {}
+        self._rows: dict[tuple, _Rows] = {}
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(SRHT signs, magnitude thresholds, centers, centroid codebook) on ``device`` (copied once)."""
@@ -215,19 +220,50 @@ class ParisKVPolicy(Policy):
             self.index_[layer] = new
         return self.index_[layer]
 
+    # ---- CUDA-graph decoding (kvdex.integration.graph) -----------------------------------------------
+    # Under static sizing (``store.static``, set by the graph decoder) select issues the same device work
+    # on every step between two page boundaries and reads no device value on the host: it votes over the
+    # whole index capacity (slots past each row's middle length masked on the device), keeps the pool in a
+    # fixed width (the largest pool any middle length up to the capacity can have; each row's own pool size
+    # is a device buffer), and reranks that width. The per-row sizes (``rows``) are persistent buffers that
+    # only a new middle length rewrites, in place -- at a page boundary, which the decoder runs eagerly, as
+    # it does the encoding of the page that joined the middle (``index``). Selected tokens == dynamic sizing.
+    def graph_unsupported(self, stores) -> str | None:
+        return None
+
+    def graph_key(self, stores) -> tuple:
+        st = stores[-1]
+        nmid = st.grid.num_middle_pages(st.lengths_host) * st.grid.page_size  # host bookkeeping
+        n, k = int(nmid.max()), self.cfg.retrieval_tokens
+        mode = "empty" if n == 0 or not self.index_ else ("all" if n <= k else "search")  # select's branch
+        if mode != "empty":  # the sizes of this middle length, before the step (no page joins in it)
+            self.rows(nmid, st.kv_heads, k, next(iter(self.index_.values())).ids.device)
+        return (mode, self._graph_buffers())
+
+    def _graph_buffers(self) -> tuple:
+        """Identity and shape of every persistent tensor select reads (a re-allocation is a new key)."""
+        idx = tuple(
+            (lay, id(i.ids), tuple(i.ids.shape), id(i.codes), id(i.weight), id(i.counts))
+            for lay, i in sorted(self.index_.items())
+        )
+        rows = tuple((key, id(r.n_row), id(r.quotas), id(r.pool)) for key, r in self._rows.items())
+        return idx, rows
+
     # ---- select ------------------------------------------------------------------------------
     def select(self, layer, q, store, scale) -> Selection:
         k = self.cfg.retrieval_tokens
         b, h = store.batch, store.kv_heads
+        static = getattr(store, "static", False)
         nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size  # [B] CPU
         n = int(nmid.max())
         if layer not in self.index_ or n == 0:
             return Selection(tokens=torch.full((b, h, 0), -1, dtype=torch.long, device=q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
-            j = torch.arange(n, device=q.device)
+            w = k if static else n  # static: a fixed width, -1 past each sequence's middle
+            j = torch.arange(w, device=q.device)
             pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], store.grid.sink + j, -1)
-            return Selection(tokens=pos[:, None, :].expand(b, h, n).contiguous())
-        cand, _ = self.search(layer, q, n, nmid, k)
+            return Selection(tokens=pos[:, None, :].expand(b, h, w).contiguous())
+        cand, _ = self.search(layer, q, n, nmid, k, static=static)
         return Selection(tokens=torch.where(cand >= 0, cand + store.grid.sink, -1))
 
     def votes(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
@@ -250,23 +286,34 @@ class ParisKVPolicy(Policy):
         return torch.where(live, score, -1), qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
 
     def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
-        """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Built once per middle
-        length (a page boundary), so steps in between copy nothing to the device (CUDA-graph safe)."""
+        """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Recomputed only when the
+        middle lengths change (a page boundary) and then written *in place* into the same device buffers,
+        so steps in between copy nothing to the device and a captured graph reads the current sizes."""
         lengths = tuple(nmid.tolist())
-        if self._rows_key != lengths:  # a new middle length: the sizes of the last one are stale
-            self._rows_key, self._rows = lengths, {}
         key = (h, k, device)
-        if key not in self._rows:
+        cur = self._rows.get(key)
+        if cur is None or cur.lengths != lengths:
             rho = torch.tensor([self.ratios(int(x))[1] for x in nmid]).repeat_interleave(h)
             pool = self.pool_sizes(nmid, k)
-            self._rows[key] = _Rows(
-                n_seq=nmid.to(device),
-                n_row=nmid.repeat_interleave(h).to(device),
-                quotas=K.tier_quotas(nmid.repeat_interleave(h), rho).to(device),
-                pool=torch.tensor(pool).repeat_interleave(h).to(device),
-                width=max(pool),
+            vals = (
+                nmid.long(),
+                nmid.long().repeat_interleave(h),
+                K.tier_quotas(nmid.repeat_interleave(h), rho),
+                torch.tensor(pool, dtype=torch.long).repeat_interleave(h),
             )
-        return self._rows[key]
+            if cur is None or any(t.shape != v.shape for t, v in zip(cur.buffers(), vals, strict=True)):
+                bufs = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in vals]
+                cur = self._rows[key] = _Rows(*bufs, width=0, lengths=())
+            for t, v in zip(cur.buffers(), vals, strict=True):
+                t.copy_(v)
+            cur.width, cur.lengths = max(pool), lengths
+        return cur
+
+    def pool_width(self, cap: int, k: int) -> int:
+        """Static pool width: the largest pool of any middle length <= ``cap``. Within one row of the
+        adaptive table beta is fixed, so the pool grows with n: its maximum is at a row's last length."""
+        ends = [min(cap, limit - 1) for limit, _, _ in ADAPTIVE_RATIOS if limit != math.inf and limit - 1 < cap]
+        return max(self._pool(n, k) for n in (*ends, cap))
 
     def ratios(self, n: int) -> tuple[float, float]:
         """(candidate_ratio, collision_ratio) for a sequence with n middle tokens (options or adaptive)."""
@@ -275,23 +322,32 @@ class ParisKVPolicy(Policy):
 
     def pool_sizes(self, nmid: torch.Tensor, k: int) -> list[int]:
         """Candidates kept by voting per sequence: min(n, max(k, ceil(beta * n), ceil(pool_factor * k)))."""
+        return [self._pool(int(x), k) for x in nmid]
+
+    def _pool(self, n: int, k: int) -> int:
         floor = k if self.pool_factor is None else max(k, math.ceil(self.pool_factor * k))
-        return [min(int(x), max(floor, math.ceil(self.ratios(int(x))[0] * int(x)))) for x in nmid]
+        return min(n, max(floor, math.ceil(self.ratios(n)[0] * n)))
 
     @property
     def max_votes(self) -> int:
         return len(K.TIERS) * self.num_sub
 
-    def search(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor, k: int):
+    def search(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor, k: int, static: bool = False):
         """Two-stage retrieval over the first n middle tokens. q [B, Hq, D] -> (final top-k middle
-        offsets [B, H, k] (-1 padded), coarse candidates [B, H, C]); offsets past ``nmid[b]`` never win."""
+        offsets [B, H, k] (-1 padded), coarse candidates [B, H, C]); offsets past ``nmid[b]`` never win.
+
+        ``static``: vote over the whole index capacity and keep the pool in :meth:`pool_width` columns
+        (CUDA-graph decoding); the extra slots and columns are masked, so the selected tokens are the same.
+        """
         idx = self.index_[layer]
         ops = self.ops(q.device)
         b, h = q.shape[0], idx.ids.shape[1]
         r = b * h
+        if static:
+            n = idx.ids.shape[2]
         score, qb, qn = self.votes(layer, q, n, nmid)
         rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
-        c = rows.width
+        c = self.pool_width(n, k) if static else rows.width
         cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
