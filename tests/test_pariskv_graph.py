@@ -9,8 +9,8 @@ of tests/test_pariskv.py and, on a GPU (``gpu`` marker), graph == eager below.
 from __future__ import annotations
 
 import pytest
-import torch
 import test_graph as G
+import torch
 from conftest import left_padded, shared_pair
 
 import kvdex
