@@ -33,7 +33,7 @@ if INTERP and not CUDA:  # the test-only shim of tests/test_triton_kernels.py
 
     _itp._patch_lang_tensor = _patch_lang_tensor
 
-from kvdex.kernels import append_triton as ap  # noqa: E402
+from kvdex.kernels import step_triton as ap  # noqa: E402
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
@@ -74,6 +74,48 @@ def test_append_bad_inputs_raise_value_error():
         ap.append_rows(
             kb, kb.clone(), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(2, dtype=torch.long)
         )
+
+
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 32, 2), (0, 8, 1)])
+@pytest.mark.parametrize("b,h,p", [(1, 8, 125), (3, 2, 7), (2, 2, 0)])
+def test_paged_attended_count_equals_twin(sink, ps, wp, b, h, p):
+    g = torch.Generator().manual_seed(b * 100 + p + sink)
+    pages = torch.randint(-1, 50, (b, h, p), generator=g)
+    # lengths below the sink, inside the first window, on / off a page boundary, long
+    lengths = torch.tensor([2, sink + 3, sink + ps * (wp + 3), sink + ps * (wp + 7) + 5, 5000][:b])
+    acc = torch.tensor(1234, dtype=torch.long)
+    want = acc + ap.paged_attended_count_reference(pages, lengths, sink, ps, wp)
+    acc = acc.to(DEV)
+    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp)
+    assert int(acc) == int(want)
+    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp)  # accumulates in place
+    assert int(acc) == int(want) + int(want) - 1234
+
+
+def test_paged_attended_count_bad_inputs():
+    with pytest.raises(ValueError):
+        ap.paged_attended_count_(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 3), torch.zeros(1), 4, 16, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_graph_decode_attended_count_identical(monkeypatch):
+    """CUDA-graph decode of quest on a device store: the fused counter gives the eager expression's count."""
+    import kvdex
+    from kvdex.bench import runner, shapes
+    from kvdex.integration import cache as cache_mod
+
+    model = shapes.build_model("tiny", torch.bfloat16, "cuda")
+    ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
+    stats = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(cache_mod, "_fast_paged_count", lambda: None)
+        cache = kvdex.Cache(model, "quest", 128, dense_layers=1)
+        out = kvdex.generate(model, cache, ids, max_new_tokens=40, cuda_graph=True)
+        stats.append((out, cache.stats()["attended_tokens_per_step"]))
+    assert torch.equal(stats[0][0], stats[1][0]) and stats[0][1] == stats[1][1]
 
 
 @pytest.mark.gpu

@@ -14,13 +14,13 @@ _GROW_TOKENS = 1024
 
 
 def _fast_append():
-    """kvdex.kernels.append_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
+    """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
     import os
 
     if os.environ.get("KVDEX_TRITON", "1") == "0":
         return None
     try:
-        from kvdex.kernels.append_triton import append_rows
+        from kvdex.kernels.step_triton import append_rows
     except ImportError:
         return None
     return append_rows
@@ -64,7 +64,7 @@ class DeviceStore(LayerStore):
         before = self.grid.num_middle_pages(self.lengths_host)
         self._reserve(int(self.lengths_host.max()) + t)
         fast = _fast_append() if self.k.is_cuda else None
-        if fast is not None:  # one Triton launch instead of five kernels (kvdex.kernels.append_triton)
+        if fast is not None:  # one Triton launch instead of five kernels (kvdex.kernels.step_triton)
             fast(self.k, self.v, k, v, self.lengths)
         else:
             pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]

@@ -1,5 +1,7 @@
-"""The decode-step append of a GPU-resident store (``DeviceStore.append``) in one Triton launch.
+"""Small per-layer work of a decode step in one Triton launch each (issue 8: a graph-replayed step pays
+~2 us per kernel, and a kvdex layer issued dozens of tiny ones).
 
+**Append** (:func:`append_rows`, twin :func:`append_rows_reference`).
 ``DeviceStore.append`` writes the step's new k/v rows at each sequence's length: in PyTorch that is
 ``arange`` + ``add`` (positions), ``arange`` (batch rows), two advanced-index writes (k, v), i.e.
 five kernels per layer and step, ~2 us each even inside a CUDA graph. This kernel does the same
@@ -7,6 +9,13 @@ writes in one launch: program ``(b * H + h, j)`` copies row ``j`` of the new k a
 ``b``, kv head ``h``, into slot ``lengths[b] + j`` of the buffers. The lengths are read on the
 device (nothing is baked into a captured step); the caller advances them afterwards as before.
 A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :func:`append_rows_reference`).
+
+**Attended-token counter of a paged decode** (:func:`paged_attended_count_`, twin
+:func:`paged_attended_count_reference`). ``Cache.stats()["attended_tokens_per_step"]`` adds, per
+sparse layer and step, the tokens the paged kernel attended: ``page_size`` per selected page plus the
+sink and window rows below each length. On a CUDA-graph step (device lengths) the PyTorch expression
+is ~19 elementwise kernels (Grid.window_start alone is 8); this kernel computes the same integer in
+one program and adds it in place into the persistent counter.
 """
 
 from __future__ import annotations
@@ -85,3 +94,57 @@ def append_rows_reference(k_buf, v_buf, k, v, lengths):
     bi = torch.arange(k_buf.shape[0], device=k_buf.device)[:, None].expand_as(pos)
     k_buf[bi, :, pos] = k.permute(0, 2, 1, 3)
     v_buf[bi, :, pos] = v.permute(0, 2, 1, 3)
+
+
+@triton.jit
+def _paged_count_kernel(
+    ACC,
+    PAGES,
+    LENS,
+    B,
+    NP,
+    H,
+    SINK: tl.constexpr,
+    PS: tl.constexpr,
+    WP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    ob = tl.arange(0, BLOCK_B)
+    L = tl.load(LENS + ob, mask=ob < B, other=0).to(tl.int64)
+    nmid = tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0)  # Grid.num_middle_pages
+    ws = SINK + nmid * PS  # Grid.window_start
+    fixed = tl.sum(tl.minimum(L, SINK) + tl.maximum(L - ws, 0), axis=0) * H
+    cnt = tl.full([], 0, tl.int64)
+    for i in range(0, NP, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        p = tl.load(PAGES + o, mask=o < NP, other=-1)
+        cnt += tl.sum((p >= 0).to(tl.int64), axis=0)
+    tl.store(ACC, tl.load(ACC) + cnt * PS + fixed)
+
+
+def paged_attended_count_(
+    acc: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, sink: int, page_size: int, window_pages: int
+) -> None:
+    """``acc += (pages >= 0).sum() * page_size + sum_b(min(L_b, sink) + max(L_b - window_start(L_b), 0)) * H``
+    in place; acc: a 0-dim int64 device tensor, pages [B, H, P] (middle page ids, -1 = none), lengths [B]."""
+    if acc.dim() != 0 or acc.dtype != torch.long or pages.dim() != 3 or lengths.shape != (pages.shape[0],):
+        raise ValueError("expected acc: 0-dim int64, pages [B, H, P], lengths [B]")
+    b, h = pages.shape[:2]
+    n = pages.numel()
+    pages = pages.contiguous() if n else lengths  # n == 0: never read
+    _paged_count_kernel[(1,)](
+        acc, pages, lengths, b, n, h,
+        SINK=sink, PS=page_size, WP=window_pages, BLOCK_B=max(2, triton.next_power_of_2(b)),
+        BLOCK=min(4096, max(16, triton.next_power_of_2(n))),
+    )  # fmt: skip
+
+
+def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages):
+    """The twin: the expression of ``KVDexLayer._paged_decode`` (static sizing), a 0-dim int64 tensor."""
+    from kvdex.storage.layout import Grid
+
+    g = Grid(sink, page_size, window_pages)
+    L = lengths
+    fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * pages.shape[1]
+    return (pages >= 0).sum() * g.page_size + fixed
