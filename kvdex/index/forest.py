@@ -117,12 +117,16 @@ class DCIForest:
         if n > n_from:
             self._h2d(self.X[off + n_from : off + n], tree.X[n_from:])
             self._h2d(self.proj[off + n_from : off + n], tree.proj[n_from:n])
-        self._h2d(self.pt_page[off : off + n], torch.where(tree.pt_page >= 0, tree.pt_page + t * Pc, -1))
+        # raw tree arrays are copied, then shifted into the region in place (no host-side temporaries)
+        self._h2d(self.pt_page[off : off + n], tree.pt_page)
+        self.pt_page[off : off + n].add_(t * Pc)  # every point of a DCITree is in a page (pt_page >= 0)
         cums = []
         for lev in range(tree.num_levels - 1):
             kids = tree.kids[lev]
-            self._h2d(self.kids[lev][off : off + kids.numel()], kids + off)
-            self._h2d(self.kid_start[lev][off : off + n], tree.kid_start[lev] + off)
+            self._h2d(self.kids[lev][off : off + kids.numel()], kids)
+            self.kids[lev][off : off + kids.numel()].add_(off)
+            self._h2d(self.kid_start[lev][off : off + n], tree.kid_start[lev])
+            self.kid_start[lev][off : off + n].add_(off)
             self._h2d(self.kid_count[lev][off : off + n], tree.kid_count[lev])
             heads = tree.kid_count[lev][tree.top >= lev + 1]
             cums.append(torch.sort(heads, descending=True).values.cumsum(0))
