@@ -98,6 +98,53 @@ def test_paged_attended_count_bad_inputs():
         ap.paged_attended_count_(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 3), torch.zeros(1), 4, 16, 1)
 
 
+def _offload_store(sink, ps, wp, b=2, h=3, d=8, device="cpu"):
+    from kvdex.storage import Grid, OffloadStore, TransferStats
+
+    g = torch.Generator().manual_seed(sink + ps)
+    st = OffloadStore(Grid(sink, ps, wp), b, h, d, torch.float32, device, TransferStats(), work_tokens=64)
+    lengths = torch.tensor([sink + ps * (wp + 5) + 3, 3][:b])
+    n = int(lengths.max())
+    st.ingest(torch.randn(b, h, n, d, generator=g).to(device), torch.randn(b, h, n, d, generator=g).to(device), lengths)
+    for _ in range(ps + 2):  # decode appends: the window ring turns, pages leave it
+        st.append(torch.randn(b, h, 1, d, generator=g).to(device), torch.randn(b, h, 1, d, generator=g).to(device))
+    return st
+
+
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 8, 2), (0, 8, 1), (3, 4, 3)])
+@pytest.mark.parametrize("p", [5, 1])
+def test_offload_slot_list_equals_store_attend(sink, ps, wp, p):
+    from kvdex.selection import Selection
+
+    st = _offload_store(sink, ps, wp)
+    g = torch.Generator().manual_seed(p)
+    nmid = int(st.grid.num_middle_pages(st.lengths_host).max())
+    pages = torch.randint(-1, nmid, (st.batch, st.kv_heads, p), generator=g)
+    a = st.attend(Selection(pages=pages))  # the PyTorch ops (CPU store)
+    idx, valid, pos = ap.offload_slot_list(
+        st.lengths.to(DEV), pages.to(DEV), sink, ps, wp, st.fixed
+    )  # fmt: skip
+    assert idx.dtype == a.idx.dtype and valid.dtype == a.valid.dtype and pos.dtype == a.positions.dtype
+    assert torch.equal(idx.cpu(), a.idx) and torch.equal(valid.cpu(), a.valid) and torch.equal(pos.cpu(), a.positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_offload_attend_fast_equals_pytorch(monkeypatch):
+    from kvdex.selection import Selection
+    from kvdex.storage import offload
+
+    st = _offload_store(4, 16, 2, device="cuda")
+    nmid = int(st.grid.num_middle_pages(st.lengths_host).max())
+    pages = torch.randint(-1, nmid, (st.batch, st.kv_heads, 6), device="cuda")
+    a = st.attend(Selection(pages=pages))
+    monkeypatch.setattr(offload, "_fast_slot_list", lambda: None)
+    r = st.attend(Selection(pages=pages))
+    for x, y in zip((a.k, a.v, a.idx, a.valid, a.positions), (r.k, r.v, r.idx, r.valid, r.positions), strict=True):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_graph_decode_attended_count_identical(monkeypatch):

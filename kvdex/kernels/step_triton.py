@@ -16,6 +16,12 @@ sparse layer and step, the tokens the paged kernel attended: ``page_size`` per s
 sink and window rows below each length. On a CUDA-graph step (device lengths) the PyTorch expression
 is ~19 elementwise kernels (Grid.window_start alone is 8); this kernel computes the same integer in
 one program and adds it in place into the persistent counter.
+
+**Slot list of an offloaded store** (:func:`offload_slot_list`, twin: ``OffloadStore.attend``'s
+PyTorch ops). ``OffloadStore.attend`` for a page selection lists, per (sequence, kv head), the sink
+rows, the window rows (in their ring slots) and the fetched pages' rows (from ``cursor`` on), with
+their validity and positions: ~40 small kernels (``_fixed_set``, ``token_positions``, three ``cat``).
+This kernel writes the same three tensors (``idx`` int64, ``valid`` bool, ``pos`` int64) in one launch.
 """
 
 from __future__ import annotations
@@ -148,3 +154,70 @@ def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages
     L = lengths
     fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * pages.shape[1]
     return (pages >= 0).sum() * g.page_size + fixed
+
+
+@triton.jit
+def _offload_slots_kernel(
+    IDX,
+    VALID,
+    POS,
+    LENS,
+    PAGES,
+    H,
+    P,
+    N,
+    cursor,
+    SINK: tl.constexpr,
+    PS: tl.constexpr,
+    WP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    cb = tl.program_id(1)
+    b = bh // H
+    W: tl.constexpr = WP * PS
+    F: tl.constexpr = SINK + W
+    L = tl.load(LENS + b).to(tl.int64)
+    ws = SINK + tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0) * PS  # Grid.window_start
+    c = cb * BLOCK + tl.arange(0, BLOCK)
+    inb = c < N
+    # sink | window (OffloadStore._fixed_set): position, valid below the length, ring slot (_slot)
+    fpos = tl.where(c < SINK, c, ws + (c - SINK)).to(tl.int64)
+    fslot = tl.where(fpos < SINK, fpos, SINK + tl.maximum(fpos - SINK, 0) % W)
+    # the fetched pages, laid out from `cursor` on (Selection.token_positions)
+    j = tl.maximum(c - F, 0)
+    pid = tl.load(PAGES + bh.to(tl.int64) * P + j // PS, mask=inb & (c >= F), other=-1).to(tl.int64)
+    ppos = tl.where(pid >= 0, SINK + pid * PS + j % PS, -1)
+    is_f = c < F
+    pos = tl.where(is_f, fpos, ppos)
+    slot = tl.where(is_f, fslot, cursor + j)
+    ok = tl.where(is_f, fpos < L, ppos >= 0)
+    o = bh.to(tl.int64) * N + c
+    tl.store(IDX + o, slot, mask=inb)
+    tl.store(POS + o, pos, mask=inb)
+    tl.store(VALID + o, ok.to(tl.uint8), mask=inb)
+
+
+def offload_slot_list(
+    lengths: torch.Tensor, pages: torch.Tensor, sink: int, page_size: int, window_pages: int, cursor: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lengths [B] (device), pages [B, H, P] (middle page ids, -1 = none), the first row of the fetched pages
+    ``cursor`` -> ``(idx, valid, pos)`` [B, H, sink + window + P * page_size]: ``OffloadStore.attend``'s lists
+    for that page selection (sink, window ring slots, then the pages' rows ``cursor ...``)."""
+    if pages.dim() != 3 or lengths.shape != (pages.shape[0],):
+        raise ValueError(f"expected pages [B, H, P] and lengths [B], got {tuple(pages.shape)}, {tuple(lengths.shape)}")
+    b, h, p = pages.shape
+    n = sink + window_pages * page_size + p * page_size
+    dev = pages.device
+    idx = torch.empty(b, h, n, dtype=torch.long, device=dev)
+    pos = torch.empty(b, h, n, dtype=torch.long, device=dev)
+    valid = torch.empty(b, h, n, dtype=torch.uint8, device=dev)
+    if b * h * n == 0:
+        return idx, valid.view(torch.bool), pos
+    pages = pages.contiguous() if p else lengths  # p == 0: never read
+    block = min(1024, triton.next_power_of_2(n))
+    _offload_slots_kernel[(b * h, triton.cdiv(n, block))](
+        idx, valid, pos, lengths, pages, h, p, n, cursor,
+        SINK=sink, PS=page_size, WP=window_pages, BLOCK=block,
+    )  # fmt: skip
+    return idx, valid.view(torch.bool), pos

@@ -38,6 +38,17 @@ from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
 from kvdex.storage.host import HostPages
 
 
+def _fast_slot_list():
+    """kvdex.kernels.step_triton.offload_slot_list when triton imports (``KVDEX_TRITON=0``: the PyTorch ops)."""
+    if os.environ.get("KVDEX_TRITON", "1") == "0":
+        return None
+    try:
+        from kvdex.kernels.step_triton import offload_slot_list
+    except ImportError:
+        return None
+    return offload_slot_list
+
+
 class OffloadStore(LayerStore):
     def __init__(self, *args, work_tokens: int, page_cache: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -286,6 +297,10 @@ class OffloadStore(LayerStore):
             n = p * g.page_size
             self.k[:, :, cursor : cursor + n] = blocks[:, :, :, 0].reshape(b, h, n, self.head_dim)
             self.v[:, :, cursor : cursor + n] = blocks[:, :, :, 1].reshape(b, h, n, self.head_dim)
+            fast = _fast_slot_list() if self.k.is_cuda and sel.tokens is None and g.window_pages else None
+            if fast is not None:  # the lists built below, in one launch (kvdex.kernels.step_triton)
+                idx, valid, pos = fast(self.lengths, sel.pages, g.sink, g.page_size, g.window_pages, cursor)
+                return AttendSet(self.k, self.v, idx, valid, pos)
             parts_slot.append(cursor + torch.arange(n, device=self.device).expand(b, h, n))
             pos = Selection(pages=sel.pages).token_positions(g.sink, g.page_size)
             parts_valid.append(pos >= 0)
