@@ -64,6 +64,21 @@ def test_append_equals_twin(dtype, b, h, t, d):
     assert torch.equal(fk.cpu(), rk) and torch.equal(fv.cpu(), rv)
 
 
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (0, 8, 2), (3, 4, 3)])
+def test_ring_append_equals_offload_store_append(sink, ps, wp):
+    """OffloadStore.append (one column): the kernel with ring=(sink, window) writes the same ring slots."""
+    st = _offload_store(sink, ps, wp, b=2)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2 * ps + 3):  # across page boundaries (the ring wraps)
+        k = torch.randn(st.batch, st.kv_heads, 1, st.head_dim, generator=g)
+        v = torch.randn(st.batch, st.kv_heads, 1, st.head_dim, generator=g)
+        fk, fv = st.k.clone().to(DEV), st.v.clone().to(DEV)
+        ap.append_rows(fk, fv, k.to(DEV), v.to(DEV), st.lengths.to(DEV), ring=(sink, st.grid.window))
+        st.append(k, v)  # CPU store: the PyTorch writes
+        assert torch.equal(fk.cpu(), st.k) and torch.equal(fv.cpu(), st.v)
+
+
 def test_append_bad_inputs_raise_value_error():
     kb = torch.zeros(1, 2, 8, 4)
     with pytest.raises(ValueError):
@@ -167,23 +182,28 @@ def test_gpu_graph_decode_attended_count_identical(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_device_store_decode_identical_with_and_without_kernel(monkeypatch):
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_gpu_decode_identical_with_and_without_step_kernels(monkeypatch, offload):
+    """Eager decode of quest: the step kernels (append, offload slot list) vs the PyTorch ops, every other
+    kernel the same: bit-identical logits and store buffers."""
     import kvdex
     from kvdex.bench import runner, shapes
+    from kvdex.storage import device
+    from kvdex.storage import offload as off
 
     model = shapes.build_model("tiny", torch.bfloat16, "cuda")
     ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
-    from kvdex.storage import device
-
-    fast = device._fast_append()
-    assert fast is not None
+    gates = {(device, "_fast_append"): device._fast_append(), (off, "_fast_append"): off._fast_append(),
+             (off, "_fast_slot_list"): off._fast_slot_list()}  # fmt: skip
+    assert all(f is not None for f in gates.values())
     outs = []
-    for use in (True, False):  # the append kernel vs the PyTorch writes; every other kernel the same
-        monkeypatch.setattr(device, "_fast_append", (lambda: fast) if use else (lambda: None))
-        cache = kvdex.Cache(model, "quest", 128, dense_layers=1)
+    for use in (True, False):
+        for (mod, name), f in gates.items():
+            monkeypatch.setattr(mod, name, (lambda f=f: f) if use else (lambda: None))
+        cache = kvdex.Cache(model, "quest", 128, dense_layers=1, offload=offload)
         nxt = runner._prefill(model, cache, ids).argmax(-1, keepdim=True)
         logits = []
-        for _ in range(20):
+        for _ in range(40):  # across page boundaries
             nxt, lg = runner._step(model, cache, nxt)
             logits.append(lg)
         outs.append((torch.stack(logits), [lay.store.k.clone() for lay in cache.layers]))

@@ -50,6 +50,8 @@ def _append_kernel(
     H,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINK: tl.constexpr = 0,
+    W: tl.constexpr = 0,  # > 0: an offloaded store's ring (OffloadStore._slot: the sink, then sink + (pos - sink) % W)
 ):
     bh = tl.program_id(0)
     j = tl.program_id(1)
@@ -58,6 +60,8 @@ def _append_kernel(
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     pos = tl.load(LENS + b) + j
+    if W > 0:
+        pos = tl.where(pos < SINK, pos, SINK + tl.maximum(pos - SINK, 0) % W)
     dst = b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh + pos.to(tl.int64) * stride_bs + offs
     kr = tl.load(K + b * stride_kb + h * stride_kh + j * stride_kt + offs, mask=m)
     vr = tl.load(V + b * stride_vb + h * stride_vh + j * stride_vt + offs, mask=m)
@@ -65,10 +69,18 @@ def _append_kernel(
     tl.store(V_BUF + dst, vr, mask=m)
 
 
-def append_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+def append_rows(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    ring: tuple[int, int] | None = None,
+):
     """k_buf/v_buf [B, H, S, D] (same strides, last dim contiguous); k/v [B, H, t, D]; lengths [B] (device):
     ``k_buf[b, h, lengths[b] + j] = k[b, h, j]`` (and v) for every b, h, j < t. The caller guarantees
-    ``lengths[b] + t <= S``."""
+    ``lengths[b] + t <= S``. ``ring=(sink, window)``: the row goes to ``OffloadStore._slot`` of that
+    position instead (the sink rows, then the window ring)."""
     b, h, t, d = k.shape
     if k_buf.dim() != 4 or k_buf.shape[0] != b or k_buf.shape[1] != h or k_buf.shape[3] != d or v.shape != k.shape:
         raise ValueError(
@@ -89,7 +101,7 @@ def append_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: to
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        h, D=d, BLOCK_D=triton.next_power_of_2(d),
+        h, D=d, BLOCK_D=triton.next_power_of_2(d), SINK=ring[0] if ring else 0, W=ring[1] if ring else 0,
     )  # fmt: skip
 
 

@@ -49,6 +49,17 @@ def _fast_slot_list():
     return offload_slot_list
 
 
+def _fast_append():
+    """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
+    if os.environ.get("KVDEX_TRITON", "1") == "0":
+        return None
+    try:
+        from kvdex.kernels.step_triton import append_rows
+    except ImportError:
+        return None
+    return append_rows
+
+
 class OffloadStore(LayerStore):
     def __init__(self, *args, work_tokens: int, page_cache: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -188,10 +199,14 @@ class OffloadStore(LayerStore):
                 vp = self.v[b, :, s0 : s0 + g.page_size].clone()
                 self.host.write(b, page, kp[:, None], vp[:, None])
                 evicted[b].append((page, kp, vp))
-            slot = self._slot(self.lengths)
-            bi = torch.arange(self.batch, device=self.device)
-            self.k[bi, :, slot] = k[:, :, j]
-            self.v[bi, :, slot] = v[:, :, j]
+            fast = _fast_append() if self.k.is_cuda and g.window else None
+            if fast is not None:  # one Triton launch instead of ~9 kernels (kvdex.kernels.step_triton)
+                fast(self.k, self.v, k[:, :, j : j + 1], v[:, :, j : j + 1], self.lengths, ring=(g.sink, g.window))
+            else:
+                slot = self._slot(self.lengths)
+                bi = torch.arange(self.batch, device=self.device)
+                self.k[bi, :, slot] = k[:, :, j]
+                self.v[bi, :, slot] = v[:, :, j]
             self._advance(1)
         return self._evicted_update(evicted)
 
