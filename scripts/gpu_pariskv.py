@@ -9,6 +9,8 @@ time is reported as the prefill indexing cost), then one layer's retrieval is ti
 after warm-up (median of 50): the stages (query transform + vote table, collision votes, bucket
 top-k, 4-bit rerank + final top-k, UVA fetch of the top-k K/V rows from pinned host memory) and the
 whole ``search``. Per decode step = per layer x 32 layers (the model's sparse layers all retrieve).
+Then static sizing (what CUDA-graph decoding runs; must pick the same tokens): eager, one layer's search
+replayed as a CUDA graph, and a whole step's retrieval (32 x (search + UVA fetch)) replayed as one graph.
 The fetch is also timed the CPU way (index_select into pinned staging + one copy) for comparison.
 Correctness first: every kernel equals its twin on these shapes, and the Triton search returns
 the same top-k as the twin search (overlap reported; float summation order may swap near-ties).
@@ -149,7 +151,49 @@ def measure(n: int, k: int, pages: torch.Tensor, host: torch.Tensor, q: torch.Te
     }
     row["retrieval_ms_per_step_32_layers"] = LAYERS * (row["search_ms_per_layer"] + row["uva_fetch_ms"])
     row["retrieval_ms_per_step_cpu_gather"] = LAYERS * (row["search_ms_per_layer"] + row["cpu_gather_copy_ms"])
+    row.update(measure_static(p, q, n, nmid, k, host, fin))
     return row
+
+
+def measure_static(p, q, n: int, nmid: torch.Tensor, k: int, host: torch.Tensor, fin: torch.Tensor) -> dict:
+    """Static sizing (what the CUDA-graph decoder runs): the same picks as the dynamic search, its eager
+    time, and the time of a CUDA graph that replays a whole step's retrieval: 32 x (search + UVA fetch)."""
+    fin_s, cand_s = p.search(2, q, n, nmid, k, static=True)
+    same = all(
+        set(a[a >= 0].tolist()) == set(b[b >= 0].tolist())
+        for a, b in zip(fin.flatten(0, 1), fin_s.flatten(0, 1), strict=True)
+    )
+    out = {
+        "static_equals_dynamic": same,
+        "static_pool_width": cand_s.shape[-1],
+        "search_ms_per_layer_static_eager": timed(lambda: p.search(2, q, n, nmid, k, static=True)),
+    }
+    if DEV != "cuda":
+        return out
+
+    def step():
+        for _ in range(LAYERS):
+            f, _ = p.search(2, q, n, nmid, k, static=True)
+            T.gather_rows(host, f.clamp(min=0))
+
+    def one():
+        p.search(2, q, n, nmid, k, static=True)
+
+    graphs = {}
+    for name, fn in (("layer", one), ("step", step)):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()  # warm-up outside the capture (Triton compiles, allocator pools)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[name] = g
+    out["search_ms_per_layer_graph"] = timed(graphs["layer"].replay)
+    out["retrieval_ms_per_step_graph"] = timed(graphs["step"].replay)
+    del graphs
+    return out
 
 
 def bench_length(n: int, topks: list[int], g: torch.Generator) -> list[dict]:
@@ -207,6 +251,16 @@ def main(argv=None) -> int:
             f"{r['retrieval_ms_per_step_32_layers']:>8.2f} {r['retrieval_ms_per_step_cpu_gather']:>8.2f} "
             f"{r['triton_vs_torch_topk_overlap']:>7.3f}"
         )
+    print(f"\n{'context':>8} {'topk':>5} {'pool':>6} {'same':>5} {'static eager':>12} "
+          f"{'graph/layer':>11} {'graph/step':>10}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['context']:>8} {r['topk']:>5} {r['static_pool_width']:>6} {str(r['static_equals_dynamic']):>5} "
+            f"{r['search_ms_per_layer_static_eager']:>12.3f} {r.get('search_ms_per_layer_graph', float('nan')):>11.3f} "
+            f"{r.get('retrieval_ms_per_step_graph', float('nan')):>10.2f}"
+        )
+    print("# static sizing (CUDA-graph decoding): same picks as dynamic?, eager ms per layer, one layer's search")
+    print("# replayed as a CUDA graph, a whole step's retrieval (32 x (search + UVA fetch)) replayed as one graph")
     print("# per layer: search ms (Triton; torch twins), its stages, fetch of the top-k K/V rows by UVA (pinned host,")
     print(
         "# Triton kernel) or CPU gather + copy; per step = 32 layers x (search + fetch); total %.0f s"

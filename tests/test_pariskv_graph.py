@@ -94,15 +94,17 @@ def test_contract_check_catches_dynamic_sizing(tiny):
     assert any("different device work" in p for p in problems), problems[:5]
 
 
-def test_pool_width_bounds_every_pool_up_to_the_capacity():
+def test_pool_width_bounds_every_pool_from_the_shortest_middle_to_the_capacity():
     pol = ParisKVPolicy()
     for opts in ({}, {"pool_factor": 3.0}, {"candidate_ratio": 0.3}):
         for name, v in opts.items():
             setattr(pol, name, v)
-        for cap in (1, 50, 4096, 4999, 5000, 9999, 12_000, 31_000, 100_000):
-            for k in (32, 2048):
-                ns = torch.arange(1, cap + 1)
-                assert pol.pool_width(cap, k) == max(pol.pool_sizes(ns, k))
+        for k in (32, 2048):
+            pools = pol.pool_sizes(torch.arange(40_961), k)  # brute force: the pool of every length
+            for cap in (1, 50, 4096, 4999, 5000, 9999, 12_000, 31_000, 40_960):
+                for lo in (0, 40, 4999, 5000, 29_999, 30_000, 32_000):
+                    want = max(pools[min(lo, cap) : cap + 1])
+                    assert pol.pool_width(cap, k, lo) == want, (opts, cap, lo, k)
     assert ADAPTIVE_RATIOS[-1][0] == float("inf")
 
 

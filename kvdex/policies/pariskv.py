@@ -238,7 +238,8 @@ class ParisKVPolicy(Policy):
         mode = "empty" if n == 0 or not self.index_ else ("all" if n <= k else "search")  # select's branch
         if mode != "empty":  # the sizes of this middle length, before the step (no page joins in it)
             self.rows(nmid, st.kv_heads, k, next(iter(self.index_.values())).ids.device)
-        return (mode, self._graph_buffers())
+        widths = tuple(self.pool_width(i.ids.shape[2], k, int(nmid.min())) for _, i in sorted(self.index_.items()))
+        return (mode, widths, self._graph_buffers())
 
     def _graph_buffers(self) -> tuple:
         """Identity and shape of every persistent tensor select reads (a re-allocation is a new key)."""
@@ -309,10 +310,12 @@ class ParisKVPolicy(Policy):
             cur.width, cur.lengths = max(pool), lengths
         return cur
 
-    def pool_width(self, cap: int, k: int) -> int:
-        """Static pool width: the largest pool of any middle length <= ``cap``. Within one row of the
-        adaptive table beta is fixed, so the pool grows with n: its maximum is at a row's last length."""
-        ends = [min(cap, limit - 1) for limit, _, _ in ADAPTIVE_RATIOS if limit != math.inf and limit - 1 < cap]
+    def pool_width(self, cap: int, k: int, lo: int = 0) -> int:
+        """Static pool width: the largest pool of any middle length in ``[lo, cap]`` (``lo``: the shortest
+        middle of the batch now; middles only grow until the next prefill). Within one row of the adaptive
+        table beta is fixed and the pool grows with n, so the maximum is at ``cap`` or at the last length
+        of a table row; the width changes only when ``lo`` crosses a row or the capacity grows."""
+        ends = [limit - 1 for limit, _, _ in ADAPTIVE_RATIOS if limit != math.inf and lo <= limit - 1 < cap]
         return max(self._pool(n, k) for n in (*ends, cap))
 
     def ratios(self, n: int) -> tuple[float, float]:
@@ -347,7 +350,7 @@ class ParisKVPolicy(Policy):
             n = idx.ids.shape[2]
         score, qb, qn = self.votes(layer, q, n, nmid)
         rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
-        c = self.pool_width(n, k) if static else rows.width
+        c = self.pool_width(n, k, int(nmid.min())) if static else rows.width
         cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
