@@ -199,6 +199,8 @@ def test_device_search_decodes_like_the_host_search(spec, budget, static):
         )
         out = greedy(model, ids, mask, cache, new=40)
         outs.append((out, log, cache.stats()["policy_stats"]))
+        if where == "device":  # insertions reached the mirror through the worker-staged copies
+            assert sum(f.staged_puts for f in cache.policy._forests.values()) > 0
     (t1, l1), log1, s1 = outs[0]
     (t2, l2), log2, s2 = outs[1]
     assert torch.equal(t1, t2)

@@ -95,6 +95,7 @@ class DCIForest:
         self.node_cum: list[list[torch.Tensor]] = [[] for _ in range(T)]
         self._bounds: dict = {}
         self.version = 0
+        self.staged_puts = 0  # updates that used arrays staged on the index worker thread
         self.uid = next(_UIDS)  # (uid, version) identifies the arrays a captured CUDA graph reads
         for t, tree in enumerate(trees):
             if tree is not None:
@@ -102,38 +103,63 @@ class DCIForest:
         self._put_roots()
 
     # ---- mirroring -----------------------------------------------------------------------------------
-    def _h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _h2d(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool = False) -> None:
         if self.device.type == "cuda":  # pinned staging: the copy does not block the host
-            dst.copy_(src.pin_memory(), non_blocking=True)
+            dst.copy_(src if pinned else src.pin_memory(), non_blocking=True)
         else:
             dst.copy_(src)
 
-    def _put(self, t: int, tree: DCITree, n_from: int) -> None:
-        """Copy tree ``t``'s points ``n_from:`` and its structure arrays into its region."""
+    @staticmethod
+    def stage(tree: DCITree, n_from: int, pin: bool) -> dict:
+        """The host side of :meth:`_put` for snapshot ``tree`` whose points ``:n_from`` are mirrored
+        already: the arrays to copy (pinned if ``pin``) and the node-size bounds. Runs on the index
+        worker thread after an insertion, so the step that applies it only issues the copies."""
+        f = (lambda x: x.pin_memory()) if pin else (lambda x: x.contiguous())  # noqa: E731
+        levels = range(tree.num_levels - 1)
+        return {
+            "tree": tree,
+            "n_from": n_from,
+            "pinned": pin,
+            "X": f(tree.X[n_from:]),
+            "proj": f(tree.proj[n_from : tree.n]),
+            "pt_page": f(tree.pt_page),
+            "kids": [f(tree.kids[lev]) for lev in levels],
+            "kid_start": [f(tree.kid_start[lev]) for lev in levels],
+            "kid_count": [f(tree.kid_count[lev]) for lev in levels],
+            "page_pos": f(tree.page_positions(torch.arange(tree.num_pages))),
+            "page_fill": f(tree.page_fill),
+            "cums": [_node_cum(tree, lev) for lev in levels],
+        }
+
+    def _put(self, t: int, tree: DCITree, n_from: int, staged: dict | None = None) -> None:
+        """Copy tree ``t``'s points ``n_from:`` and its structure arrays into its region (from
+        ``staged`` = :meth:`stage` of this very snapshot and ``n_from`` when given)."""
         Pc, n, off = self.Pc, tree.n, t * self.S
+        if staged is None or staged["tree"] is not tree or staged["n_from"] != n_from:
+            staged = self.stage(tree, n_from, False)
+        else:
+            self.staged_puts += 1
+        pin = staged["pinned"]
         if n_from == 0:
             self._h2d(self.dirs[t], tree.proj_dirs)
             self.c[t] = tree.c
         if n > n_from:
-            self._h2d(self.X[off + n_from : off + n], tree.X[n_from:])
-            self._h2d(self.proj[off + n_from : off + n], tree.proj[n_from:n])
+            self._h2d(self.X[off + n_from : off + n], staged["X"], pin)
+            self._h2d(self.proj[off + n_from : off + n], staged["proj"], pin)
         # raw tree arrays are copied, then shifted into the region in place (no host-side temporaries)
-        self._h2d(self.pt_page[off : off + n], tree.pt_page)
+        self._h2d(self.pt_page[off : off + n], staged["pt_page"], pin)
         self.pt_page[off : off + n].add_(t * Pc)  # every point of a DCITree is in a page (pt_page >= 0)
-        cums = []
         for lev in range(tree.num_levels - 1):
-            kids = tree.kids[lev]
-            self._h2d(self.kids[lev][off : off + kids.numel()], kids)
-            self.kids[lev][off : off + kids.numel()].add_(off)
-            self._h2d(self.kid_start[lev][off : off + n], tree.kid_start[lev])
+            m = staged["kids"][lev].numel()
+            self._h2d(self.kids[lev][off : off + m], staged["kids"][lev], pin)
+            self.kids[lev][off : off + m].add_(off)
+            self._h2d(self.kid_start[lev][off : off + n], staged["kid_start"][lev], pin)
             self.kid_start[lev][off : off + n].add_(off)
-            self._h2d(self.kid_count[lev][off : off + n], tree.kid_count[lev])
-            heads = tree.kid_count[lev][tree.top >= lev + 1]
-            cums.append(torch.sort(heads, descending=True).values.cumsum(0))
+            self._h2d(self.kid_count[lev][off : off + n], staged["kid_count"][lev], pin)
         P = tree.num_pages
-        self._h2d(self.page_pos[t * Pc : t * Pc + P], tree.page_positions(torch.arange(P)))
-        self._h2d(self.page_fill[t * Pc : t * Pc + P], tree.page_fill)
-        self.node_cum[t] = cums
+        self._h2d(self.page_pos[t * Pc : t * Pc + P], staged["page_pos"], pin)
+        self._h2d(self.page_fill[t * Pc : t * Pc + P], staged["page_fill"], pin)
+        self.node_cum[t] = staged["cums"]
         self.levels[t] = tree.num_levels
         self.roots[t] = tree.root + off
         self.trees[t] = tree
@@ -154,9 +180,10 @@ class DCIForest:
         self.starts_at = torch.empty_like(start, device=self.device)  # [L, T]: the tree's root is on level l
         self._h2d(self.starts_at, start)
 
-    def update(self, trees: list[DCITree | None]) -> DCIForest:
+    def update(self, trees: list[DCITree | None], staged: dict | None = None) -> DCIForest:
         """Mirror new snapshots of the trees (insertions append points): returns self, updated in
-        place, or a fresh forest when a tree outgrew its capacity or changed its shape."""
+        place, or a fresh forest when a tree outgrew its capacity or changed its shape. ``staged``:
+        tree index -> :meth:`stage` output prepared off the main thread (used when it matches)."""
         if len(trees) != self.T:
             return self._fresh(trees)
         changed = False
@@ -169,7 +196,7 @@ class DCIForest:
             same = grown and torch.equal(new.proj_dirs, old.proj_dirs) and new.c == old.c
             if new.n > self.S or new.num_pages > self.Pc or new.num_levels > self.L:
                 return self._fresh(trees)
-            self._put(t, new, old.n if same else 0)
+            self._put(t, new, old.n if same else 0, (staged or {}).get(t))
             changed = True
         if changed:
             self._put_roots()
@@ -343,6 +370,13 @@ class DCIForest:
         Tt = min(pos.shape[1], room) if rule != "keys" else pos.shape[1]
         keep = torch.argsort((pos < 0).to(torch.int8), dim=1, stable=True)[:, :Tt]
         return pos.gather(1, keep), npages
+
+
+def _node_cum(tree: DCITree, lev: int) -> torch.Tensor:
+    """Sizes of the level-``lev`` nodes (children of the level-``lev+1`` points), sorted descending,
+    cumulated: entry w-1 bounds the points in the nodes of any w level-``lev+1`` points."""
+    heads = tree.kid_count[lev][tree.top >= lev + 1]
+    return torch.sort(heads, descending=True).values.cumsum(0)
 
 
 def _greedy_fit(f: torch.Tensor, valid: torch.Tensor, room: int, cap: int, ps: int) -> torch.Tensor:

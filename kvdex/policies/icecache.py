@@ -150,6 +150,7 @@ class IceCachePolicy(Policy):
         self._dev_counts: torch.Tensor | None = None  # pages / tokens selected by device searches (no sync)
         self._row_idx: dict = {}  # (device, searched rows) -> index tensor on the device
         self._graphs: dict = {}  # layer -> (signature, CUDA graph, static query, static outputs)
+        self._staged: dict = {}  # layer -> {tree index: DCIForest.stage(...)} not mirrored yet
         self._capture_stream = None
         self._stats.update(graph_captures=0, graph_replays=0)
 
@@ -222,6 +223,8 @@ class IceCachePolicy(Policy):
         B = keys.shape[0]
         trees = list(base) if base is not None else [None] * (B * heads)
         placements = []
+        staged: dict = {}  # tree index -> DCIForest.stage(...) of an inserted-into tree
+        stage = self.search == "device" or (self.search == "auto" and ready is not None)
         built = inserted = 0
         for b, pos in per_b.items():
             for h in range(heads):
@@ -242,6 +245,8 @@ class IceCachePolicy(Policy):
                     inserted += 1
                 trees[b * heads + h] = tree
                 placements.append((b, h, tree.pt_page[new], tree.pt_slot[new], tree.pos[new]))
+                if base is not None and stage:  # the device mirror's copies, prepared here (off the main thread)
+                    staged[b * heads + h] = DCIForest.stage(tree, n0, pin=ready is not None)
         dt = time.perf_counter() - t0
         with self._lock:
             s = self._stats
@@ -252,7 +257,7 @@ class IceCachePolicy(Policy):
             else:
                 s["insert_s"] += dt
                 s["inserts"] += inserted
-        return trees, placements
+        return trees, placements, staged
 
     def flush(self) -> None:
         """Wait for every pending index job and apply it (tests, benchmarks, end of generation)."""
@@ -263,8 +268,10 @@ class IceCachePolicy(Policy):
 
     def _apply(self, layer, fut: Future, store) -> None:
         t0 = time.perf_counter()
-        trees, placements = fut.result()
+        trees, placements, staged = fut.result()
         self._stats["wait_s"] += time.perf_counter() - t0
+        if staged:  # the latest staged copy of each tree (an older one no longer matches the snapshot)
+            self._staged.setdefault(layer, {}).update(staged)
         trees = list(trees)  # the list may be shared with forks (share_index); the trees are immutable
         self._trees[layer] = trees
         self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
@@ -365,7 +372,11 @@ class IceCachePolicy(Policy):
         parts = []
         if searches:
             forest = self._forests.get(layer)
-            forest = DCIForest(trees, dev) if forest is None or forest.device != dev else forest.update(trees)
+            staged = self._staged.pop(layer, None)
+            if forest is None or forest.device != dev:
+                forest = DCIForest(trees, dev)
+            else:
+                forest = forest.update(trees, staged)
             self._forests[layer] = forest
             rows = tuple(i for i, _, _ in searches)
             key = (dev, rows)
