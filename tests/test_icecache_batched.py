@@ -217,6 +217,21 @@ def test_device_search_decodes_like_the_host_search(spec, budget, static):
     assert s1["inserts"] > 0
 
 
+def test_device_search_with_semantic_offload_decodes_like_the_host_search(static):
+    """Offloaded semantic pages (bulk loading reads the device selection back): same as the host search."""
+    model, _ = shared_pair("qwen2")
+    ids, mask, _ = left_padded([400, 300], seed=8)
+    outs = []
+    for where in ("host", "device"):
+        cache = kvdex.Cache(model, f"icecache:search={where}", budget=64, dense_layers=1, offload=True)
+        log = []
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
+        outs.append((greedy(model, ids, mask, cache, new=24), log))
+    assert torch.equal(outs[0][0][0], outs[1][0][0])
+    torch.testing.assert_close(outs[0][0][1], outs[1][0][1], atol=1e-5, rtol=0)
+    assert outs[0][1] == outs[1][1]
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_device_search_full_budget_equals_dense(offload, static):
     """Full budget: every key is attended, so search=device decodes like the full cache."""
