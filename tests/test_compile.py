@@ -202,3 +202,24 @@ def test_bench_compile_methods_and_cpu_measure():
     rec = runner.measure(model, "quest/device+graph+compile", 96, 1, cfg)  # CPU: eager steps, compiled layers
     assert rec["status"] == "ok", rec.get("error")
     assert rec["compile_reason"] is None and rec["compiled_graphs"] is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["quest/device", "quest/offload", "streaming/device"])
+def test_compiled_graph_decoding_matches_eager_on_gpu(method):
+    """Inductor's kernels recorded inside kvdex's CUDA graph: replays happen, no recompiles after the
+    warm-up, logits as the uncompiled eager run (fp32: 1e-3 of max |logit|, runner.check_graph)."""
+    from kvdex.bench import runner, shapes
+
+    model = shapes.build_model("tiny", torch.float32, "cuda")
+    cfg = runner.BenchConfig(
+        shape="tiny", dtype="float32", device="cuda", contexts=(150,), batches=(1,), policies=("quest",),
+        storages=("device",), baselines=(), budget=80, check_context=150, graph=True, compile=True,
+    )  # fmt: skip
+    res = runner.check_graph(model, cfg, [f"{method}+graph+compile"], steps=40)[0]
+    assert res["ok"], res
+    assert res["compile_reason"] is None and res["counts"]["replays"] > 20 and res["counts"]["captures"] >= 1
+    g0 = _graphs()
+    res = runner.check_graph(model, cfg, [f"{method}+graph+compile"], steps=40)[0]  # compiled code reused
+    assert res["ok"] and _graphs() == g0
