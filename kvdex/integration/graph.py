@@ -125,8 +125,10 @@ class CompiledLayers:
             if hasattr(cfg, name):
                 self._patch[name] = max(getattr(cfg, name), 8 * n + 8)  # a few batch sizes / dtypes
                 break
-        if hasattr(cfg, "accumulated_recompile_limit"):
-            self._patch["accumulated_recompile_limit"] = max(cfg.accumulated_recompile_limit, 16 * n + 64)
+        for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):  # newer / older torch
+            if hasattr(cfg, name):
+                self._patch[name] = max(getattr(cfg, name), 16 * n + 64)
+                break
         self.graphs = 0
         self.compile_s = 0.0  # wall time of the calls in which dynamo compiled something
 
