@@ -56,6 +56,19 @@ def test_srht_is_orthogonal(d):
     torch.testing.assert_close(y @ y.T, x @ x.T, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [16, 48, 64, 128])
+def test_query_encoding_as_one_matrix_equals_the_butterfly(d):
+    """The policy's query transform (one fp64 product) == encode_query (normalise, pad, signs, FWHT)."""
+    signs = K.srht_signs(d, seed=d)
+    q = torch.randn(3, 5, d, generator=gen(d)) * 4 + 0.5
+    q[0, 0] = 0  # a zero query stays zero
+    want_b, want_n = K.encode_query(q, signs, 8 if d >= 8 else 2)
+    got_b, got_n = K.encode_query_matrix(q, K.srht_matrix(d, signs), 8 if d >= 8 else 2)
+    assert got_b.dtype == got_n.dtype == torch.float32 and got_b.shape == want_b.shape
+    torch.testing.assert_close(got_b, want_b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_n, want_n, atol=0, rtol=1e-6)
+
+
 def test_fwht_is_its_own_inverse_and_rejects_bad_lengths():
     x = torch.randn(3, 32, generator=gen(0))
     torch.testing.assert_close(K.fwht(K.fwht(x)), x, atol=1e-5, rtol=0)
@@ -658,6 +671,42 @@ def test_triton_collision_votes(n, nsub):
     ids = torch.randint(0, 256, (3, n + 7, nsub), generator=g).to(torch.uint8).to(DEV)[:, :n]  # strided rows
     votes = torch.randint(0, 7, (3, nsub, 256), generator=g).int().to(DEV)
     assert torch.equal(T.collision_votes(ids, votes), K.collision_votes(ids, votes))
+
+
+@kernel_test
+@pytest.mark.parametrize("n,nsub", [(63, 8), (1000, 16)])
+def test_triton_collision_votes_with_live_lengths(n, nsub):
+    from kvdex.kernels import pariskv_triton as T
+
+    g = gen(n + 1)
+    ids = torch.randint(0, 256, (3, n, nsub), generator=g).to(torch.uint8).to(DEV)
+    votes = torch.randint(0, 7, (3, nsub, 256), generator=g).int().to(DEV)
+    live = torch.tensor([n, 0, n // 3]).to(DEV)
+    want = K.collision_votes(ids, votes, live)
+    assert torch.equal(T.collision_votes(ids, votes, live), want)
+    assert bool((want[1] == -1).all()) and bool((want[2, n // 3 :] == -1).all())
+    assert torch.equal(want[0], K.collision_votes(ids, votes)[0])
+
+
+@kernel_test
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_triton_cluster_votes(m):
+    """The vote table in one kernel (pairwise ranks) == the twin (stable descending sort), ties included."""
+    from kvdex.kernels import pariskv_triton as T
+
+    g = gen(m)
+    r, nsub, k = 5, 3, 1 << m
+    scores = torch.randn(r, nsub, k, generator=g)
+    scores[0] = torch.randint(0, 3, (nsub, k), generator=g).float()  # heavy ties: broken by centroid id
+    scores[1] = 0.0  # a zero query: every centroid ties
+    counts = torch.randint(0, 40, (r, nsub, k), generator=g).int()
+    counts[2] = 0  # an empty row
+    n = counts.sum(-1).amax(-1)  # keys per row
+    quotas = K.tier_quotas(n, torch.tensor([0.5, 0.2, 0.3, 1.0, 0.05]))
+    args = [x.to(DEV) for x in (scores, counts, quotas)]
+    want = K.cluster_votes(*args)
+    assert torch.equal(T.cluster_votes(*args), want)
+    assert int(want.max()) == len(K.TIERS)
 
 
 @kernel_test

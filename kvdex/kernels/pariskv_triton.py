@@ -1,10 +1,15 @@
 """Triton kernels of the ParisKV retrieval pipeline; each equals its twin in ``kernels.pariskv``.
 
+* ``cluster_votes``   -- one program per (row, subspace): the vote table (keys ranked ahead of each
+  centroid by pairwise comparison, then the tiers), instead of a sort, two gathers and a scatter;
 * ``collision_votes`` -- one program per (row, block of keys): sum over subspaces of the vote
-  table entry of each key's centroid id (the table is tiny and stays in L1/L2);
+  table entry of each key's centroid id (the table is tiny and stays in L1/L2); slots past a row's
+  length score -1;
 * ``bucket_topk``     -- histogram of the integer scores (atomics), threshold from its suffix sum,
   then a two-pass stream compaction (per-block counts, exclusive scan, in-block cumsum) that keeps
-  every key above the threshold and the lowest-index ties: no sort, and the same output as the twin;
+  every key above the threshold and the lowest-index ties: no sort, and the same output as the twin.
+  Both passes derive the threshold and their block's offsets themselves (the histogram has <= 8 * B + 1
+  bins, a row <= 1024 blocks): 5 launches instead of ~30 small PyTorch ops in between (launch-bound);
 * ``rerank_scores``   -- gathers the 4-bit codes and weights of the candidates, unpacks both
   nibbles of each byte and reduces ``|q| sum_b w_b <v_b, q~_b>`` in registers;
 * ``gather_rows``     -- copies the selected K/V rows from the host page store. On CUDA the source
@@ -52,8 +57,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _collision_kernel(
-        ids_ptr, votes_ptr, out_ptr, n, s_ir, s_in, NSUB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr
-    ):
+        ids_ptr, votes_ptr, live_ptr, out_ptr, n, s_ir, s_in,
+        NSUB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, HAS_LIVE: tl.constexpr,
+    ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -61,7 +67,33 @@ if _HAS_TRITON:
         for s in tl.static_range(NSUB):
             cid = tl.load(ids_ptr + r * s_ir + offs * s_in + s, mask=mask, other=0).to(tl.int32)
             acc += tl.load(votes_ptr + (r * NSUB + s) * K + cid, mask=mask, other=0)
+        if HAS_LIVE:  # slots past the row's own length score -1 (never selected)
+            acc = tl.where(offs < tl.load(live_ptr + r), acc, -1)
         tl.store(out_ptr + r * n + offs, acc, mask=mask)
+
+    @triton.jit
+    def _cluster_votes_kernel(
+        score_ptr, count_ptr, quota_ptr, out_ptr,
+        NSUB: tl.constexpr, K: tl.constexpr, CH: tl.constexpr, T: tl.constexpr, TP: tl.constexpr,
+    ):  # fmt: skip
+        # one program per (row, subspace): the keys ranked ahead of each centroid (a better score, or an
+        # equal score and a lower id: the twin's stable descending argsort) by pairwise comparison in
+        # chunks, then one vote per tier whose quota those keys do not fill yet
+        pid = tl.program_id(0).to(tl.int64)
+        r = pid // NSUB
+        c = tl.arange(0, K)
+        s_c = tl.load(score_ptr + pid * K + c)
+        before = tl.zeros([K], dtype=tl.int64)
+        for j0 in tl.static_range(0, K, CH):
+            j = j0 + tl.arange(0, CH)
+            s_j = tl.load(score_ptr + pid * K + j)
+            n_j = tl.load(count_ptr + pid * K + j).to(tl.int64)
+            ahead = (s_j[None, :] > s_c[:, None]) | ((s_j[None, :] == s_c[:, None]) & (j[None, :] < c[:, None]))
+            before += tl.sum(tl.where(ahead, n_j[None, :], 0), axis=1)
+        t = tl.arange(0, TP)
+        quota = tl.load(quota_ptr + r * T + t, mask=t < T, other=0)
+        hit = (before[:, None] < quota[None, :]) & (t[None, :] < T)
+        tl.store(out_ptr + pid * K + c, tl.sum(hit.to(tl.int32), axis=1))
 
     @triton.jit
     def _histogram_kernel(score_ptr, hist_ptr, n, NB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr):
@@ -85,6 +117,63 @@ if _HAS_TRITON:
         eq = tl.sum(((s == thr) & (s >= 0)).to(tl.int32), axis=0)
         tl.store(cnt_ptr + (r * nblk + blk) * 2, gt)
         tl.store(cnt_ptr + (r * nblk + blk) * 2 + 1, eq)
+
+    @triton.jit
+    def _threshold(hist_ptr, rowk_ptr, r, k, NB: tl.constexpr, NBP: tl.constexpr, HAS_ROWK: tl.constexpr):
+        # the twin's threshold_from_hist for one row: (threshold, ties at it to take)
+        kk = k
+        if HAS_ROWK:
+            kk = tl.minimum(tl.load(rowk_ptr + r), k)
+        v = tl.arange(0, NBP)
+        h = tl.load(hist_ptr + r * NB + v, mask=v < NB, other=0).to(tl.int64)
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with score >= v
+        thr = tl.maximum(tl.sum(((above >= kk) & (v < NB)).to(tl.int64), axis=0) - 1, 0)
+        strictly = tl.sum(tl.where(v == thr + 1, above, 0), axis=0)  # 0 when thr + 1 == NB (masked)
+        at = tl.sum(tl.where(v == thr, h, 0), axis=0)
+        take = tl.minimum(tl.maximum(kk - strictly, 0), at)
+        return thr, take
+
+    @triton.jit
+    def _fused_counts_kernel(
+        score_ptr, hist_ptr, rowk_ptr, cnt_ptr, n, k, nblk,
+        NB: tl.constexpr, NBP: tl.constexpr, HAS_ROWK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        thr, take = _threshold(hist_ptr, rowk_ptr, r, k, NB, NBP, HAS_ROWK)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(score_ptr + r * n + offs, mask=offs < n, other=-1)
+        gt = tl.sum((s > thr).to(tl.int32), axis=0)
+        eq = tl.sum(((s == thr) & (s >= 0)).to(tl.int32), axis=0)
+        tl.store(cnt_ptr + (r * nblk + blk) * 2, gt)
+        tl.store(cnt_ptr + (r * nblk + blk) * 2 + 1, eq)
+
+    @triton.jit
+    def _fused_compact_kernel(
+        score_ptr, hist_ptr, rowk_ptr, cnt_ptr, out_ptr, n, k, nblk,
+        NB: tl.constexpr, NBP: tl.constexpr, HAS_ROWK: tl.constexpr, NBLKP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # the compaction of _compact_kernel; each program derives its block's offsets (ties at the
+        # threshold taken before it, keys selected before it) from the row's block counts itself
+        r = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        thr, take = _threshold(hist_ptr, rowk_ptr, r, k, NB, NBP, HAS_ROWK)
+        b = tl.arange(0, NBLKP)
+        bm = b < nblk
+        gt_b = tl.load(cnt_ptr + (r * nblk + b) * 2, mask=bm, other=0).to(tl.int64)
+        eq_b = tl.load(cnt_ptr + (r * nblk + b) * 2 + 1, mask=bm, other=0).to(tl.int64)
+        eq_pre_b = tl.cumsum(eq_b, axis=0) - eq_b
+        sel_b = gt_b + tl.minimum(tl.maximum(take - eq_pre_b, 0), eq_b)
+        eq_pre = tl.sum(tl.where(b < blk, eq_b, 0), axis=0)
+        sel_pre = tl.sum(tl.where(b < blk, sel_b, 0), axis=0)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(score_ptr + r * n + offs, mask=offs < n, other=-1)
+        gt = s > thr
+        eq = (s == thr) & (s >= 0)
+        eq_rank = eq_pre + tl.cumsum(eq.to(tl.int64), axis=0) - 1
+        sel = gt | (eq & (eq_rank < take))
+        pos = sel_pre + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+        tl.store(out_ptr + r * k + pos, offs.to(tl.int64), mask=sel & (pos < k))
 
     @triton.jit
     def _compact_kernel(score_ptr, thr_ptr, take_ptr, eqpre_ptr, selpre_ptr, out_ptr, n, k, nblk, BLOCK: tl.constexpr):
@@ -147,6 +236,9 @@ if _HAS_TRITON:
         "collision": _collision_kernel,
         "histogram": _histogram_kernel,
         "block_counts": _block_counts_kernel,
+        "fused_counts": _fused_counts_kernel,
+        "fused_compact": _fused_compact_kernel,
+        "cluster_votes": _cluster_votes_kernel,
         "compact": _compact_kernel,
         "rerank": _rerank_kernel,
         "gather": _gather_kernel,
@@ -157,8 +249,11 @@ def _k():
     return _KERNELS
 
 
-def collision_votes(ids: torch.Tensor, votes: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """Twin: :func:`kvdex.kernels.pariskv.collision_votes`. ids uint8 [R, N, B] (last dim contiguous)."""
+def collision_votes(
+    ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None, block: int = 256
+) -> torch.Tensor:
+    """Twin: :func:`kvdex.kernels.pariskv.collision_votes`. ids uint8 [R, N, B] (last dim contiguous);
+    ``live`` [R] (optional): slots at or past it score -1."""
     _check(ids, votes)
     r, n, nsub = ids.shape
     if ids.stride(-1) != 1:
@@ -167,7 +262,24 @@ def collision_votes(ids: torch.Tensor, votes: torch.Tensor, block: int = 256) ->
     out = torch.empty(r, n, dtype=torch.int32, device=ids.device)
     if r and n:
         grid = (r, -(-n // block))
-        _k()["collision"][grid](ids, votes, out, n, ids.stride(0), ids.stride(1), nsub, votes.shape[-1], block)
+        lv = out if live is None else live.contiguous()
+        _k()["collision"][grid](
+            ids, votes, lv, out, n, ids.stride(0), ids.stride(1), nsub, votes.shape[-1], block, live is not None
+        )
+    return out
+
+
+def cluster_votes(scores: torch.Tensor, counts: torch.Tensor, quotas: torch.Tensor) -> torch.Tensor:
+    """Twin: :func:`kvdex.kernels.pariskv.cluster_votes` (one launch instead of a sort, gathers and a scatter)."""
+    _check(scores, counts, quotas)
+    r, nsub, k = scores.shape
+    scores, counts = scores.contiguous().float(), counts.contiguous().to(torch.int32)
+    quotas = quotas.contiguous().long()
+    out = torch.empty(r, nsub, k, dtype=torch.int32, device=scores.device)
+    if r and nsub:
+        t = quotas.shape[-1]
+        tp = 1 << (t - 1).bit_length()
+        _k()["cluster_votes"][(r * nsub,)](scores, counts, quotas, out, nsub, k, min(k, 32), t, tp)
     return out
 
 
@@ -189,6 +301,14 @@ def bucket_topk(
     hist = torch.zeros(r, nb, dtype=torch.int32, device=scores.device)
     nbp = 1 << nb.bit_length()  # a power of two > nb: room for the spare bin
     kern["histogram"][grid](scores, hist, n, nb, nbp, block)
+    if nblk <= 1024:  # fused: the threshold and the block offsets are derived inside the two kernels
+        rk = hist if row_k is None else row_k.to(scores.device).contiguous().long()
+        cnt = torch.empty(r, nblk, 2, dtype=torch.int32, device=scores.device)
+        args = (nb, nbp, row_k is not None)
+        kern["fused_counts"][grid](scores, hist, rk, cnt, n, k, nblk, *args, block)
+        nblkp = 1 << max(0, (nblk - 1).bit_length())
+        kern["fused_compact"][grid](scores, hist, rk, cnt, out, n, k, nblk, *args, nblkp, block)
+        return out
     rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
     thr, take = twin.threshold_from_hist(hist.long(), rk)
     thr32 = thr.to(torch.int32).contiguous()

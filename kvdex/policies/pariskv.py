@@ -127,10 +127,12 @@ class ParisKVPolicy(Policy):
         self._rows: dict[tuple, _Rows] = {}
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(SRHT signs, magnitude thresholds, centers, centroid codebook) on ``device`` (copied once)."""
+        """(SRHT signs, magnitude thresholds, centers, centroid codebook, SRHT matrix) on ``device`` (copied once)."""
         if device not in self._consts:
             book = K.centroid_codebook(self.m)
-            self._consts[device] = tuple(x.to(device) for x in (self.signs, self.thresholds, self.centers, book))
+            rot = K.srht_matrix(self.info.head_dim, self.signs)
+            consts = (self.signs, self.thresholds, self.centers, book, rot)
+            self._consts[device] = tuple(x.to(device) for x in consts)
         return self._consts[device]
 
     # ---- kernels ---------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class ParisKVPolicy(Policy):
         valid = torch.arange(pn * ps)[None, :] < (update.count * ps)[:, None]  # [B, N] (CPU)
         if self.center:
             keys = keys.float() - self.key_mean(layer, keys, valid)[:, :, None, :]
-        signs, thresholds, centers, _ = self.consts(keys.device)
+        signs, thresholds, centers = self.consts(keys.device)[:3]
         ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
         ids = self.assign(layer, keys, ids, valid)
         start, count = update.start * ps, update.count * ps
@@ -278,13 +280,13 @@ class ParisKVPolicy(Policy):
         h = idx.ids.shape[1]
         r = b * h
         qm = q.float().view(b, h, hq // h, d).mean(2)
-        qb, qn = K.encode_query(qm, self.consts(q.device)[0], self.m)
+        qb, qn = K.encode_query_matrix(qm, self.consts(q.device)[4], self.m)  # == encode_query, fewer kernels
         rows = self.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
         cscore = self.centroid_scores(layer, qm, qb).reshape(r, self.num_sub, -1)
-        votes = K.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), rows.quotas)
-        score = self.ops(q.device).collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes)
-        live = torch.arange(n, device=q.device)[None, :] < rows.n_row[:, None]
-        return torch.where(live, score, -1), qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+        ops = self.ops(q.device)
+        votes = ops.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), rows.quotas)
+        score = ops.collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes, rows.n_row)  # -1 past n_row
+        return score, qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
 
     def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
         """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Recomputed only when the
