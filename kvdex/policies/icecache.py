@@ -116,6 +116,7 @@ class IceCachePolicy(Policy):
             raise ValueError(f"budget_rule must be 'tokens' or 'keys', got {self.budget_rule!r}")
         if self.search not in ("auto", "device", "host"):
             raise ValueError(f"search must be 'auto', 'device' or 'host', got {self.search!r}")
+        self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
 
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info) -> None:
@@ -506,10 +507,11 @@ class IceCachePolicy(Policy):
                 if room == 0 or len(take) == cap:
                     break
         chosen = ordered[torch.tensor(take, dtype=torch.long)]
-        self._stats["pages_selected"] += chosen.numel()
         pos = tree.page_positions(chosen).flatten()
         pos = pos[pos >= 0]
-        self._stats["tokens_selected"] += pos.numel()
+        with self._lock:  # the host searches of a layer run on several threads: += on a dict item is not atomic
+            self._stats["pages_selected"] += chosen.numel()
+            self._stats["tokens_selected"] += pos.numel()
         return pos
 
     # ---- reporting ---------------------------------------------------------------------------------
