@@ -72,7 +72,8 @@ class KVDexLayer(CacheLayerMixin):
             )
         parent._on_update(self.layer_idx, key_states)
         if self.store is not None:
-            self._lengths_before = self.store.lengths.clone()
+            if key_states.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
+                self._lengths_before = self.store.lengths.clone()
             update = self.store.append(key_states, value_states)
             update.store = self.store
             if not self.dense and not update.empty:
