@@ -108,6 +108,8 @@ def _agreeing_select(pol, agree):
         if trees is None or pol.anchor_of[layer] != layer:
             return sel
         saved = dict(pol._stats)
+        nthreads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one search per call: intra-op teams only slow it down (session 3)
         tok = sel.tokens.cpu()
         qc = q.detach().float().cpu()
         H = store.kv_heads
@@ -122,6 +124,7 @@ def _agreeing_select(pol, agree):
                 got = set(tok[b, h][tok[b, h] >= 0].tolist())
                 agree.append((want == got, len(want & got) / max(1, len(want | got))))
         pol._stats = saved
+        torch.set_num_threads(nthreads)
         return sel
 
     pol.select = select
