@@ -343,7 +343,13 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
     return out
 
 
-COMPILE_TOL = 3e-2  # compiled vs uncompiled logits, bf16 / fp16 (max |dlogit| / max |logit|)
+# compiled vs uncompiled logits, bf16 / fp16 (max |dlogit| / max |logit| over the teacher-forced steps).
+# Inductor keeps fused intermediates (RMSNorm, RoPE, SiLU * up) in fp32 where eager rounds each op to
+# bf16, so the two differ by rounding. Measured on the H200 (Llama-3-8B shape, random weights, 40 steps):
+# 6.8e-2 resident, 7.5e-2 offloaded, the same order as kvdex vs transformers' SDPA eager (4.3-4.7e-2);
+# in fp32 compiled == eager within 1e-4 (tests/test_compile.py, CPU and GPU). The first guess, 3e-2,
+# failed on that rounding alone.
+COMPILE_TOL = 1e-1
 
 
 def _tol(method: str, model) -> float:

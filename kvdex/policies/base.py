@@ -129,11 +129,13 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
 
 def _fast_topk(score: torch.Tensor, k: int):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None. ``KVDEX_TRITON=0`` forces
-    torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` (default 32768, set from scripts/gpu_topk.py
-    timings) go to torch.topk, whose multi-block select is faster there."""
+    torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk, whose multi-block select is faster
+    there. Default 16384: on the H200 (scripts/gpu_topk.py, graph-replayed, 8 rows, k = 125) the kernel took
+    15-23 us against torch.topk's 46-63 us at 8192 scores per row, but 74-119 us against 46-82 us at 32768;
+    16384 (the longest row the kernel keeps in registers) is near the interpolated break-even."""
     import os
 
-    if os.environ.get("KVDEX_TRITON", "1") == "0" or score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 32768)):
+    if os.environ.get("KVDEX_TRITON", "1") == "0" or score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 16384)):
         return None
     try:
         from kvdex.kernels import topk
