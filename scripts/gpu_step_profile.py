@@ -6,6 +6,8 @@ their GPU time. wall >> GPU time means the step is launch/CPU bound (what a CUDA
 ``+graph`` method the kernels per step are the graph's nodes (steps that start a page run eagerly).
 
     PYTHONPATH=$PWD python scripts/gpu_step_profile.py --shape llama3-8b --context 32768
+    PYTHONPATH=$PWD python scripts/gpu_step_profile.py --context 131072 --methods quest/device+graph+compile \
+        --kernels 25
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main():
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--methods", default="quest/device,quest/device+graph,quest/offload+graph,hf/dynamic")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--kernels", type=int, default=0, help="print the N kernels with the most GPU time per step")
     a = ap.parse_args()
     cfg = runner.BenchConfig(shape=a.shape, budget=a.budget)
     model = shapes.build_model(a.shape, torch.bfloat16, "cuda", a.context + 1024)
@@ -36,10 +39,10 @@ def main():
         ids = torch.randint(1, model.config.vocab_size, (a.batch, a.context), device="cuda")
         nxt = runner._prefill(model, cache, ids).argmax(-1, keepdim=True)
         graph = None
-        if method.endswith("+graph"):
+        if "+graph" in method:  # METHOD+graph or METHOD+graph+compile
             from kvdex.bench.graph import GraphDecoder
 
-            graph = GraphDecoder(model, cache, a.batch)
+            graph = GraphDecoder(model, cache, a.batch, compile=method.endswith("+compile"))
         step = runner._stepper(model, cache, graph)
         for _ in range(20):  # past the first capture
             nxt, _ = step(nxt)
@@ -55,8 +58,17 @@ def main():
         by = {}
         for e in kern:
             by[e.name] = by.get(e.name, 0.0) + e.device_time / 1e3 / a.steps
-        top = ", ".join(f"{n[:40]} {t:.2f}" for n, t in sorted(by.items(), key=lambda x: -x[1])[:4])
+        cnt = {}
+        for e in kern:
+            cnt[e.name] = cnt.get(e.name, 0) + 1 / a.steps
+        ranked = sorted(by.items(), key=lambda x: -x[1])
+        top = ", ".join(f"{n[:40]} {t:.2f}" for n, t in ranked[:4])
         print(f"{method:<16} {wall:>12.2f} {gpu:>12.2f} {len(kern) / a.steps:>12.0f}  {top}", flush=True)
+        if a.kernels:  # the per-kernel split of the step's GPU time
+            for n, t in ranked[: a.kernels]:
+                print(f"    {t:>7.3f} ms  {cnt[n]:>6.0f}x  {n[:110]}", flush=True)
+            rest = sum(t for _, t in ranked[a.kernels :])
+            print(f"    {rest:>7.3f} ms  (the other {max(0, len(ranked) - a.kernels)} kernel names)", flush=True)
         del cache
         torch.cuda.empty_cache()
 
