@@ -357,7 +357,7 @@ class ParisKVPolicy(Policy):
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
         val, top = torch.topk(est, min(k, c), dim=-1)
-        final = torch.where(torch.isfinite(val), cand.gather(1, top), -1)
+        final = torch.where(val > float("-inf"), cand.gather(1, top), -1)  # -inf: no candidate (1 kernel, not 4)
         return final.view(b, h, -1), cand.view(b, h, -1)
 
 
