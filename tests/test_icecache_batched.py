@@ -303,7 +303,7 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     assert torch.equal(out[0], ref[0])
     torch.testing.assert_close(out[1], ref[1], atol=1e-3, rtol=0)
     # sparse: each device selection vs the host page choice on the same trees and q (up to near-ties)
-    cache = kvdex.Cache(model, "icecache", budget=64, dense_layers=1, offload=offload)
+    cache = kvdex.Cache(model, "icecache", budget=64, dense_layers=1, offload=offload, search="auto")
     pol, same = cache.policy, []
     assert pol.search == "auto"
     orig = pol.select

@@ -91,7 +91,9 @@ class IceCachePolicy(Policy):
     # where the per-step tree searches run: "device" = one batched search over all trees of a layer
     # (kvdex.index.forest, a mirror of the trees on q's device, no host sync), "host" = one search per
     # tree on the CPU thread pool, "auto" = device when the model runs on CUDA, else host.
-    search: str = "auto"
+    # Default "host" until the device search has passed its GPU tests and measurements (written in
+    # session 4 without a GPU run; docs/policies/icecache.md); then the default becomes "auto".
+    search: str = "host"
     # search=device on CUDA: capture each layer's batched search + page choice as a CUDA graph (one
     # launch instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion)
     graphs: bool = False
