@@ -29,7 +29,7 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
   the replay skipped (step counters, lookup counts). Device-side effects (H2O's score accumulation,
   ArkVale's cache bookkeeping) are inside the graph, written in place into persistent buffers.
 
-A policy without ``graph_key`` (``pariskv``, ``icecache``: their selection touches the CPU) is decoded
+A policy without ``graph_key`` (``icecache``: its tree search runs on CPU threads) is decoded
 eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
 
 **CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
