@@ -65,7 +65,8 @@ def main():
     gen = torch.Generator().manual_seed(0)
     ok_all = True
     cases = [(1, 8192, 125), (8, 8192, 125), (1, 32768, 125), (8, 32768, 125), (1, 32768, 2048), (1, 131072, 2048)]
-    print(f"{'case':<36} {'torch.topk us':>14} {'triton us':>10} {'speedup':>8}  exact==twin  set==torch")
+    print(f"{'case':<36} {'torch.topk us':>14} {'triton us':>10} {'speedup':>8}  exact==twin  set==torch"
+          f"  {'split us':>9} {'split==twin':>11}")
     for b, n, k in cases:
         for dt in (torch.float32, torch.bfloat16):
             score = torch.randn(b, 8, n, generator=gen)
@@ -78,7 +79,13 @@ def main():
             t_old = graph_us(lambda score=score, k=k: old_topk_ids(score, k))
             t_new = graph_us(lambda score=score, k=k: tk.topk_ids(score, k))
             name = f"B={b} H=8 N={n} k={k} {str(dt).split('.')[-1]}"
-            print(f"{name:<36} {t_old:14.1f} {t_new:10.1f} {t_old / t_new:8.2f}  {exact!s:>11}  {same!s:>9}")
+            split = "-"
+            if n > 8192:  # two stages: 8192-score segments, then the candidates (tk.topk_ids_split)
+                ok_split = torch.equal(tk.topk_ids_split(score, k).cpu(), tk.topk_ids_reference(score.cpu(), k))
+                ok_all &= ok_split
+                t_split = graph_us(lambda score=score, k=k: tk.topk_ids_split(score, k))
+                split = f"{t_split:9.1f} {ok_split!s:>11}"
+            print(f"{name:<36} {t_old:14.1f} {t_new:10.1f} {t_old / t_new:8.2f}  {exact!s:>11}  {same!s:>9}  {split}")
 
     print("\nknob sweep at B=1 H=8 N=8192 k=125 fp32 (us per call, graph-replayed):")
     score = torch.randn(1, 8, 8192, generator=gen)

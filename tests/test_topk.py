@@ -179,6 +179,23 @@ def test_kernel_long_rows_token_scores():
         _torch_set_ok(score, ids, k)
 
 
+@run_kernels
+@pytest.mark.parametrize("n,k,segment", [(3000, 64, 512), (2048, 300, 256), (1000, 40, 128), (4100, 125, 1024)])
+def test_split_topk_equals_twin(n, k, segment):
+    """Two stages (segments' top k, then the candidates' top k) == the one-pass twin: random scores,
+    heavy ties across segments, masked tails, a row with fewer finite scores than k, N not a multiple of
+    the segment."""
+    tk = _twin()
+    g = torch.Generator().manual_seed(n + k)
+    score = torch.randn(2, 4, n, generator=g)
+    score[0, 1] = torch.randint(0, 3, (n,), generator=g).float()  # ties at the k-th value in every segment
+    score[0, 2, n // 5 :] = float("-inf")
+    score[1, 0, 30:] = float("-inf")  # 30 finite < k
+    score[1, 3] = float("-inf")
+    ids = tk.topk_ids_split(score.to(DEV), k, segment=segment).cpu()
+    assert torch.equal(ids, tk.topk_ids_reference(score, k))
+
+
 # ---- GPU only -------------------------------------------------------------------------------------
 
 

@@ -214,6 +214,36 @@ def topk_ids(
     return out.view(*lead, k)
 
 
+def topk_ids_split(score: torch.Tensor, k: int, segment: int = 8192, **kw) -> torch.Tensor:
+    """:func:`topk_ids` for long rows in two stages: the top k of each ``segment`` scores (one program per
+    segment, the row held in registers), then the top k of those S x k candidates.
+
+    Same output as :func:`topk_ids` when every score is finite or ``-inf`` (what the policies produce:
+    masked entries are ``-inf``): the global top k lie in the union of the segments' top k, and equal
+    scores keep the lowest index in both stages (candidates are listed segment by segment, each
+    segment's in descending score with ties by index, so among equal scores list order is index order).
+    A ``NaN`` or ``+inf`` score is reported as ``-1`` by the first stage and loses its rank there.
+    One row of 131072 scores runs as 16 programs instead of one re-reading its row for every pass.
+    """
+    n = score.shape[-1]
+    if n <= segment:
+        return topk_ids(score, k, **kw)
+    k = min(k, n)
+    lead = score.shape[:-1]
+    s = score.reshape(-1, n)
+    nseg = triton.cdiv(n, segment)
+    if nseg * segment != n:
+        s = torch.nn.functional.pad(s, (0, nseg * segment - n), value=float("-inf"))
+    seg = s.reshape(-1, nseg, segment)
+    local = topk_ids(seg, min(k, segment), **kw)  # [R, S, k'] ids within each segment, -1: not finite
+    ok = local >= 0
+    val = seg.gather(-1, local.clamp(min=0)).masked_fill(~ok, float("-inf"))
+    gid = local + torch.arange(nseg, device=score.device)[:, None] * segment
+    pick = topk_ids(val.reshape(s.shape[0], -1), k, **kw)  # positions in the candidate list
+    out = gid.reshape(s.shape[0], -1).gather(-1, pick.clamp(min=0))
+    return torch.where(pick >= 0, out, -1).view(*lead, k)
+
+
 def topk_ids_reference(score: torch.Tensor, k: int) -> torch.Tensor:
     """The twin: a stable descending sort (ties: lowest index first, ``-0.0 == +0.0``, NaN largest), the
     first ``min(k, N)`` ids, ``-1`` where the score is not finite."""

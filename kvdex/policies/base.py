@@ -132,16 +132,23 @@ def _fast_topk(score: torch.Tensor, k: int):
     torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk, whose multi-block select is faster
     there. Default 16384: on the H200 (scripts/gpu_topk.py, graph-replayed, 8 rows, k = 125) the kernel took
     15-23 us against torch.topk's 46-63 us at 8192 scores per row, but 74-119 us against 46-82 us at 32768;
-    16384 (the longest row the kernel keeps in registers) is near the interpolated break-even."""
+    16384 (the longest row the kernel keeps in registers) is near the interpolated break-even.
+    ``KVDEX_TOPK_SPLIT=1`` (opt-in until scripts/gpu_topk.py has timed it) sends the longer rows to the
+    two-stage ``topk_ids_split`` (8192-score segments, then their candidates) instead of torch.topk."""
     import os
 
-    if os.environ.get("KVDEX_TRITON", "1") == "0" or score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 16384)):
+    if os.environ.get("KVDEX_TRITON", "1") == "0":
+        return None
+    long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 16384))
+    if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
         return None
     try:
         from kvdex.kernels import topk
     except ImportError:
         return None
-    return topk.topk_ids if topk.supported(score, k) else None
+    if not topk.supported(score, k):
+        return None
+    return topk.topk_ids_split if long_row else topk.topk_ids
 
 
 def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
