@@ -5,12 +5,13 @@
 #   pc     ~4 min   32k/128k batch 1, quest offloaded + CUDA graph: no page cache / cache 256 / cache 256 + fused bookkeeping
 #   b8a    ~3 min   batch 8 at 32k: quest resident / offloaded (page cache) + graph vs transformers' DynamicCache
 #   b8b    ~4 min   batch 8 at 64k: the same (128k x 8 does not fit: 128 GiB of bf16 KV, see docs/benchmarks.md)
+#   b8c    ~6 min   batch 8 at 128k, offloaded + graph + page cache (128 GiB of host KV: needs a host of >= 256 GiB)
 #   b512   ~6 min   512k batch 1, offloaded + graph + page cache, chunked prefill (32k tokens a forward)
 #   real   ~4 min   page-cache hit rate: Qwen2.5-Coder-0.5B GGUF on essay text vs random weights of its shape
 # usage: bash scripts/gpu_bench_s3.sh PART [OUTDIR]     (repo root; OUTDIR default runs/s3)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-part=${1:?usage: gpu_bench_s3.sh tests|pc|b8a|b8b|b512|real [OUTDIR]}
+part=${1:?usage: gpu_bench_s3.sh tests|pc|b8a|b8b|b8c|b512|real [OUTDIR]}
 out=${2:-runs/s3}
 mkdir -p "$out"
 MODEL=${KVDEX_GPU_MODEL:-/tmp/m/qwen.gguf}
@@ -57,6 +58,10 @@ b8a|b8b)
   $B --shape llama3-8b --contexts "$ctx" --batches 8 --policies quest --storages device,offload --graph-only \
      --baselines hf/dynamic --split-steps 0 --page-cache 256 --prefill-chunk 8192 --out "$out/$part/run" \
      2>&1 | grep -v "^ *$" | tail -6 ;;
+b8c)
+  $B --shape llama3-8b --contexts 128k --batches 8 --policies quest --storages offload --graph-only \
+     --baselines hf/dynamic --split-steps 0 --page-cache 256 --prefill-chunk 16384 --out "$out/b8c/run" \
+     2>&1 | grep -v "^ *$" | tail -6 ;;
 b512)
   $B --shape llama3-8b --contexts 512k --batches 1 --policies quest --storages offload --graph-only \
      --baselines none --split-steps 0 --page-cache 256 --prefill-chunk 32768 --out "$out/b512/run" \
@@ -72,6 +77,6 @@ real)
       --page-cache 256 --out "$out/real/random-$budget" 2>&1 | grep -v "^ *$" | tail -3
   done ;;
 *)
-  echo "unknown part $part (tests|pc|b8a|b8b|b512|real)"; exit 2 ;;
+  echo "unknown part $part (tests|pc|b8a|b8b|b8c|b512|real)"; exit 2 ;;
 esac
 summary
