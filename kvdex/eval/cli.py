@@ -79,6 +79,15 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument(
+        "--decode",
+        choices=("auto", "eager", "graph"),
+        default="auto",
+        help="how decode steps run: graph replays CUDA graphs (kvdex.GraphDecoder; steps that cannot be "
+        "captured, and policies / stores / observers without graph support, run eagerly), eager runs every "
+        "step through the model; auto (default): graph on CUDA, eager elsewhere. Not part of a run's identity "
+        "(graph == eager up to float rounding); each prediction records how it was decoded",
+    )
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -135,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         offload=args.offload,
         dtype=str(model.dtype).removeprefix("torch."),
         progress=not args.no_progress,
+        decode=args.decode,
         extra={"model_arg": args.model, "gguf": args.gguf, "device": str(model.device)},
     )
     results = run_task(task, model, tok, cfg)

@@ -9,6 +9,12 @@ an unfinished run resumes at the first sample it has no prediction for).
 For each sample the prompt is prefilled once into a ``full`` cache; every run that still needs the
 sample gets ``cache.fork(policy, budget)`` -- a fresh policy re-indexing the same prefill -- and the
 task decodes from it. ``full`` is always run: every metric is reported with its ratio to ``full``.
+
+Decode steps run eagerly or through CUDA graphs (``EvalConfig.decode``: ``auto`` = graphs on CUDA,
+eager elsewhere): each fork gets its own :class:`kvdex.integration.graph.GraphDecoder`, dropped with
+the fork. Graph replay runs the same kernels as an eager step under static sizing, which equals the
+eager (dynamic) result up to float rounding, so the mode is not part of a run's identity; every
+prediction record says how it was decoded (``decode``, ``decode_steps``, ``decode_reason``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 FULL = "full"
+DECODE_MODES = ("auto", "eager", "graph")
 
 
 # ---- what a task provides --------------------------------------------------------------------------
@@ -53,6 +60,70 @@ class DecodeContext:
     first_logits: torch.Tensor  # [vocab] fp32, the dense prefill's prediction of the first new token
     prompt_len: int
     progress: bool = False
+    decode: str = "eager"  # "eager" or "graph" (resolved: see resolve_decode)
+    _decoder: Any = field(default=None, repr=False)  # the fork's GraphDecoder, made at the first step
+    _eager_why: str | None = field(default=None, repr=False)  # why steps run eagerly although graph was asked
+    # steps of closed decoders and of forward_token, capture seconds; why a decoder ran no graphs
+    _counts: dict = field(default_factory=lambda: {"eager": 0, "captures": 0, "replays": 0}, repr=False)
+    _capture_s: float = field(default=0.0, repr=False)
+    _graph_why: str | None = field(default=None, repr=False)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token through the fork; returns the next-token logits [vocab] (fp32, a fresh tensor).
+
+        ``decode == "graph"``: through the fork's :class:`~kvdex.integration.graph.GraphDecoder` (which
+        replays CUDA graphs where it can and runs the other steps eagerly, e.g. page boundaries, or all
+        of them where the policy / store cannot be captured or there is no CUDA device). While an
+        observer is attached to the cache, or after :meth:`force_eager`, steps run eagerly here.
+        """
+        if self.decode != "graph" or self._eager_why is not None or self.cache.observer is not None:
+            if self.decode == "graph" and self._eager_why is None:
+                self._eager_why = "an observer is attached to the cache"
+            self._counts["eager"] += 1
+            return forward_token(self.model, self.cache, token)
+        if self._decoder is None:
+            from kvdex.integration.graph import GraphDecoder
+
+            self._decoder = GraphDecoder(self.model, self.cache, 1, warn=False)
+        dec = self._decoder
+        captures = dec.counts["captures"]
+        t0 = time.perf_counter()
+        ids = torch.tensor([[token]], device=self.model.device)
+        logits = dec.step(ids)[0].to(torch.float32, copy=True)  # a replay rewrites its output buffer
+        if dec.counts["captures"] != captures:
+            torch.cuda.synchronize(dec.device)
+            self._capture_s += time.perf_counter() - t0
+        return logits
+
+    def force_eager(self, why: str) -> None:
+        """Run every later step eagerly (e.g. a per-step hook that looks at the cache between steps)."""
+        if self.decode == "graph" and self._eager_why is None:
+            self._eager_why = why
+
+    def close(self) -> dict:
+        """Drop the fork's graph decoder (its graphs and memory pool); returns how the decode ran, for
+        the prediction record: ``decode`` ("graph" where at least one step replayed a CUDA graph, else
+        "eager"), and where graphs were asked for, ``decode_steps`` (eager steps, captures, replays,
+        capture seconds) and ``decode_reason`` (why steps ran eagerly; None where nothing stopped
+        replay)."""
+        if self.decode != "graph":
+            return {"decode": "eager"}
+        dec, self._decoder = self._decoder, None
+        if dec is not None:
+            for k in self._counts:
+                self._counts[k] += dec.counts[k]
+            self._graph_why = self._graph_why or dec.reason
+            dec.graph = dec.logits = None  # the graphs and their pool go now, whoever still holds dec
+        counts = dict(self._counts)
+        why = self._eager_why or self._graph_why
+        if why is None and counts["replays"] == 0:
+            why = f"too few steps to capture ({counts['eager']} eager)"
+        counts["capture_s"] = round(self._capture_s, 4)
+        return {
+            "decode": "graph" if counts["replays"] else "eager",
+            "decode_steps": counts,
+            "decode_reason": why,
+        }
 
 
 class Task:
@@ -107,10 +178,12 @@ def greedy(ctx: DecodeContext, max_new_tokens: int, stop_ids=(), before_step=Non
     """
     out = [int(ctx.first_logits.argmax())]
     stop = set(stop_ids)
+    if before_step is not None:
+        ctx.force_eager("a before_step hook runs between steps")
     while len(out) < max_new_tokens and out[-1] not in stop:
         if before_step is not None:
             before_step(len(out))
-        out.append(int(forward_token(ctx.model, ctx.cache, out[-1]).argmax()))
+        out.append(int(ctx.step(out[-1]).argmax()))
     return out
 
 
@@ -121,10 +194,12 @@ def teacher_forced(ctx: DecodeContext, tokens: list[int], before_step=None) -> l
     so it is not scored: every scored token is predicted by a decode step through the policy).
     """
     nll = []
+    if before_step is not None:
+        ctx.force_eager("a before_step hook runs between steps")
     for i in range(len(tokens) - 1):
         if before_step is not None:
             before_step(i + 1)
-        logits = forward_token(ctx.model, ctx.cache, tokens[i])
+        logits = ctx.step(tokens[i])
         nll.append(float(torch.log_softmax(logits, -1)[tokens[i + 1]].neg()))
     return nll
 
@@ -163,6 +238,11 @@ class EvalConfig:
     dtype: str | None = None  # the model's dtype: part of each run's identity (bf16 and fp32 differ)
     progress: bool = True
     extra: dict = field(default_factory=dict)  # recorded in config.json (e.g. model path, device)
+    # auto / eager / graph: how decode steps run (not part of a run's identity; recorded per prediction)
+    decode: str = "auto"
+
+    def __post_init__(self):
+        resolve_decode(self.decode, "cpu")  # a bad value: ValueError now
 
     def cache_kwargs(self) -> dict:
         return dict(
@@ -180,6 +260,17 @@ class EvalConfig:
             if p != FULL:
                 out += [(p, b) for b in self.budgets]
         return out
+
+
+def resolve_decode(mode: str, device) -> str:
+    """``auto`` / ``eager`` / ``graph`` -> ``eager`` or ``graph`` for a model on ``device`` (auto: graph
+    on CUDA, eager elsewhere). ``graph`` where graphs cannot run (CPU, an uncapturable policy or store)
+    still decodes eagerly, through the GraphDecoder's fallback, and the record says why."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "graph" if torch.device(device).type == "cuda" else "eager"
+    return mode
 
 
 @dataclass
@@ -334,23 +425,30 @@ def run_task(task: Task, model, tokenizer, cfg: EvalConfig) -> list[RunResult]:
 
 @torch.inference_mode()
 def _run_sample(task, model, tokenizer, cfg, sample, runs, bar) -> None:
+    mode = resolve_decode(cfg.decode, next(model.parameters()).device)
     t0 = time.perf_counter()
     base, logits = prefill(model, sample.input_ids, cfg.cache_kwargs())
     prefill_s = time.perf_counter() - t0
     for r in runs:
         bar.set_postfix_str(f"{r.policy}" + ("" if r.budget is None else f"@{r.budget}"))
         cache = base.fork(task.policy(r.policy), r.budget)
-        ctx = DecodeContext(model, tokenizer, cache, logits, len(sample.input_ids), cfg.progress)
+        ctx = DecodeContext(model, tokenizer, cache, logits, len(sample.input_ids), cfg.progress, decode=mode)
         t0 = time.perf_counter()
-        record = task.decode(ctx, sample)
+        try:
+            record = task.decode(ctx, sample)
+        finally:
+            how = ctx.close()  # drops the fork's CUDA graphs, also when the task fails
         record = {
             "sample_id": sample.id,
             **record,
             "prefill_s": round(prefill_s, 3),
             "decode_s": round(time.perf_counter() - t0, 3),
+            **how,
         }
         r.append(record)
         del cache, ctx
+        if how["decode"] == "graph":  # free the fork's graph pool before the next fork captures
+            gc.collect()
     del base
     gc.collect()
 
