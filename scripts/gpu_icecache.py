@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,59 +149,98 @@ def decode_bench(model, base, first, budgets, steps, threads, searches=("host",)
     if agree:
         runs += [(f"icecache:threads={threads}:search=device", b, "agree") for b in budgets]
     runs += [("full", None, "plain")]
+    lost = None  # a failure that left the CUDA context unusable (e.g. a device-side assert)
     for policy, budget, mode in runs:
-        t0 = time.perf_counter()
-        cache = base.fork(policy, budget if budget is not None else base.config.budget)
-        fork_s = time.perf_counter() - t0
-        if budget is not None:
-            t0 = time.perf_counter()
-            cache.policy.flush()  # the prefill trees: built on the pool, or reused from an earlier fork
-            trees_s = time.perf_counter() - t0
-        else:
-            trees_s = 0.0
-        times, agreement = [], []
-        if mode == "timed":
-            _timed_select(cache.policy, times)
-        elif mode == "agree":
-            _agreeing_select(cache.policy, agreement)
-        tok = first
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-        sync()
-        dt = time.perf_counter() - t0
-        ps = cache.stats().get("policy_stats", {})
-        layers = len(cache.policy.info.sparse_layers)
-        q = ps.get("query_s", 0.0)
-        rows.append(
-            {
-                "policy": "full" if budget is None else "icecache",
-                "spec": policy,
-                "mode": mode,
-                "search": _search_name(policy),
-                "graph_captures": ps.get("graph_captures"),
-                "graph_error": ps.get("graph_error"),
-                "budget": budget,
-                "query_ms_per_step_synced": sum(times) / steps * 1e3 if times else None,
-                "agree_identical": sum(a for a, _ in agreement) / len(agreement) if agreement else None,
-                "agree_jaccard": sum(j for _, j in agreement) / len(agreement) if agreement else None,
-                "agree_n": len(agreement),
-                "fork_s": fork_s,
-                "trees_ready_s": trees_s,
-                "builds": ps.get("builds"),
-                "builds_reused": ps.get("builds_reused"),
-                "decode_ms_per_step": dt / steps * 1e3,
-                "query_ms_per_step": q / steps * 1e3 if budget is not None else None,
-                "q_wait_ms_per_step": ps.get("q_wait_s", 0.0) / steps * 1e3 if budget is not None else None,
-                "query_ms_per_layer_step": q / (steps * layers) * 1e3 if budget is not None else None,
-                "insert_s": ps.get("insert_s"),
-                "tokens_per_selected_page": ps.get("tokens_per_selected_page"),
-            }
-        )
-        del cache
+        if lost is not None:
+            rows.append(_error_row(policy, budget, mode, f"skipped: the CUDA context was lost earlier ({lost})"))
+            continue
+        try:
+            rows.append(_decode_run(model, base, first, policy, budget, mode, steps))
+        except Exception as e:  # report the failing run, go on with the others
+            err = f"{type(e).__name__}: {e}".strip()[:600]
+            print(f"[gpu_icecache] {policy} budget={budget} mode={mode} FAILED: {err}", file=sys.stderr, flush=True)
+            rows.append(_error_row(policy, budget, mode, err))
+            if not _cuda_usable():
+                lost = f"{policy} budget={budget} mode={mode}: {err[:200]}"
     return rows
+
+
+def _cuda_usable() -> bool:
+    """False when the CUDA context is broken (a device-side assert poisons it for the process)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").sum().item() == 1.0
+    except Exception:
+        return False
+
+
+def _error_row(policy, budget, mode, err) -> dict:
+    return {
+        "policy": "icecache" if policy.startswith("icecache") else policy,
+        "spec": policy,
+        "mode": mode,
+        "search": _search_name(policy),
+        "budget": budget,
+        "error": err,
+    }
+
+
+def _decode_run(model, base, first, policy, budget, mode, steps) -> dict:
+    """One fork of the prefill (``policy`` at ``budget``; ``mode`` plain / timed / agree), ``steps``
+    greedy decode steps; its row of the table."""
+    t0 = time.perf_counter()
+    cache = base.fork(policy, budget if budget is not None else base.config.budget)
+    fork_s = time.perf_counter() - t0
+    if budget is not None:
+        t0 = time.perf_counter()
+        cache.policy.flush()  # the prefill trees: built on the pool, or reused from an earlier fork
+        trees_s = time.perf_counter() - t0
+    else:
+        trees_s = 0.0
+    times, agreement = [], []
+    if mode == "timed":
+        _timed_select(cache.policy, times)
+    elif mode == "agree":
+        _agreeing_select(cache.policy, agreement)
+    tok = first
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+    sync()
+    dt = time.perf_counter() - t0
+    ps = cache.stats().get("policy_stats", {})
+    layers = len(cache.policy.info.sparse_layers)
+    q = ps.get("query_s", 0.0)
+    row = {
+        "policy": "full" if budget is None else "icecache",
+        "spec": policy,
+        "mode": mode,
+        "search": _search_name(policy),
+        "graph_captures": ps.get("graph_captures"),
+        "graph_error": ps.get("graph_error"),
+        "budget": budget,
+        "query_ms_per_step_synced": sum(times) / steps * 1e3 if times else None,
+        "agree_identical": sum(a for a, _ in agreement) / len(agreement) if agreement else None,
+        "agree_jaccard": sum(j for _, j in agreement) / len(agreement) if agreement else None,
+        "agree_n": len(agreement),
+        "fork_s": fork_s,
+        "trees_ready_s": trees_s,
+        "builds": ps.get("builds"),
+        "builds_reused": ps.get("builds_reused"),
+        "decode_ms_per_step": dt / steps * 1e3,
+        "query_ms_per_step": q / steps * 1e3 if budget is not None else None,
+        "q_wait_ms_per_step": ps.get("q_wait_s", 0.0) / steps * 1e3 if budget is not None else None,
+        "query_ms_per_layer_step": q / (steps * layers) * 1e3 if budget is not None else None,
+        "insert_s": ps.get("insert_s"),
+        "tokens_per_selected_page": ps.get("tokens_per_selected_page"),
+        "error": None,
+    }
+    del cache
+    return row
 
 
 def main():
@@ -214,8 +256,62 @@ def main():
     ap.add_argument("--search", default="host", help="comma list of icecache search modes: device,graphs,host")
     ap.add_argument("--agree", action="store_true", help="compare device-search selections with the host's")
     ap.add_argument("--skip-build", action="store_true", help="skip the build benchmark (step 2)")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each search mode in its own process (a device-side assert in one mode poisons the CUDA "
+        "context of its process only; each process loads the model and prefills again)",
+    )
     ap.add_argument("--out", default="ice_speed.json")
     args = ap.parse_args()
+    searches = tuple(args.search.split(","))
+    if args.isolate and len(searches) > 1:
+        result = isolated(args, searches)
+    else:
+        result = bench(args, searches)
+    report(result, args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def isolated(args, searches) -> dict:
+    """Each search mode in a child process of this script; their results merged (a failed child is
+    one error row; the build benchmark runs in the first child, the ``full`` row is the first's)."""
+    result, rows = None, []
+    agree_in = "device" if "device" in searches else searches[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, s in enumerate(searches):
+            out = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--search", s, "--out", out]
+            for name in ("model", "data", "length", "threads", "budgets", "steps", "seed", "device"):
+                cmd += [f"--{name}", str(getattr(args, name))]
+            if args.skip_build or i > 0:
+                cmd.append("--skip-build")
+            if args.agree and s == agree_in:
+                cmd.append("--agree")
+            print(f"[gpu_icecache] --search {s} in a child process", file=sys.stderr, flush=True)
+            rc = subprocess.run(cmd).returncode
+            if rc != 0 or not os.path.exists(out):
+                rows.append(
+                    _error_row(
+                        f"icecache:search={s}", None, "all", f"child process for --search {s} exited with rc {rc}"
+                    )
+                )
+                continue
+            with open(out) as f:
+                child = json.load(f)
+            keep = [r for r in child["decode"] if r["policy"] != "full" or result is None]
+            rows += keep
+            if result is None:
+                result = child
+    if result is None:
+        raise SystemExit("gpu_icecache: every search mode failed (see the errors above)")
+    result["decode"] = rows
+    result["isolated"] = True
+    return result
+
+
+def bench(args, searches) -> dict:
     t_start = time.perf_counter()
     model, tok = load(args.model, device=args.device)
     ids = prompt_ids(tok, args).to(args.device)
@@ -234,7 +330,6 @@ def main():
         build = build_bench(keys, DCIParams(page_size=base.config.page_size), args.threads)
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
-    searches = tuple(args.search.split(","))
     dec = decode_bench(model, base, first, budgets, args.steps, args.threads, searches, args.agree)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
@@ -252,8 +347,13 @@ def main():
         "script_s": time.perf_counter() - t_start,
     }
     print(json.dumps(result, indent=1))
-    b = build
-    print(f"\nIceCache speed, {result['device']}, {ids.shape[1]} tokens, {args.threads} threads, commit {commit}")
+    return result
+
+
+def report(result, args) -> None:
+    b, commit = result["build"], result["commit"]
+    n = result["context_tokens"]
+    print(f"\nIceCache speed, {result['device']}, {n} tokens, {args.threads} threads, commit {commit}")
     if b is not None:
         print(f"build, one tree of {b['keys_per_tree']} keys on 1 thread: {b['one_tree_1thread_s']:.2f} s "
               f"({b['one_tree_1thread_s_per_32k']:.2f} s per 32k keys)")  # fmt: skip
@@ -264,7 +364,11 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     f1 = lambda x: "" if x is None else f"{x:.1f}"  # noqa: E731
     f3 = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
-    for r in dec:
+    for r in result["decode"]:
+        if r.get("error"):
+            head = f"| {r['policy']} | {r['search'] or ''} | {r['mode']} | {r['budget'] or ''}"
+            print(f"{head} | FAILED: {r['error'][:200]} |")
+            continue
         print(
             f"| {r['policy']} | {r['search'] or ''} | {r['mode']} | {r['budget'] or ''} | {r['fork_s']:.2f} | "
             f"{r['trees_ready_s']:.2f} | {r['builds'] or 0} ({r['builds_reused'] or 0}) | "
@@ -276,8 +380,9 @@ def main():
           "search=device only the time to issue the asynchronous GPU work; synced: a device sync before and after "
           "every select (mode 'timed', its decode ms include those syncs); same selection / Jaccard: mode 'agree', "
           "device vs host page choice per (step, layer, kv head))")  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    failed = [r for r in result["decode"] if r.get("error")]
+    if failed:
+        print(f"{len(failed)} run(s) FAILED (rows 'FAILED' above, 'error' in the JSON)")
 
 
 if __name__ == "__main__":

@@ -4,14 +4,19 @@ batched page choice is the host's, and the policy decodes like the host path."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import greedy, left_padded, prompt, shared_pair
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import kvdex
 from kvdex.index import DCIParams, DCITree, transform_queries
 from kvdex.index import forest as forest_mod
 from kvdex.index.forest import DCIForest, _greedy_fit
+from kvdex.policies import icecache as icecache_mod
 from kvdex.policies import make_policy
 
 G = 7  # query heads per kv head (Qwen2.5-0.5B)
@@ -351,4 +356,128 @@ def test_cuda_graphs_select_exactly_what_the_eager_device_search_selects(offload
     (t1, _), log1 = logs[0]
     (t2, _), log2 = logs[1]
     assert torch.equal(t1, t2)
+    assert log1 == log2
+
+
+# ---- CUDA graphs' contract, checked on the CPU ----------------------------------------------------------
+
+
+class GraphStandIn:
+    """What a CUDA graph does, on the CPU: the capture records the aten ops of the captured region;
+    a replay runs them again on the *same tensors* (a graph re-launches the same kernels on the same
+    addresses, whatever is stored there now) and writes the results into the captured outputs.
+
+    The tensors the region reads from outside the capture (other than the static input) are held
+    only weakly, and a replay fails when one of them was freed (on CUDA the graph would read memory
+    the allocator has handed to someone else), moved (storage, size, stride, offset) or changed its
+    values (the capture is stale: a re-capture was due). Data-dependent shapes fail too (the replay's
+    results do not fit the captured outputs)."""
+
+    def __init__(self, static_q: torch.Tensor):
+        self.static = static_q
+        self.ops: list = []
+        self.inside: set[int] = set()  # ids of the tensors produced inside the capture (held by self.ops)
+        self.outside: dict[int, tuple] = {}  # id -> (weakref, storage ptr, size, stride, offset, values)
+        self.replays = 0
+        self._mode = None
+
+    def capture_begin(self, **_):
+        stand_in = self
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                stand_in._record(func, args, kwargs or {}, out)
+                return out
+
+        self._mode = Record()
+        self._mode.__enter__()
+
+    def capture_end(self):
+        self._mode.__exit__(None, None, None)
+
+    def _record(self, func, args, kwargs, out):
+        flat, spec = tree_flatten((args, kwargs))
+        slots = []
+        for x in flat:
+            if not isinstance(x, torch.Tensor):
+                slots.append(("value", x))
+            elif id(x) in self.inside or x is self.static or func is torch.ops.aten.lift_fresh.default:
+                slots.append(("value", x))  # produced in the capture, the static input, or a constant
+            else:
+                if id(x) not in self.outside:
+                    meta = (x.untyped_storage().data_ptr(), x.shape, x.stride(), x.storage_offset())
+                    self.outside[id(x)] = (weakref.ref(x), *meta, x.clone())
+                slots.append(("outside", id(x)))
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor):
+                self.inside.add(id(o))
+        self.ops.append((func, slots, spec, out))
+
+    def replay(self):
+        for ref, ptr, size, stride, off, values in self.outside.values():
+            x = ref()
+            assert x is not None, "the captured graph reads a tensor freed since the capture (stale pointer)"
+            assert (x.untyped_storage().data_ptr(), x.shape, x.stride(), x.storage_offset()) == (ptr, size, stride, off)
+            assert torch.equal(x, values), "a tensor the captured graph reads changed since the capture (stale graph)"
+        for func, slots, spec, out in self.ops:
+            flat = [self.outside[v][0]() if kind == "outside" else v for kind, v in slots]
+            args, kwargs = tree_unflatten(flat, spec)
+            res = func(*args, **kwargs)
+            for o, r in zip(tree_flatten(out)[0], tree_flatten(res)[0], strict=True):
+                if isinstance(o, torch.Tensor) and not (o.shape == r.shape and o.data_ptr() == r.data_ptr()):
+                    o.copy_(r)  # (views of captured tensors already hold the result)
+        self.replays += 1
+
+
+def test_graph_stand_in_catches_freed_and_changed_inputs():
+    """The checker itself: a region that reads a temporary freed after the capture, or an array
+    changed in place without a re-capture, fails at replay; a well-kept one replays exactly."""
+    kept = torch.arange(10.0)
+
+    def region(q, tmp):
+        return (q[:, None] * kept[tmp]).sum(0)
+
+    q = torch.ones(3)
+    g = GraphStandIn(q)
+    tmp = torch.tensor([1, 2, 3])
+    g.capture_begin()
+    out = region(q, tmp)
+    g.capture_end()
+    q.copy_(torch.full((3,), 2.0))
+    g.replay()
+    assert torch.equal(out, 2 * torch.tensor([3.0, 6.0, 9.0]))
+    kept.add_(1)
+    with pytest.raises(AssertionError, match="changed since the capture"):
+        g.replay()
+    kept.sub_(1)
+    del tmp
+    with pytest.raises(AssertionError, match="freed since the capture"):
+        g.replay()
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_graphs_replay_only_tensors_the_policy_keeps(offload, monkeypatch):
+    """``graphs=True`` on the CPU through :class:`GraphStandIn` (static shapes, as on CUDA): every
+    tensor a captured search reads stays alive, in place and unchanged until its replays (the
+    session-5 H200 crash: a per-step index tensor read by the graph was freed after the capture),
+    insertions force re-captures, and the selections equal the eager device search's."""
+    monkeypatch.setattr(forest_mod, "STATIC_ON_CPU", True)
+    monkeypatch.setattr(icecache_mod, "GRAPHS_ON_CPU", GraphStandIn)
+    model, _ = shared_pair("qwen2")
+    ids, mask, _ = left_padded([420, 260], seed=5)
+    logs, stats = [], []
+    for spec in ("icecache:search=device", "icecache:search=device:graphs=True"):
+        cache = kvdex.Cache(model, spec, budget=64, dense_layers=1, offload=offload)
+        log = []
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
+        logs.append((greedy(model, ids, mask, cache, new=24), log))
+        stats.append(cache.stats()["policy_stats"])
+    assert "graph_error" not in stats[1], stats[1].get("graph_error")
+    assert stats[1]["graph_captures"] > 1 and stats[1]["graph_replays"] > stats[1]["graph_captures"]
+    assert stats[0]["graph_replays"] == 0
+    (t1, l1), log1 = logs[0]
+    (t2, l2), log2 = logs[1]
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2, atol=0, rtol=0)
     assert log1 == log2

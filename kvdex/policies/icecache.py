@@ -29,6 +29,7 @@ at the most recent anchor layer. Choices the paper leaves open are listed in doc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -47,6 +48,9 @@ from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 
 _POOLS: dict[tuple[int, str], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
+# tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) to run
+# the graphs=True path on the CPU (tests/test_icecache_batched.py checks what a capture reads)
+GRAPHS_ON_CPU = None
 
 
 def _pool(threads: int, role: str = "index") -> ThreadPoolExecutor:
@@ -151,7 +155,7 @@ class IceCachePolicy(Policy):
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
         self._forests: dict[int, DCIForest] = {}  # layer -> device mirror of its trees (search="device")
         self._dev_counts: torch.Tensor | None = None  # pages / tokens selected by device searches (no sync)
-        self._row_idx: dict = {}  # (device, searched rows) -> index tensor on the device
+        self._row_idx: dict = {}  # (device, searched rows, G) -> (row index, tree of each query row) on the device
         self._graphs: dict = {}  # layer -> (signature, CUDA graph, static query, static outputs)
         self._staged: dict = {}  # layer -> {tree index: DCIForest.stage(...)} not mirrored yet
         self._capture_stream = None
@@ -382,12 +386,12 @@ class IceCachePolicy(Policy):
                 forest = forest.update(trees, staged)
             self._forests[layer] = forest
             rows = tuple(i for i, _, _ in searches)
-            key = (dev, rows)
-            if key not in self._row_idx:
-                self._row_idx[key] = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-            ridx = self._row_idx[key]
+            key = (dev, rows, G)
+            if key not in self._row_idx:  # long-lived: a captured graph reads them at every replay
+                ridx = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+                self._row_idx[key] = (ridx, ridx.repeat_interleave(G))
+            ridx, tq = self._row_idx[key]
             qd = q.detach().float().reshape(R, G, D)[ridx].reshape(-1, D)
-            tq = ridx.repeat_interleave(G)
             k = self.topk or self.cfg.budget  # Alg. 3's k (see _search)
             keys_rule = self.budget_rule == "keys"
             cap = (self.max_pages or 1 << 40) if keys_rule else self._max_pages()
@@ -399,8 +403,9 @@ class IceCachePolicy(Policy):
                     ids, dot, ridx, G, budget, cap, self.budget_rule, self.group_merge, qk_scale, scale
                 )
 
-            if self.graphs and dev.type == "cuda":
-                toks, npages = self._graph_run(layer, (forest.uid, forest.version, rows, float(scale)), run, qd)
+            if self.graphs and (dev.type == "cuda" or GRAPHS_ON_CPU is not None):
+                sig = (forest.uid, forest.version, rows, float(scale))
+                toks, npages = self._graph_run(layer, sig, run, qd, keep=(forest, ridx, tq))
             else:
                 toks, npages = run(qd)
             out = torch.full((R, toks.shape[1]), -1, dtype=torch.long, device=dev)
@@ -423,22 +428,34 @@ class IceCachePolicy(Policy):
         self._stats["queries"] += 1
         return sel
 
-    def _graph_run(self, layer, sig, run, qd):
+    def _graph_run(self, layer, sig, run, qd, keep=()):
         """``run(qd)`` through a CUDA graph of the layer, captured again when ``sig`` changes (the
         mirror's arrays, its host-known bounds, the searched trees or the scale changed). The capture
         is on a side stream in thread-local mode (index worker threads may use CUDA meanwhile),
-        after one eager warm-up run there; the outputs are copied out of the graph's pool."""
+        after one eager warm-up run there; the outputs are copied out of the graph's pool.
+
+        A replay reads the very addresses the capture read, so every tensor the captured kernels
+        read from outside the capture must stay alive and unchanged until the next capture: the
+        static query (here), the mirror's arrays (the forest, in ``keep``; they change only with its
+        ``version``, part of ``sig``) and the row / tree index tensors (``keep``). Session 5 bug: the
+        per-step ``tq = ridx.repeat_interleave(G)`` was read by the graph but freed after the
+        capturing step; the allocator reused its memory and the replays indexed the mirror with
+        whatever was written there (device-side assert in an index/gather kernel)."""
         ent = self._graphs.get(layer)
         if ent is None or ent[0] != sig or ent[2].shape != qd.shape:
             self._graphs.pop(layer, None)
-            if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream(qd.device)
-            s, main = self._capture_stream, torch.cuda.current_stream(qd.device)
+            cuda = qd.device.type == "cuda"
             static_q = qd.clone()
-            s.wait_stream(main)
-            graph = torch.cuda.CUDAGraph()
+            if cuda:
+                if self._capture_stream is None:
+                    self._capture_stream = torch.cuda.Stream(qd.device)
+                s, main = self._capture_stream, torch.cuda.current_stream(qd.device)
+                s.wait_stream(main)
+                graph, ctx = torch.cuda.CUDAGraph(), torch.cuda.stream(s)
+            else:  # tests: a stand-in for a CUDA graph on the CPU (GRAPHS_ON_CPU)
+                graph, ctx = GRAPHS_ON_CPU(static_q), contextlib.nullcontext()
             try:
-                with torch.cuda.stream(s):
+                with ctx:
                     run(static_q)  # warm-up (lazy initialisations stay out of the capture)
                     graph.capture_begin(capture_error_mode="thread_local")
                     try:
@@ -446,13 +463,15 @@ class IceCachePolicy(Policy):
                     finally:
                         graph.capture_end()
             except RuntimeError as e:  # not capturable here: eager from now on, said in stats and a warning
-                main.wait_stream(s)
+                if cuda:
+                    main.wait_stream(s)
                 self.graphs = False
                 self._stats["graph_error"] = repr(e)[:300]
                 warnings.warn(f"icecache: CUDA graph capture failed, searching eagerly: {e!r}", stacklevel=2)
                 return run(qd)
-            main.wait_stream(s)
-            ent = (sig, graph, static_q, out)
+            if cuda:
+                main.wait_stream(s)
+            ent = (sig, graph, static_q, out, tuple(keep))
             self._graphs[layer] = ent
             self._stats["graph_captures"] += 1
         ent[2].copy_(qd)
