@@ -16,6 +16,7 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 
 import kvdex
 from kvdex.kernels import sparse_decode_attention
+from kvdex.policies._digest import DigestIndex
 from kvdex.policies._obs import middle_scores
 from kvdex.policies.prkv import split_budget
 from kvdex.selection import Selection
@@ -235,6 +236,15 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
                 # each slot holds the key of the position the origin map names (prompt tokens)
                 old = pos < lengths[b]
                 assert torch.equal(k[b, h, slots[old]], ref_keys[layer][b, h, pos[old]])
+        # the dynamic pages are ranked by digests of the pages as they are now (after the relocation)
+        nmid = store.grid.num_middle_pages(store.lengths_host)
+        m = int(nmid.max()) * PAGE
+        fresh = DigestIndex(pol.digest)
+        fresh.write(layer, torch.zeros_like(nmid), nmid, k[:, :, SINK : SINK + m].reshape(*k.shape[:2], m // PAGE, PAGE, -1))
+        for b, n in enumerate(nmid.tolist()):
+            for tab in ("centre", "radius"):
+                got, want = getattr(pol.digests, tab)[layer][b, :, :n], getattr(fresh, tab)[layer][b, :, :n]
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
     # keys by position: a dense prefill of the same prompt
     twin = kvdex.Cache(model, "full", budget=BUDGET, dense_layers=1)

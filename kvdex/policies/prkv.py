@@ -144,6 +144,10 @@ class PRKVPolicy(Policy):
         key = torch.where(is_static, origin, m + j)
         key = torch.where(j < own, key, 2 * m + j)
         order = key.argsort(dim=-1, stable=True)
+        # page representations of the restructured pages, from the keys already on the device. Taken
+        # before the store is permuted: a device store's dense() is a view of its buffer, which
+        # permute_middle reorders in place (gathering after it would apply the order twice).
+        moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
         store.permute_middle(order)
         self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
         count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
@@ -151,8 +155,6 @@ class PRKVPolicy(Policy):
             self.static[layer].copy_(count)
         else:
             self.static[layer] = count
-        # page representations of the restructured pages, from the keys already on the device
-        moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
         pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
         nmid = g.num_middle_pages(store.lengths_host)
         self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
