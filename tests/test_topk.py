@@ -214,7 +214,7 @@ def test_gpu_seam_matches_torch_topk_set_and_twin(dtype, b, n, k):
     assert torch.equal(ids.cpu(), tk.topk_ids_reference(score.cpu(), k))
     if dtype == torch.float32:
         _torch_set_ok(score, ids, k)
-        out = seam_topk_ids(score, k)  # Triton up to KVDEX_TOPK_MAX_N, torch.topk past it
+        out = seam_topk_ids(score, k)  # torch.topk by default; Triton up to KVDEX_TOPK_MAX_N where set
         _torch_set_ok(score, out, k)
 
 

@@ -129,17 +129,21 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
 
 def _fast_topk(score: torch.Tensor, k: int):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None. ``KVDEX_TRITON=0`` forces
-    torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk, whose multi-block select is faster
-    there. Default 16384: on the H200 (scripts/gpu_topk.py, graph-replayed, 8 rows, k = 125) the kernel took
-    15-23 us against torch.topk's 46-63 us at 8192 scores per row, but 74-119 us against 46-82 us at 32768;
-    16384 (the longest row the kernel keeps in registers) is near the interpolated break-even.
-    ``KVDEX_TOPK_SPLIT=1`` (opt-in until scripts/gpu_topk.py has timed it) sends the longer rows to the
-    two-stage ``topk_ids_split`` (8192-score segments, then their candidates) instead of torch.topk."""
+    torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk. Default 0, i.e. torch.topk
+    everywhere: in isolation (scripts/gpu_topk.py, H200, graph-replayed, 8 rows, k = 125, random scores)
+    the kernel took 15-23 us against torch.topk's 46-63 us at 8192 scores per row, but inside the real
+    decode step (scripts/gpu_step_profile.py, Llama-3.1-8B shape, 128k, quest/device+graph+compile,
+    Quest's page bounds: 8192 per row) it took 2.22 ms per step (74 us a call) against torch.topk's
+    1.74 ms, and the step 8.35 against 8.02 ms GPU time (docs/bench/step_kernels.md, session 5). So it
+    is opt-in (``KVDEX_TOPK_MAX_N=16384`` sends rows of up to 16384 scores to it) until a score
+    distribution where it wins in the step is measured. ``KVDEX_TOPK_SPLIT=1`` sends the longer rows to
+    the two-stage ``topk_ids_split`` (8192-score segments, then their candidates) instead of torch.topk
+    (in isolation 56-213 us vs torch.topk's 46-91 us at 32768-131072 scores: no faster)."""
     import os
 
     if os.environ.get("KVDEX_TRITON", "1") == "0":
         return None
-    long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 16384))
+    long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 0))
     if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
         return None
     try:
