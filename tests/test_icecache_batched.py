@@ -252,6 +252,8 @@ def test_device_search_full_budget_equals_dense(offload, static):
 def test_search_option_is_checked():
     with pytest.raises(ValueError, match="search"):
         make_policy("icecache", search="gpu")
+    with pytest.raises(ValueError, match="graphs"):
+        make_policy("icecache", graphs="False")  # a string is truthy: refused, not silently on
 
 
 @pytest.mark.gpu
@@ -344,7 +346,7 @@ def test_cuda_graphs_select_exactly_what_the_eager_device_search_selects(offload
     ids, mask, _ = left_padded([420, 260], seed=5)
     ids, mask = ids.cuda(), mask.cuda()
     logs, stats = [], []
-    for spec in ("icecache:search=device", "icecache:search=device:graphs=True"):
+    for spec in ("icecache:search=device:graphs=False", "icecache:search=device:graphs=True"):
         cache = kvdex.Cache(model, spec, budget=64, dense_layers=1, offload=offload)
         log = []
         cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
@@ -467,7 +469,7 @@ def test_graphs_replay_only_tensors_the_policy_keeps(offload, monkeypatch):
     model, _ = shared_pair("qwen2")
     ids, mask, _ = left_padded([420, 260], seed=5)
     logs, stats = [], []
-    for spec in ("icecache:search=device", "icecache:search=device:graphs=True"):
+    for spec in ("icecache:search=device:graphs=False", "icecache:search=device:graphs=True"):
         cache = kvdex.Cache(model, spec, budget=64, dense_layers=1, offload=offload)
         log = []
         cache.observer = lambda layer, q, store, aset, scale, log=log: log.append(_head_sets(aset))
