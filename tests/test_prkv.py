@@ -240,7 +240,8 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
         nmid = store.grid.num_middle_pages(store.lengths_host)
         m = int(nmid.max()) * PAGE
         fresh = DigestIndex(pol.digest)
-        fresh.write(layer, torch.zeros_like(nmid), nmid, k[:, :, SINK : SINK + m].reshape(*k.shape[:2], m // PAGE, PAGE, -1))
+        pages = k[:, :, SINK : SINK + m].reshape(*k.shape[:2], m // PAGE, PAGE, -1)
+        fresh.write(layer, torch.zeros_like(nmid), nmid, pages)
         for b, n in enumerate(nmid.tolist()):
             for tab in ("centre", "radius"):
                 got, want = getattr(pol.digests, tab)[layer][b, :, :n], getattr(fresh, tab)[layer][b, :, :n]
