@@ -249,6 +249,7 @@ class IceCachePolicy(Policy):
                 if tree is None:
                     params = DCIParams(**{**self.params.__dict__, "seed": seed})
                     tree, new = DCITree.build(k, pos, params), torch.arange(pos.numel())
+                    n0 = 0  # a tree first built after the others (a short sequence of a batch): mirror it whole
                     built += pos.numel()
                 else:
                     gen = self._gens.setdefault((layer, b * heads + h), torch.Generator().manual_seed(seed + 1))
