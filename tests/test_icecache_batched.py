@@ -483,3 +483,66 @@ def test_graphs_replay_only_tensors_the_policy_keeps(offload, monkeypatch):
     assert torch.equal(t1, t2)
     torch.testing.assert_close(l1, l2, atol=0, rtol=0)
     assert log1 == log2
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monkeypatch):
+    """A left-padded batch whose shortest sequence has no middle page at prefill: its trees are first
+    built by a decode-time index job, after the layer's other trees exist (``base`` is set), and the
+    device search stages them for the mirror from point 0 (session-6 H200 failure: ``n0`` was unbound
+    there, UnboundLocalError on the index worker). search=device decodes like search=host (same
+    attended tokens at every step and layer), the short sequence decodes as it does alone, and the
+    mirror of the layer equals a fresh mirror of its trees. The static variant also captures the
+    search as a (stand-in) CUDA graph, as on the H200 (static shapes, graphs=True)."""
+    if static:
+        monkeypatch.setattr(icecache_mod, "GRAPHS_ON_CPU", GraphStandIn)
+    model, _ = shared_pair("llama_gqa")
+    lengths = [150, 97, 40]  # the H200 test's batch; 40 < sink + window + 1 page: no middle page at prefill
+    ids, mask, prompts = left_padded(lengths, seed=2)
+    width, short, new = ids.shape[1], 2, 24
+    outs = []
+    for where in ("host", "device"):
+        cache = kvdex.Cache(model, f"icecache:search={where}", budget=96, dense_layers=1, offload=offload)
+        pol, log, built_late = cache.policy, [], []
+        heads = model.config.num_key_value_heads
+        cache.observer = lambda layer, q, store, aset, scale, log=log: log.append((layer, _head_sets(aset)))
+        job = pol._index_job
+
+        def spy(layer, keys, ready, per_b, prev, base, h, job=job, pol=pol, built_late=built_late):
+            trees, placements, staged = job(layer, keys, ready, per_b, prev, base, h)
+            if base is not None or prev is not None:  # a decode-time job: which trees did it create?
+                before = prev.result()[0] if prev is not None else base
+                late = [t for t, tree in enumerate(trees) if tree is not None and before[t] is None]
+                if pol.search == "device":  # staged for the mirror from its first point: the whole tree
+                    assert all(staged[t]["tree"] is trees[t] and staged[t]["n_from"] == 0 for t in late)
+                built_late += [(layer, t) for t in late]
+            return trees, placements, staged
+
+        pol._index_job = spy
+        outs.append((greedy(model, ids, mask, cache, new=new), log))
+        # the case under test happened: the short sequence's trees were built after the prefill's
+        assert {t // heads for _, t in built_late} == {short}, built_late
+        if where == "device":
+            st = cache.stats()["policy_stats"]
+            assert "graph_error" not in st, st.get("graph_error")
+            assert (st["graph_captures"] > 1) == static  # graphs run only with static shapes on the CPU
+            pol.flush()
+            assert pol._forests  # the searches ran on the mirror
+            for layer, forest in pol._forests.items():
+                trees = pol._trees[layer]
+                assert all(t is not None for t in trees)
+                forest = forest.update(trees, pol._staged.get(layer))
+                fresh = DCIForest(trees, "cpu", capacity=(forest.S, forest.Pc), static_shapes=forest.static)
+                for name in ("X", "proj", "dirs", "pt_page", "page_pos", "page_fill", "c", "root", "starts_at"):
+                    assert torch.equal(getattr(forest, name), getattr(fresh, name)), (layer, name)
+                for lev in range(forest.L - 1):
+                    for name in ("kids", "kid_start", "kid_count"):
+                        assert torch.equal(getattr(forest, name)[lev], getattr(fresh, name)[lev]), (layer, name, lev)
+    ((t_host, l_host), log_host), ((t_dev, l_dev), log_dev) = outs
+    assert torch.equal(t_host, t_dev)
+    torch.testing.assert_close(l_host, l_dev, atol=1e-5, rtol=0)
+    assert log_host == log_dev
+    alone = kvdex.Cache(model, "icecache:search=device", budget=96, dense_layers=1, offload=offload)
+    t1, l1 = greedy(model, prompts[short][None], None, alone, new=new)
+    assert torch.equal(t_dev[short, width:], t1[0, lengths[short] :])
+    torch.testing.assert_close(l_dev[:, short], l1[:, 0], atol=1e-4, rtol=0)
