@@ -33,9 +33,8 @@ def load(dirs: list[Path]) -> dict[str, list[RunResult]]:
             cfg = json.loads((run / "config.json").read_text())
             m = json.loads(mfile.read_text())
             if run.name in seen:
-                other = seen[run.name]
-                same = other.get("score") == m.get("score")
-                print(f"duplicate {run.name} in {root}: score {m.get('score')} ({'same' if same else 'DIFFERS'})",
+                diff = sorted(k for k, v in _scalars(m).items() if _scalars(seen[run.name]).get(k) != v)
+                print(f"duplicate {run.name} ({mfile}): " + (f"DIFFERS in {diff}" if diff else "identical metrics"),
                       file=sys.stderr)
                 continue
             seen[run.name] = m
@@ -50,11 +49,16 @@ def load(dirs: list[Path]) -> dict[str, list[RunResult]]:
     return by_task
 
 
+def _scalars(m: dict) -> dict:
+    return {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
+
+
 def write_csv(path: Path, results: list[RunResult]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for r in results:
         row = {"run": r.dir.name, "length": r.length, "policy": r.policy, "budget": r.budget}
-        row.update({k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str)) and k not in row})
+        row.update({k: v for k, v in _scalars(r.metrics).items() if k not in row})
         row.pop("task", None)
         row.pop("model", None)
         rows.append(row)
@@ -67,6 +71,34 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
     print(f"wrote {path} ({len(rows)} runs)")
 
 
+PHASES = ((0, 512), (512, 2048), (2048, 1 << 30))
+
+
+def write_phases(path: Path, results: list[RunResult]) -> None:
+    """Mean recall over phases of a long decode (first 512 steps, to 2048, after), and as a share of
+    ``oracle``'s recall in the same phase (how much of the budget's best the policy keeps as it goes)."""
+    import numpy as np
+
+    def phases(r: RunResult) -> list[float]:
+        per_step = {int(k): v for k, v in (r.metrics.get("per_step") or {}).items()}
+        steps = np.array(sorted(per_step))
+        vals = np.array([per_step[s] for s in steps])
+        return [float(vals[(steps >= a) & (steps < b)].mean()) for a, b in PHASES]
+
+    ref = {(r.length, r.budget): phases(r) for r in results if r.policy == "oracle"}
+    names = [f"{a}-{b if b < 1 << 30 else 'end'}" for a, b in PHASES]
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["length", "policy", "budget", "recall", *names, *(f"{n}_vs_oracle" for n in names)])
+        for r in sorted(results, key=lambda r: -r.metrics["recall"]):
+            if r.budget is None:
+                continue
+            ph, o = phases(r), ref.get((r.length, r.budget))
+            w.writerow([r.length, r.policy, r.budget, round(r.metrics["recall"], 4), *(round(x, 4) for x in ph),
+                        *((round(x / y, 3) for x, y in zip(ph, o, strict=True)) if o else [""] * len(ph))])
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefix", help="output CSV prefix, e.g. docs/data/gpu_s7")
@@ -77,6 +109,8 @@ def main(argv=None) -> None:
     by_task = load(args.dirs)
     for key, results in sorted(by_task.items()):
         write_csv(Path(f"{args.prefix}_{key}.csv"), results)
+        if key == "recall_free":
+            write_phases(Path(f"{args.prefix}_{key}_phases.csv"), results)
         if args.plots and key.startswith("recall"):
             from kvdex.eval import plots
 

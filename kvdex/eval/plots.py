@@ -71,9 +71,9 @@ def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
     budgets = sorted({r.budget for r in results if r.budget is not None})
     if not budgets:
         return paths
-    fig, axes = plt.subplots(
-        len(lengths), len(budgets), figsize=(4.5 * len(budgets), 3.5 * len(lengths)), squeeze=False
-    )
+    single = len(lengths) == len(budgets) == 1  # one long drift run: a larger panel, legend beside it
+    size = (9, 4.5) if single else (4.5 * len(budgets), 3.5 * len(lengths))
+    fig, axes = plt.subplots(len(lengths), len(budgets), figsize=size, squeeze=False)
     colour = {p: _style(k)["color"] for k, p in enumerate(sorted({r.policy for r in results}))}
     for i, length in enumerate(lengths):
         for j, budget in enumerate(budgets):
@@ -87,7 +87,10 @@ def recall_plots(task_dir: Path, results, label: str) -> list[Path]:
             ax.set_ylabel("recall")
             ax.set_ylim(0, 1.02)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if single:
+                ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+            else:
+                ax.legend(fontsize=7)
     fig.suptitle(f"{model}: recall over decoding steps ({label})")
     fig.tight_layout()
     paths.append(task_dir / f"recall_over_steps__{model}__{label}.png")
