@@ -34,8 +34,10 @@ def load(dirs: list[Path]) -> dict[str, list[RunResult]]:
             m = json.loads(mfile.read_text())
             if run.name in seen:
                 diff = sorted(k for k, v in _scalars(m).items() if _scalars(seen[run.name]).get(k) != v)
-                print(f"duplicate {run.name} ({mfile}): " + (f"DIFFERS in {diff}" if diff else "identical metrics"),
-                      file=sys.stderr)
+                print(
+                    f"duplicate {run.name} ({mfile}): " + (f"DIFFERS in {diff}" if diff else "identical metrics"),
+                    file=sys.stderr,
+                )
                 continue
             seen[run.name] = m
             key = cfg["task"]
@@ -45,7 +47,9 @@ def load(dirs: list[Path]) -> dict[str, list[RunResult]]:
             mode = (cfg.get("task_options") or {}).get("mode")
             if mode and mode != "teacher":
                 key += f"_{mode}"
-            by_task[key].append(RunResult(cfg["task"], cfg["model"], cfg["length"], cfg["policy"], cfg["budget"], run, m))
+            by_task[key].append(
+                RunResult(cfg["task"], cfg["model"], cfg["length"], cfg["policy"], cfg["budget"], run, m)
+            )
     return by_task
 
 
@@ -62,7 +66,9 @@ def write_csv(path: Path, results: list[RunResult]) -> None:
         row.pop("task", None)
         row.pop("model", None)
         rows.append(row)
-    cols = list(FIRST) + sorted({k for row in rows for k in row} - set(FIRST), key=lambda k: (k in ("score", "ratio_to_full"), k))
+    cols = list(FIRST) + sorted(
+        {k for row in rows for k in row} - set(FIRST), key=lambda k: (k in ("score", "ratio_to_full"), k)
+    )
     rows.sort(key=lambda row: (row["length"], row["policy"], row["budget"] or 0))
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, restval="")
@@ -94,8 +100,16 @@ def write_phases(path: Path, results: list[RunResult]) -> None:
             if r.budget is None:
                 continue
             ph, o = phases(r), ref.get((r.length, r.budget))
-            w.writerow([r.length, r.policy, r.budget, round(r.metrics["recall"], 4), *(round(x, 4) for x in ph),
-                        *((round(x / y, 3) for x, y in zip(ph, o, strict=True)) if o else [""] * len(ph))])
+            w.writerow(
+                [
+                    r.length,
+                    r.policy,
+                    r.budget,
+                    round(r.metrics["recall"], 4),
+                    *(round(x, 4) for x in ph),
+                    *((round(x / y, 3) for x, y in zip(ph, o, strict=True)) if o else [""] * len(ph)),
+                ]
+            )
     print(f"wrote {path}")
 
 
