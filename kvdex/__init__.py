@@ -2,12 +2,14 @@
 
 model, tok = kvdex.load("Qwen/Qwen2.5-0.5B-Instruct")
 cache = kvdex.Cache(model, policy="quest", budget=256)
-out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+out = model.generate(**tok(prompt, return_tensors="pt"), cache=cache, max_new_tokens=64)
+(transformers < 5.24 names the argument past_key_values; ``**kvdex.cache_kwargs(cache)`` fits both)
 print(cache.stats())
 """
 
 from kvdex.config import CacheConfig
 from kvdex.integration import Cache, enable, load
+from kvdex.integration.compat import cache_kwargs
 from kvdex.integration.graph import GraphDecoder, generate
 from kvdex.policies import Policy, make_policy, policies, register_policy
 from kvdex.selection import Selection
@@ -20,6 +22,7 @@ __all__ = [
     "GraphDecoder",
     "Policy",
     "Selection",
+    "cache_kwargs",
     "enable",
     "generate",
     "load",

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from kvdex.config import DEFAULT_BUDGET, DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.integration.compat import cache_kwargs
 
 # ---- policies ------------------------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         with torch.no_grad():
             out = model.generate(
-                **enc, past_key_values=cache, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id,
+                **enc, **cache_kwargs(cache), max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id,
                 **sampling,
             )  # fmt: skip
     print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))

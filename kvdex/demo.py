@@ -39,6 +39,7 @@ import kvdex
 from kvdex import models
 from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.eval import passkey
+from kvdex.integration.compat import cache_kwargs
 
 DEFAULT_POLICIES = ("full", "oracle", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
 DEFAULT_LENGTH = 6000  # SmolLM2-135M's trained context is 8k
@@ -79,7 +80,7 @@ def prefill(model, input_ids: torch.Tensor, cache: kvdex.Cache) -> torch.Tensor:
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -92,7 +93,7 @@ def _generate(model, tokenizer, input_ids, cache, max_new_tokens: int) -> tuple[
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,

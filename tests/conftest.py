@@ -22,6 +22,7 @@ from transformers import (
 )
 
 import kvdex
+from kvdex import cache_kwargs
 
 VOCAB = 128
 PAGE = 16
@@ -137,7 +138,7 @@ def greedy(model, ids, mask=None, cache=None, new=56, **kw):
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids) if mask is None else mask,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new,
         do_sample=False,
         output_logits=True,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.policies._digest import DIGESTS, digest_scores, summarize
 
 BUDGET = 96
@@ -110,7 +111,7 @@ def test_arkvale_selects_top_pages_by_digest(offload, digest):
                     seen["checked"] += 1
 
     cache.observer = observer
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=30, do_sample=False)
     assert seen["checked"] > 0
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import PAGE, SINK, greedy, left_padded, prompt, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.policies import chess as chess_mod
 from kvdex.policies.chess import ChessPolicy, entropy_varentropy, level_mask
 
@@ -20,7 +21,7 @@ def _prefill(model, ids, mask=None, **kw):
     kw.setdefault("dense_layers", 0)
     cache = kvdex.Cache(model, "chess", kw.pop("budget", 96), **kw)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     return cache
 
 
@@ -249,11 +250,11 @@ def test_fork_path_counts_steps_like_generate(llama):
     ids = prompt(260, 9)
     base = kvdex.Cache(model, "full", 96, dense_layers=1)
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=base, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(base), use_cache=True)
         cache = base.fork("chess:trigger=interval:interval=8")
         tok = out.logits[0, -1].argmax()
         for _ in range(17):
-            out = model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True)
+            out = model(input_ids=tok.view(1, 1), **cache_kwargs(cache), use_cache=True)
             tok = out.logits[0, -1].argmax()
     assert cache.policy.builds == 1
     assert [s for s, _ in cache.policy.rebuild_log] == [8, 16]

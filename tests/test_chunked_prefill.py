@@ -9,6 +9,7 @@ import torch
 from conftest import left_padded, prompt
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.integration.prefill import chunked_prefill
 from kvdex.selection import Selection
 from kvdex.storage import Grid, OffloadStore, TransferStats
@@ -27,7 +28,7 @@ def _kv(cache):
 def _decode(model, cache, nxt, steps):
     toks, logits = [], []
     for _ in range(steps):
-        lg = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        lg = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True).logits[:, -1]
         nxt = lg.argmax(-1, keepdim=True)
         toks.append(nxt)
         logits.append(lg)
@@ -41,7 +42,7 @@ def test_chunked_prefill_equals_one_shot(llama, offload, chunk):
     model = llama[0]
     ids = torch.cat([prompt(300, 11), prompt(300, 12)])
     one = kvdex.Cache(model, "quest", 96, offload=offload, dense_layers=1)
-    ref = model(input_ids=ids, past_key_values=one, use_cache=True, logits_to_keep=1).logits
+    ref = model(input_ids=ids, **cache_kwargs(one), use_cache=True, logits_to_keep=1).logits
     many = kvdex.Cache(model, "quest", 96, offload=offload, dense_layers=1)
     got = chunked_prefill(model, many, ids, chunk)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -68,7 +69,7 @@ def test_chunked_prefill_left_padded_batch(llama):
     ids, mask, _ = left_padded([230, 97, 160], seed=5)  # the first chunk must widen to reach row 2's tokens
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     one = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
-    ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=one, logits_to_keep=1).logits
+    ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(one), logits_to_keep=1).logits
     many = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
     got = chunked_prefill(model, many, ids, 48, attention_mask=mask)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -134,7 +135,7 @@ def test_cuda_chunked_prefill_offloaded_equals_one_shot(llama):
     model = copy.deepcopy(llama[0]).cuda()
     ids = torch.cat([prompt(400, 21), prompt(400, 22)]).cuda()
     one = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
-    ref = model(input_ids=ids, past_key_values=one, use_cache=True, logits_to_keep=1).logits
+    ref = model(input_ids=ids, **cache_kwargs(one), use_cache=True, logits_to_keep=1).logits
     many = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
     got = chunked_prefill(model, many, ids, 64)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ import torch
 from conftest import PAGE, build_pair, left_padded, prompt, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.bench.compile import step_kernels
 from kvdex.integration.graph import GraphDecoder, decoder_layers
 
@@ -36,7 +37,7 @@ def _decode(model, compile, steps=STEPS, policy="quest", forced=None, n=100, **c
     """Teacher-forced decode after an n-token prompt: (logits [steps, B, V], decoder, graphs compiled per step)."""
     cache = kvdex.Cache(model, policy, budget=64, **cache_kw)
     with torch.no_grad():
-        nxt = model(input_ids=prompt(n, 3), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        nxt = model(input_ids=prompt(n, 3), **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         dec = GraphDecoder(model, cache, compile=compile, warn=False)
         out, new = [], []
         for i in range(steps):
@@ -106,7 +107,7 @@ def test_kernel_counts_model_work_fused_kvdex_unchanged():
         for comp in (False, True):
             cache = kvdex.Cache(model, "quest", budget=64)
             with torch.no_grad():
-                nxt = model(input_ids=prompt(100, 3), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                nxt = model(input_ids=prompt(100, 3), **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
                 dec = GraphDecoder(model, cache, compile=comp, warn=False)
                 for _ in range(2):
                     nxt = dec.step(nxt).argmax(-1, keepdim=True)
@@ -151,7 +152,7 @@ def test_compiler_failure_before_the_cache_changed_falls_back_with_one_warning()
     ref, _, _ = _decode(model, False, steps=3)
     cache = kvdex.Cache(model, "quest", budget=64)
     with torch.no_grad():
-        nxt = model(input_ids=prompt(100, 3), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        nxt = model(input_ids=prompt(100, 3), **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         dec = GraphDecoder(model, cache, compile=True, warn=True)
         _with_backend(dec, _failing_after(0))  # the first graph (before layer 0's cache update) fails
         with pytest.warns(UserWarning, match="torch.compile is off") as rec:
@@ -169,7 +170,7 @@ def test_compiler_failure_after_the_cache_changed_is_raised():
     torch._dynamo.reset()  # compiled code is shared between models of one class: compile again, here
     cache = kvdex.Cache(model, "quest", budget=64)
     with torch.no_grad():
-        nxt = model(input_ids=prompt(100, 3), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        nxt = model(input_ids=prompt(100, 3), **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         dec = GraphDecoder(model, cache, compile=True, warn=False)
         _with_backend(dec, _failing_after(2))  # layer 0: norm and q/k/v + RoPE compile, the rest fails
         with pytest.raises(Exception, match="no compiler here"):

@@ -25,6 +25,7 @@ from conftest import (
 )
 
 import kvdex
+from kvdex import cache_kwargs
 
 NEW = 56
 ATOL = 1e-4
@@ -75,7 +76,7 @@ def test_sampling_same_seed_same_tokens(offload):
     expected = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     cache = kvdex.Cache(model, "quest", budget=256, offload=offload, dense_layers=1)
     torch.manual_seed(1234)
-    got = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), **kw)
     assert torch.equal(got, expected)
     # The test can fail: another seed samples another continuation.
     torch.manual_seed(999)

@@ -10,6 +10,7 @@ import torch
 from conftest import build_pair, prompt, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.config import CacheConfig
 from kvdex.policies import base as policy_base
 
@@ -137,7 +138,7 @@ def test_right_padded_mask_refused(llama, offload):
     mask[1, -5:] = 0  # right padding
     cache = kvdex.Cache(model, "quest", 96, offload=offload)
     with pytest.raises(ValueError, match="padding_side = 'left'"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=3, do_sample=False)
 
 
 def test_cache_of_another_enabled_model_refused(llama):
@@ -145,7 +146,7 @@ def test_cache_of_another_enabled_model_refused(llama):
     other, _ = build_pair("llama_gqa", seed=5)
     cache = kvdex.Cache(model, "quest", 96)
     with pytest.raises(ValueError, match=r"made for another model.*create a new kvdex.Cache"):
-        other.generate(prompt(20, 0), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        other.generate(prompt(20, 0), **cache_kwargs(cache), max_new_tokens=3, do_sample=False)
 
 
 def test_cache_used_with_a_model_without_kvdex_attention_refused(llama):
@@ -154,20 +155,20 @@ def test_cache_used_with_a_model_without_kvdex_attention_refused(llama):
     model, ref = llama
     cache = kvdex.Cache(model, "quest", 96)
     with pytest.raises(ValueError):
-        ref.generate(prompt(60, 0), past_key_values=cache, max_new_tokens=5, do_sample=False)
+        ref.generate(prompt(60, 0), **cache_kwargs(cache), max_new_tokens=5, do_sample=False)
 
 
 def test_prompt_longer_than_max_positions_warns():
     model, _ = build_pair("llama_gqa", max_position_embeddings=64)
     cache = kvdex.Cache(model, "quest", 96)
     with pytest.warns(UserWarning, match=r"\(70 tokens\) is longer than the model's max_position_embeddings \(64\)"):
-        model.generate(prompt(70, 0), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        model.generate(prompt(70, 0), **cache_kwargs(cache), max_new_tokens=3, do_sample=False)
 
 
 def test_no_warning_within_max_positions(recwarn):
     model, _ = shared_pair("llama_gqa")
     cache = kvdex.Cache(model, "quest", 96)
-    model.generate(prompt(70, 0), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    model.generate(prompt(70, 0), **cache_kwargs(cache), max_new_tokens=3, do_sample=False)
     assert not [w for w in recwarn if "max_position_embeddings" in str(w.message)]
 
 

@@ -7,6 +7,7 @@ import torch
 from conftest import greedy, left_padded, positions, prompt, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 
 NEW = 40
 
@@ -14,7 +15,7 @@ NEW = 40
 def _prefill(model, ids, mask, **kw):
     cache = kvdex.Cache(model, "full", **kw)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+        out = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(cache))
     assert cache.step == 0
     return cache, out.logits[:, -1]
 
@@ -43,7 +44,7 @@ def test_fork_equals_fresh_cache(policy, offload):
         for layer in (1, 2):
             fresh_q = kvdex.Cache(model, "quest", budget=96, offload=offload, dense_layers=1)
             with torch.no_grad():
-                model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=fresh_q)
+                model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(fresh_q))
             assert torch.equal(fork.policy.kmin[layer], fresh_q.policy.kmin[layer])
             assert torch.equal(fork.policy.kmax[layer], fresh_q.policy.kmax[layer])
             assert not hasattr(src.policy, "kmin")
@@ -78,7 +79,7 @@ def test_fork_after_decoding_raises():
     cache = kvdex.Cache(model, "full")
     with pytest.raises(ValueError, match="prefilled a prompt and not decoded"):
         cache.fork("quest", 96)  # nothing prefilled yet
-    model.generate(prompt(60, 2), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    model.generate(prompt(60, 2), **cache_kwargs(cache), max_new_tokens=3, do_sample=False)
     assert cache.step == 2
     with pytest.raises(ValueError, match="prefilled a prompt and not decoded"):
         cache.fork("quest", 96)
@@ -89,7 +90,7 @@ def test_fork_after_generate_one_token():
     model, _ = shared_pair("mistral")
     ids = prompt(80, 4)
     src = kvdex.Cache(model, "full", dense_layers=1)
-    first = model.generate(ids, past_key_values=src, max_new_tokens=1, do_sample=False)
+    first = model.generate(ids, **cache_kwargs(src), max_new_tokens=1, do_sample=False)
     assert src.step == 0
     fork = src.fork("quest", 96)
     t_fork, _ = greedy(model, first, None, fork, new=30)

@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
 from kvdex.integration.graph import GraphDecoder, generate, graph_policies
 
@@ -371,7 +372,7 @@ def test_generate_matches_model_generate(tiny, spec):
     on a left-padded batch; cuda_graph=True on CPU falls back with a warning and gives the same."""
     ids, mask = _left_padded(tiny, [150, 97])
     tiny.generation_config.eos_token_id = None
-    ref = tiny.generate(ids, attention_mask=mask, past_key_values=_cache(tiny, spec), max_new_tokens=40,
+    ref = tiny.generate(ids, attention_mask=mask, **cache_kwargs(_cache(tiny, spec)), max_new_tokens=40,
                         do_sample=False, pad_token_id=0)  # fmt: skip
     c1 = _cache(tiny, spec)
     got = generate(tiny, c1, ids, mask, max_new_tokens=40, cuda_graph=False)
@@ -464,7 +465,7 @@ def test_generate_with_graphs_matches_eager_on_gpu(spec, dtype):
         c = _cache(model, spec)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c, logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(c), logits_to_keep=1)
         lg = out.logits[:, -1]
         for lay in c.layers:
             lay.store.static = True

@@ -10,6 +10,7 @@ import torch
 from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.policies import make_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import SemanticOffloadStore
@@ -346,7 +347,7 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
     ids, mask, _ = left_padded([260, 150], seed=7)
     base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
     with torch.no_grad():
-        last = model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=base).logits[:, -1]
+        last = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(base)).logits[:, -1]
     first = last.argmax(-1, keepdim=True)
     a = base.fork(policy="icecache", budget=96, offload=offload)
     b = base.fork(policy="icecache", budget=64, offload=offload)  # another budget: the trees do not depend on it
@@ -400,7 +401,7 @@ def test_forks_with_other_tree_settings_build_their_own():
     ids = prompt(200, seed=7)
     src = kvdex.Cache(model, "icecache", budget=96)  # an icecache source shares its own prefill build
     with torch.no_grad():
-        model(ids, past_key_values=src, use_cache=True)
+        model(ids, **cache_kwargs(src), use_cache=True)
     same = src.fork(budget=64)
     other_seed = src.fork(policy="icecache:seed=3", budget=96)
     other_r = src.fork(policy="icecache:promotion_ratio=0.25", budget=96)
@@ -421,12 +422,12 @@ def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_sele
     model, _ = shared_pair("llama_gqa")
     cache = kvdex.Cache(model, "icecache", budget=96, dense_layers=1, threads=2)
     with torch.no_grad():
-        model(prompt(200, seed=9), past_key_values=cache, use_cache=True)
+        model(prompt(200, seed=9), **cache_kwargs(cache), use_cache=True)
     pol = cache.policy
     assert set(pol._jobs) == {1, 2} and all(len(q) == 1 for q in pol._jobs.values())
     assert pol._trees == {}  # nothing applied on the main thread during the prefill
     with torch.no_grad():
-        model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)  # one decode step
+        model(torch.tensor([[5]]), **cache_kwargs(cache), use_cache=True)  # one decode step
     assert set(pol._trees) == {1, 2}
     st = pol.stats()
     middle = window_start(200) - SINK  # tokens indexed per (layer, kv head) at prefill

@@ -14,6 +14,7 @@ import torch
 from conftest import SINK, WINDOW, left_padded, positions, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 
 BUDGET = 96
 RETRIEVAL = BUDGET - SINK - WINDOW
@@ -91,7 +92,7 @@ def test_oracle_observer_matches_true_topk(family, offload):
                 checker.check(selected, mid, order, f"layer {layer} step {len(calls)} seq {b} head {h}")
 
     cache.observer = observer
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=30, do_sample=False)
     sparse_layers = model.config.num_hidden_layers - 1
     assert len(calls) == 29 * sparse_layers
     assert checker.nonempty > 0 and checker.strict >= 0.9 * checker.nonempty, vars(checker)
@@ -105,7 +106,7 @@ def test_oracle_select_on_prefilled_store(offload):
     ids, mask, _ = left_padded(lengths, seed=5)
     cache = kvdex.Cache(model, "oracle", budget=BUDGET, offload=offload, dense_layers=1)
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(cache))
     checker = Checker()
     g = torch.Generator().manual_seed(0)
     hq, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads

@@ -21,6 +21,7 @@ import torch
 from conftest import PAGE, SINK, WINDOW, build_pair, greedy, prompt, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
@@ -447,7 +448,7 @@ def test_index_tracks_every_middle_key_and_never_relearns():
     model, _ = shared_pair("llama_gqa")
     with torch.no_grad():
         for _ in range(20):
-            model(input_ids=torch.tensor([[5]]), past_key_values=greedy_more)
+            model(input_ids=torch.tensor([[5]]), **cache_kwargs(greedy_more))
     assert all(torch.equal(before[lay], p.centroids[lay]) for lay in before)
 
 
@@ -461,7 +462,7 @@ def test_center_mean_is_frozen_per_sequence_and_indexes_centred_keys():
     model, _ = shared_pair("llama_gqa")
     with torch.no_grad():
         for _ in range(20):  # more pages leave the window and are indexed
-            model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+            model(input_ids=torch.tensor([[5]]), **cache_kwargs(cache))
     for layer in p.info.sparse_layers:
         store = cache.layers[layer].store
         n = int(store.grid.num_middle_pages(store.lengths_host)[0]) * PAGE
@@ -623,8 +624,8 @@ def test_rerank_correlation_on_real_keys():
 
     cache.observer = observer
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([sample.input_ids]), past_key_values=cache)
-        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+        out = model(input_ids=torch.tensor([sample.input_ids]), **cache_kwargs(cache))
+        model(input_ids=out.logits[:, -1:].argmax(-1), **cache_kwargs(cache))
     c = torch.tensor(corr)
     print(f"rerank vs exact <q,k> on SmolLM2 keys: mean {c.mean():.4f}, min {c.min():.4f} over {len(c)} heads")
     assert len(c) == 3 * 28 and float(c.mean()) > 0.97 and float(c.min()) > 0.9

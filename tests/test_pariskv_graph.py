@@ -14,6 +14,7 @@ import torch
 from conftest import left_padded, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
 from kvdex.integration.graph import graph_policies
 from kvdex.policies.pariskv import ADAPTIVE_RATIOS, ParisKVPolicy
@@ -54,7 +55,7 @@ def test_static_selection_equals_dynamic_on_a_ragged_batch(spec):
     for static in (False, True):
         cache = kvdex.Cache(model, spec, budget=96, dense_layers=1)
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
         if static:
             for lay in cache.layers:
                 lay.store.static = True
@@ -64,7 +65,7 @@ def test_static_selection_equals_dynamic_on_a_ragged_batch(spec):
             m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
             pos = m.sum(-1, keepdim=True) - 1
             with torch.no_grad():
-                o = model(input_ids=tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
+                o = model(input_ids=tok, attention_mask=m, position_ids=pos, **cache_kwargs(cache), use_cache=True)
             logits.append(o.logits[:, -1])
             tok = o.logits[:, -1:].argmax(-1)
         logs.append((log.log, torch.stack(logits)))

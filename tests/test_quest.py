@@ -8,6 +8,7 @@ import torch
 from conftest import PAGE, SINK, WINDOW, left_padded, positions, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 from kvdex.policies.quest import page_bounds
 
 BUDGET = 96
@@ -124,7 +125,7 @@ def test_quest_index_and_selection_during_decode(family, offload):
                     assert bool((s[dropped] <= kth).all()), where
 
     cache.observer = observer
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=60, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=60, do_sample=False)
     assert seen["steps"] == 59 * (model.config.num_hidden_layers - 1)
     assert seen["pages"] > 0 and seen["selected"] > 0
     # the short sequence (40 tokens) had no middle at prefill; it gained pages while decoding
@@ -140,7 +141,7 @@ def test_quest_index_after_prefill_matches_keys(offload):
     ids, mask, _ = left_padded(lengths, seed=8)
     cache = kvdex.Cache(model, "quest", budget=BUDGET, offload=offload, dense_layers=1)
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(cache))
     g = torch.Generator().manual_seed(1)
     for layer in (1, 2):
         store = cache.layers[layer].store

@@ -8,6 +8,7 @@ import torch
 from conftest import SPARSE_POLICIES, left_padded, prompt, shared_pair
 
 import kvdex
+from kvdex import cache_kwargs
 
 NEW = 40
 
@@ -18,7 +19,7 @@ def _generate(policy, offload, lengths=(90, 60), budget=96, new=NEW, **kw):
     observer = kw.pop("observer", None)
     cache = kvdex.Cache(model, policy, budget, offload=offload, dense_layers=1, **kw)
     cache.observer = observer
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=new, do_sample=False)
     return cache, cache.stats()
 
 
@@ -89,7 +90,7 @@ def test_stats_before_any_forward():
 def test_prefill_only_counts_no_decode():
     model, _ = shared_pair("llama_gqa")
     cache = kvdex.Cache(model, "quest", 96, offload=True, dense_layers=1)
-    model.generate(prompt(100, 1), past_key_values=cache, max_new_tokens=1, do_sample=False)
+    model.generate(prompt(100, 1), **cache_kwargs(cache), max_new_tokens=1, do_sample=False)
     s = cache.stats()
     assert s["decode_steps"] == 0 and s["attended_tokens_per_step"] is None
     assert s["bytes_host_to_device"] == 0 and s["kv_bytes_host"] > 0

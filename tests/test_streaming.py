@@ -6,6 +6,7 @@ import pytest
 from conftest import SINK, left_padded, shared_pair, window_start
 
 import kvdex
+from kvdex import cache_kwargs
 
 BUDGET = 96
 
@@ -24,7 +25,7 @@ def _attended_sets(offload):
                 seen.append((n, sorted(pos)))
 
     cache.observer = observer
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=40, do_sample=False)
     assert seen
     return seen
 

@@ -31,6 +31,7 @@ import torch
 
 import kvdex
 from kvdex.bench import shapes
+from kvdex.integration.compat import cache_kwargs
 
 HF_METHODS = ("hf/dynamic", "hf/offloaded")
 
@@ -173,13 +174,13 @@ def _prefill(model, cache, ids, chunk: int = 0):
         from kvdex.integration.prefill import chunked_prefill
 
         return chunked_prefill(model, cache, ids, chunk)[:, -1]
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
 
 @torch.no_grad()
 def _step(model, cache, ids):
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]
     return logits.argmax(-1, keepdim=True), logits
 

@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvdex.integration.compat import cache_kwargs
+
 FULL = "full"
 DECODE_MODES = ("auto", "eager", "graph")
 
@@ -168,7 +170,7 @@ class Task:
 def forward_token(model, cache, token: int) -> torch.Tensor:
     """Feed one token through the cache; returns the next-token logits [vocab] (fp32)."""
     ids = torch.tensor([[token]], device=model.device)
-    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+    return model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[0, -1].float()
 
 
 def greedy(ctx: DecodeContext, max_new_tokens: int, stop_ids=(), before_step=None) -> list[int]:
@@ -395,7 +397,7 @@ def prefill(model, input_ids: list[int], cache_kwargs: dict):
     budget = kw.get("sink", 16) + kw.get("window", 32) + kw.get("page_size", 16)  # any valid budget
     cache = kvdex.Cache(model, policy=FULL, budget=budget, **kw)
     ids = torch.tensor([input_ids], device=model.device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache, out.logits[0, -1].float()
 
 

@@ -1,7 +1,7 @@
 """kvdex's attention function and mask function, registered in transformers' public
 ``AttentionInterface`` / ``AttentionMaskInterface`` under the name ``"kvdex"``.
 
-The model's attention module calls ``past_key_values.update(k, v, layer_idx)`` and hands what it
+The model's attention module calls ``cache.update(k, v, layer_idx)`` and hands what it
 returns straight to the attention function. A kvdex cache returns the new k/v tagged with the
 layer cache that stored them (``_kvdex_layer``); that tag is how this function finds the cache
 without globals. Untagged keys (no cache, a DynamicCache, ...) take the ordinary dense path, so

@@ -216,7 +216,7 @@ def _fast_paged_count():
 
 
 class Cache(HFCache):
-    """A kvdex cache for one model. Pass it to ``model.generate(past_key_values=...)``.
+    """A kvdex cache for one model. Pass it to ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.24).
 
     ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
     are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.

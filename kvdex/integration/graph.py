@@ -62,6 +62,7 @@ from contextlib import contextmanager
 import torch
 
 from kvdex.integration.cache import Cache
+from kvdex.integration.compat import cache_kwargs
 from kvdex.storage import DeviceStore, OffloadStore
 
 # Policies with built-in graph support that do not define the protocol themselves.
@@ -342,7 +343,7 @@ class GraphDecoder:
             # compiled and loaded before a capture (no module loads while capturing)
             self._warm_key = key
             self.counts["eager"] += 1
-            out = self._run(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos)
+            out = self._run(input_ids=ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos)
             return out.logits[:, -1]
         self.ids.copy_(ids)
         if self.graph is None or key != self.key:
@@ -396,7 +397,7 @@ class GraphDecoder:
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
         with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
-                input_ids=self.ids, past_key_values=c, use_cache=True, logits_to_keep=1, position_ids=self.pos
+                input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
         self.graph = g
@@ -507,7 +508,7 @@ def generate(
 
         logits = chunked_prefill(model, cache, input_ids, prefill_chunk)[:, -1]
     else:
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+        logits = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
     dec = GraphDecoder(model, cache, enabled=cuda_graph, compile=compile)
     out = []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.integration.compat import cache_kwargs
+
 
 @torch.no_grad()
 def chunked_prefill(
@@ -69,7 +71,7 @@ def chunked_prefill(
             kw = dict(attention_mask=attention_mask[:, :end], position_ids=position_ids[:, start:end])
         out = model(
             input_ids=input_ids[:, start:end],
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **kw,
