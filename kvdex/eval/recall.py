@@ -137,8 +137,8 @@ class Probe(SelectAll):
     The model attends every token (so no layer's query carries an upstream selection error), while
     a ``target`` policy bound to the same cache sizes is indexed with every update and asked to
     select at every sparse-layer step; :class:`RecallObserver` scores that selection against the
-    dense attention. This isolates selection quality, as the standalone reference script of
-    ``../shared/gpu/README.md`` does; the default mode measures recall inside the policy's own decode.
+    dense attention. This isolates selection quality, as a standalone script that scores selections
+    against prompt queries would; the default mode measures recall inside the policy's own decode.
     """
 
     target: str = "quest"

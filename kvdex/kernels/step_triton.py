@@ -1,4 +1,4 @@
-"""Small per-layer work of a decode step in one Triton launch each (issue 8: a graph-replayed step pays
+"""Small per-layer work of a decode step in one Triton launch each (a graph-replayed step pays
 ~2 us per kernel, and a kvdex layer issued dozens of tiny ones).
 
 **Append** (:func:`append_rows`, twin :func:`append_rows_reference`).

@@ -191,7 +191,7 @@ def topk_ids(
     descending score order (ties: lowest index first), ``-1`` where the score is not finite.
 
     ``block`` (a power of two), ``bits`` (key bits per pass: 1 or 2) and ``num_warps`` are for tests and
-    tuning (scripts/gpu_topk.py); ``block`` caps the tile of scores a program holds at once."""
+    tuning; ``block`` caps the tile of scores a program holds at once."""
     if not supported(score, k):
         raise ValueError(f"triton topk needs float scores and 0 < k <= {MAX_K_BLOCK}, got {score.dtype}, k={k}")
     n = score.shape[-1]

@@ -5,7 +5,7 @@ of one (sequence, kv head, page) are one contiguous block. When that tensor live
 memory, a CUDA kernel can dereference it through unified virtual addressing (UVA zero-copy): every
 program reads its page over PCIe and writes it to device memory, so a scattered selection crosses
 the bus in one launch with no CPU gather, no staging buffer and no host synchronisation (the page
-ids stay on the device). ``../shared/gpu/README.md`` measured 42 GB/s for 256-byte rows this way,
+ids stay on the device). On the H200 this measured 42 GB/s for 256-byte rows,
 against 2.4 GB/s for a CPU gather into staging and 0.7 GB/s for one copy per page.
 
 The same kernels gather from a device-resident source (then it is a plain device gather).

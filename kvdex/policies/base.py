@@ -130,11 +130,11 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
 def _fast_topk(score: torch.Tensor, k: int):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None. ``KVDEX_TRITON=0`` forces
     torch.topk; rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk. Default 0, i.e. torch.topk
-    everywhere: in isolation (scripts/gpu_topk.py, H200, graph-replayed, 8 rows, k = 125, random scores)
-    the kernel took 15-23 us against torch.topk's 46-63 us at 8192 scores per row, but inside the real
-    decode step (scripts/gpu_step_profile.py, Llama-3.1-8B shape, 128k, quest/device+graph+compile,
-    Quest's page bounds: 8192 per row) it took 2.22 ms per step (74 us a call) against torch.topk's
-    1.74 ms, and the step 8.35 against 8.02 ms GPU time (docs/bench/step_kernels.md, session 5). So it
+    everywhere: in isolation (H200, graph-replayed, 8 rows, k = 125, random scores) the kernel took
+    15-23 us against torch.topk's 46-63 us at 8192 scores per row, but inside the real decode step
+    (torch.profiler, Llama-3.1-8B shape, 128k, quest/device+graph+compile, Quest's page bounds: 8192
+    per row) it took 2.22 ms per step (74 us a call) against torch.topk's 1.74 ms, and the step 8.35
+    against 8.02 ms GPU time (docs/bench/step_kernels.md). So it
     is opt-in (``KVDEX_TOPK_MAX_N=16384`` sends rows of up to 16384 scores to it) until a score
     distribution where it wins in the step is measured. ``KVDEX_TOPK_SPLIT=1`` sends the longer rows to
     the two-stage ``topk_ids_split`` (8192-score segments, then their candidates) instead of torch.topk

@@ -1,7 +1,7 @@
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page key-key selection, one context per step,
 rebuilt only when the output distribution becomes uncertain.
 
-Mechanism (``../shared/papers/chess.md`` §3, Algorithm 1; docs/policies/chess.md):
+Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
 * page vector (eq. 1): the mean key of a page, per layer and kv head, flattened across all the
   layers the policy sees (the cache's sparse layers) and kv heads into one [F] vector,

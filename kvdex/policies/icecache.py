@@ -55,7 +55,7 @@ GRAPHS_ON_CPU = None
 
 def _pool(threads: int, role: str = "index") -> ThreadPoolExecutor:
     """Shared pools per (thread count, role): index jobs (builds, insertions) and per-step tree
-    searches never queue behind each other; the evaluation harness forks many caches."""
+    searches never wait for each other; the evaluation harness forks many caches."""
     with _POOLS_LOCK:
         key = (threads, role)
         if key not in _POOLS:
@@ -95,14 +95,14 @@ class IceCachePolicy(Policy):
     # where the per-step tree searches run: "device" = one batched search over all trees of a layer
     # (kvdex.index.forest, a mirror of the trees on q's device, no host sync), "host" = one search per
     # tree on the CPU thread pool, "auto" = device when the model runs on CUDA, else host.
-    # Default "auto" since session 5: on the H200 the device search passed its GPU tests, chose the same
+    # Default "auto": on the H200 the device search passed its GPU tests, chose the same
     # pages as the host search (agreement 1.000 over 16 steps x 22 layers x 2 kv heads, Qwen2.5-0.5B, 32k)
     # and gave the same passkey answers, at 128 ms/step of tree queries against the host's 190-320
     # (docs/policies/icecache.md).
     search: str = "auto"
     # search=device on CUDA: capture each layer's batched search + page choice as a CUDA graph (one
     # launch instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion).
-    # Default on since session 5 (GPU test: selections == the eager device search; 54-68 ms/step of
+    # Default on (GPU test: selections == the eager device search; 54-68 ms/step of
     # queries against 111-130 eager, same machine); no effect on the host search or on the CPU.
     graphs: bool = True
     seed: int = 0
@@ -444,7 +444,7 @@ class IceCachePolicy(Policy):
         A replay reads the very addresses the capture read, so every tensor the captured kernels
         read from outside the capture must stay alive and unchanged until the next capture: the
         static query (here), the mirror's arrays (the forest, in ``keep``; they change only with its
-        ``version``, part of ``sig``) and the row / tree index tensors (``keep``). Session 5 bug: the
+        ``version``, part of ``sig``) and the row / tree index tensors (``keep``). A past bug: the
         per-step ``tq = ridx.repeat_interleave(G)`` was read by the graph but freed after the
         capturing step; the allocator reused its memory and the replays indexed the mirror with
         whatever was written there (device-side assert in an index/gather kernel)."""
