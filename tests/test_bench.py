@@ -299,3 +299,36 @@ def test_bench_real_model_with_text(tmp_path):
     assert all(c["ok"] for c in res["check"]), res["check"]
     r = res["results"][0]
     assert r["status"] == "ok" and r["page_cache_hit_rate"] is not None
+
+
+def test_table_ratio_to_full_matches_storage_and_decode_path():
+    from kvdex.bench.report import table
+
+    def row(method, tps):
+        return dict(
+            method=method,
+            context=4096,
+            batch=1,
+            status="ok",
+            tokens_per_s=tps,
+            ms_median=1.0,
+            ms_p90=1.0,
+            ms_mean=1.0,
+            prefill_s=0.1,
+            h2d_bytes_per_step=0,
+        )
+
+    res = {
+        "results": [
+            row("full/device+graph", 100.0),
+            row("full/device", 50.0),
+            row("quest/device+graph", 150.0),
+            row("quest/device", 40.0),
+            row("hf/dynamic", 30.0),
+        ]
+    }
+    lines = {ln.split()[0]: ln.split() for ln in table(res).splitlines()[2:]}
+    assert lines["quest/device+graph"][4] == "1.50"  # against full/device+graph, not full/device
+    assert lines["quest/device"][4] == "0.80"
+    assert lines["full/device"][4] == "1.00"
+    assert lines["hf/dynamic"][4] == "-"

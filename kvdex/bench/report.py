@@ -14,10 +14,28 @@ def _ctx(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
+def _vs_full(result: dict, row: dict) -> float | None:
+    """``row``'s tokens per second over dense ``full``'s at the same context and batch, with the same
+    storage and decode path (``quest/device+graph`` is compared with ``full/device+graph``)."""
+    policy = row["method"].split("/", 1)[0]
+    if "/" not in row["method"] or policy.startswith("hf"):
+        return None
+    ref = "full" + row["method"][len(policy) :]
+    for r in result.get("results", []):
+        if r["status"] == "ok" and (r["method"], r["context"], r["batch"]) == (ref, row["context"], row["batch"]):
+            return row["tokens_per_s"] / r["tokens_per_s"]
+    return None
+
+
 def table(result: dict) -> str:
-    """One row per (context, batch, method): speed, memory, transfer and the split of a step."""
+    """One row per (context, batch, method): speed, memory, transfer and the split of a step.
+
+    The headline is tokens per second over every timed step (index updates included) and its ratio
+    to dense ``full`` at the same context, batch and storage; the median, p90 and mean ms per token
+    stand beside it (a mean far above the median means some steps are much slower than the rest)."""
     head = (
-        f"{'method':<26} {'ctx':>5} {'b':>2} {'ms/tok':>8} {'p90':>8} {'tok/s':>9} {'prefill s':>9} "
+        f"{'method':<26} {'ctx':>5} {'b':>2} {'tok/s':>9} {'x full':>6} {'ms med':>8} {'p90':>8} {'mean':>8} "
+        f"{'prefill s':>9} "
         f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22} "
         f"{'reuse':>5} {'pc hit':>6}"
     )
@@ -36,7 +54,8 @@ def table(result: dict) -> str:
             )
         host = r.get("kv_host_gb")
         lines.append(
-            f"{lead} {r['ms_median']:>8.2f} {r['ms_p90']:>8.2f} {r['tokens_per_s']:>9.1f} {r['prefill_s']:>9.2f} "
+            f"{lead} {r['tokens_per_s']:>9.1f} {_fmt(_vs_full(result, r), '.2f'):>6} {r['ms_median']:>8.2f} "
+            f"{r['ms_p90']:>8.2f} {_fmt(r.get('ms_mean'), '.2f'):>8} {r['prefill_s']:>9.2f} "
             f"{_fmt(r.get('peak_device_gb'), '.1f'):>7} {_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
             f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
             f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6}"
