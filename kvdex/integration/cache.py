@@ -70,6 +70,8 @@ class KVDexLayer(CacheLayerMixin):
                 "with it does not use attn_implementation='kvdex'. Create the cache with "
                 "kvdex.Cache(model, ...) for the model you generate with (it calls kvdex.enable(model))"
             )
+        if self.store is not None:
+            _check_shape(parent, self.store, key_states)
         parent._on_update(self.layer_idx, key_states)
         if self.store is not None:
             if key_states.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
@@ -87,6 +89,8 @@ class KVDexLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        if query_length == 0 and self.seen == 0:  # the model would fail on an empty reshape
+            raise ValueError("the prompt is empty (0 tokens): pass at least one token (check the tokenized input)")
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -199,6 +203,17 @@ class KVDexLayer(CacheLayerMixin):
         if not self.dense:
             parent._count_attended(store.lengths.sum() * store.kv_heads)
         return out
+
+
+def _check_shape(parent, store, key_states: torch.Tensor) -> None:
+    """New keys must fit the keys already stored (batch, kv heads, head dim); else another model or batch."""
+    b, h, _, d = key_states.shape
+    if (b, h, d) != (store.batch, store.kv_heads, store.head_dim):
+        raise ValueError(
+            f"this kvdex.Cache holds a prompt of batch {store.batch} with {store.kv_heads} kv heads of dim "
+            f"{store.head_dim} (model {parent._model_name}); the new tokens have batch {b}, {h} kv heads of dim {d}. "
+            "A cache serves one model and one batch: create a new kvdex.Cache(model, ...) for this model or batch"
+        )
 
 
 def _fast_paged_count():

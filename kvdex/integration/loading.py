@@ -49,11 +49,25 @@ def _check_supported(model) -> None:
         )
 
 
+def check_model(model) -> None:
+    """``TypeError`` unless ``model`` is a transformers model (a tokenizer or a name is a common slip)."""
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        return
+    what = type(model).__name__
+    hint = ""
+    if hasattr(model, "encode") and hasattr(model, "decode"):
+        hint = " (a tokenizer: pass the model, e.g. `model, tok = kvdex.load(...)`, then kvdex.Cache(model, ...))"
+    elif isinstance(model, (str, os.PathLike)):
+        hint = f" (a name or path: load it first with `model, tok = kvdex.load({str(model)!r})`)"
+    raise TypeError(f"expected a transformers model (a torch.nn.Module with a config), got {what}{hint}")
+
+
 def enable(model):
     """Register kvdex's attention (transformers' public AttentionInterface) and switch ``model`` to it.
 
     Idempotent. Without a kvdex cache the model attends densely, exactly as before.
     """
+    check_model(model)
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, kvdex_attention)
         AttentionMaskInterface.register(ATTN_NAME, padding_mask)
@@ -75,11 +89,26 @@ def load(
 ):
     """Load a causal LM and its tokenizer, ready for kvdex.
 
-    ``model``: a Hugging Face id, a local directory, or a ``.gguf`` file (loaded through
-    transformers' own GGUF support, which needs the ``gguf`` package). Returns ``(model, tokenizer)``;
-    the tokenizer pads on the left, which batched generation needs.
+    ``model``: a Hugging Face id, a local directory, a ``.gguf`` file (loaded through transformers'
+    own GGUF support, which needs the ``gguf`` package), or a name ``kvdex models list`` knows
+    (``"smollm2"``, ``"qwen05b"``: installed by ``kvdex models fetch NAME``). Returns
+    ``(model, tokenizer)``; the tokenizer pads on the left, which batched generation needs.
     """
-    path = Path(model)
+    from kvdex import models
+
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"kvdex.load expects a model name or path, got {type(model).__name__}")
+    if str(model) in models.KNOWN and not Path(model).exists():
+        if gguf_file is not None:
+            raise ValueError(f"{model!r} names a GGUF file already; drop gguf_file")
+        model = models.model_path(str(model))
+    path = Path(model).expanduser()
+    if not path.exists() and models.looks_like_path(str(model)):
+        raise ValueError(models.missing_dir_message(model))
+    if path.is_dir():
+        model = str(path)
+        if gguf_file is not None and not (path / gguf_file).is_file():
+            raise ValueError(f"gguf_file {gguf_file!r} is not a file in {path}")
     if gguf_file is None and path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {path}")

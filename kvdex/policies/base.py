@@ -212,15 +212,69 @@ def make_policy(name: str | Policy, **options) -> Policy:
         name, spec_options = parse_policy_spec(name)
         options = {**spec_options, **options}
     if isinstance(name, Policy):
-        if options:
-            return dataclasses.replace(name, **options)
-        return dataclasses.replace(name)
+        fields = {f.name: f for f in dataclasses.fields(name)}
+        typed = {k: coerce_option(name.name, fields[k], v) if k in fields else v for k, v in options.items()}
+        return dataclasses.replace(name, **typed)
     cls = policy_class(name)
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - valid)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(fields))
     if unknown:
         raise TypeError(
             f"policy {name!r} has no option(s) {', '.join(unknown)}; "
-            f"its options are: {', '.join(sorted(valid)) or '(none)'}"
+            f"its options are: {', '.join(sorted(fields)) or '(none)'}"
         )
-    return cls(**options)
+    return cls(**{k: coerce_option(name, fields[k], v) for k, v in options.items()})
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def coerce_option(policy: str, field: dataclasses.Field, value):
+    """``value`` for option ``field`` of ``policy``, typed by the field's annotation.
+
+    Text from a command line or a spec string is converted (``"no"`` / ``"false"`` / ``"0"`` for a
+    ``bool``, ``"12"`` for an ``int``, ``"none"`` where ``None`` is allowed); a value that does not fit
+    the annotation raises ``ValueError`` naming the option, what it takes and what was given, so an
+    option never silently means the opposite of what it says.
+    """
+    kinds = [t.strip() for t in str(field.type).replace("Optional[", "").rstrip("]").split("|")]
+    known = {"bool", "int", "float", "str", "None"}
+    if not kinds or not set(kinds) <= known:
+        return value  # an annotation this check does not model: the policy validates it
+    if value is None and "None" in kinds:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if "None" in kinds and text in ("none", "null"):
+            return None
+        if "bool" in kinds and text in _TRUE + _FALSE:
+            return text in _TRUE
+        if "int" in kinds:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if "float" in kinds:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if "str" in kinds:
+            return value
+    elif isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif isinstance(value, int):
+        if "int" in kinds:
+            return value
+        if "float" in kinds:
+            return float(value)
+        if "bool" in kinds and value in (0, 1):
+            return bool(value)
+    elif isinstance(value, float):
+        if "float" in kinds:
+            return value
+        if "int" in kinds and value.is_integer():
+            return int(value)
+    takes = " or ".join("true/false (yes/no, 1/0)" if k == "bool" else k for k in kinds)
+    raise ValueError(f"policy {policy!r} option {field.name}={value!r}: expected {takes}")
