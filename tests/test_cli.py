@@ -79,10 +79,93 @@ LONG_PROMPT = " ".join([passkey.FILLER] * 12)  # ~280 tokens: sink, a middle of 
 
 
 def test_policies_lists_registered_names(capsys):
+    from kvdex.integration.graph import graph_policies
+
     assert cli.main(["policies"]) == 0
-    names = capsys.readouterr().out.split()
-    assert names == kvdex.policies()
-    assert {"full", "oracle", "quest", "streaming"} <= set(names)
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line.split(None, 2) for line in lines[1:]]
+    assert [r[0] for r in rows] == kvdex.policies()
+    assert {"full", "oracle", "quest", "streaming"} <= {r[0] for r in rows}
+    capturable = set(graph_policies())
+    for name, graph, what in rows:  # capture support comes from the policy classes, not a table
+        assert graph == ("yes" if name in capturable else "no"), name
+        assert len(what) > 10, name
+    papers = {r[0]: r[2] for r in rows}
+    assert "[Quest (Tang et al., 2024)]" in papers["quest"] and "[IceCache" in papers["icecache"]
+    assert dict((r[0], r[1]) for r in rows)["icecache"] == "no" and "[" not in papers["full"]
+
+
+def test_policy_options_on_the_command_line_are_typed():
+    options = cli._policy_options(["reuse=false", "threads=2", "group_merge=nsa"])
+    p = kvdex.make_policy("icecache", **options)
+    assert (p.reuse, p.threads, p.group_merge) == (False, 2, "nsa")
+    assert kvdex.make_policy("icecache", **cli._policy_options(["reuse=no"])).reuse is False
+
+
+def test_bad_option_value_exits_2_before_loading(capsys):
+    rc = cli.main(["generate", "--model", "/no/such/dir", "--policy", "icecache", "-o", "reuse=maybe", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "reuse='maybe': expected true/false" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--prompt", ""], ["--prompt", "  \n"]], ids=["empty", "blank"])
+def test_empty_prompt_exits_2(tiny_model_dir, capsys, args):
+    rc = cli.main(["generate", "--model", str(tiny_model_dir), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kvdex: error: --prompt is empty") and "Traceback" not in err
+
+
+def test_empty_prompt_file_and_missing_model_dir_exit_2(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert cli.main(["generate", "--prompt-file", str(empty)]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(tmp_path / "absent"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"model directory not found: {tmp_path / 'absent'}" in err and "Repo id" not in err
+
+
+def _help_texts(parser):
+    """(prog, text) of every description and epilog of ``parser`` and its subcommands (where examples are)."""
+    import argparse
+
+    yield parser.prog, parser.description or ""
+    yield parser.prog, parser.epilog or ""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield from _help_texts(sub)
+
+
+def help_examples() -> list[str]:
+    """Every ``kvdex ...`` command line in the ``--help`` texts (continued lines joined)."""
+    found = []
+    for _, text in _help_texts(cli.build_parser()):
+        text = re.sub(r"\\\n\s*", " ", text)
+        for line in text.splitlines():
+            m = re.search(r"(?:^|example[^:]*:)\s*(kvdex \S.*)$", line.strip())
+            if m:
+                found.append(m.group(1).strip())
+    return found
+
+
+def test_help_examples_parse_and_their_policies_exist():
+    import shlex
+
+    examples = help_examples()
+    assert len(examples) >= 4, examples
+    assert any(e.startswith("kvdex generate") for e in examples)
+    assert any(e.startswith("kvdex models fetch") for e in examples)
+    for example in examples:
+        args = cli.build_parser().parse_args(shlex.split(example)[1:])  # SystemExit(2) on a bad example
+        listed = getattr(args, "policies", None) or []
+        listed = listed.split(",") if isinstance(listed, str) else listed  # bench takes the text
+        for spec in [getattr(args, "policy", None), *listed]:
+            if isinstance(spec, str):
+                kvdex.make_policy(spec, **cli._policy_options(getattr(args, "option", [])))
+        if getattr(args, "budgets", None):
+            for b in args.budgets:
+                kvdex.CacheConfig(budget=b)
 
 
 def test_unknown_policy_exits_2_with_the_list(tiny_model_dir, capsys):
@@ -203,18 +286,21 @@ def test_resolve_model(tiny_model_dir, tmp_path):
         kvdex_models.resolve_model(str(tmp_path / "absent.gguf"), None)
     with pytest.raises(ValueError, match="pass --model as well"):
         kvdex_models.resolve_model(None, "m.gguf")
+    with pytest.raises(ValueError, match="model directory not found"):
+        kvdex_models.resolve_model(str(tmp_path / "absent"), None)
 
 
 def test_default_model_falls_back_to_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(kvdex_models, "DEFAULT_PACKAGE", "kvdex_no_such_package")
     monkeypatch.setenv("KVDEX_MODELS", str(tmp_path))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    with pytest.raises(ValueError, match=r'pip install "kvdex\[demo\]"'):
+    with pytest.raises(ValueError, match=r"run `kvdex models fetch smollm2`"):
         kvdex_models.default_model()
     f = tmp_path / kvdex_models.FETCH_SUBDIR / kvdex_models.DEFAULT_GGUF
     f.parent.mkdir()
     f.write_bytes(b"")
     assert kvdex_models.default_model() == f
+    assert kvdex_models.resolve_model("smollm2") == (str(f.parent), f.name)
 
 
 # ---- passkey -------------------------------------------------------------------------------------

@@ -185,3 +185,89 @@ def test_unsupported_cache_operations(llama, call, pattern):
     model, _ = llama
     with pytest.raises(NotImplementedError, match=pattern):
         call(kvdex.Cache(model, "quest", 96))
+
+
+# ---- mistakes a new user makes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value,want",
+    [("no", False), ("False", False), ("false", False), ("0", False), (False, False), (0, False),
+     ("yes", True), ("True", True), ("on", True), (True, True), (1, True)],
+)  # fmt: skip
+def test_boolean_option_given_as_text_means_what_it_says(llama, value, want):
+    model, _ = llama
+    cache = kvdex.Cache(model, "icecache", 96, reuse=value)
+    assert cache.policy.reuse is want
+    assert kvdex.make_policy(f"icecache:reuse={value}").reuse is want
+
+
+@pytest.mark.parametrize(
+    "spec,pattern",
+    [("icecache:reuse=maybe", r"reuse='maybe': expected true/false"), ("icecache:reuse=2", r"reuse=2: expected"),
+     ("icecache:threads=many", r"threads='many': expected int"), ("prkv:refresh=1.5", r"refresh=1.5: expected int"),
+     ("chess:preset=3", r"preset=3: expected str")],
+)  # fmt: skip
+def test_option_of_the_wrong_type_refused(spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        kvdex.make_policy(spec)
+
+
+def test_options_given_as_text_are_typed():
+    p = kvdex.make_policy("icecache", threads="2", norm_margin="1.5", reuse="off")
+    assert (p.threads, p.norm_margin, p.reuse) == (2, 1.5, False)
+    assert kvdex.make_policy("pariskv:candidate_ratio=none").candidate_ratio is None
+    assert kvdex.make_policy("prkv:static_ratio=auto").static_ratio == "auto"
+    assert kvdex.make_policy("prkv", static_ratio="0.5").static_ratio == 0.5
+    assert kvdex.make_policy(kvdex.make_policy("icecache"), reuse="no").reuse is False  # a copy with options
+
+
+def test_cache_holding_a_prompt_of_another_model_refused():
+    """A filled cache passed to a model with other kv heads: a ValueError at the cache, not a shape error."""
+    model, _ = shared_pair("llama_gqa")  # 2 kv heads
+    other, _ = shared_pair("llama_mha")  # 4 kv heads
+    cache = kvdex.Cache(model, "quest", 96)
+    model.generate(prompt(100, 0), **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match=r"2 kv heads.*4 kv heads.*create a new kvdex.Cache"):
+        other.generate(prompt(140, 1), **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+
+
+def test_empty_prompt_refused(llama):
+    model, _ = llama
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"prompt is empty \(0 tokens\)"):
+        model.generate(empty, **cache_kwargs(kvdex.Cache(model, "quest", 96)), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt is empty"):
+        model(input_ids=empty, **cache_kwargs(kvdex.Cache(model, "quest", 96)))
+
+
+def test_tokenizer_passed_as_the_model_refused():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    with pytest.raises(TypeError, match=r"got \w+ \(a tokenizer: pass the model"):
+        kvdex.Cache(tok, "quest", 96)
+    with pytest.raises(TypeError, match=r"a tokenizer"):
+        kvdex.enable(tok)
+    with pytest.raises(TypeError, match=r"kvdex.load\('org/name'\)"):
+        kvdex.Cache("org/name", "quest", 96)
+
+
+@pytest.mark.parametrize("name", ["./no-such-model", "/no/such/model-dir", "~/no-such-model/"])
+def test_missing_model_directory_named(name):
+    with pytest.raises(ValueError, match=r"model directory not found: " + re.escape(name)) as err:
+        kvdex.load(name)
+    assert "Repo id" not in str(err.value)
+
+
+def test_known_model_not_fetched_says_how(tmp_path, monkeypatch):
+    from kvdex import models
+
+    monkeypatch.setenv("KVDEX_MODELS", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(models, "DEFAULT_PACKAGE", "kvdex_no_such_package")
+    monkeypatch.chdir(tmp_path)
+    for name in ("smollm2", "qwen05b"):
+        with pytest.raises(ValueError, match=rf"run `kvdex models fetch {name}`"):
+            kvdex.load(name)

