@@ -389,11 +389,11 @@ def environment() -> dict:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: list[int], cache_kwargs: dict):
+def prefill(model, input_ids: list[int], cache_options: dict):
     """Dense prefill of one prompt into a ``full`` cache; returns (cache, last logits [vocab] fp32)."""
     import kvdex
 
-    kw = dict(cache_kwargs)
+    kw = dict(cache_options)
     budget = kw.get("sink", 16) + kw.get("window", 32) + kw.get("page_size", 16)  # any valid budget
     cache = kvdex.Cache(model, policy=FULL, budget=budget, **kw)
     ids = torch.tensor([input_ids], device=model.device)

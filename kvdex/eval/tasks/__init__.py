@@ -105,6 +105,22 @@ def _ruler(a: argparse.Namespace):
     return RulerTask(subtasks=subtasks, data_root=a.data, max_new_tokens=a.max_new_tokens)
 
 
+def _needle_args(p: argparse.ArgumentParser) -> None:
+    from kvdex.eval.needle import NEEDLE_SUBTASKS
+
+    g = p.add_argument_group("needle")
+    g.add_argument(
+        "--subtasks", default=None, help=f"comma-separated RULER niah_* subtasks (default {','.join(NEEDLE_SUBTASKS)})"
+    )
+
+
+def _needle(a: argparse.Namespace):
+    from kvdex.eval.needle import NeedleTask
+
+    subtasks = None if a.subtasks is None else [s.strip() for s in a.subtasks.split(",") if s.strip()]
+    return NeedleTask(subtasks=subtasks, data_root=a.data)
+
+
 def _longbench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("longbench")
     g.add_argument("--version", choices=("v1", "v2"), default="v1", help="v1: 237-sample subset; v2: short MCQ")
@@ -141,6 +157,12 @@ TASKS: dict[str, TaskSpec] = {
         "RULER: needle-in-a-haystack (single/multi-key/multi-value/multi-query), variable tracking, QA",
         _ruler_args,
         _ruler,
+    ),
+    "needle": TaskSpec(
+        "needle diagnostics: per layer and kv head, the share of the needle's tokens and attention each policy "
+        "keeps vs the exact top-k of the same size (RULER needles, answer teacher-forced; PNG per budget)",
+        _needle_args,
+        _needle,
     ),
     "longbench": TaskSpec(
         "LongBench v1 (237-sample subset, official metric per task) or v2 short multiple choice "
