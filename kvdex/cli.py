@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_eval(sub)
+    from kvdex.eval.card.cli import register as _register_scorecard
+
+    _register_scorecard(sub)  # kvdex scorecard (kvdex/eval/card)
     from kvdex.bench.cli import register as _register_bench
 
     _register_bench(sub)  # kvdex bench (kvdex/bench)

@@ -163,8 +163,8 @@ def generate(spec, tokenizer, length: int, rng: random.Random, root: Path) -> tu
     return _qa(spec, tokenizer, length, rng, root)
 
 
-def _word_key(rng: random.Random, root: Path) -> str:
-    words = _english_words(str(root))
+def _word_key(rng: random.Random, root: Path | None) -> str:
+    words = _words(root)
     return f"{rng.choice(words)}-{rng.choice(words)}"
 
 
@@ -267,7 +267,7 @@ def _vt(spec: VariableTracking, tokenizer, length, rng) -> tuple[str, list[str]]
 
 
 def _cwe(spec: CommonWords, tokenizer, length, rng, root) -> tuple[str, list[str]]:
-    words = rng.sample(_english_words(str(root)), 6000)
+    words = rng.sample(_words(root), 6000)
     common, uncommon = words[: spec.num_common], words[spec.num_common :]
     order_seed = rng.random()
     intro = (
@@ -358,6 +358,25 @@ def _noise_sentences() -> list[str]:
 def _essay_sentences(root: str) -> list[str]:
     text = data.read_text(Path(root), "haystack/PaulGrahamEssays.json")
     return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
+def _words(root: Path | None) -> list[str]:
+    """Keys and CWE words: the English word list of the data folder, or made-up words without one."""
+    return _english_words(str(root)) if root is not None else _made_up_words()
+
+
+@lru_cache(maxsize=1)
+def _made_up_words(n: int = 12000) -> list[str]:
+    """``n`` distinct pronounceable lower-case words of 2-3 syllables (deterministic)."""
+    rng = random.Random("kvdex-words")
+    onsets, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    out, seen = [], set()
+    while len(out) < n:
+        w = "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(2, 3)))
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
 
 
 @lru_cache(maxsize=2)

@@ -1,0 +1,143 @@
+"""``kvdex scorecard``: the command line of :func:`kvdex.eval.card.scorecard`."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvdex.eval.card.config import ScorecardConfig, smoke
+from kvdex.eval.card.tasks import GROUPS, SUBTASKS
+from kvdex.eval.cli import parse_names, parse_sizes
+from kvdex.eval.tasks import parse_depths
+
+DESCRIPTION = """Every policy's accuracy and speed side by side on one model: each (policy, budget) decodes
+the same prompts (RULER-style retrieval, passkey grid, attention recall and perplexity on long text,
+optionally LongBench v1) at every length, in batches prefilled once and forked per policy. Each cell is
+the ratio to full with a paired 95% bootstrap interval; cells whose interval excludes 1 are marked.
+Writes <out>/scorecard.md, scorecard.json and scorecard.png. Finished cells are kept under <out>/cells:
+run the same command again to continue a stopped run (--max-minutes stops cleanly before a limit).
+
+examples:
+  kvdex scorecard --model qwen05b --out scorecard-qwen --max-minutes 9     # the full default size
+  kvdex scorecard --smoke                                                  # SmolLM2 on the CPU, ~2 min
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ScorecardConfig()
+    g = p.add_argument_group("what to measure")
+    g.add_argument("--model", default=None, help="known name, hub id, directory or .gguf (default qwen05b)")
+    g.add_argument("--gguf", default=None, help="GGUF file name inside --model")
+    g.add_argument(
+        "--policies",
+        type=parse_names,
+        default=None,
+        help="comma-separated policies (default: every registered one); NAME:KEY=VALUE options; NAME@B runs NAME "
+        "at budget B only (e.g. oracle@65536); full always runs",
+    )
+    g.add_argument("--budgets", type=parse_sizes, default=None, help="tokens per kv head per step (default 256,1024)")
+    g.add_argument("--lengths", type=parse_sizes, default=None, help="context lengths (default 8k,16k,32k)")
+    g.add_argument(
+        "--tasks",
+        type=parse_names,
+        default=None,
+        help=f"task groups from {', '.join(GROUPS[:3])} (default all three; longtext = recall + ppl)",
+    )
+    g.add_argument("--with-longbench", action="store_true", help="add LongBench v1 (the 237-sample subset)")
+    g.add_argument(
+        "--subtasks", type=parse_names, default=None, help=f"retrieval subtasks (default {','.join(SUBTASKS)})"
+    )
+    g.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"retrieval prompts per length, spread over the subtasks (at least 25 each; default {d.prompts})",
+    )
+    g.add_argument("--per-subtask", type=int, default=None, help="retrieval prompts per subtask (overrides --prompts)")
+    g.add_argument("--passkey-depths", type=parse_depths, default=None, help="needle depths in %% (default 0:95:5)")
+    g.add_argument("--passkey-per-depth", type=int, default=None, help=f"(default {d.passkey_per_depth})")
+    g.add_argument("--longtext-prompts", type=int, default=None, help=f"(default {d.longtext_prompts})")
+    g.add_argument("--recall-steps", type=int, default=None, help=f"(default {d.recall_steps})")
+    g.add_argument("--ppl-tokens", type=int, default=None, help=f"(default {d.ppl_tokens})")
+    g.add_argument("--batch", type=int, default=None, help=f"prompts per batch (default {d.batch})")
+    g.add_argument("--seed", type=int, default=None, help="prompt seed (default 0)")
+    g.add_argument("--no-speed", action="store_true", help="skip the speed columns (measured on CUDA only)")
+    g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 768 tokens, 4 policies")
+    g = p.add_argument_group("cache")
+    g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--sink", type=int, default=None)
+    g.add_argument("--window", type=int, default=None)
+    g.add_argument("--dense-layers", type=int, default=None)
+    g = p.add_argument_group("running")
+    g.add_argument("--out", default=None, help="output folder (default ./scorecard; --smoke: ./scorecard-smoke)")
+    g.add_argument("--data", default=None, help="evaluation data folder (default $KVDEX_DATA)")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    g.add_argument("--decode", choices=("auto", "eager", "graph"), default=None, help="auto: CUDA graphs on CUDA")
+    g.add_argument("--max-minutes", type=float, default=None, help="stop cleanly before this wall time")
+    g.add_argument("--max-cells", type=int, default=None, help="stop after computing this many cells")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+_FIELDS = {
+    "model": "model", "gguf": "gguf", "policies": "policies", "budgets": "budgets", "lengths": "lengths",
+    "tasks": "tasks", "subtasks": "subtasks", "prompts": "prompts", "per_subtask": "per_subtask",
+    "passkey_depths": "passkey_depths", "passkey_per_depth": "passkey_per_depth",
+    "longtext_prompts": "longtext_prompts", "recall_steps": "recall_steps", "ppl_tokens": "ppl_tokens",
+    "batch": "batch", "seed": "seed", "page_size": "page_size", "sink": "sink", "window": "window",
+    "dense_layers": "dense_layers", "out": "out", "data": "data", "device": "device", "dtype": "dtype",
+    "decode": "decode", "max_minutes": "max_minutes", "max_cells": "max_cells",
+}  # fmt: skip
+
+
+def config_from_args(a: argparse.Namespace) -> ScorecardConfig:
+    given = {f: getattr(a, arg) for arg, f in _FIELDS.items() if getattr(a, arg) is not None}
+    if a.no_speed:
+        given["speed"] = False
+    if a.no_progress:
+        given["progress"] = False
+    if a.with_longbench:
+        base = given.get("tasks") or (smoke().tasks if a.smoke else ScorecardConfig().tasks)
+        given["tasks"] = [*base, "longbench"] if "longbench" not in base else base
+    cfg = smoke(**given) if a.smoke else ScorecardConfig(**given)
+    cfg.validate()
+    return cfg
+
+
+def run(a: argparse.Namespace) -> int:
+    from kvdex.eval.card.run import scorecard
+
+    cfg = config_from_args(a)
+    rep = scorecard(cfg)
+    print(rep["paths"][1].read_text())
+    return 0 if rep["complete"] or rep["stopped"] else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``scorecard`` to kvdex's main CLI."""
+    p = subparsers.add_parser(
+        "scorecard",
+        help="every policy's accuracy and speed side by side, ratios to full with 95%% intervals",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdex.eval.card.cli",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

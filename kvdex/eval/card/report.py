@@ -1,0 +1,214 @@
+"""The scorecard's outputs, rebuilt from the cell files: ``scorecard.json``, ``scorecard.md``, a PNG.
+
+Every reported cell is one (policy, budget, length, task): ``ratio`` to ``full`` over the same
+prompts with its paired 95% bootstrap interval ``[low, high]`` (:mod:`kvdex.eval.card.stats`),
+``n`` prompts, ``mark`` ("better" / "worse" where the interval excludes 1), the policy's absolute
+``score`` and ``full``'s. Tasks: ``retrieval`` (all subtasks pooled, resampled within subtask) and
+``retrieval/<subtask>``, ``passkey``, ``recall`` (attention mass kept; ``full`` = 1), ``ppl`` (ratio of
+perplexities: above 1 is worse), ``longbench``, and ``tokens_per_s_b<B>`` (speed; no interval).
+A (policy, budget) whose batches are not all finished is left out of that column ("missing").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from kvdex.eval.card import stats, tasks
+from kvdex.eval.card.run import cell_name, write_json
+from kvdex.eval.runner import environment
+
+SCHEMA = "kvdex-scorecard/1"
+LOWER_IS_BETTER = {"ppl"}
+
+
+def _seed(*key) -> int:
+    return int(hashlib.sha1(repr(key).encode()).hexdigest()[:8], 16)
+
+
+def _records(plan, group, length, policy, budget) -> list[dict] | None:
+    """Every prompt's record of one (group, length, policy, budget), or None if a batch is missing."""
+    cdir = plan.cell_dir(group, length)
+    n = plan.prompt_count(group, length)
+    if n is None:
+        return None
+    out = []
+    for bi in range(-(-n // plan.cfg.batch)):
+        path = cdir / cell_name(bi, policy, budget)
+        if not path.is_file():
+            return None
+        out += json.loads(path.read_text())["records"]
+    return out
+
+
+def _columns(group) -> list[tuple[str, str, object]]:
+    """(task name, field, stratum key or None) of the columns a group yields."""
+    if group.name == "retrieval":
+        cols = [("retrieval", "score", "subtask")]
+        return cols + [(f"retrieval/{s}", "score", ("only", s)) for s in group.options["subtasks"]]
+    if group.name == "longtext":
+        return [("recall", "recall", None), ("ppl", "nll", None)]
+    if group.name == "longbench":
+        return [("longbench", "score", "dataset")]
+    return [(group.name, "score", None)]
+
+
+def cells(plan, resamples: int) -> tuple[list[dict], int, int]:
+    """Every reportable cell; also how many (task, length, pair) slots exist and how many are done."""
+    out, slots, done = [], 0, 0
+    for length in plan.cfg.lengths:
+        for g in plan.groups:
+            full = _records(plan, g, length, "full", None)
+            for policy, budget in plan.pairs:
+                slots += 1
+                recs = full if policy == "full" else _records(plan, g, length, policy, budget)
+                if recs is None or full is None:
+                    continue
+                done += 1
+                for task, fieldname, strat in _columns(g):
+                    c = _cell(task, fieldname, strat, recs, full, policy, budget, length, resamples)
+                    if c["n"]:  # a subtask left out at this length has no prompts
+                        out.append(c)
+    return out, slots, done
+
+
+def _cell(task, fieldname, strat, recs, full, policy, budget, length, resamples) -> dict:
+    ref = {r["id"]: r for r in full}
+    rows = [(r, ref[r["id"]]) for r in recs if r["id"] in ref]
+    if isinstance(strat, tuple):  # one subtask only
+        rows = [(r, f) for r, f in rows if r.get("subtask") == strat[1]]
+        strat = None
+    x = np.array([r[fieldname] for r, _ in rows], dtype=float)
+    y = np.array([f[fieldname] for _, f in rows], dtype=float)
+    labels = None if strat is None else [r.get(strat) for r, _ in rows]
+    kind = "exp_diff" if task == "ppl" else "ratio"
+    iv = stats.paired_ratio(
+        x, y, kind=kind, strata=labels, resamples=resamples, seed=_seed(task, length, policy, budget)
+    )
+    absolute = (lambda v: float(np.exp(v.mean()))) if task == "ppl" else (lambda v: float(v.mean()))
+    r = lambda v: None if v is None else round(v, 4)  # noqa: E731
+    return {
+        "policy": policy,
+        "budget": budget,
+        "length": length,
+        "task": task,
+        "ratio": r(iv.ratio),
+        "low": r(iv.low),
+        "high": r(iv.high),
+        "n": iv.n,
+        "mark": iv.mark(task not in LOWER_IS_BETTER),
+        "score": r(absolute(x)) if len(x) else None,
+        "full": r(absolute(y)) if len(y) else None,
+        "p_exact": None if task in ("ppl", "recall") else r(stats.mcnemar_p(x, y)),
+    }
+
+
+def speed_cells(plan) -> list[dict]:
+    cfg = plan.cfg
+    length = max(cfg.lengths)
+    sdir = plan.speed_dir(length)
+    out = []
+    for b in cfg.speed_batches:
+        fpath = sdir / cell_name(b, "full", None)
+        full = json.loads(fpath.read_text()) if fpath.is_file() else None
+        for policy, budget in plan.pairs:
+            path = sdir / cell_name(b, policy, budget)
+            if not path.is_file() or full is None:
+                continue
+            s = json.loads(path.read_text())
+            out.append(
+                {
+                    "policy": policy,
+                    "budget": budget,
+                    "length": length,
+                    "task": f"tokens_per_s_b{b}",
+                    "ratio": round(s["tokens_per_s"] / full["tokens_per_s"], 4),
+                    "low": None,
+                    "high": None,
+                    "n": s["steps"] * b,
+                    "mark": "",
+                    "score": round(s["tokens_per_s"], 2),
+                    "full": round(full["tokens_per_s"], 2),
+                    "p_exact": None,
+                }
+            )
+    return out
+
+
+def write(plan, run) -> dict:
+    """Write scorecard.json / .md / .png under the output folder from every finished cell."""
+    from kvdex.eval.card import markdown
+
+    cfg = plan.cfg
+    t0 = time.perf_counter()
+    found, slots, done = cells(plan, cfg.resamples)
+    found += speed_cells(plan)
+    speed_note = None
+    if not cfg.speed:
+        speed_note = "speed not measured (speed=False)"
+    elif run.model.device.type != "cuda":
+        speed_note = "n/a (CPU)"
+    compute = 0.0
+    for f in plan.out.glob("cells/**/*.json"):
+        try:
+            c = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        compute += c.get("cell_s", 0.0) + (c.get("prefill_s", 0.0) if str(c.get("policy")) == "full" else 0.0)
+    prompts, notes = {}, list(plan.notes)
+    for g in plan.groups:
+        for length in cfg.lengths:
+            info = tasks.prompt_info(plan.prompt_file(g, length))
+            if info is not None:
+                prompts.setdefault(g.name, {})[str(length)] = info[1]
+                notes += info[2]
+    report = {
+        "schema": SCHEMA,
+        "model": plan.common["model"],
+        "dtype": plan.common["dtype"],
+        "device": plan.device_name,
+        "command": sys.argv,
+        "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "environment": environment(),
+        "settings": cfg.to_dict(),
+        "pairs": [[p, b] for p, b in plan.pairs],
+        "seeds": {
+            "seed": cfg.seed,
+            "retrieval": "random.Random(f'{seed}-{length}-{subtask}-{i}') for prompt i of a subtask",
+            "passkey": "random.Random(f'{seed}-{length}-{depth}-{i}').getrandbits(32) picks the key",
+            "longtext": "random.Random(f'{seed}-{length}-{i}') picks the place in book i % 8",
+            "bootstrap": "sha1 of (task, length, policy, budget); numpy default_rng",
+        },
+        "prompts": prompts,
+        "notes": notes + ([f"speed: {speed_note}"] if speed_note else []),
+        "failures": run.failures,
+        "complete": done == slots and not run.failures and run.stopped is None,
+        "slots_done": done,
+        "slots_total": slots,
+        "stopped": run.stopped,
+        "invocation_wall_s": round(run.clock.elapsed(), 1),
+        "compute_s": round(compute, 1),
+        "cells": found,
+    }
+    paths = [plan.out / "scorecard.json", plan.out / "scorecard.md"]
+    write_json(paths[0], report)
+    paths[1].write_text(markdown.render(report, speed_note))
+    png = markdown.heatmap(report, plan.out / "scorecard.png")
+    if png is not None:
+        paths.append(png)
+    report["paths"] = paths
+    report["report_s"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def table(report: dict) -> dict:
+    """{(policy, budget): {(task, length): cell}} of a report (for tests and tools)."""
+    out = defaultdict(dict)
+    for c in report["cells"]:
+        out[(c["policy"], c["budget"])][(c["task"], c["length"])] = c
+    return dict(out)

@@ -1,0 +1,376 @@
+"""Run a scorecard: every (length, task, prompt batch, policy, budget) cell, resumably.
+
+A *cell* is one prompt batch decoded by one (policy, budget) at one length. Each finished cell is
+one JSON file under ``<out>/cells/<task>/L<length>__<hash>/`` (the hash covers every setting that
+changes its numbers: model, dtype, seed, cache sizes, batch size, the task's options), written
+atomically, so a run stopped anywhere (``max_minutes``, ``max_cells``, a killed command) continues
+where it stopped and never recomputes a finished cell. A batch is prefilled once for all its
+missing cells. The report (:mod:`kvdex.eval.card.report`) is rebuilt from the cell files at the
+end of every invocation, so an interrupted and a resumed run give the same table as one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import math
+import re
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kvdex.eval import data
+from kvdex.eval.card import decode, tasks
+from kvdex.eval.card.config import ScorecardConfig
+from kvdex.eval.runner import resolve_decode, stop_token_ids
+
+FORMAT = 1  # bump when a cell's meaning changes: every hash changes with it
+
+
+def cell_name(batch: int, policy: str, budget: int | None) -> str:
+    tag = re.sub(r"[^A-Za-z0-9._=:,-]+", "-", policy).replace(":", "+")
+    return f"{batch:03d}__{tag}__{'dense' if budget is None else f'b{budget}'}.json"
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def expected_prompts(group: tasks.Group) -> int | None:
+    """Prompts a group will have before they are generated (None: known only then)."""
+    o = group.options
+    return {
+        "retrieval": lambda: len(o["subtasks"]) * o["per_subtask"],
+        "passkey": lambda: len(o["depths"]) * o["per_depth"],
+        "longtext": lambda: o["prompts"],
+    }.get(group.name, lambda: None)()
+
+
+class Plan:
+    """Where the cells of one invocation live, which exist, and the prompts they decode."""
+
+    def __init__(self, cfg: ScorecardConfig, model_tag: str, dtype: str, root, device_name: str):
+        self.cfg, self.root = cfg, root
+        self.out = Path(cfg.out)
+        self.pairs = cfg.policy_budgets()
+        self.groups = tasks.make_groups(cfg, root)
+        cache = dict(page_size=cfg.page_size, sink=cfg.sink, window=cfg.window, dense_layers=cfg.dense_layers)
+        self.cache_options = cache
+        self.common = {"format": FORMAT, "model": model_tag, "dtype": dtype, "seed": cfg.seed, "cache": cache}
+        self.common_batched = {**self.common, "batch": cfg.batch}
+        self.device_name = device_name
+        self.notes = [n for g in self.groups for n in g.notes]
+
+    def cell_dir(self, group: tasks.Group, length: int) -> Path:
+        return self.out / "cells" / group.name / f"L{length}__{group.digest(self.common_batched)}"
+
+    def prompt_file(self, group: tasks.Group, length: int) -> Path:
+        return self.out / "prompts" / f"{group.name}__L{length}__{group.digest(self.common)}.npz"
+
+    def speed_group(self) -> tasks.Group:
+        n = max(self.cfg.speed_batches)
+        return tasks.Group("passkey", {"depths": [50], "per_depth": n})
+
+    def speed_dir(self, length: int) -> Path:
+        opts = {"steps": self.cfg.speed_steps, "warmup": self.cfg.speed_warmup, "device": self.device_name}
+        g = tasks.Group("speed", opts)
+        return self.out / "cells" / "speed" / f"L{length}__{g.digest(self.common)}"
+
+    def prompt_count(self, group: tasks.Group, length: int) -> int | None:
+        """Prompts of (group, length): from the prompt file when generated, else as expected."""
+        info = tasks.prompt_info(self.prompt_file(group, length))
+        return info[0] if info is not None else expected_prompts(group)
+
+    def batches(self, n: int) -> list[range]:
+        b = self.cfg.batch
+        return [range(i, min(i + b, n)) for i in range(0, n, b)]
+
+
+class Clock:
+    """Wall time since the start and a guess of the next unit's cost, for ``max_minutes``."""
+
+    def __init__(self, limit_min: float | None):
+        self.t0 = time.perf_counter()
+        self.limit = None if limit_min is None else 60.0 * limit_min
+        self.seen: dict[tuple, float] = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def note(self, key: tuple, seconds: float) -> None:
+        self.seen[key] = max(self.seen.get(key, 0.0), seconds)
+
+    def allows(self, *keys: tuple) -> bool:
+        if self.limit is None:
+            return True
+        fallback = 2 * max(self.seen.values(), default=0.0)
+        need = sum(self.seen.get(k, fallback) for k in keys)
+        return self.elapsed() + need <= self.limit
+
+
+def scorecard(config: ScorecardConfig | None = None, *, model=None, tokenizer=None, on_cell=None, **overrides):
+    """Measure every (policy, budget) of ``config`` (or ``ScorecardConfig(**overrides)``) and write
+    ``scorecard.md``, ``scorecard.json`` and ``scorecard.png`` under ``config.out``. Returns the report
+    (the JSON's content plus ``paths``). ``model`` / ``tokenizer``: an already loaded model (kvdex-enabled)
+    used instead of loading ``config.model`` (which then only names it). ``on_cell(info)`` is called after
+    every computed cell; returning ``False`` stops the run (finished cells are kept)."""
+    from kvdex.eval.card import report
+
+    cfg = dataclasses.replace(config, **overrides) if config is not None else ScorecardConfig(**overrides)
+    cfg.validate()
+    clock = Clock(cfg.max_minutes)
+    from kvdex.eval import models
+
+    if model is None:
+        model, tokenizer = models.load(cfg.model, cfg.gguf, device=cfg.device, dtype=cfg.dtype)
+        tag = models.tag(cfg.model, cfg.gguf)
+    else:
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer with the model")
+        tag = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.model)
+    device = next(model.parameters()).device
+    graph = resolve_decode(cfg.decode, device) == "graph"
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    root = data.data_root(cfg.data, required=False)
+    plan = Plan(cfg, tag, str(model.dtype).removeprefix("torch."), root, dev_name)
+    state = _Run(cfg, plan, model, tokenizer, graph, clock, on_cell)
+    state.loop()
+    out = report.write(plan, state)
+    state.say(f"wrote {', '.join(str(p) for p in out['paths'])}" + ("" if out["complete"] else " (incomplete)"))
+    return out
+
+
+class _Run:
+    def __init__(self, cfg, plan: Plan, model, tokenizer, graph: bool, clock: Clock, on_cell):
+        self.cfg, self.plan, self.model, self.tok, self.graph = cfg, plan, model, tokenizer, graph
+        self.clock, self.on_cell = clock, on_cell
+        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.computed = 0
+        self.stopped: str | None = None
+        self.failures: list[dict] = []
+        self.bar = None
+
+    def say(self, msg: str) -> None:
+        line = f"[{self.clock.elapsed():7.1f}s] {msg}"
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def _stop(self, why: str) -> bool:
+        if self.stopped is None:
+            self.stopped = why
+            self.say(f"stopping: {why}; run the same command again to continue")
+        return True
+
+    def loop(self) -> None:
+        from tqdm.auto import tqdm
+
+        plan = self.plan
+        units = []  # (group, length, number of prompts)
+        for length in self.cfg.lengths:
+            for g in plan.groups:
+                units.append((g, length, expected_prompts(g)))
+        total = sum(math.ceil((n or 0) / self.cfg.batch) * len(plan.pairs) for _, _, n in units)
+        done = sum(len(list(plan.cell_dir(g, L).glob("*.json"))) for g, L, _ in units if plan.cell_dir(g, L).is_dir())
+        self.bar = tqdm(total=max(total - done, 0), disable=not self.cfg.progress, unit="cell", desc="scorecard")
+        for note in plan.notes:
+            self.say(note)
+        try:
+            for g, length, _ in units:
+                if self.stopped or not self._group(g, length):
+                    break
+            if not self.stopped and self.cfg.speed:
+                self._speed()
+        finally:
+            self.bar.close()
+            self.bar = None
+
+    def _group(self, g: tasks.Group, length: int) -> bool:
+        plan, cfg = self.plan, self.cfg
+        cdir = plan.cell_dir(g, length)
+        n = plan.prompt_count(g, length)
+        if n is not None and all(
+            (cdir / cell_name(i, p, b)).is_file() for i in range(math.ceil(n / cfg.batch)) for p, b in plan.pairs
+        ):
+            return True
+        t0 = time.perf_counter()
+        samples = tasks.load_or_generate(plan.prompt_file(g, length), g, self.tok, length, cfg.seed, plan.root)
+        self.say(f"L={length} {g.name}: {len(samples)} prompts ready in {time.perf_counter() - t0:.1f}s")
+        if n != len(samples):
+            self.bar.total += (math.ceil(len(samples) / cfg.batch) - math.ceil((n or 0) / cfg.batch)) * len(plan.pairs)
+            self.bar.refresh()
+        for note in tasks.prompt_info(plan.prompt_file(g, length))[2]:
+            self.say(note)
+        failed: set = set()
+        batches = plan.batches(len(samples))
+        for bi, rows in enumerate(batches):
+            todo = [
+                (p, b) for p, b in plan.pairs if not (cdir / cell_name(bi, p, b)).is_file() and (p, b) not in failed
+            ]
+            if not todo:
+                continue
+            key = (g.name, length)
+            if not self.clock.allows(key + ("prefill",), key):
+                return not self._stop("--max-minutes reached")
+            batch = [samples[i] for i in rows]
+            base, logits, pf_s = decode.prefill(self.model, self.tok, [s.input_ids for s in batch], plan.cache_options)
+            self.clock.note(key + ("prefill",), pf_s)
+            width = max(len(s.input_ids) for s in batch)
+            self.say(f"L={length} {g.name} batch {bi + 1}/{len(batches)}: prefill {len(batch)}x{width} {pf_s:.2f}s")
+            for policy, budget in todo:
+                if not self.clock.allows(key):
+                    return not self._stop("--max-minutes reached")
+                t1 = time.perf_counter()
+                try:
+                    cell = self._cell(g, batch, base, logits, policy, budget)
+                except Exception as e:  # one policy failing must not end the scorecard
+                    failed.add((policy, budget))
+                    why = f"{type(e).__name__}: {e}"
+                    self.failures.append(
+                        {
+                            "task": g.name,
+                            "length": length,
+                            "batch": bi,
+                            "policy": policy,
+                            "budget": budget,
+                            "error": why[:500],
+                        }
+                    )
+                    self.say(f"FAILED {policy}@{budget} L={length} {g.name} batch {bi + 1}: {why[:300]}")
+                    self.say(traceback.format_exc(limit=-3).strip())
+                    _free(self.model)
+                    continue
+                dt = time.perf_counter() - t1
+                self.clock.note(key, dt)
+                cell.update(
+                    task=g.name,
+                    length=length,
+                    batch=bi,
+                    policy=policy,
+                    budget=budget,
+                    prefill_s=round(pf_s, 4),
+                    cell_s=round(dt, 4),
+                    device=plan.device_name,
+                )
+                write_json(cdir / cell_name(bi, policy, budget), cell)
+                self.computed += 1
+                self.bar.update(1)
+                d = cell["decode"]
+                how = f"{d['replays']} replayed, {d['eager']} eager, {d['captures']} captures"
+                self.say(
+                    f"L={length} {g.name} batch {bi + 1}/{len(batches)} {policy}"
+                    + ("" if budget is None else f"@{budget}")
+                    + f": {dt:.2f}s, {cell['steps']} steps ({how})"
+                    + (f" - eager because {d['reason']}" if d["reason"] and d["eager"] > 1 else "")
+                )
+                if self.on_cell is not None and self.on_cell(cell) is False:
+                    return not self._stop("stopped by the on_cell callback")
+                if self.cfg.max_cells is not None and self.computed >= self.cfg.max_cells:
+                    return not self._stop(f"max_cells={self.cfg.max_cells} reached")
+            del base, logits
+            _free(self.model)
+        return True
+
+    def _cell(self, g: tasks.Group, batch, base, logits, policy, budget) -> dict:
+        if g.teacher:
+            steps = g.options["recall_steps"]
+            cont = torch.tensor([s.meta["continuation"] for s in batch])
+            rows, info = decode.teacher(self.model, base, logits, policy, budget, cont, steps, self.graph)
+            recs = [
+                {"id": s.id, **{k: (None if v is None else round(v[i], 6)) for k, v in rows.items()}}
+                for i, s in enumerate(batch)
+            ]
+        else:
+            limits = [s.meta["max_new"] for s in batch]
+            toks, info = decode.greedy(self.model, base, logits, policy, budget, limits, self.stop_ids, self.graph)
+            recs = []
+            for s, t in zip(batch, toks, strict=True):
+                pred = self.tok.decode(t, skip_special_tokens=True).strip()
+                rec = {"id": s.id, "score": tasks.score(g, s, pred), "prediction": pred}
+                for k in ("subtask", "dataset"):
+                    if k in s.meta:
+                        rec[k] = s.meta[k]
+                recs.append(rec)
+        steps, decode_s = info.pop("steps"), info.pop("decode_s")
+        return {"records": recs, "steps": steps, "decode_s": decode_s, "decode": info}
+
+    def _speed(self) -> None:
+        plan, cfg = self.plan, self.cfg
+        if self.model.device.type != "cuda":
+            return
+        length = max(cfg.lengths)
+        sdir = plan.speed_dir(length)
+        g = plan.speed_group()
+        todo = [
+            (b, p, bud)
+            for b in cfg.speed_batches
+            for p, bud in plan.pairs
+            if not (sdir / cell_name(b, p, bud)).is_file()
+        ]
+        if not todo:
+            return
+        self.bar.total += len(todo)
+        self.bar.refresh()
+        samples = tasks.load_or_generate(plan.prompt_file(g, length), g, self.tok, length, cfg.seed, plan.root)
+        for b in cfg.speed_batches:
+            pend = [(p, bud) for bb, p, bud in todo if bb == b]
+            if not pend:
+                continue
+            key = ("speed", b)
+            if not self.clock.allows(key, key):
+                self._stop("--max-minutes reached")
+                return
+            base, logits, pf_s = decode.prefill(
+                self.model, self.tok, [s.input_ids for s in samples[:b]], plan.cache_options
+            )
+            for policy, budget in pend:
+                if not self.clock.allows(key):
+                    self._stop("--max-minutes reached")
+                    return
+                t1 = time.perf_counter()
+                try:
+                    res = decode.speed(self.model, base, logits, policy, budget, cfg.speed_steps, cfg.speed_warmup)
+                except Exception as e:
+                    self.failures.append(
+                        {
+                            "task": "speed",
+                            "length": length,
+                            "batch": b,
+                            "policy": policy,
+                            "budget": budget,
+                            "error": f"{type(e).__name__}: {e}"[:500],
+                        }
+                    )
+                    self.say(f"FAILED speed {policy}@{budget} batch {b}: {type(e).__name__}: {e}")
+                    _free(self.model)
+                    continue
+                self.clock.note(key, time.perf_counter() - t1)
+                res.update(task="speed", length=length, policy=policy, budget=budget, device=plan.device_name)
+                write_json(sdir / cell_name(b, policy, budget), res)
+                self.bar.update(1)
+                self.say(
+                    f"speed L={length} batch {b} {policy}"
+                    + ("" if budget is None else f"@{budget}")
+                    + f": {res['tokens_per_s']:.1f} tok/s, {res['ms_per_step']:.2f} ms/step"
+                    + f" (timed steps: {res['timed_steps']})"
+                )
+            del base, logits
+            _free(self.model)
+
+
+def _free(model) -> None:
+    gc.collect()
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def settings_hash(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
