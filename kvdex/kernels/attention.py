@@ -11,23 +11,17 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.reference import sparse_decode_attention_reference
 
-def _fast():
-    """kvdex.kernels.triton_attention when triton is importable and not disabled, else None."""
-    global _FAST
-    if _FAST is None:
-        _FAST = False
-        if os.environ.get("KVDEX_TRITON", "1") != "0":
-            try:
-                from kvdex.kernels import triton_attention
-
-                _FAST = triton_attention
-            except ImportError:
-                pass
-    return _FAST or None
-
-
-_FAST = None
+__all__ = [
+    "causal_chunk_attention",
+    "dense_attention",
+    "dense_decode_attention",
+    "paged_decode_attention",
+    "sparse_decode_attention",
+    "sparse_decode_attention_reference",
+]
 
 
 def sparse_decode_attention(
@@ -40,28 +34,10 @@ def sparse_decode_attention(
     CUDA inputs run the Triton kernel (``KVDEX_TRITON=0`` forces the reference), others the
     PyTorch reference :func:`sparse_decode_attention_reference`.
     """
-    fast = _fast() if q.is_cuda else None
+    fast = triton_kernel("triton_attention", on=q)
     if fast is not None:
         return fast.sparse_decode_attention(q, k, v, idx, valid, scale)
     return sparse_decode_attention_reference(q, k, v, idx, valid, scale)
-
-
-def sparse_decode_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The PyTorch twin (spec) of :func:`sparse_decode_attention`."""
-    b, hq, d = q.shape
-    h = k.shape[1]
-    g = hq // h
-    gi = idx[..., None].expand(-1, -1, -1, d)
-    ks = k.gather(2, gi).float()  # [B, H, N, D]
-    vs = v.gather(2, gi).float()
-    qg = q.view(b, h, g, d).float()
-    s = torch.einsum("bhgd,bhnd->bhgn", qg, ks) * scale
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out = torch.einsum("bhgn,bhnd->bhgd", p, vs)
-    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def paged_decode_attention(
@@ -81,7 +57,7 @@ def paged_decode_attention(
     (see ``kvdex.kernels.triton_attention.paged_decode_attention``). Returns None when the fast
     kernel does not apply (not CUDA, no triton, ``KVDEX_TRITON=0``): the caller takes that path.
     """
-    fast = _fast() if q.is_cuda and os.environ.get("KVDEX_PAGED", "1") != "0" else None
+    fast = triton_kernel("triton_attention", on=q) if os.environ.get("KVDEX_PAGED", "1") != "0" else None
     if fast is None:
         return None
     return fast.paged_decode_attention(q, k, v, pages, lengths, sink, page_size, window_pages, scale)
@@ -95,7 +71,7 @@ def dense_decode_attention(
     q [B, Hq, D] -> [B, Hq, D]. CUDA inputs run the Triton kernel in dense mode; the reference
     is :func:`dense_attention` with the query at position ``lengths - 1``.
     """
-    fast = _fast() if q.is_cuda else None
+    fast = triton_kernel("triton_attention", on=q)
     if fast is not None:
         return fast.dense_decode_attention(q, k, v, lengths, scale, max_len=max_len)
     pos = (lengths.to(q.device) - 1)[:, None]

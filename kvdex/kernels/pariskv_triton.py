@@ -28,6 +28,7 @@ import os
 import torch
 
 from kvdex.kernels import pariskv as twin
+from kvdex.kernels.pinned import readable_from
 
 try:
     import triton
@@ -350,9 +351,7 @@ def gather_rows(pages: torch.Tensor, rel: torch.Tensor, block: int = 32) -> torc
     _check(rel)
     if not pages.is_contiguous():
         raise ValueError("gather_rows needs a contiguous page store")
-    from kvdex.storage.host import is_registered
-
-    if pages.device.type == "cpu" and rel.device.type == "cuda" and not (pages.is_pinned() or is_registered(pages)):
+    if not readable_from(pages, rel.device):
         raise ValueError("gather_rows reads host pages over UVA: the page store must be pinned (pin_memory=True)")
     b, h, p, _, ps, d = pages.shape
     t = rel.shape[-1]

@@ -1,8 +1,8 @@
 """Quest's page scoring in one Triton kernel: upper bounds of q.k per page, reduced over the GQA group.
 
-The twin (:func:`page_scores_reference`) is the PyTorch path of ``kvdex.policies.quest``:
-``mask_pages(group_reduce(page_bounds(q, kmin, kmax), H, "max"), num_pages)``. That path converts
-the whole min/max index to fp32 and materialises per-query-head bounds every step; at 128k tokens
+The twin (:func:`page_scores_reference`, ``kvdex.kernels.scoring.quest_page_scores``) is the PyTorch
+path of ``kvdex.policies.quest``: ``mask_pages(group_reduce(page_bounds(q, kmin, kmax), H, "max"), num_pages)``.
+That path converts the whole min/max index to fp32 and materialises per-query-head bounds every step; at 128k tokens
 (8k pages x 8 kv heads x 128 channels per layer) those copies cost more than the attention.
 This kernel reads the index in its stored dtype once and writes only the [B, H, P] scores.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvdex.kernels.scoring import quest_page_scores
 
 
 @triton.jit
@@ -108,7 +110,4 @@ def page_scores(
 
 def page_scores_reference(q, kmin, kmax, num_pages):
     """The twin: the PyTorch path of the quest policy."""
-    from kvdex.policies.base import group_reduce, mask_pages
-    from kvdex.policies.quest import page_bounds
-
-    return mask_pages(group_reduce(page_bounds(q, kmin, kmax), kmin.shape[1], "max"), num_pages)
+    return quest_page_scores(q, kmin, kmax, num_pages)

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdex.kernels.reference import window_start
+
 
 @triton.jit
 def _append_kernel(
@@ -160,12 +162,9 @@ def paged_attended_count_(
 
 def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages):
     """The twin: the expression of ``KVDexLayer._paged_decode`` (static sizing), a 0-dim int64 tensor."""
-    from kvdex.storage.layout import Grid
-
-    g = Grid(sink, page_size, window_pages)
     L = lengths
-    fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * pages.shape[1]
-    return (pages >= 0).sum() * g.page_size + fixed
+    fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
+    return (pages >= 0).sum() * page_size + fixed * pages.shape[1]
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 One decode step attends, per (sequence b, kv head h), to the slots ``idx[b, h, :N]`` of the
 layer's slot buffers ``k/v [B, H, S, D]`` (only where ``valid``). The PyTorch twin is
-:func:`kvdex.kernels.attention.sparse_decode_attention_reference`; these kernels compute the same function:
+:func:`kvdex.kernels.reference.sparse_decode_attention_reference`; these kernels compute the same function:
 
 * phase 1 (``_split_kernel``), grid ``(B*H, splits)``: each program owns one kv head of one
   sequence and one contiguous chunk of its selection. It loads the G query heads of the GQA group
@@ -38,6 +38,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kvdex.kernels.reference import sparse_decode_attention_reference as twin
+from kvdex.kernels.reference import window_start
+from kvdex.selection import Selection
 
 _LOG2E = 1.4426950408889634
 
@@ -299,8 +303,6 @@ def dense_decode_attention(
 
 def dense_decode_reference(q, k, v, lengths, scale):
     """PyTorch twin of :func:`dense_decode_attention` (sparse twin with idx = arange, valid = j < length)."""
-    from kvdex.kernels.attention import sparse_decode_attention_reference as twin
-
     b, h, s, _ = k.shape
     j = torch.arange(s, device=k.device)
     idx = j.expand(b, h, s)
@@ -346,16 +348,12 @@ def paged_decode_attention(
 
 def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale):
     """Twin of :func:`paged_decode_attention`: DeviceStore.attend's slot list + the reference kernel."""
-    from kvdex.kernels.attention import sparse_decode_attention_reference as twin
-    from kvdex.selection import Selection
-    from kvdex.storage.layout import Grid
-
-    g = Grid(sink, page_size, window_pages)
     b, h = pages.shape[:2]
     dev = k.device
     L = lengths.to(dev)
     fixed = torch.cat([torch.arange(sink, device=dev).expand(b, sink),
-                       g.window_start(L)[:, None] + torch.arange(g.window, device=dev)[None, :]], dim=1)  # fmt: skip
+                       window_start(L, sink, page_size, window_pages)[:, None]
+                       + torch.arange(window_pages * page_size, device=dev)[None, :]], dim=1)  # fmt: skip
     fvalid = fixed < L[:, None]
     mid = Selection(pages=pages).token_positions(sink, page_size)
     idx = torch.cat([fixed[:, None].expand(b, h, -1), mid.clamp(min=0)], dim=-1)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdex.kernels.pinned import readable_from
+
 
 @triton.jit
 def _pages_kernel(
@@ -205,9 +207,7 @@ def _check_src(src: torch.Tensor) -> None:
 
 
 def _readable(src: torch.Tensor, device: torch.device) -> None:
-    from kvdex.storage.host import is_registered
-
-    if src.device.type == "cpu" and device.type == "cuda" and not (src.is_pinned() or is_registered(src)):
+    if not readable_from(src, device):
         raise ValueError("a CUDA kernel can read host memory only when it is pinned (pin_memory=True)")
 
 

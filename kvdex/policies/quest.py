@@ -13,33 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import Policy, group_reduce, mask_pages, register_policy, topk_ids
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.scoring import page_bounds, quest_page_scores
+from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.selection import Selection
 
+__all__ = ["QuestPolicy", "page_bounds"]
+
 _GROW = 256  # pages of index capacity added at a time
-
-
-def _fast_scores():
-    """The fused Triton scoring kernel when triton is importable (and KVDEX_TRITON != "0"), else None."""
-    import os
-
-    if os.environ.get("KVDEX_TRITON", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels.quest_triton import page_scores
-    except ImportError:
-        return None
-    return page_scores
-
-
-def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
-    b, hq, d = q.shape
-    h = kmin.shape[1]
-    qg = q.view(b, h, hq // h, d).float()
-    ub = torch.einsum("bhgd,bhpd->bhgp", qg.clamp(min=0), kmax.float())
-    ub = ub + torch.einsum("bhgd,bhpd->bhgp", qg.clamp(max=0), kmin.float())
-    return ub.reshape(b, hq, -1)
 
 
 @register_policy
@@ -95,11 +76,9 @@ class QuestPolicy(Policy):
         if getattr(store, "static", False):  # CUDA-graph decode: score the whole index (masked past nmid)
             p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
-        fast = _fast_scores() if q.is_cuda else None
+        fast = triton_kernel("quest_triton", "page_scores", on=q)
         if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton); it derives
             # each sequence's middle page count from the device lengths itself
             return Selection(pages=topk_ids(fast(q, kmin, kmax, lengths=store.lengths, grid=store.grid), k))
         nmid = store.grid.num_middle_pages(store.lengths)
-        ub = page_bounds(q, kmin, kmax)
-        score = mask_pages(group_reduce(ub, store.kv_heads, "max"), nmid)
-        return Selection(pages=topk_ids(score, k))
+        return Selection(pages=topk_ids(quest_page_scores(q, kmin, kmax, nmid), k))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
 
@@ -15,15 +16,7 @@ _GROW_TOKENS = 1024
 
 def _fast_append():
     """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    import os
-
-    if os.environ.get("KVDEX_TRITON", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels.step_triton import append_rows
-    except ImportError:
-        return None
-    return append_rows
+    return triton_kernel("step_triton", "append_rows")
 
 
 class DeviceStore(LayerStore):

@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.pinned import REGISTERED, is_registered  # noqa: F401  (is_registered: kvdex.storage.host's name)
 from kvdex.storage.base import TransferStats
 
 _GROW_PAGES = 64
@@ -25,13 +27,8 @@ _GROW_PAGES = 64
 _REGISTER_MIN_BYTES = 64 << 20
 _HOST_PAGE = 4096
 # data_ptr of every buffer kvdex registered: torch 2.11 (CUDA 13) reports registered memory as not pinned
-# (Tensor.is_pinned() is False although cudaHostRegister returned success), so the UVA kernels ask here too.
-_REGISTERED: set[int] = set()
-
-
-def is_registered(t: torch.Tensor) -> bool:
-    """True when t lies in a host buffer that kvdex pinned with cudaHostRegister (see _registered_zeros)."""
-    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _REGISTERED
+# (Tensor.is_pinned() is False although cudaHostRegister returned success), so the UVA kernels ask there too.
+_REGISTERED = REGISTERED
 
 
 def _registered_zeros(shape, dtype) -> torch.Tensor | None:
@@ -91,13 +88,7 @@ def _aligned_offset(t: torch.Tensor) -> int:
 
 def _uva_kernels():
     """kvdex.kernels.uva when triton is importable and KVDEX_UVA is not "0", else None."""
-    if os.environ.get("KVDEX_UVA", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels import uva
-    except ImportError:
-        return None
-    return uva
+    return triton_kernel("uva")
 
 
 class HostPages:

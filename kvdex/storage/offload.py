@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
 from kvdex.storage.host import HostPages
@@ -40,24 +41,12 @@ from kvdex.storage.host import HostPages
 
 def _fast_slot_list():
     """kvdex.kernels.step_triton.offload_slot_list when triton imports (``KVDEX_TRITON=0``: the PyTorch ops)."""
-    if os.environ.get("KVDEX_TRITON", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels.step_triton import offload_slot_list
-    except ImportError:
-        return None
-    return offload_slot_list
+    return triton_kernel("step_triton", "offload_slot_list")
 
 
 def _fast_append():
     """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    if os.environ.get("KVDEX_TRITON", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels.step_triton import append_rows
-    except ImportError:
-        return None
-    return append_rows
+    return triton_kernel("step_triton", "append_rows")
 
 
 class OffloadStore(LayerStore):

@@ -1,0 +1,31 @@
+"""PyTorch twins that the Triton decode kernels are checked against (and import), plus the page-grid
+arithmetic they share with ``kvdex.storage.layout.Grid``, in plain integers so that no kernel imports a store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_decode_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The PyTorch twin (spec) of :func:`sparse_decode_attention`."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    gi = idx[..., None].expand(-1, -1, -1, d)
+    ks = k.gather(2, gi).float()  # [B, H, N, D]
+    vs = v.gather(2, gi).float()
+    qg = q.view(b, h, g, d).float()
+    s = torch.einsum("bhgd,bhnd->bhgn", qg, ks) * scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", p, vs)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def window_start(lengths: torch.Tensor, sink: int, page_size: int, window_pages: int) -> torch.Tensor:
+    """First window position per sequence for ``lengths`` [B] tokens (``Grid.window_start``)."""
+    grid_pages = ((lengths - sink).clamp(min=0) + page_size - 1) // page_size
+    return sink + (grid_pages - window_pages).clamp(min=0) * page_size

@@ -1,0 +1,87 @@
+"""Selection arithmetic shared by the policies and the kernels (PyTorch; the references of the Triton
+scoring and top-k kernels): the GQA reduction, page masks, top-k ids and Quest's page bounds.
+
+``kvdex.policies`` re-exports ``group_reduce``, ``mask_pages`` and ``topk_ids``; ``kvdex.policies.quest``
+re-exports ``page_bounds``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvdex.kernels.dispatch import triton_kernel
+
+
+def group_reduce(x: torch.Tensor, kv_heads: int, mode: str = "max") -> torch.Tensor:
+    """[B, Hq, ...] per query head -> [B, H, ...] per kv head (max / sum / mean over the group)."""
+    b, hq = x.shape[:2]
+    xg = x.view(b, kv_heads, hq // kv_heads, *x.shape[2:])
+    if mode == "max":
+        return xg.amax(dim=2)
+    if mode == "sum":
+        return xg.sum(dim=2)
+    if mode == "mean":
+        return xg.mean(dim=2)
+    raise ValueError(f"unknown group reduction {mode!r}; use 'max', 'sum' or 'mean'")
+
+
+def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B]."""
+    p = torch.arange(score.shape[-1], device=score.device)
+    return score.masked_fill(p[None, None, :] >= num_pages.to(score.device)[:, None, None], float("-inf"))
+
+
+def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k indices along the last dim, ``-1`` where the score is ``-inf`` (invalid entries).
+
+    score [B, H, N] -> [B, H, min(k, N)] (int64), ordered by descending score.
+    """
+    k = min(k, score.shape[-1])
+    if k <= 0:
+        return torch.empty(*score.shape[:-1], 0, dtype=torch.long, device=score.device)
+    fast = _fast_topk(score, k)
+    if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
+        return fast(score, k)
+    val, ids = torch.topk(score, k, dim=-1)
+    return torch.where(torch.isfinite(val), ids, -1)
+
+
+def _fast_topk(score: torch.Tensor, k: int):
+    """The Triton top-k (kvdex.kernels.topk) where it applies, else None. Rows longer than
+    ``KVDEX_TOPK_MAX_N`` go to torch.topk. Default 0, i.e. torch.topk everywhere: in isolation
+    (H200, graph-replayed, 8 rows, k = 125, random scores) the kernel took 15-23 us against
+    torch.topk's 46-63 us at 8192 scores per row, but inside the real decode step (Llama-3.1-8B
+    shape, 128k, quest/device+graph+compile, Quest's page bounds: 8192 per row) it took 2.22 ms per
+    step (74 us a call) against torch.topk's 1.74 ms, and the step 8.35 against 8.02 ms GPU time
+    (docs/bench/step_kernels.md). So it is opt-in (``KVDEX_TOPK_MAX_N=16384`` sends rows of up to
+    16384 scores to it) until a score distribution where it wins in the step is measured.
+    ``KVDEX_TOPK_SPLIT=1`` sends the longer rows to the two-stage ``topk_ids_split`` (8192-score
+    segments, then their candidates) instead of torch.topk (in isolation 56-213 us vs torch.topk's
+    46-91 us at 32768-131072 scores: no faster)."""
+    topk = triton_kernel("topk", on=score)
+    if topk is None:
+        return None
+    long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 0))
+    if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
+        return None
+    if not topk.supported(score, k):
+        return None
+    return topk.topk_ids_split if long_row else topk.topk_ids
+
+
+def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
+    b, hq, d = q.shape
+    h = kmin.shape[1]
+    qg = q.view(b, h, hq // h, d).float()
+    ub = torch.einsum("bhgd,bhpd->bhgp", qg.clamp(min=0), kmax.float())
+    ub = ub + torch.einsum("bhgd,bhpd->bhgp", qg.clamp(max=0), kmin.float())
+    return ub.reshape(b, hq, -1)
+
+
+def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """Quest's per-kv-head page scores [B, H, P] (pages past ``num_pages`` [B] are -inf): the twin of
+    :func:`kvdex.kernels.quest_triton.page_scores`."""
+    return mask_pages(group_reduce(page_bounds(q, kmin, kmax), kmin.shape[1], "max"), num_pages)
