@@ -13,6 +13,7 @@ Data flow of one decoding step through one sparse layer (docs/architecture.md dr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
@@ -24,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvdex.config import CacheConfig
 from kvdex.integration.attention import TAG
+from kvdex.integration.distributed import tensor_parallel
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.policies import PolicyInfo, make_policy
@@ -153,7 +155,7 @@ class KVDexLayer(CacheLayerMixin):
         if self.dense:
             return self._dense_decode(q, scale)
         with parent._timed("selection"):
-            sel = parent.policy.select(self.layer_idx, q, store, scale)
+            sel = _on_device(parent.policy.select(self.layer_idx, q, store, scale), store.device)
         if sel.everything and isinstance(store, DeviceStore) and parent.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = type(store) is DeviceStore and parent.observer is None and not getattr(parent.policy, "observes", False)
@@ -216,6 +218,12 @@ def _check_shape(parent, store, key_states: torch.Tensor) -> None:
         )
 
 
+def _on_device(sel, device: torch.device):
+    """``sel`` with its indices on ``device`` (device_map: a selection shared across layers on other devices)."""
+    moved = {n: t.to(device) for n in ("pages", "tokens") if (t := getattr(sel, n)) is not None and t.device != device}
+    return dataclasses.replace(sel, **moved) if moved else sel
+
+
 def _fast_paged_count():
     """kvdex.kernels.step_triton.paged_attended_count_ (the attended-token counter of a CUDA-graph paged
     decode: one launch instead of ~19 elementwise kernels) when triton imports, else None."""
@@ -231,7 +239,8 @@ def _fast_paged_count():
 
 
 class Cache(HFCache):
-    """A kvdex cache for one model. Pass it to ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.24).
+    """A kvdex cache for one model. Pass it to ``model.generate(cache=...)`` (``past_key_values=`` before
+    transformers 5.24).
 
     ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
     are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
@@ -279,10 +288,13 @@ class Cache(HFCache):
         q_heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+        # tensor parallelism: this rank holds kv heads offset ... offset + kv_heads / size - 1 (distributed.py)
+        self.tp = tensor_parallel(model)
+        q_heads, kv_heads = q_heads // self.tp.size, kv_heads // self.tp.size
         dense = [i < dense_layers for i in range(n)]
-        self.policy.bind(
-            PolicyInfo(self.config, n, tuple(i for i in range(n) if not dense[i]), q_heads, kv_heads, head_dim)
-        )
+        sparse = tuple(i for i in range(n) if not dense[i])
+        offset = self.tp.rank * kv_heads
+        self.policy.bind(PolicyInfo(self.config, n, sparse, q_heads, kv_heads, head_dim, offset, self.tp))
         self.grid = Grid(sink, page_size, self.config.window_pages)
         self.transfer = TransferStats()
         self.step = -1
@@ -303,6 +315,12 @@ class Cache(HFCache):
     # ---- construction helpers --------------------------------------------------------------------
     def _new_store(self, layer: KVDexLayer, k: torch.Tensor):
         b, h, _, d = k.shape
+        if h != self.policy.info.kv_heads:  # the store is sized from the keys; the policy was bound to the config
+            raise ValueError(
+                f"layer {layer.layer_idx} received keys with {h} kv heads, but the model's config gives "
+                f"{self.policy.info.kv_heads} per process ({self.tp.size} tensor-parallel rank(s)); kvdex supports "
+                "transformers' own tensor parallelism (tp_plan) and models whose config matches their weights"
+            )
         args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
         if not layer.dense:  # a policy may bring its own store (IceCache's semantic pages)
             work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
@@ -372,6 +390,10 @@ class Cache(HFCache):
         self._timing[name] = self._timing.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
     def _count_attended(self, total: torch.Tensor) -> None:
+        # one counter for all layers, on the device of the first sparse layer that counts (device_map:
+        # the other layers' counts move there explicitly)
+        if self._attended is not None and total.device != self._attended.device:
+            total = total.to(self._attended.device)
         if self._attended is not None and getattr(self, "_attended_inplace", False):
             self._attended.add_(total)  # CUDA-graph decode: one buffer that replayed steps accumulate into
         else:
@@ -429,16 +451,25 @@ class Cache(HFCache):
 
     # ---- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Sizes, memory, transfers, attended tokens and (with ``timing=True``) time per phase."""
+        """Sizes, memory, transfers, attended tokens and (with ``timing=True``) time per phase.
+
+        Under tensor parallelism bytes, transfers and page-cache counts are totals over the ranks
+        (one all-reduce: call ``stats()`` on every rank); timings are this rank's."""
         layers = [lay for lay in self.layers if lay.store is not None]
         dev = sum(lay.store.device_bytes() for lay in layers)
         host = sum(lay.store.host_bytes() for lay in layers)
         lengths = layers[0].store.lengths_host.tolist() if layers else []
         sparse = [lay for lay in layers if not lay.dense]
+        t = self.transfer
+        pcs = [lay.store.page_cache_stats() for lay in sparse if getattr(lay.store, "page_cache", 0)]
+        pc = [sum(p[k] for p in pcs) for k in ("hits", "misses", "bytes_moved")]
+        attended = float(self._attended) if self._attended is not None else 0.0
+        counts = self.tp.sum_values(dev, host, t.h2d_bytes, t.d2h_bytes, t.h2d_calls, attended, *pc)
+        dev, host, h2d, d2h, calls, hits, misses, moved = (int(v) for v in counts[:5] + counts[6:])
         per_head = None
         if self._attended is not None and sparse:
-            b, h = sparse[0].store.batch, sparse[0].store.kv_heads
-            per_head = float(self._attended) / (self._attended_calls * b * h)
+            b, h = sparse[0].store.batch, sparse[0].store.kv_heads * self.tp.size
+            per_head = counts[5] / (self._attended_calls * b * h)
         c = self.config
         out = {
             "policy": self.policy.name,
@@ -455,21 +486,20 @@ class Cache(HFCache):
             "decode_steps": max(self.step, 0),
             "kv_bytes_device": dev,
             "kv_bytes_host": host,
-            "bytes_host_to_device": self.transfer.h2d_bytes,
-            "bytes_device_to_host": self.transfer.d2h_bytes,
-            "host_to_device_transfers": self.transfer.h2d_calls,
+            "bytes_host_to_device": h2d,
+            "bytes_device_to_host": d2h,
+            "host_to_device_transfers": calls,
             "attended_tokens_per_step": per_head,
+            "tensor_parallel_ranks": self.tp.size,
             "policy_stats": self.policy.stats(),
         }
-        pcs = [lay.store.page_cache_stats() for lay in sparse if getattr(lay.store, "page_cache", 0)]
         if pcs:  # offloaded with a device page cache: its hits, and the bytes it moved (not in the line above)
-            hits, misses = sum(p["hits"] for p in pcs), sum(p["misses"] for p in pcs)
             out["page_cache"] = {
                 "slots": self.page_cache,
                 "hits": hits,
                 "misses": misses,
                 "hit_rate": hits / (hits + misses) if hits + misses else None,
-                "bytes_moved": sum(p["bytes_moved"] for p in pcs),
+                "bytes_moved": moved,
             }
         if c.timing:
             steps = max(self.step, 1)

@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdex.integration.attention import ATTN_NAME, kvdex_attention, padding_mask
+from kvdex.integration.distributed import tensor_parallel
 
 
 def text_config(model):
@@ -72,6 +73,7 @@ def enable(model):
         AttentionInterface.register(ATTN_NAME, kvdex_attention)
         AttentionMaskInterface.register(ATTN_NAME, padding_mask)
     _check_supported(model)
+    tensor_parallel(model)  # ValueError when the heads do not divide over the tensor-parallel ranks
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_NAME)

@@ -37,7 +37,9 @@ _REGISTRY: dict[str, type[Policy]] = {}
 
 @dataclass(frozen=True)
 class PolicyInfo:
-    """What a policy knows about its cache."""
+    """What a policy knows about its cache. ``q_heads`` / ``kv_heads``: the heads this process holds
+    (under tensor parallelism a rank's share); its kv head ``h`` is the model's head ``head_offset + h``;
+    ``tp``: the tensor-parallel group (:class:`kvdex.integration.distributed.TensorParallel`, None: one process)."""
 
     config: CacheConfig
     num_layers: int
@@ -45,6 +47,8 @@ class PolicyInfo:
     q_heads: int
     kv_heads: int
     head_dim: int
+    head_offset: int = 0
+    tp: object = None
 
     @property
     def group(self) -> int:

@@ -213,6 +213,7 @@ class ChessPolicy(Policy):
         self._npages = None  # [layers, B] pages indexed per layer (CPU)
         self._pages = None  # [B, K] the selection, -1 padded
         self._sel = None
+        self._covering = None  # [B] bool (CPU): the last build kept every middle page (budget mode)
         self._static_pages = None  # [B, W] the selection, -1 padded to a fixed width (CUDA-graph decoding)
         self._last_len = None  # lengths at the last build / on_step (CPU)
         self._acc = None  # per-sequence sums since the last check: H, H^2, V, steps
@@ -263,6 +264,7 @@ class ChessPolicy(Policy):
             self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
         if not update.empty:
             self._add_pages(slot, update)
+            self._cover(update)
         last = self.info.sparse_layers[-1]
         if self._pages is None and layer == last and len(self._stores) == len(self._slot):
             self._build(step=0)  # end of the prompt: every layer is stored and indexed (prefill / fork)
@@ -279,7 +281,8 @@ class ChessPolicy(Policy):
         means = means.permute(0, 2, 1, 3).reshape(b, pn, h * d)  # flatten (kv head, dim)
         ids = update.page_ids()  # [B, Pn]
         bi, j = torch.nonzero(ids >= 0, as_tuple=True)
-        vp[bi, ids[bi, j], cols] = means[bi, j]
+        dev = vp.device  # device_map: the one buffer lives on the first sparse layer's device, this layer's moves
+        vp[bi.to(dev), ids[bi, j].to(dev), cols] = means[bi, j].to(dev)
         self._npages[slot] = torch.maximum(self._npages[slot], end)
         # centroids of the touched chunks and grids, over the pages/chunks each sequence has so far
         nc, ng = self.chunk_pages, self.grid_chunks
@@ -318,7 +321,7 @@ class ChessPolicy(Policy):
             page_vec = (kf * valid.view(b, 1, w // ps, ps, 1)).sum(3) / cnt.clamp(min=1)[:, None, :, None]
             has = (cnt > 0).float()
             a = (page_vec * has[:, None, :, None]).sum(2) / has.sum(1).clamp(min=1)[:, None, None]
-            parts.append(a.reshape(b, h * d))
+            parts.append(a.reshape(b, h * d).to(parts[0].device if parts else a.device))
         return torch.cat(parts, dim=-1)
 
     def scores(self, anchor: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,7 +330,9 @@ class ChessPolicy(Policy):
         Returns (S_g [B, G], S_c [B, C], S_p [B, P]) for the first ``pages`` pages.
         """
         g, c = self._gcap, self._ccap
-        s_all = torch.bmm(self._vall[:, : g + c + pages], anchor[:, :, None]).squeeze(-1)  # one GEMM
+        s_all = torch.bmm(self._vall[:, : g + c + pages], anchor[:, :, None].to(self._vall.device)).squeeze(-1)
+        if self.info.tp is not None:  # tensor parallelism: F is split over the ranks' heads, sum the partial scores
+            s_all = self.info.tp.all_reduce(s_all.contiguous())
         nc, ng = self.chunk_pages, self.grid_chunks
         cn = -(-pages // nc)
         return s_all[:, : -(-cn // ng)], s_all[:, g : g + cn], s_all[:, g + c : g + c + pages]
@@ -395,10 +400,11 @@ class ChessPolicy(Policy):
             width = max(new.shape[1], self._pages.shape[1])
             old, new = _pad(self._pages, width), _pad(new.to(self._pages.device), width)
             pages = torch.where(rows.to(old.device)[:, None], new, old)
-        self._pages = _trim(pages)
-        self._refresh_static()
-        store = self._stores[self.info.sparse_layers[0]]
-        self._sel = Selection(pages=self._pages.to(store.device)[:, None, :].expand(b, store.kv_heads, -1))
+        # budget mode: a sequence whose build kept every middle page keeps them all while they fit (_cover)
+        covering = (mask.sum(1) >= npages.to(mask.device)).cpu() & (self.ratios is None)
+        keep = rows is not None and self._covering is not None
+        self._covering = torch.where(rows, covering, self._covering) if keep else covering
+        self._publish(_trim(pages))
         self._last_len = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
         self.selected_pages.append(float((self._pages >= 0).sum(1).float().mean()))
         if timing:
@@ -407,12 +413,49 @@ class ChessPolicy(Policy):
         if step == 0:
             self.builds += 1
 
+    def _publish(self, pages: torch.Tensor) -> None:
+        """Make ``pages`` [B, K] (ascending ids, -1 padded) the selection every layer reads."""
+        self._pages = pages
+        self._refresh_static()
+        store = self._stores[self.info.sparse_layers[0]]
+        b = pages.shape[0]
+        self._sel = Selection(pages=pages.to(store.device)[:, None, :].expand(b, store.kv_heads, -1))
+        self._sel_on = {}  # device_map: copies of the selection for layers on other devices
+
+    def _cover(self, update) -> None:
+        """Budget mode: while the budget holds every middle page of a sequence, its selection is every
+        middle page. A page that leaves the window between rebuilds joins the selection of the
+        sequences whose last build kept all pages, as long as the K-page budget has room; when it has
+        none, the selection stays as built until the next rebuild (the mechanism's static selection).
+        A budget smaller than the middle at build time is unaffected: such a selection never covers."""
+        if self._pages is None or self._covering is None or not bool(self._covering.any()):
+            return
+        k = self.cfg.retrieval_pages
+        pages = self._pages.cpu()
+        rows = [pages[b][pages[b] >= 0] for b in range(pages.shape[0])]
+        changed = False
+        for b in torch.nonzero(self._covering & (update.count > 0)).flatten().tolist():
+            new = torch.arange(int(update.start[b]), int(update.start[b] + update.count[b]))
+            new = new[~torch.isin(new, rows[b])]
+            if len(new) == 0:
+                continue  # added already (the build saw the page coming, or an earlier layer added it)
+            if len(rows[b]) + len(new) > k:
+                self._covering[b] = False
+                continue
+            rows[b], changed = torch.cat([rows[b], new]), True
+        if changed:
+            width = max(len(r) for r in rows)
+            out = torch.stack([_pad(r[None], width)[0] for r in rows])
+            self._publish(out.to(self._pages.device))
+
     def select(self, layer, q, store, scale) -> Selection:
         self._stores[layer] = store
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         if getattr(store, "static", False):  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
             return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, store.kv_heads, -1))
+        if self._sel.pages.device != store.device:  # device_map: the layer's copy, moved once per build
+            return self._sel_on.setdefault(store.device, Selection(pages=self._sel.pages.to(store.device)))
         return self._sel
 
     # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------

@@ -244,8 +244,9 @@ class IceCachePolicy(Policy):
                 k = keys[b, h, : pos.numel() // self.cfg.page_size].reshape(pos.numel(), -1)
                 tree = trees[b * heads + h]
                 # One random stream per (layer, kv head), the same for every sequence of a batch:
-                # a sequence gets the same tree in a batch as alone.
-                seed = self.seed + 7919 * layer + h
+                # a sequence gets the same tree in a batch as alone; the model's head index, so a
+                # tensor-parallel rank builds the trees one process builds for its heads.
+                seed = self.seed + 7919 * layer + self.info.head_offset + h
                 if tree is None:
                     params = DCIParams(**{**self.params.__dict__, "seed": seed})
                     tree, new = DCITree.build(k, pos, params), torch.arange(pos.numel())

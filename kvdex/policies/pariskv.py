@@ -385,7 +385,8 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         sub = k.float().unflatten(-1, (-1, self.m)).transpose(2, 3)  # [B, H, nsub, N, m]
         if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
             w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
-            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w)
+            heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
+            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
         return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
 
     def centroid_scores(self, layer, q, qb):
@@ -393,17 +394,33 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         return (self.centroids[layer] @ qs[..., None])[..., 0]
 
 
-def kmeans(x: torch.Tensor, k: int, iters: int, seed: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+def kmeans(
+    x: torch.Tensor,
+    k: int,
+    iters: int,
+    seed: int,
+    valid: torch.Tensor | None = None,
+    heads: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """Batched Lloyd k-means: x [..., N, m] -> centroids [..., k, m]; init: k seeded random points.
 
     ``valid`` [..., N] (bool, any device): only those points are sampled and averaged.
+    ``heads`` = (offset, total): x is [B, H, ..., N, m] holding the model's kv heads offset ... offset +
+    H - 1 of ``total`` (a tensor-parallel rank's share); every sequence of a head draws the random
+    numbers of that head, so a rank (or a sequence in a batch) gets what one process gets alone.
     """
     lead, n, m = x.shape[:-2], x.shape[-2], x.shape[-1]
     xf = x.reshape(-1, n, m)
     w = torch.ones(xf.shape[:2]) if valid is None else valid.reshape(-1, n).float().cpu()
     w = w + (w.sum(-1, keepdim=True) == 0).float()  # a row without valid points: sample uniformly
     g = torch.Generator().manual_seed(seed)
-    init = torch.multinomial(w, k, replacement=True, generator=g).to(x.device)
+    if heads is None:
+        u = torch.rand(*lead, k, generator=g)
+    else:  # draws of every head of the model, this process's heads picked, the same for each sequence
+        off, total = heads
+        u = torch.rand(total, *lead[2:], k, generator=g)[off : off + lead[1]].expand(*lead, k)
+    cdf = w.cumsum(-1)  # inverse-CDF sampling with replacement, weighted by w
+    init = torch.searchsorted(cdf, u.reshape(-1, k) * cdf[:, -1:], right=True).clamp(max=n - 1).to(x.device)
     c = xf.gather(1, init[..., None].expand(-1, -1, m)).clone()
     wd = w.to(x.device)
     for _ in range(iters):
