@@ -202,7 +202,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--ignore-eos", action="store_true", help="generate past EOS (default: a generation stops there)")
     c.add_argument("--from-start", action="store_true", help="take the first samples (the harness's) not the last")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--data", default=None, help="evaluation data folder (default $KVDEX_DATA, ../shared/evaldata)")
+    c.add_argument(
+        "--data",
+        default=None,
+        help="evaluation data folder (default $KVDEX_DATA): LongBench v1/v2 files or the books, see kvdex.eval.data",
+    )
     c.add_argument("--device", default=None)
     c.add_argument("--dtype", default="auto")
     c.add_argument("--plot", action="store_true", help="also write a PNG of the joint distribution (Figure 4)")

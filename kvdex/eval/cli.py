@@ -48,7 +48,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         required=True,
-        help="hub id, local directory, .gguf file, or an alias: smollm2, qwen05b (../shared/models/fetch.sh)",
+        help="hub id, local directory, .gguf file, or a known name: smollm2, qwen05b (kvdex models fetch NAME)",
     )
     g.add_argument("--gguf", default=None, help="GGUF file name inside --model (a directory or hub repo)")
     g.add_argument(
@@ -75,7 +75,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
     g = p.add_argument_group("where")
     g.add_argument("--out", default="results", help="results folder (default ./results)")
-    g.add_argument("--data", default=None, help="evaluation data folder (default $KVDEX_DATA, ../shared/evaldata)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="evaluation data folder (default $KVDEX_DATA); the tasks that need a file say which and where from",
+    )
     g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")

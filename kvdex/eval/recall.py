@@ -183,13 +183,12 @@ class RecallTask(Task):
     ):
         if mode not in ("teacher", "free"):
             raise ValueError(f"mode must be 'teacher' or 'free', got {mode!r}")
-        if source not in data.SOURCES:
-            raise ValueError(f"unknown source {source!r}; choose from {', '.join(data.SOURCES)}")
         if steps < 1 or every < 1:
             raise ValueError(f"steps and every must be >= 1, got steps={steps}, every={every}")
         self.mode, self.steps, self.every, self.source, self.probe = mode, steps, every, source, probe
         self.layers = None if layers is None else sorted(layers)
-        self.root = data.data_root(data_root)
+        self.root = data.data_root(data_root, required=False)
+        data.source_files(self.root, source, "recall")  # a missing file fails here, before the model loads
 
     def options(self) -> dict:
         return {

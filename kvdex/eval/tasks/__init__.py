@@ -41,7 +41,11 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
 
 
 def _source_arg(g) -> None:
-    g.add_argument("--source", default="books", help="long text: books (default), essays, wikitext, kjv")
+    g.add_argument(
+        "--source",
+        default="books",
+        help="long text: a text file of your own, or books (default), essays, wikitext, kjv from the data folder",
+    )
 
 
 def _recall(a: argparse.Namespace):
@@ -96,13 +100,18 @@ def _ruler_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ruler")
     g.add_argument("--subtasks", default=None, help=f"comma-separated subset of: {', '.join(SUBTASKS)} (default all)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="override the per-subtask answer length")
+    g.add_argument(
+        "--haystack",
+        default=None,
+        help="text file for the essay-haystack subtasks (any long UTF-8 text; default: the data folder's essays)",
+    )
 
 
 def _ruler(a: argparse.Namespace):
     from kvdex.eval.tasks.ruler import RulerTask
 
     subtasks = None if a.subtasks is None else [s.strip() for s in a.subtasks.split(",") if s.strip()]
-    return RulerTask(subtasks=subtasks, data_root=a.data, max_new_tokens=a.max_new_tokens)
+    return RulerTask(subtasks=subtasks, data_root=a.data, max_new_tokens=a.max_new_tokens, haystack=a.haystack)
 
 
 def _needle_args(p: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from kvdex.eval.runner import DecodeContext, Sample, Task, greedy, stop_token_id
 V1_FILE = "longbench_v1/minilongbench_237.jsonl"
 V1_MAXLEN = "longbench_v1/dataset2maxlen.json"
 V2_FILE = "longbench_v2/longbench_v2_short.jsonl"
+V2_HUB = "THUDM/LongBench-v2"  # Hugging Face dataset (split "train"; the "short" items are length == "short")
 
 # dataset -> (category, metric)
 V1_TASKS = {
@@ -92,6 +93,33 @@ def extract_choice(response: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _require_datasets(root):
+    """The ``datasets`` module for loading v2 from the hub; else say what to install or download."""
+    try:
+        import datasets
+    except ImportError:
+        try:
+            data.need(root, V2_FILE, "longbench --version v2")
+        except ValueError as e:
+            raise ValueError(f"{e}; or, online, pip install 'kvdex[data]' to load {V2_HUB} from the hub") from None
+    return datasets
+
+
+def v2_records(root) -> list[dict]:
+    """LongBench v2's "short" items: ``V2_FILE`` in the data folder, else the hub dataset ``V2_HUB``."""
+    if root is not None and (root / V2_FILE).is_file():
+        return data.read_jsonl(root / V2_FILE)
+    datasets = _require_datasets(root)
+    try:
+        ds = datasets.load_dataset(V2_HUB, split="train")
+    except Exception as e:  # offline, hub errors: say what to download instead
+        raise ValueError(
+            f"longbench --version v2: loading {V2_HUB} from the Hugging Face hub failed ({type(e).__name__}: {e}). "
+            f"Offline, put {V2_FILE} in the data folder: {data.FILES[V2_FILE]}; pass --data DIR"
+        ) from None
+    return [dict(r) for r in ds if r.get("length") == "short"]
+
+
 class LongBenchTask(Task):
     name = "longbench"
 
@@ -99,7 +127,12 @@ class LongBenchTask(Task):
         if version not in ("v1", "v2"):
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
         self.version, self.max_new_tokens = version, max_new_tokens
-        self.root = data.data_root(data_root)
+        self.root = data.data_root(data_root, required=False)
+        if version == "v1":  # the v1 subset and its answer lengths come from the data folder
+            self.v1_file = data.need(self.root, V1_FILE, "longbench --version v1")
+            self.v1_maxlen = data.need(self.root, V1_MAXLEN, "longbench --version v1")
+        elif self.root is None or not (self.root / V2_FILE).is_file():
+            _require_datasets(self.root)
         if version == "v1":
             datasets = list(datasets or V1_TASKS)
             unknown = [d for d in datasets if d not in V1_TASKS]
@@ -130,10 +163,10 @@ class LongBenchTask(Task):
         )
 
     def _v1_samples(self, tokenizer, length, n) -> list[Sample]:
-        maxlen = json.loads((self.root / V1_MAXLEN).read_text())
+        maxlen = json.loads(self.v1_maxlen.read_text())
         taken = defaultdict(int)
         out = []
-        for rec in data.read_jsonl(self.root / V1_FILE):
+        for rec in data.read_jsonl(self.v1_file):
             ds = rec["dataset"]
             if ds not in self.datasets or taken[ds] >= n:
                 continue
@@ -150,7 +183,7 @@ class LongBenchTask(Task):
 
     def _v2_samples(self, tokenizer, length, n) -> list[Sample]:
         out = []
-        for rec in data.read_jsonl(self.root / V2_FILE)[:n]:
+        for rec in v2_records(self.root)[:n]:
             text = V2_TEMPLATE.format(
                 context=rec["context"],
                 question=rec["question"],

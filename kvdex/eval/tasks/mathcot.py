@@ -32,7 +32,8 @@ class MathTask(Task):
         if dataset not in DATASETS:
             raise ValueError(f"unknown math dataset {dataset!r}; choose from {', '.join(DATASETS)}")
         self.dataset = dataset
-        self.root = data.data_root(data_root)
+        self.root = data.data_root(data_root, required=False)
+        self.path = data.need(self.root, DATASETS[dataset][0], f"math --dataset {dataset}")
 
     def label(self) -> str:
         return self.dataset
@@ -42,9 +43,9 @@ class MathTask(Task):
 
     def samples(self, tokenizer, length, n, seed) -> list[Sample]:
         """The first ``n`` problems; ``length`` (the generation budget) goes into ``meta``."""
-        path, field = DATASETS[self.dataset]
+        _, field = DATASETS[self.dataset]
         out = []
-        for i, rec in enumerate(data.read_jsonl(self.root / path)[:n]):
+        for i, rec in enumerate(data.read_jsonl(self.path)[:n]):
             gold = metrics.gsm8k_gold(rec["answer"]) if self.dataset == "gsm8k" else str(rec["answer"])
             text = prompting.render(tokenizer, f"{rec[field]}\n{INSTRUCTION}")
             meta = {"gold": gold, "max_new_tokens": length}

@@ -23,10 +23,9 @@ class PerplexityTask(Task):
     def __init__(self, tokens: int = 256, source: str = "books", data_root=None):
         if tokens < 4:
             raise ValueError(f"tokens must be >= 4, got {tokens}")
-        if source not in data.SOURCES:
-            raise ValueError(f"unknown source {source!r}; choose from {', '.join(data.SOURCES)}")
         self.tokens, self.source = tokens, source
-        self.root = data.data_root(data_root)
+        self.root = data.data_root(data_root, required=False)
+        data.source_files(self.root, source, "ppl")  # a missing file fails here, before the model loads
 
     def options(self) -> dict:
         return {"tokens": self.tokens, "source": self.source}

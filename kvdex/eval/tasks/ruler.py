@@ -26,21 +26,26 @@ policy's score is the mean over subtasks; each subtask is also reported with its
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from kvdex.eval import data, metrics, prompting
 from kvdex.eval.runner import DecodeContext, Sample, Task, greedy, stop_token_ids
-
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+from kvdex.eval.tasks.ruler_data import (
+    ESSAYS,
+    NOISE,  # noqa: F401  (the noise haystack's text, part of this module's names)
+    QA_FILES,
+    _essay_sentences,
+    _noise_sentences,
+    _qa_data,
+    _words,
+    haystack_file,
+)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class RulerTask(Task):
     name = "ruler"
     score_name = "score"
 
-    def __init__(self, subtasks=None, data_root=None, max_new_tokens: int | None = None):
+    def __init__(self, subtasks=None, data_root=None, max_new_tokens: int | None = None, haystack=None):
         subtasks = list(subtasks or SUBTASKS)
         unknown = [s for s in subtasks if s not in SUBTASKS]
         if unknown:
@@ -112,7 +117,12 @@ class RulerTask(Task):
         self.subtasks = subtasks
         self.summary_keys = tuple(subtasks)
         self.max_new_tokens = max_new_tokens
-        self.root = data.data_root(data_root)
+        self.root = data.data_root(data_root, required=False)
+        essay = any(isinstance(SUBTASKS[s], Niah) and SUBTASKS[s].haystack == "essay" for s in subtasks)
+        self.haystack = haystack_file(self.root, haystack, essay)
+        for s in subtasks:  # QA needs its dataset in the data folder: fail before the model loads
+            if isinstance(SUBTASKS[s], QA):
+                data.need(self.root, QA_FILES[SUBTASKS[s].dataset], f"ruler {s}")
 
     def options(self) -> dict:
         return {"subtasks": self.subtasks, "max_new_tokens": self.max_new_tokens}
@@ -124,7 +134,7 @@ class RulerTask(Task):
                 rng = random.Random(f"{seed}-{length}-{sub}-{i}")
                 # As RULER: the length holds the prompt and the answer (prompt <= length - max new tokens).
                 room = length - (self.max_new_tokens or SUBTASKS[sub].max_new_tokens)
-                text, refs = generate(SUBTASKS[sub], tokenizer, room, rng, self.root)
+                text, refs = generate(SUBTASKS[sub], tokenizer, room, rng, self.root, self.haystack)
                 meta = {"subtask": sub, "references": refs}
                 out.append(Sample(f"{sub}-{i}", prompting.encode(tokenizer, text), meta))
         return out
@@ -150,10 +160,11 @@ class RulerTask(Task):
 # ---- generators -----------------------------------------------------------------------------------
 
 
-def generate(spec, tokenizer, length: int, rng: random.Random, root: Path) -> tuple[str, list[str]]:
-    """(prompt text of at most ``length`` tokens, expected answer strings)."""
+def generate(spec, tokenizer, length: int, rng: random.Random, root: Path | None, haystack=None) -> tuple:
+    """(prompt text of at most ``length`` tokens, expected answer strings). ``root``: the data folder
+    (or None); ``haystack``: the text file of the essay haystack (default: the data folder's essays)."""
     if isinstance(spec, Niah):
-        return _niah(spec, tokenizer, length, rng, root)
+        return _niah(spec, tokenizer, length, rng, root, haystack)
     if isinstance(spec, VariableTracking):
         return _vt(spec, tokenizer, length, rng)
     if isinstance(spec, CommonWords):
@@ -172,7 +183,7 @@ def _uuid(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def _niah(spec: Niah, tokenizer, length, rng, root) -> tuple[str, list[str]]:
+def _niah(spec: Niah, tokenizer, length, rng, root, haystack=None) -> tuple[str, list[str]]:
     new_key = (lambda: _uuid(rng)) if spec.keys == "uuids" else (lambda: _word_key(rng, root))
     new_value = (lambda: _uuid(rng)) if spec.values == "uuids" else (lambda: str(rng.randint(10**6, 10**7 - 1)))
     kind = "numbers" if spec.values == "numbers" else "uuids"
@@ -208,7 +219,10 @@ def _niah(spec: Niah, tokenizer, length, rng, root) -> tuple[str, list[str]]:
                 extra.append(_needle(new_key(), new_value(), kind))
             return extra[i]
     else:
-        sentences = _noise_sentences() if spec.haystack == "noise" else _essay_sentences(str(root))
+        if spec.haystack == "noise":
+            sentences = _noise_sentences()
+        else:
+            sentences = _essay_sentences(str(haystack or data.need(root, ESSAYS, "ruler (essay haystack)")))
         offset = 0 if spec.haystack == "noise" else rng.randrange(len(sentences))
         unit = lambda i: sentences[(offset + i) % len(sentences)]
     depths = sorted(rng.random() for _ in needles)
@@ -327,7 +341,7 @@ def _fwe(spec: FrequentWords, tokenizer, length, rng) -> tuple[str, list[str]]:
 
 
 def _qa(spec: QA, tokenizer, length, rng, root) -> tuple[str, list[str]]:
-    items, pool = _qa_data(str(root), spec.dataset)
+    items, pool = _qa_data(str(data.need(root, QA_FILES[spec.dataset], f"ruler qa ({spec.dataset})")), spec.dataset)
     item = items[rng.randrange(len(items))]
     gold = set(item["docs"])
     distractors = [d for d in rng.sample(range(len(pool)), min(len(pool), 4000)) if d not in gold]
@@ -345,73 +359,3 @@ def _qa(spec: QA, tokenizer, length, rng, root) -> tuple[str, list[str]]:
     if n >= len(distractors):
         raise ValueError(f"not enough distractor paragraphs for {length} tokens")
     return text, item["answers"]
-
-
-# ---- data ----------------------------------------------------------------------------------------------
-
-
-def _noise_sentences() -> list[str]:
-    return [s if s.endswith(".") else s + "." for s in NOISE.split(". ")]
-
-
-@lru_cache(maxsize=2)
-def _essay_sentences(root: str) -> list[str]:
-    text = data.read_text(Path(root), "haystack/PaulGrahamEssays.json")
-    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
-
-
-def _words(root: Path | None) -> list[str]:
-    """Keys and CWE words: the English word list of the data folder, or made-up words without one."""
-    return _english_words(str(root)) if root is not None else _made_up_words()
-
-
-@lru_cache(maxsize=1)
-def _made_up_words(n: int = 12000) -> list[str]:
-    """``n`` distinct pronounceable lower-case words of 2-3 syllables (deterministic)."""
-    rng = random.Random("kvdex-words")
-    onsets, vowels = "bcdfghjklmnprstvwz", "aeiou"
-    out, seen = [], set()
-    while len(out) < n:
-        w = "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(2, 3)))
-        if w not in seen:
-            seen.add(w)
-            out.append(w)
-    return out
-
-
-@lru_cache(maxsize=2)
-def _english_words(root: str) -> list[str]:
-    words = json.loads((Path(root) / "haystack/english_words.json").read_text())
-    return [w for w in words.values() if w.isalpha() and w.islower() and 3 <= len(w) <= 10]
-
-
-@lru_cache(maxsize=4)
-def _qa_data(root: str, dataset: str) -> tuple[list[dict], list[str]]:
-    """(questions with answers and gold doc ids, paragraph pool) of SQuAD 2.0 dev or HotpotQA dev."""
-    items, pool, index = [], [], {}
-
-    def doc(text: str) -> int:
-        if text not in index:
-            index[text] = len(pool)
-            pool.append(text)
-        return index[text]
-
-    if dataset == "squad":
-        raw = json.loads((Path(root) / "qa/squad.json").read_text())["data"]
-        for article in raw:
-            for para in article["paragraphs"]:
-                d = doc(para["context"])
-                for qa in para["qas"]:
-                    answers = sorted({a["text"] for a in qa["answers"]})
-                    if not qa.get("is_impossible") and answers:
-                        items.append({"question": qa["question"], "answers": answers, "docs": [d]})
-    elif dataset == "hotpotqa":
-        raw = json.loads((Path(root) / "qa/hotpotqa.json").read_text())
-        for q in raw:  # gold: the paragraphs of the supporting facts; the question's other ones join the pool
-            support = {title for title, _ in q["supporting_facts"]}
-            docs = [doc(f"{title}\n{''.join(sents)}") for title, sents in q["context"]]
-            gold = [d for d, (title, _) in zip(docs, q["context"], strict=True) if title in support]
-            items.append({"question": q["question"], "answers": [q["answer"]], "docs": gold})
-    else:
-        raise ValueError(f"unknown QA dataset {dataset!r}")
-    return items, pool
