@@ -67,7 +67,8 @@ def test_long_text_tasks_take_any_text_file(model, tok, tmp_path):
     with pytest.raises(ValueError, match=r"neither a text file nor a known source"):
         PerplexityTask(tokens=8, source=str(tmp_path / "nope.txt"))
     task = PerplexityTask(tokens=8, source=str(TEXT))
-    full, stream = run_task(task, model, tok, EvalConfig("tiny", ["streaming"], [64], [256], out=str(tmp_path), progress=False))
+    cfg = EvalConfig("tiny", ["streaming"], [64], [256], out=str(tmp_path), progress=False)
+    full, stream = run_task(task, model, tok, cfg)
     sample = task.samples(tok, 256, 1, 0)[0]
     assert sample.meta["source"] == str(TEXT) and len(sample.input_ids) == 256
     assert tok.decode(sample.input_ids) in TEXT.read_text()  # a span of the file
