@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=None, help=f"prompts per batch (default {d.batch})")
     g.add_argument("--seed", type=int, default=None, help="prompt seed (default 0)")
     g.add_argument("--no-speed", action="store_true", help="skip the speed columns (measured on CUDA only)")
-    g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 768 tokens, 4 policies")
+    g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 512 tokens, 4 policies")
     g = p.add_argument_group("cache")
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--sink", type=int, default=None)

@@ -109,7 +109,7 @@ def smoke(**overrides) -> ScorecardConfig:
         dtype="float32",
         policies=["oracle", "oracle@1024", "quest", "streaming"],
         budgets=[64],
-        lengths=[768],
+        lengths=[512],
         tasks=["retrieval", "passkey"],
         subtasks=["niah_single", "niah_multikey", "vt", "fwe"],
         per_subtask=2,

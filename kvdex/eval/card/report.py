@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from kvdex.eval.card import stats, tasks
-from kvdex.eval.card.run import cell_name, write_json
+from kvdex.eval.card.plan import cell_name, write_json
 from kvdex.eval.runner import environment
 
 SCHEMA = "kvdex-scorecard/1"
@@ -149,10 +149,10 @@ def write(plan, run) -> dict:
     found, slots, done = cells(plan, cfg.resamples)
     found += speed_cells(plan)
     speed_note = None
-    if not cfg.speed:
-        speed_note = "speed not measured (speed=False)"
-    elif run.model.device.type != "cuda":
+    if run.model.device.type != "cuda":
         speed_note = "n/a (CPU)"
+    elif not cfg.speed:
+        speed_note = "not measured"
     compute = 0.0
     for f in plan.out.glob("cells/**/*.json"):
         try:

@@ -13,106 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import math
 import re
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
 from kvdex.eval import data
 from kvdex.eval.card import decode, tasks
 from kvdex.eval.card.config import ScorecardConfig
+from kvdex.eval.card.plan import Clock, Plan, cell_name, expected_prompts, write_json
 from kvdex.eval.runner import resolve_decode, stop_token_ids
-
-FORMAT = 1  # bump when a cell's meaning changes: every hash changes with it
-
-
-def cell_name(batch: int, policy: str, budget: int | None) -> str:
-    tag = re.sub(r"[^A-Za-z0-9._=:,-]+", "-", policy).replace(":", "+")
-    return f"{batch:03d}__{tag}__{'dense' if budget is None else f'b{budget}'}.json"
-
-
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-
-
-def expected_prompts(group: tasks.Group) -> int | None:
-    """Prompts a group will have before they are generated (None: known only then)."""
-    o = group.options
-    return {
-        "retrieval": lambda: len(o["subtasks"]) * o["per_subtask"],
-        "passkey": lambda: len(o["depths"]) * o["per_depth"],
-        "longtext": lambda: o["prompts"],
-    }.get(group.name, lambda: None)()
-
-
-class Plan:
-    """Where the cells of one invocation live, which exist, and the prompts they decode."""
-
-    def __init__(self, cfg: ScorecardConfig, model_tag: str, dtype: str, root, device_name: str):
-        self.cfg, self.root = cfg, root
-        self.out = Path(cfg.out)
-        self.pairs = cfg.policy_budgets()
-        self.groups = tasks.make_groups(cfg, root)
-        cache = dict(page_size=cfg.page_size, sink=cfg.sink, window=cfg.window, dense_layers=cfg.dense_layers)
-        self.cache_options = cache
-        self.common = {"format": FORMAT, "model": model_tag, "dtype": dtype, "seed": cfg.seed, "cache": cache}
-        self.common_batched = {**self.common, "batch": cfg.batch}
-        self.device_name = device_name
-        self.notes = [n for g in self.groups for n in g.notes]
-
-    def cell_dir(self, group: tasks.Group, length: int) -> Path:
-        return self.out / "cells" / group.name / f"L{length}__{group.digest(self.common_batched)}"
-
-    def prompt_file(self, group: tasks.Group, length: int) -> Path:
-        return self.out / "prompts" / f"{group.name}__L{length}__{group.digest(self.common)}.npz"
-
-    def speed_group(self) -> tasks.Group:
-        n = max(self.cfg.speed_batches)
-        return tasks.Group("passkey", {"depths": [50], "per_depth": n})
-
-    def speed_dir(self, length: int) -> Path:
-        opts = {"steps": self.cfg.speed_steps, "warmup": self.cfg.speed_warmup, "device": self.device_name}
-        g = tasks.Group("speed", opts)
-        return self.out / "cells" / "speed" / f"L{length}__{g.digest(self.common)}"
-
-    def prompt_count(self, group: tasks.Group, length: int) -> int | None:
-        """Prompts of (group, length): from the prompt file when generated, else as expected."""
-        info = tasks.prompt_info(self.prompt_file(group, length))
-        return info[0] if info is not None else expected_prompts(group)
-
-    def batches(self, n: int) -> list[range]:
-        b = self.cfg.batch
-        return [range(i, min(i + b, n)) for i in range(0, n, b)]
-
-
-class Clock:
-    """Wall time since the start and a guess of the next unit's cost, for ``max_minutes``."""
-
-    def __init__(self, limit_min: float | None):
-        self.t0 = time.perf_counter()
-        self.limit = None if limit_min is None else 60.0 * limit_min
-        self.seen: dict[tuple, float] = {}
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def note(self, key: tuple, seconds: float) -> None:
-        self.seen[key] = max(self.seen.get(key, 0.0), seconds)
-
-    def allows(self, *keys: tuple) -> bool:
-        if self.limit is None:
-            return True
-        fallback = 2 * max(self.seen.values(), default=0.0)
-        need = sum(self.seen.get(k, fallback) for k in keys)
-        return self.elapsed() + need <= self.limit
 
 
 def scorecard(config: ScorecardConfig | None = None, *, model=None, tokenizer=None, on_cell=None, **overrides):
@@ -201,9 +113,9 @@ class _Run:
             (cdir / cell_name(i, p, b)).is_file() for i in range(math.ceil(n / cfg.batch)) for p, b in plan.pairs
         ):
             return True
-        t0 = time.perf_counter()
-        samples = tasks.load_or_generate(plan.prompt_file(g, length), g, self.tok, length, cfg.seed, plan.root)
-        self.say(f"L={length} {g.name}: {len(samples)} prompts ready in {time.perf_counter() - t0:.1f}s")
+        samples = self._prompts(g, length)
+        if samples is None:
+            return not self._stop("--max-minutes reached (before generating prompts)")
         if n != len(samples):
             self.bar.total += (math.ceil(len(samples) / cfg.batch) - math.ceil((n or 0) / cfg.batch)) * len(plan.pairs)
             self.bar.refresh()
@@ -279,6 +191,23 @@ class _Run:
             _free(self.model)
         return True
 
+    def _prompts(self, g: tasks.Group, length: int):
+        """The prompts of (g, length); None where generating them would pass ``max_minutes`` (guessed from
+        the seconds per token of this group's earlier lengths)."""
+        path = self.plan.prompt_file(g, length)
+        if not path.is_file():
+            rate = self.clock.seen.get(("prompts", g.name))
+            if rate is not None and not self.clock.allows_seconds(1.2 * rate * length):
+                return None
+        t0 = time.perf_counter()
+        fresh = not path.is_file()
+        samples = tasks.load_or_generate(path, g, self.tok, length, self.cfg.seed, self.plan.root)
+        dt = time.perf_counter() - t0
+        if fresh:
+            self.clock.note(("prompts", g.name), dt / length)
+        self.say(f"L={length} {g.name}: {len(samples)} prompts {'generated' if fresh else 'loaded'} in {dt:.1f}s")
+        return samples
+
     def _cell(self, g: tasks.Group, batch, base, logits, policy, budget) -> dict:
         if g.teacher:
             steps = g.options["recall_steps"]
@@ -319,7 +248,10 @@ class _Run:
             return
         self.bar.total += len(todo)
         self.bar.refresh()
-        samples = tasks.load_or_generate(plan.prompt_file(g, length), g, self.tok, length, cfg.seed, plan.root)
+        samples = self._prompts(g, length)
+        if samples is None:
+            self._stop("--max-minutes reached (before generating prompts)")
+            return
         for b in cfg.speed_batches:
             pend = [(p, bud) for bb, p, bud in todo if bb == b]
             if not pend:
@@ -370,7 +302,3 @@ def _free(model) -> None:
     gc.collect()
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def settings_hash(obj) -> str:
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]

@@ -7,7 +7,7 @@ each resample draws prompts with replacement (the same draws for both), optional
 For binary outcomes, :func:`mcnemar_p` is the exact two-sided McNemar test on the discordant pairs.
 
 Everything is deterministic for a seed, and the degenerate cases are exact: identical scores give
-``(1, 1, 1)``; a reference mean of 0 gives no ratio.
+``(1, 1, 1)`` (also where both are all 0); otherwise a reference mean of 0 gives no ratio.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ def paired_ratio(
     n = len(x)
     if n == 0:
         return Interval(None, None, None, 0)
+    if np.array_equal(x, ref):  # the same outcome on every prompt: 1 by definition (also where both are 0)
+        return Interval(1.0, 1.0, 1.0, n)
     point = float(_stat(kind, x.mean(), ref.mean()))
     if math.isnan(point):
         return Interval(None, None, None, n)
-    if np.array_equal(x, ref):
-        return Interval(1.0, 1.0, 1.0, n)
     rng = np.random.default_rng(seed)
     idx = _draws(rng, n, resamples, strata)
     stats = _stat(kind, x[idx].mean(1), ref[idx].mean(1))

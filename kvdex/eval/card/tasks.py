@@ -20,12 +20,14 @@ dozen times to fit its length).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +138,7 @@ def generate(group: Group, tokenizer, length: int, seed: int, root: Path | None)
     if group.name == "retrieval":
         jobs = [(s, i) for s in o["subtasks"] for i in range(o["per_subtask"])]
 
-        def one(job):
+        def one(job, tokenizer):
             sub, i = job
             spec = subtask_spec(sub, o["haystack"], i)
             if o["max_new_cap"]:
@@ -151,7 +153,7 @@ def generate(group: Group, tokenizer, length: int, seed: int, root: Path | None)
             meta["qa"] = isinstance(spec, ruler.QA)
             return Sample(f"{sub}-{i}", prompting.encode(tokenizer, text), meta)
 
-        made = _parallel(one, jobs)
+        made = _parallel(one, jobs, tokenizer)
         first = {}  # one note per subtask left out
         for (sub, _), m in zip(jobs, made, strict=True):
             if isinstance(m, str):
@@ -161,13 +163,13 @@ def generate(group: Group, tokenizer, length: int, seed: int, root: Path | None)
     if group.name == "passkey":
         jobs = [(d, i) for d in o["depths"] for i in range(o["per_depth"])]
 
-        def one(job):
+        def one(job, tokenizer):
             depth, i = job
             key_seed = random.Random(f"{seed}-{length}-{depth}-{i}").getrandbits(32)
             text, answer = passkey.make_passkey_prompt(tokenizer, length, depth / 100, key_seed)
             return Sample(f"d{depth}-{i}", passkey.encode(tokenizer, text), {"answer": answer, "max_new": 12})
 
-        return _parallel(one, jobs), []
+        return _parallel(one, jobs, tokenizer), []
     if group.name == "longtext":
         extra = o["recall_steps"] + o["ppl_tokens"] + 1
         return data.long_text_samples(root, o["source"], tokenizer, length, extra, o["prompts"], seed), []
@@ -182,13 +184,22 @@ def generate(group: Group, tokenizer, length: int, seed: int, root: Path | None)
     raise ValueError(f"unknown group {group.name!r}")
 
 
-def _parallel(fn, jobs) -> list[Sample]:
-    """``[fn(j) for j in jobs]`` on a few threads (the tokenizer releases the GIL while it encodes)."""
+def _parallel(fn, jobs, tokenizer) -> list:
+    """``[fn(j, tokenizer) for j in jobs]`` on up to 8 threads, each with its own copy of the tokenizer
+    (a fast tokenizer encodes outside the GIL; copies keep the threads from sharing its mutable state)."""
     workers = min(8, os.cpu_count() or 1, len(jobs))
     if workers <= 1:
-        return [fn(j) for j in jobs]
+        return [fn(j, tokenizer) for j in jobs]
+    local = threading.local()
+
+    def run(job):
+        tok = getattr(local, "tok", None)
+        if tok is None:
+            tok = local.tok = copy.deepcopy(tokenizer)
+        return fn(job, tok)
+
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, jobs))
+        return list(pool.map(run, jobs))
 
 
 def load_or_generate(path: Path, group: Group, tokenizer, length: int, seed: int, root) -> list[Sample]:

@@ -1,0 +1,195 @@
+"""``kvdex scorecard``: the interval code on hand-computed counts, ``full`` against itself, ``oracle`` at a
+budget covering the context against ``full``, and a resumed run against an uninterrupted one.
+
+The structural tests run a tiny random Llama with a byte tokenizer (fast); ``test_smoke_smollm2`` runs the
+``--smoke`` size on the real SmolLM2 (CPU, about two minutes on two cores)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvdex.eval.card import ScorecardConfig, smoke
+from kvdex.eval.card.report import table
+from kvdex.eval.card.stats import Interval, mcnemar_p, paired_ratio
+from kvdex.eval.testing import byte_tokenizer, tiny_llama
+
+# ---- the interval code, on answers computable by hand -------------------------------------------------
+
+
+def test_identical_outcomes_give_exactly_one():
+    iv = paired_ratio([1, 0, 1, 1], [1, 0, 1, 1])
+    assert (iv.ratio, iv.low, iv.high, iv.n) == (1.0, 1.0, 1.0, 4)
+    assert paired_ratio([0, 0], [0, 0]).ratio == 1.0  # both all wrong: still the same outcome
+    assert paired_ratio([1, 0], [0, 0]).ratio is None  # full never right: no ratio
+
+
+def test_two_prompts_enumerable_bootstrap():
+    # x = (1, 0), ref = (1, 1): resamples {a,a} -> 1 (p 1/4), {a,b} -> 1/2 (p 1/2), {b,b} -> 0 (p 1/4);
+    # the 2.5% / 97.5% quantiles of that distribution are 0 and 1.
+    iv = paired_ratio([1, 0], [1, 1])
+    assert iv.ratio == 0.5
+    assert (iv.low, iv.high) == (0.0, 1.0)
+    assert iv.mark() == ""
+
+
+def test_one_extra_success_in_ten():
+    # x right on all 10, ref wrong on one: ratio 10/9. A resample's ratio is 10 / (10 - m), m = draws of the
+    # bad prompt ~ Binomial(10, 0.1): P(m = 0) = 0.349 > 2.5% -> low = 1 exactly; P(m <= 2) = 0.930,
+    # P(m <= 3) = 0.987 -> the 97.5% quantile is m = 3: high = 10 / 7. Not decided (low == 1).
+    iv = paired_ratio([1] * 10, [1] * 9 + [0])
+    assert iv.ratio == pytest.approx(10 / 9)
+    assert iv.low == 1.0
+    assert iv.high == pytest.approx(10 / 7)
+    assert iv.mark() == ""
+
+
+def test_strata_keep_each_subtask_share():
+    # stratum a: policy always right; stratum b: always wrong. Every within-stratum resample has mean 1/2,
+    # so the interval collapses onto the point and is decided (below 1).
+    iv = paired_ratio([1, 1, 0, 0], [1, 1, 1, 1], strata=["a", "a", "b", "b"])
+    assert (iv.ratio, iv.low, iv.high) == (0.5, 0.5, 0.5)
+    assert iv.mark() == "worse"
+    unstratified = paired_ratio([1, 1, 0, 0], [1, 1, 1, 1])
+    assert unstratified.low < 0.5 < unstratified.high
+
+
+def test_perplexity_ratio_and_marks():
+    nll_full = np.array([2.0, 2.5, 3.0])
+    iv = paired_ratio(nll_full + math.log(2), nll_full, kind="exp_diff")  # every prompt 2x the perplexity
+    assert iv.ratio == pytest.approx(2.0) and iv.low == pytest.approx(2.0) and iv.high == pytest.approx(2.0)
+    assert iv.mark(higher_is_better=False) == "worse" and iv.mark(higher_is_better=True) == "better"
+    assert Interval(0.5, 0.4, 0.6, 10).mark() == "worse"
+    assert Interval(0.9, 0.8, 1.1, 10).mark() == ""
+    with pytest.raises(ValueError, match="kind"):
+        paired_ratio([1], [1], kind="diff")
+    with pytest.raises(ValueError, match="paired"):
+        paired_ratio([1, 0], [1])
+
+
+def test_mcnemar_exact():
+    # 6 discordant pairs all one way: 2 * (1/2)^6; 5 vs 1: 2 * (1 + 6) / 64
+    assert mcnemar_p([0] * 6 + [1] * 4, [1] * 10) == pytest.approx(0.03125)
+    assert mcnemar_p([1] * 5 + [0] + [1] * 4, [0] * 5 + [1] + [1] * 4) == pytest.approx(0.21875)
+    assert mcnemar_p([1, 0], [1, 0]) == 1.0
+    assert mcnemar_p([0.5, 1], [1, 1]) is None
+
+
+# ---- whole runs on a tiny model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(), byte_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def no_data(monkeypatch):
+    """The same prompts whether or not an evaluation data folder is configured."""
+    monkeypatch.delenv("KVDEX_DATA", raising=False)
+
+
+def _cfg(out, **kw):
+    base = dict(
+        model="tiny",
+        policies=["oracle", "oracle@2048", "quest"],
+        budgets=[64],
+        lengths=[1024],
+        tasks=["retrieval", "passkey"],
+        subtasks=["niah_single", "niah_multikey", "vt"],
+        per_subtask=2,
+        max_new_cap=6,
+        passkey_depths=[20, 80],
+        passkey_per_depth=1,
+        batch=4,
+        progress=False,
+        resamples=300,
+        out=str(out),
+    )
+    return ScorecardConfig(**{**base, **kw})
+
+
+def _records(out) -> dict:
+    """{(task, policy, budget): {prompt id: (score, prediction)}} from the cell files."""
+    recs = {}
+    for f in sorted(out.glob("cells/*/*/*.json")):
+        c = json.loads(f.read_text())
+        for r in c["records"]:
+            recs.setdefault((c["task"], c["policy"], c["budget"]), {})[r["id"]] = (r["score"], r["prediction"])
+    return recs
+
+
+def test_full_is_one_and_covering_oracle_equals_full(tiny, tmp_path):
+    from kvdex.eval import scorecard
+
+    model, tok = tiny
+    rep = scorecard(_cfg(tmp_path), model=model, tokenizer=tok)
+    assert rep["complete"] and (tmp_path / "scorecard.md").is_file() and (tmp_path / "scorecard.json").is_file()
+    t = table(rep)
+    full = t[("full", None)]
+    assert {task for task, _ in full} >= {"retrieval", "passkey", "retrieval/vt"}
+    for c in full.values():
+        assert (c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0)
+    recs = _records(tmp_path)
+    for task in ("retrieval", "passkey"):
+        f, o = recs[(task, "full", None)], recs[(task, "oracle", 2048)]
+        assert len(f) == len(o) > 0 and f == o  # same score and same text on every prompt
+    assert all(c["ratio"] == 1.0 for c in t[("oracle", 2048)].values())
+    saved = json.loads((tmp_path / "scorecard.json").read_text())
+    cell = saved["cells"][0]
+    assert {"policy", "budget", "length", "task", "ratio", "low", "high", "n"} <= set(cell)
+    assert saved["prompts"]["retrieval"]["1024"][0] == "niah_single-0" and saved["environment"]["torch"]
+    assert "n/a (CPU)" in (tmp_path / "scorecard.md").read_text()
+
+
+def test_resumed_run_gives_the_same_table(tiny, tmp_path):
+    from kvdex.eval.card.run import scorecard
+
+    model, tok = tiny
+    whole = scorecard(_cfg(tmp_path / "a"), model=model, tokenizer=tok)
+    seen = []
+    part = scorecard(_cfg(tmp_path / "b", max_cells=3), model=model, tokenizer=tok, on_cell=seen.append)
+    assert not part["complete"] and part["stopped"].startswith("max_cells") and len(seen) == 3
+
+    def until_five(cell):  # resumes, then stops from the callback
+        seen.append(cell)
+        return len(seen) < 5
+
+    part = scorecard(_cfg(tmp_path / "b"), model=model, tokenizer=tok, on_cell=until_five)
+    assert not part["complete"] and len(seen) == 5
+    before = {str(p): p.stat().st_mtime_ns for p in (tmp_path / "b").glob("cells/*/*/*.json")}
+    assert len(before) == 5
+    done = scorecard(_cfg(tmp_path / "b"), model=model, tokenizer=tok, on_cell=seen.append)
+    assert done["complete"]
+    after = {str(p): p.stat().st_mtime_ns for p in (tmp_path / "b").glob("cells/*/*/*.json")}
+    assert all(after[k] == v for k, v in before.items())  # finished cells were not recomputed
+    assert len(seen) == len(after) == 3 * 4  # 3 batches (2 retrieval, 1 passkey) x 4 (policy, budget) pairs
+    assert _records(tmp_path / "a") == _records(tmp_path / "b")
+    assert whole["cells"] == done["cells"]
+    assert (tmp_path / "a/scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
+        tmp_path / "b/scorecard.md"
+    ).read_text().split("## Retrieval")[0].splitlines()[6:]
+
+
+# ---- the smoke size on the real model -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smoke_smollm2(tmp_path):
+    from kvdex import models
+    from kvdex.eval import scorecard
+
+    if models.find("smollm2") is None:
+        pytest.skip("SmolLM2 is not installed (kvdex models fetch smollm2)")
+    rep = scorecard(smoke(out=str(tmp_path), progress=False))
+    assert rep["complete"], rep["failures"]
+    t = table(rep)
+    assert all((c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0) for c in t[("full", None)].values())
+    assert t[("full", None)][("passkey", 512)]["full"] > 0  # the model does the task at all
+    recs = _records(tmp_path)
+    for task in ("retrieval", "passkey"):
+        assert recs[(task, "oracle", 1024)] == recs[(task, "full", None)]
+    assert set(t) == {("full", None), ("oracle", 64), ("oracle", 1024), ("quest", 64), ("streaming", 64)}
