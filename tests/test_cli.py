@@ -157,7 +157,7 @@ def test_help_examples_parse_and_their_policies_exist():
     assert any(e.startswith("kvdex generate") for e in examples)
     assert any(e.startswith("kvdex models fetch") for e in examples)
     for example in examples:
-        args = cli.build_parser().parse_args(shlex.split(example)[1:])  # SystemExit(2) on a bad example
+        args = cli.build_parser().parse_args(shlex.split(example, comments=True)[1:])  # SystemExit(2) on a bad example
         listed = getattr(args, "policies", None) or []
         listed = listed.split(",") if isinstance(listed, str) else listed  # bench takes the text
         for spec in [getattr(args, "policy", None), *listed]:
@@ -255,6 +255,22 @@ def test_demo_prints_a_row_per_policy(tiny_model_dir, capsys):
     assert "torch " in out and "transformers " in out and "budget 64" in out
     table = out[out.index("policy ") :].splitlines()
     assert [line.split()[0] for line in table[2:6]] == ["full", "oracle", "streaming", "quest"]
+    assert "ms/token" not in out and "not measured on a CPU" in out  # CPU timings are not the product's speed
+    assert table[2].split()[3] == "(100%)" and table[4].split()[3] != "(100%)"  # full: whole context; streaming
+
+
+def test_demo_table_on_cuda_shows_speed_against_dense():
+    """The CUDA table (formatting only; the GPU run is in the GPU tests): ms/token, the speed-up over
+    transformers' dense cache and peak device memory per row, the dense baseline first."""
+    stats = {"attended_tokens_per_step": 64.0, "kv_bytes_device": 2**20, "kv_bytes_host": 0}
+    quest = demo.Row("quest", "12345", True, stats, 2.5, [], 3 * 2**20)
+    dense = demo.Row("transformers (dense)", "12345", True, {**stats, "kv_bytes_device": None}, 10.0, [], 5 * 2**20)
+    lines = demo.format_table([quest], context=6400, baseline=dense).splitlines()
+    assert "ms/token" in lines[0] and "vs dense" in lines[0] and "peak device mem" in lines[0]
+    assert lines[2].startswith("transformers (dense)") and "1.00x" in lines[2]
+    row = lines[3].split()
+    assert row[0] == "quest" and "2.5" in row and "4.00x" in row and "(1%)" in row and "3.00" in row
+    assert "ms/token" not in demo.format_table([quest], context=6400)
 
 
 def test_fork_and_fresh_caches_decode_the_same(tiny_model_dir):
