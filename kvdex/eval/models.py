@@ -1,7 +1,7 @@
 """Model names the evaluation commands accept, and loading them for kvdex.
 
-Besides what ``kvdex.load`` takes (a hub id, a directory, a ``.gguf`` file), two short names
-stand for the real models of ``../shared/models/fetch.sh``: ``smollm2`` and ``qwen05b``.
+``kvdex.load`` takes a hub id, a directory, a ``.gguf`` file or a known name (``smollm2``,
+``qwen05b``: installed by ``kvdex models fetch NAME``, see :mod:`kvdex.models`).
 """
 
 from __future__ import annotations
