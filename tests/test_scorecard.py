@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from kvdex.eval.card import ScorecardConfig, smoke
 from kvdex.eval.card.report import table
@@ -172,6 +173,46 @@ def test_resumed_run_gives_the_same_table(tiny, tmp_path):
     assert (tmp_path / "a/scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
         tmp_path / "b/scorecard.md"
     ).read_text().split("## Retrieval")[0].splitlines()[6:]
+
+
+def test_batched_ragged_decoding_equals_one_prompt_at_a_time(tiny):
+    from kvdex.eval.card import decode
+
+    model, tok = tiny
+    sizes = dict(page_size=16, sink=16, window=32, dense_layers=2)
+    prompts = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (700, 690, 651)]  # left padding: 0, 10, 49
+    base, logits, _ = decode.prefill(model, tok, prompts, sizes)
+    limits = [12, 5, 12]
+    rows, info = decode.greedy(model, base, logits, "quest", 64, limits, set(), graph=False)
+    assert [len(r) for r in rows] == limits and info["steps"] == 11
+    for p, n, row in zip(prompts, limits, rows, strict=True):
+        one, one_logits, _ = decode.prefill(model, tok, [p], sizes)
+        alone, _ = decode.greedy(model, one, one_logits, "quest", 64, [n], set(), graph=False)
+        assert alone[0] == row
+    cont = torch.tensor([[(5 * i) % 200 + 5 for i in range(9)]] * 3)
+    out, info = decode.teacher(model, base, logits, "quest", 64, cont, 3, graph=False)
+    assert len(out["nll"]) == 3 and all(0 < r < 1 for r in out["recall"]) and info["steps"] == 8
+    full, _ = decode.teacher(model, base, logits, "full", None, cont, 3, graph=False)
+    assert full["recall"] == [1.0] * 3
+    fast = decode.speed(model, base, logits, "streaming", 64, steps=20, warmup=2)  # wall clock on the CPU
+    assert fast["tokens_per_s"] > 0 and fast["timed_steps"]["eager"] == 20
+
+
+@pytest.mark.gpu
+def test_scorecard_on_cuda_replays_graphs_and_times_speed(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kvdex.eval import scorecard
+
+    model, tok = tiny_llama().cuda(), byte_tokenizer()
+    cfg = _cfg(tmp_path, policies=["oracle", "quest", "streaming", "chess"], speed_batches=[1, 2], speed_steps=40)
+    rep = scorecard(cfg, model=model, tokenizer=tok)
+    assert rep["complete"], rep["failures"]
+    cells = [json.loads(f.read_text()) for f in tmp_path.glob("cells/retrieval/*/*.json")]
+    assert any(c["decode"]["replays"] > 0 for c in cells if c["policy"] == "quest")
+    speed = [c for c in rep["cells"] if c["task"].startswith("tokens_per_s")]
+    assert {c["task"] for c in speed} == {"tokens_per_s_b1", "tokens_per_s_b2"} and len(speed) == 2 * 5
+    assert all(c["score"] > 0 for c in speed) and all(c["ratio"] == 1.0 for c in speed if c["policy"] == "full")
 
 
 # ---- the smoke size on the real model -------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.eval.card.tasks import SUBTASKS
 
 PASSKEY_DEPTHS = tuple(range(0, 100, 5))
@@ -38,10 +39,10 @@ class ScorecardConfig:
     longbench_max_new_tokens: int = 128
     batch: int = 8
     seed: int = 0
-    page_size: int = 16
-    sink: int = 16
-    window: int = 32
-    dense_layers: int = 2
+    page_size: int = DEFAULT_PAGE_SIZE
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+    dense_layers: int = DEFAULT_DENSE_LAYERS
     decode: str = "auto"  # auto (graphs on CUDA) | eager | graph
     speed: bool = True
     speed_batches: list[int] = field(default_factory=lambda: [1, 8])

@@ -196,23 +196,30 @@ def teacher(model, base, first_logits, policy, budget, continuation: torch.Tenso
 @torch.inference_mode()
 def speed(model, base, first_logits, policy, budget, steps: int, warmup: int) -> dict:
     """Tokens per second of ``steps`` free-running decode steps after ``warmup`` steps (captures happen
-    there), timed with CUDA events: every step counts, page-boundary steps (index updates) included."""
+    there), timed with CUDA events: every step counts, page-boundary steps (index updates) included.
+    (On the CPU the wall clock times them; the scorecard reports no CPU speeds.)"""
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1, got {warmup}")
     dev = first_logits.device
-    if dev.type != "cuda":
-        raise ValueError("speed is measured on CUDA only")
-    d = _Decoding(model, base, policy, budget, True)
+    cuda = dev.type == "cuda"
+    d = _Decoding(model, base, policy, budget, cuda)
     nxt = first_logits.argmax(-1, keepdim=True)
     try:
         for _ in range(warmup):
             nxt = d.step(nxt).argmax(-1, keepdim=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before = dict(d.dec.counts)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
         for _ in range(steps):
             nxt = d.step(nxt).argmax(-1, keepdim=True)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
         timed = {k: d.dec.counts[k] - before[k] for k in before}
     finally:
         info = d.close()

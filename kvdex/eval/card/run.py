@@ -181,7 +181,7 @@ class _Run:
                     f"L={length} {g.name} batch {bi + 1}/{len(batches)} {policy}"
                     + ("" if budget is None else f"@{budget}")
                     + f": {dt:.2f}s, {cell['steps']} steps ({how})"
-                    + (f" - eager because {d['reason']}" if d["reason"] and d["eager"] > 1 else "")
+                    + (f" - eager because {d['reason']}" if self.graph and d["reason"] and d["eager"] > 1 else "")
                 )
                 if self.on_cell is not None and self.on_cell(cell) is False:
                     return not self._stop("stopped by the on_cell callback")
