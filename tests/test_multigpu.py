@@ -169,14 +169,14 @@ def tp_cpu(tmp_path_factory):
         for policy in POLICIES:
             for offload in (False, True):
                 ref[family, policy, offload] = _decode(model, policy, offload, _prompt())
-    return ref, ranks
+    return ref, ranks, dirs
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_matches_one_process(tp_cpu, family, policy, offload):
-    ref, ranks = tp_cpu
+    ref, ranks, _ = tp_cpu
     one = ref[family, policy, offload]
     for rank, res in ranks.items():
         got = res[family, policy, offload]
@@ -194,7 +194,7 @@ def test_tensor_parallel_matches_one_process(tp_cpu, family, policy, offload):
 
 
 def test_tensor_parallel_refuses_heads_that_do_not_divide(tp_cpu):
-    _, ranks = tp_cpu
+    _, ranks, _ = tp_cpu
     for res in ranks.values():
         msg = res["uneven"]
         assert "3 kv heads" in msg and "do not divide over the 2 tensor-parallel ranks" in msg, msg
@@ -214,20 +214,19 @@ DISK_MAP = {
 
 
 @pytest.fixture(scope="module")
-def disk_pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dm")
-    path = _save("llama", str(tmp / "llama"))
-    plain = _load(path, dtype=torch.float32)
-    mapped = _load(path, dtype=torch.float32, device_map=DISK_MAP, offload_folder=str(tmp / "offload"))
-    return plain, mapped
+def disk_mapped(tp_cpu, tmp_path_factory):
+    """The Llama of the tensor-parallel test with layers 2-3 offloaded to disk (the one-process results: its refs)."""
+    ref, _, dirs = tp_cpu
+    folder = str(tmp_path_factory.mktemp("offload"))
+    return ref, _load(dirs["llama"], dtype=torch.float32, device_map=DISK_MAP, offload_folder=folder)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_device_map_cpu_and_disk(disk_pair, policy):
-    plain, mapped = disk_pair
+def test_device_map_cpu_and_disk(disk_mapped, policy):
+    ref, mapped = disk_mapped
     assert {"cpu", "disk"} <= set(mapped.hf_device_map.values())
     for offload in (False, True):
-        one = _decode(plain, policy, offload, _prompt())
+        one = ref["llama", policy, offload]
         got = _decode(mapped, policy, offload, _prompt())
         assert got["tokens"] == one["tokens"], offload
         assert torch.equal(got["logits"], one["logits"]), offload
