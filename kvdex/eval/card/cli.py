@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode", choices=("auto", "eager", "graph"), default=None, help="auto: CUDA graphs on CUDA")
     g.add_argument("--max-minutes", type=float, default=None, help="stop cleanly before this wall time")
     g.add_argument("--max-cells", type=int, default=None, help="stop after computing this many cells")
+    g.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only generate and save the prompts under --out (the tokenizer only: a CPU job before a GPU run)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -95,6 +100,8 @@ def config_from_args(a: argparse.Namespace) -> ScorecardConfig:
         given["speed"] = False
     if a.no_progress:
         given["progress"] = False
+    if a.prepare:
+        given["prepare"] = True
     if a.with_longbench:
         base = given.get("tasks") or (smoke().tasks if a.smoke else ScorecardConfig().tasks)
         given["tasks"] = [*base, "longbench"] if "longbench" not in base else base
@@ -108,6 +115,8 @@ def run(a: argparse.Namespace) -> int:
 
     cfg = config_from_args(a)
     rep = scorecard(cfg)
+    if cfg.prepare:
+        return 0
     print(rep["paths"][1].read_text())
     return 0 if rep["complete"] or rep["stopped"] else 1
 

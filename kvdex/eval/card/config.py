@@ -54,6 +54,7 @@ class ScorecardConfig:
     max_cells: int | None = None
     progress: bool = True
     resamples: int = 2000
+    prepare: bool = False  # only generate and save the prompts (tokenizer only, no model weights, no device)
 
     def validate(self) -> None:
         from kvdex import CacheConfig

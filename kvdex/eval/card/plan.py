@@ -59,7 +59,9 @@ class Plan:
         return self.out / "cells" / group.name / f"L{length}__{group.digest(self.common_batched)}"
 
     def prompt_file(self, group: tasks.Group, length: int) -> Path:
-        return self.out / "prompts" / f"{group.name}__L{length}__{group.digest(self.common)}.npz"
+        """Prompts depend on the tokenizer (the model), the seed and the task's options only."""
+        key = {k: self.common[k] for k in ("format", "model", "seed")}
+        return self.out / "prompts" / f"{group.name}__L{length}__{group.digest(key)}.npz"
 
     def speed_group(self) -> tasks.Group:
         n = max(self.cfg.speed_batches)

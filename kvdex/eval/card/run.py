@@ -40,6 +40,8 @@ def scorecard(config: ScorecardConfig | None = None, *, model=None, tokenizer=No
     clock = Clock(cfg.max_minutes)
     from kvdex.eval import models
 
+    if cfg.prepare:
+        return _prepare(cfg, tokenizer)
     if model is None:
         model, tokenizer = models.load(cfg.model, cfg.gguf, device=cfg.device, dtype=cfg.dtype)
         tag = models.tag(cfg.model, cfg.gguf)
@@ -57,6 +59,31 @@ def scorecard(config: ScorecardConfig | None = None, *, model=None, tokenizer=No
     out = report.write(plan, state)
     state.say(f"wrote {', '.join(str(p) for p in out['paths'])}" + ("" if out["complete"] else " (incomplete)"))
     return out
+
+
+def _prepare(cfg: ScorecardConfig, tokenizer) -> dict:
+    """Generate and save every prompt file of ``cfg`` (a CPU job: the tokenizer only)."""
+    from kvdex.eval import models
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        path, gguf = models.resolve(cfg.model, cfg.gguf)
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+    tag = models.tag(cfg.model, cfg.gguf)
+    plan = Plan(cfg, tag, "-", data.data_root(cfg.data, required=False), "-")
+    for note in plan.notes:
+        print(note, flush=True)
+    jobs = [(g, n) for n in cfg.lengths for g in plan.groups]
+    if cfg.speed:
+        jobs.append((plan.speed_group(), max(cfg.lengths)))
+    paths = []
+    for g, n in jobs:
+        t0 = time.perf_counter()
+        samples = tasks.load_or_generate(plan.prompt_file(g, n), g, tokenizer, n, cfg.seed, plan.root)
+        paths.append(plan.prompt_file(g, n))
+        print(f"L={n} {g.name}: {len(samples)} prompts in {time.perf_counter() - t0:.1f}s -> {paths[-1]}", flush=True)
+    return {"prepared": paths, "notes": plan.notes}
 
 
 class _Run:

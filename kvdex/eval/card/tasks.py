@@ -208,15 +208,15 @@ def load_or_generate(path: Path, group: Group, tokenizer, length: int, seed: int
         samples, notes = generate(group, tokenizer, length, seed, root)
         path.parent.mkdir(parents=True, exist_ok=True)
         off = np.cumsum([0] + [len(s.input_ids) for s in samples])
-        ids = np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples]) if samples else np.zeros(0)
+        ids = np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples else np.zeros(0)
         meta = json.dumps([{"id": s.id, "meta": s.meta} for s in samples])
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, ids=ids, offsets=off, meta=np.array(meta), notes=np.array(json.dumps(notes)))
+        np.savez_compressed(tmp, ids=ids, offsets=off, meta=np.array(meta), notes=np.array(json.dumps(notes)))
         tmp.replace(path)
     z = np.load(path, allow_pickle=False)
     meta = json.loads(str(z["meta"]))
     ids, off = z["ids"], z["offsets"]
-    return [Sample(m["id"], ids[off[i] : off[i + 1]].tolist(), m["meta"]) for i, m in enumerate(meta)]
+    return [Sample(m["id"], ids[off[i] : off[i + 1]].astype(int).tolist(), m["meta"]) for i, m in enumerate(meta)]
 
 
 def prompt_info(path: Path) -> tuple[int, list[str], list[str]] | None:
