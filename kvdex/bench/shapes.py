@@ -29,6 +29,21 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "llama3-70b": (  # Llama-3.1-70B (80 layers; kvdex.bench.tp --layers runs fewer)
+        "llama",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
     "llama3-1b": (  # Llama-3.2-1B
         "llama",
         dict(
