@@ -160,7 +160,12 @@ class _Run:
             if not self.clock.allows(key + ("prefill",), key):
                 return not self._stop("--max-minutes reached")
             batch = [samples[i] for i in rows]
-            base, logits, pf_s = decode.prefill(self.model, self.tok, [s.input_ids for s in batch], plan.cache_options)
+            try:
+                ids = [s.input_ids for s in batch]
+                base, logits, pf_s = decode.prefill(self.model, self.tok, ids, plan.cache_options)
+            except Exception as e:  # e.g. out of memory: every later batch of this task and length would fail too
+                self._failed(g.name, length, bi, "prefill", None, e)
+                return True
             self.clock.note(key + ("prefill",), pf_s)
             width = max(len(s.input_ids) for s in batch)
             self.say(f"L={length} {g.name} batch {bi + 1}/{len(batches)}: prefill {len(batch)}x{width} {pf_s:.2f}s")
@@ -172,20 +177,7 @@ class _Run:
                     cell = self._cell(g, batch, base, logits, policy, budget)
                 except Exception as e:  # one policy failing must not end the scorecard
                     failed.add((policy, budget))
-                    why = f"{type(e).__name__}: {e}"
-                    self.failures.append(
-                        {
-                            "task": g.name,
-                            "length": length,
-                            "batch": bi,
-                            "policy": policy,
-                            "budget": budget,
-                            "error": why[:500],
-                        }
-                    )
-                    self.say(f"FAILED {policy}@{budget} L={length} {g.name} batch {bi + 1}: {why[:300]}")
-                    self.say(traceback.format_exc(limit=-3).strip())
-                    _free(self.model)
+                    self._failed(g.name, length, bi, policy, budget, e)
                     continue
                 dt = time.perf_counter() - t1
                 self.clock.note(key, dt)
@@ -217,6 +209,15 @@ class _Run:
             del base, logits
             _free(self.model)
         return True
+
+    def _failed(self, task, length, batch, policy, budget, e: Exception) -> None:
+        why = f"{type(e).__name__}: {e}"
+        self.failures.append(
+            {"task": task, "length": length, "batch": batch, "policy": policy, "budget": budget, "error": why[:500]}
+        )
+        self.say(f"FAILED {policy}@{budget} L={length} {task} batch {batch}: {why[:300]}")
+        self.say(traceback.format_exc(limit=-3).strip())
+        _free(self.model)
 
     def _prompts(self, g: tasks.Group, length: int):
         """The prompts of (g, length); None where generating them would pass ``max_minutes`` (guessed from
@@ -287,9 +288,12 @@ class _Run:
             if not self.clock.allows(key, key):
                 self._stop("--max-minutes reached")
                 return
-            base, logits, pf_s = decode.prefill(
-                self.model, self.tok, [s.input_ids for s in samples[:b]], plan.cache_options
-            )
+            try:
+                ids = [s.input_ids for s in samples[:b]]
+                base, logits, _ = decode.prefill(self.model, self.tok, ids, plan.cache_options)
+            except Exception as e:
+                self._failed("speed", length, b, "prefill", None, e)
+                continue
             for policy, budget in pend:
                 if not self.clock.allows(key):
                     self._stop("--max-minutes reached")
@@ -298,18 +302,7 @@ class _Run:
                 try:
                     res = decode.speed(self.model, base, logits, policy, budget, cfg.speed_steps, cfg.speed_warmup)
                 except Exception as e:
-                    self.failures.append(
-                        {
-                            "task": "speed",
-                            "length": length,
-                            "batch": b,
-                            "policy": policy,
-                            "budget": budget,
-                            "error": f"{type(e).__name__}: {e}"[:500],
-                        }
-                    )
-                    self.say(f"FAILED speed {policy}@{budget} batch {b}: {type(e).__name__}: {e}")
-                    _free(self.model)
+                    self._failed("speed", length, b, policy, budget, e)
                     continue
                 self.clock.note(key, time.perf_counter() - t1)
                 res.update(task="speed", length=length, policy=policy, budget=budget, device=plan.device_name)
