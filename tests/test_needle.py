@@ -61,3 +61,29 @@ def test_needle_report_draws_one_png_per_budget(results):
 def test_needle_task_refuses_other_subtasks():
     with pytest.raises(ValueError, match="niah_"):
         NeedleTask(subtasks=["vt"])
+
+
+def test_metrics_follow_a_store_whose_slots_are_permuted():
+    """PRKV reorders its store: the true weights are mapped back to token positions before comparing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvdex.eval.needle import needle_metrics
+    from kvdex.storage.layout import Grid
+
+    torch.manual_seed(0)
+    L, d = 64, 8
+    k = torch.randn(1, 1, L, d)
+    q = 4 * k[:, :, 40]  # looks at token 40 above all
+    perm = torch.randperm(L)  # slot s holds token perm[s]
+    store_k = k[:, :, perm]
+    grid = Grid(sink=0, page_size=16, window_pages=1)
+    store = SimpleNamespace(dense=lambda: (store_k, store_k), lengths=torch.tensor([L]), grid=grid)
+    aset = SimpleNamespace(valid=torch.ones(1, 1, 1, dtype=torch.bool), positions=torch.tensor([[[40]]]))
+    needle = torch.zeros(1, L, dtype=torch.bool)
+    needle[0, 40] = True
+    m = needle_metrics(q, store, aset, needle, lambda slots: perm[slots])
+    assert m["kept"][0, 0] == 1 and m["mass"][0, 0] == 1 and m["oracle"][0, 0] == 1
+    wrong = needle_metrics(q, store, aset, needle)  # slot order taken for token order: the weights miss
+    assert wrong["oracle"][0, 0] == 0

@@ -74,9 +74,11 @@ def value_token_variants(tokenizer, value: str) -> list[list[int]]:
     return out
 
 
-def needle_metrics(q: torch.Tensor, store, aset, needle: torch.Tensor) -> dict[str, np.ndarray]:
-    """One decode attention of one layer: q [B, Hq, D]; ``needle`` [B, L] bool over store positions.
+def needle_metrics(q: torch.Tensor, store, aset, needle: torch.Tensor, slot_positions=None) -> dict[str, np.ndarray]:
+    """One decode attention of one layer: q [B, Hq, D]; ``needle`` [B, L] bool over token positions.
 
+    ``slot_positions(slots [B, H, L]) -> positions`` maps store slots to token positions for a policy
+    that reorders its store (PRKV relocates its static tokens); None: slot == position.
     Returns per (batch row, kv head) arrays [B, H] of :data:`FIELDS`."""
     k, _ = store.dense()
     b, hq, d = q.shape
@@ -86,6 +88,9 @@ def needle_metrics(q: torch.Tensor, store, aset, needle: torch.Tensor) -> dict[s
     s = torch.einsum("bhgd,bhld->bhgl", q.view(b, h, g, d).float(), k.float()) * scale
     live = torch.arange(L, device=k.device)[None, :] < store.lengths.to(k.device)[:, None]
     p = torch.softmax(s.masked_fill(~live[:, None, None, :], float("-inf")), dim=-1).sum(2)  # [B, H, L], group sum
+    if slot_positions is not None:  # true weights from slot order into token-position order
+        slots = torch.arange(L, device=k.device).expand(b, h, L)
+        p = torch.zeros_like(p).scatter_(2, slot_positions(slots).long().to(k.device), p)
     needle = needle[:, :L].to(k.device) & live
     pos = torch.where(aset.valid, aset.positions.long(), L).to(k.device)
     att = torch.zeros(b, h, L + 1, dtype=torch.bool, device=k.device).scatter_(2, pos, True)[:, :, :L] & live[:, None]
@@ -120,15 +125,17 @@ def needle_metrics(q: torch.Tensor, store, aset, needle: torch.Tensor) -> dict[s
 class NeedleObserver:
     """A ``cache.observer`` recording :func:`needle_metrics` at every sparse layer of every step."""
 
-    def __init__(self, needle: torch.Tensor):
-        self.needle = needle  # [B, L] bool over store positions
+    def __init__(self, needle: torch.Tensor, slot_positions=None):
+        self.needle = needle  # [B, L] bool over token positions
+        self.slot_positions = slot_positions  # (layer, slots [B, H, L]) -> positions, or None (slot == position)
         self.rows: dict[int, list[dict[str, np.ndarray]]] = {}
 
     def __call__(self, layer, q, store, aset, scale) -> None:
         if self.needle.shape[1] < store.dense()[0].shape[2]:
             pad = store.dense()[0].shape[2] - self.needle.shape[1]
             self.needle = torch.nn.functional.pad(self.needle, (0, pad))
-        self.rows.setdefault(layer, []).append(needle_metrics(q, store, aset, self.needle))
+        remap = None if self.slot_positions is None else (lambda slots: self.slot_positions(layer, slots))
+        self.rows.setdefault(layer, []).append(needle_metrics(q, store, aset, self.needle, remap))
 
     def table(self) -> tuple[list[int], dict[str, np.ndarray]]:
         """(layers, {field: [layers, heads]}) for batch row 0, averaged over steps."""
@@ -184,7 +191,8 @@ class NeedleTask(Task):
     def decode(self, ctx: DecodeContext, sample: Sample) -> dict:
         needle = torch.zeros(1, ctx.prompt_len + 64, dtype=torch.bool)
         needle[0, sample.meta["positions"]] = True
-        obs = NeedleObserver(needle)
+        # a policy that reorders its store's slots says where each slot's token sits (PRKV's relocation)
+        obs = NeedleObserver(needle, getattr(ctx.cache.policy, "positions", None))
         ctx.cache.observer = obs
         tokens = sample.meta["answer"]
         nll = teacher_forced(ctx, tokens) if len(tokens) > 1 else []
@@ -244,7 +252,7 @@ def plot_mass(task_dir: Path, results: list[RunResult]) -> list[Path]:
             ax.set_xlabel("kv head")
             ax.set_yticks(range(len(r.metrics["layers"])), r.metrics["layers"], fontsize=6)
         axes[0][0].set_ylabel("layer")
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="needle attention kept")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, fraction=0.03, pad=0.01, label="needle attention kept")
         fig.suptitle(f"needle attention kept per layer and kv head, {length} tokens, budget {budget}", fontsize=9)
         path = task_dir / f"needle_mass_L{length}_b{budget}.png"
         fig.savefig(path, dpi=110)
