@@ -6,8 +6,19 @@ import argparse
 
 from kvdex.eval.card.config import ScorecardConfig, smoke
 from kvdex.eval.card.tasks import GROUPS, SUBTASKS
-from kvdex.eval.cli import parse_names, parse_sizes
 from kvdex.eval.tasks import parse_depths
+
+
+def parse_names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"256,1k,32k"`` -> [256, 1024, 32768] (``kvdex eval``'s size lists)."""
+    from kvdex.eval.cli import parse_sizes as sizes  # imported when used: `kvdex scorecard` works without it
+
+    return sizes(text)
+
 
 DESCRIPTION = """Every policy's accuracy and speed side by side on one model: each (policy, budget) decodes
 the same prompts (RULER-style retrieval, passkey grid, attention recall and perplexity on long text,
