@@ -10,7 +10,7 @@ that is meant to alter a policy's selections regenerates that policy's entry on 
     KVDEX_REGEN_GOLDEN=chess python -m pytest tests/test_selection_golden.py        # only these (comma list)
 
 A policy registered after the file was written has no entry: the test is skipped for it until the
-entry is generated.
+entry is generated. Every selection is also held to the policy's declared ``granularity``.
 """
 
 from __future__ import annotations
@@ -98,14 +98,29 @@ def test_selections_match_golden(policy):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(_dumps(data))
         pytest.skip(f"regenerated {policy}'s golden selections")
+    runs = {offload: record(policy, offload) for offload in OFFLOADS}
+    for calls in runs.values():
+        _check_granularity(policy, calls)
     golden = _load().get(policy)
     if golden is None:
         pytest.skip(f"no golden selections for {policy!r}: run with KVDEX_REGEN_GOLDEN={policy}")
     for offload in OFFLOADS:
-        got, want = record(policy, offload), golden[_key(offload)]
+        got, want = runs[offload], golden[_key(offload)]
         assert len(got) == len(want), f"{policy}/{_key(offload)}: {len(got)} selections, recorded {len(want)}"
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"{policy}/{_key(offload)}: selection {i} (step {i // 2}, layer {1 + i % 2}) differs"
+
+
+def _check_granularity(policy: str, calls: list[dict]) -> None:
+    """``Policy.granularity`` says what the selections name: "token" policies tokens only, "page"
+    policies pages (single tokens may come with them) or everything."""
+    granularity = type(make_policy(policy)).granularity
+    assert granularity in ("page", "token"), f"{policy}: granularity {granularity!r}"
+    for i, call in enumerate(calls):
+        if granularity == "token":
+            assert call["pages"] is None and call["tokens"] is not None, f"{policy} (token): selection {i} {call}"
+        else:
+            assert call["pages"] is not None or call["everything"], f"{policy} (page): selection {i} {call}"
 
 
 def test_golden_covers_selection():

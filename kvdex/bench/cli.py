@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from kvdex.bench import runner, shapes
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 
 DESCRIPTION = """\
 Decode speed of kvdex policies (GPU-resident and offloaded) next to transformers' DynamicCache and
@@ -61,10 +62,10 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="transformers caches to compare: hf/dynamic, hf/offloaded, or none",
     )
     p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--window", type=int, default=32)
-    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
     p.add_argument("--steps", type=int, default=100, help="timed decode steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--split-steps", type=int, default=10, help="extra steps with phase timing (0: no split)")

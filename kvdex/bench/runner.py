@@ -31,6 +31,7 @@ import torch
 
 import kvdex
 from kvdex.bench import shapes
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.integration.compat import cache_kwargs
 
 HF_METHODS = ("hf/dynamic", "hf/offloaded")
@@ -47,10 +48,10 @@ class BenchConfig:
     storages: tuple[str, ...] = ("device", "offload")
     baselines: tuple[str, ...] = HF_METHODS
     budget: int = 2048
-    page_size: int = 16
-    sink: int = 16
-    window: int = 32
-    dense_layers: int = 2
+    page_size: int = DEFAULT_PAGE_SIZE
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+    dense_layers: int = DEFAULT_DENSE_LAYERS
     steps: int = 100
     warmup: int = 10
     split_steps: int = 10

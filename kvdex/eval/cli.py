@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.eval import tasks
 
 DESCRIPTION = """Evaluate kvdex policies side by side: each prompt is prefilled once, then decoded per
@@ -68,10 +69,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--samples", type=int, default=1, help="samples per length (default 1)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("cache")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--sink", type=int, default=16)
-    g.add_argument("--window", type=int, default=32)
-    g.add_argument("--dense-layers", type=int, default=2)
+    g.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    g.add_argument("--sink", type=int, default=DEFAULT_SINK)
+    g.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    g.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
     g.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
     g = p.add_argument_group("where")
     g.add_argument("--out", default="results", help="results folder (default ./results)")

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.integration.compat import cache_kwargs
 
 FULL = "full"
@@ -232,10 +233,10 @@ class EvalConfig:
     samples: int = 1
     out: str = "results"
     seed: int = 0
-    page_size: int = 16
-    sink: int = 16
-    window: int = 32
-    dense_layers: int = 2
+    page_size: int = DEFAULT_PAGE_SIZE
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+    dense_layers: int = DEFAULT_DENSE_LAYERS
     offload: bool = False
     dtype: str | None = None  # the model's dtype: part of each run's identity (bf16 and fp32 differ)
     progress: bool = True

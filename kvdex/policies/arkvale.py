@@ -69,6 +69,7 @@ def top_pages(
 @dataclass
 class ArkValePolicy(Policy):
     name = "arkvale"
+    capturable = True
 
     digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
@@ -98,9 +99,6 @@ class ArkValePolicy(Policy):
     # the cache bookkeeping runs every step on the device, in place, so select has no host read. With
     # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it
     # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple:
         if not isinstance(self.recalled, torch.Tensor) and self.cached:  # a device counter, added to in place
             t = next(iter(self.cached.values()))

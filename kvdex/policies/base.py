@@ -58,10 +58,14 @@ class PolicyInfo:
 @dataclass
 class Policy:
     name: ClassVar[str] = ""
-    granularity: ClassVar[str] = "page"  # "page" | "token"
+    # "page": selections name middle pages (``Selection.pages``; a page policy may add single tokens, as
+    # PRKV's static ones) or everything; "token": selections name tokens only (``Selection.tokens``).
+    # tests/test_selection_golden.py holds every registered policy to it.
+    granularity: ClassVar[str] = "page"
     obs_window: ClassVar[int] = 0  # prompt queries kept for ``index`` at prefill
     uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
     observes: ClassVar[bool] = False  # True: ``observe`` is called after every sparse decode attention
+    capturable: ClassVar[bool] = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -93,6 +97,13 @@ class Policy:
         dict. A policy may keep *immutable* index state built from the prefill there (keyed by
         everything it depends on), so that forks with equal settings reuse it instead of
         rebuilding it (IceCache's DCI trees). Default: nothing is shared."""
+
+    def graph_unsupported(self, stores) -> str | None:
+        """Why this policy's decode step cannot be captured in a CUDA graph with these ``stores``, or None
+        (``kvdex.integration.graph``). Default: None for a ``capturable`` policy."""
+        if self.capturable:
+            return None
+        return f"policy {self.name!r} does not support graph capture (its selection touches the CPU)"
 
     def make_store(self, layer: int, offload: bool, args: tuple, work_tokens: int) -> LayerStore | None:
         """A policy-specific store for sparse ``layer`` (IceCache keeps its offloaded middle in

@@ -124,6 +124,7 @@ class ChessPolicy(Policy):
     """
 
     name = "chess"
+    capturable = True
 
     preset: str = ""  # conservative | moderate | aggressive; "" with no rho_*: budget mode
     rho_g: float | None = None
@@ -464,9 +465,6 @@ class ChessPolicy(Policy):
     # [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
     # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
     # new buffer, whose identity is in the graph key.
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple | None:
         buf = self._static_pages
         if buf is None:

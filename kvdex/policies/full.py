@@ -13,6 +13,7 @@ from kvdex.selection import Selection
 class FullPolicy(Policy):
     name = "full"
     uses_budget = False
+    capturable = True
 
     def select(self, layer, q, store, scale) -> Selection:
         return Selection(everything=True)

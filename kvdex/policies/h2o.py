@@ -40,6 +40,7 @@ _GROW = 1024  # positions of score capacity added at a time
 @dataclass
 class H2OPolicy(Policy):
     name = "h2o"
+    capturable = True
     granularity = "token"
     observes = True
 
@@ -86,9 +87,6 @@ class H2OPolicy(Policy):
     # ranks the whole score buffer (positions past the heavy range masked by the device lengths), the
     # recent part has the fixed width ``recent`` (-1 padded), and observe's scatter-add accumulates
     # the step's attention into the persistent score buffer inside the graph.
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple | None:
         if self.pending:
             return None

@@ -32,6 +32,7 @@ def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scal
 class OraclePolicy(Policy):
     name = "oracle"
     granularity = "token"
+    capturable = True
 
     # CUDA-graph decoding (kvdex.integration.graph). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).

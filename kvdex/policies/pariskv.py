@@ -82,6 +82,7 @@ class _Rows:
 @dataclass
 class ParisKVPolicy(Policy):
     name = "pariskv"
+    capturable = True
     granularity = "token"
 
     m: int = 8  # subspace size: 2**m analytic centroids per subspace
@@ -230,9 +231,6 @@ class ParisKVPolicy(Policy):
     # is a device buffer), and reranks that width. The per-row sizes (``rows``) are persistent buffers that
     # only a new middle length rewrites, in place -- at a page boundary, which the decoder runs eagerly, as
     # it does the encoding of the page that joined the middle (``index``). Selected tokens == dynamic sizing.
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple:
         st = stores[-1]
         nmid = st.grid.num_middle_pages(st.lengths_host) * st.grid.page_size  # host bookkeeping

@@ -58,6 +58,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 @dataclass
 class PRKVPolicy(Policy):
     name = "prkv"
+    capturable = True
 
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
@@ -228,9 +229,6 @@ class PRKVPolicy(Policy):
     # the query into the ring (in place) and scores the digests over the index capacity; the static
     # region is attended through fixed widths (n_static // page_size pages and up to page_size - 1
     # tail tokens, -1 padded) read from the device count, which a refresh rewrites in place.
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple | None:
         if self.pending:
             return None  # the first decode step restructures

@@ -27,6 +27,7 @@ _GROW = 256  # pages of index capacity added at a time
 @dataclass
 class QuestPolicy(Policy):
     name = "quest"
+    capturable = True
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -60,9 +61,6 @@ class QuestPolicy(Policy):
         return self.kmin[layer], self.kmax[layer]
 
     # CUDA-graph decoding (kvdex.integration.graph): static select reads only device tensors
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple:
         return tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items())) + tuple(
             (lay, id(t)) for lay, t in sorted(self.kmax.items())

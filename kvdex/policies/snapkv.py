@@ -48,6 +48,7 @@ def prompt_rows(update, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @dataclass
 class SnapKVPolicy(Policy):
     name = "snapkv"
+    capturable = True
     granularity = "token"
 
     obs: int = 32  # observation window (SnapKV's window_size)
@@ -82,9 +83,6 @@ class SnapKVPolicy(Policy):
     # width computed from host lengths that grows in steps of >= 256 tokens (a new graph key), not
     # with every page.
     _KEPT_GROW = 256
-
-    def graph_unsupported(self, stores) -> str | None:
-        return None
 
     def graph_key(self, stores) -> tuple | None:
         if self.pending:

@@ -20,12 +20,10 @@ from kvdex.selection import Selection
 @dataclass
 class StreamingPolicy(Policy):
     name = "streaming"
+    capturable = True
     granularity = "token"
 
     # CUDA-graph decoding (kvdex.integration.graph): select is device arithmetic on the lengths only
-    def graph_unsupported(self, stores) -> str | None:
-        return None
-
     def graph_key(self, stores) -> tuple:
         return ()
 
