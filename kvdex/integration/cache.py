@@ -23,11 +23,19 @@ import torch
 from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import CacheLayerMixin
 
-from kvdex.config import CacheConfig
+from kvdex.config import (
+    DEFAULT_BUDGET,
+    DEFAULT_DENSE_LAYERS,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_SINK,
+    DEFAULT_WINDOW,
+    CacheConfig,
+)
 from kvdex.integration.attention import TAG
 from kvdex.integration.distributed import tensor_parallel
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
+from kvdex.kernels.dispatch import triton_kernel
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
 
@@ -227,15 +235,7 @@ def _on_device(sel, device: torch.device):
 def _fast_paged_count():
     """kvdex.kernels.step_triton.paged_attended_count_ (the attended-token counter of a CUDA-graph paged
     decode: one launch instead of ~19 elementwise kernels) when triton imports, else None."""
-    import os
-
-    if os.environ.get("KVDEX_TRITON", "1") == "0":
-        return None
-    try:
-        from kvdex.kernels.step_triton import paged_attended_count_
-    except ImportError:
-        return None
-    return paged_attended_count_
+    return triton_kernel("step_triton", "paged_attended_count_")
 
 
 class Cache(HFCache):
@@ -253,13 +253,13 @@ class Cache(HFCache):
         self,
         model,
         policy="quest",
-        budget: int = 256,
+        budget: int = DEFAULT_BUDGET,
         *,
-        page_size: int = 16,
-        sink: int = 16,
-        window: int = 32,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        sink: int = DEFAULT_SINK,
+        window: int = DEFAULT_WINDOW,
         offload: bool = False,
-        dense_layers: int = 2,
+        dense_layers: int = DEFAULT_DENSE_LAYERS,
         timing: bool = False,
         prefill_chunk: int = 2048,
         page_cache: int = 0,
