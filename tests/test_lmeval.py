@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import kvdex.lmeval  # noqa: E402  (registers the "kvdex" model)
 from kvdex import models  # noqa: E402
-from kvdex.integration.lmeval import KVDexLM, split_model_args  # noqa: E402
+from kvdex.integration.lmeval import KVDexLM, split_model_args, validate  # noqa: E402
 
 TASKS = Path(__file__).parent / "data" / "lmeval"
 TASK = "kvdex_passkey"
@@ -134,6 +134,10 @@ def test_policy_options_from_model_args():
     assert (cache, hf) == ({"window": 32}, {"dtype": "auto"})
     # an extra key=value overrides the option in the policy string
     assert split_model_args("chess:preset=moderate", {"preset": "aggressive"})[1] == {"preset": "aggressive"}
+    # text options are typed by the policy's fields, in the policy string or as separate arguments
+    name, options, cache, _ = split_model_args("icecache:reuse=false", {"reuse_every": "4"})
+    typed = validate(name, options, 256, cache)
+    assert typed["reuse"] is False and typed["reuse_every"] == 4
 
 
 def test_command_line_finds_the_model(monkeypatch):

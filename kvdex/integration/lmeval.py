@@ -97,10 +97,11 @@ def split_model_args(policy, kwargs: dict) -> tuple[str, dict, dict, dict]:
     return name, options, cache_args, hf_args
 
 
-def validate(name: str, options: dict, budget, cache_args: dict) -> None:
-    """Everything that can be checked without the model: the policy's options and the cache sizes."""
+def validate(name: str, options: dict, budget, cache_args: dict) -> dict:
+    """Everything that can be checked without the model: the policy's options (returned, typed, defaults
+    included) and the cache sizes."""
     try:
-        make_policy(name, **options)
+        effective = make_policy(name, **options).options()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"kvdex policy {name!r}: {exc}") from exc
     sizes = {k: v for k, v in cache_args.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}}
@@ -108,6 +109,7 @@ def validate(name: str, options: dict, budget, cache_args: dict) -> None:
         CacheConfig(budget=budget, **sizes)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"kvdex cache sizes: {exc}") from exc
+    return effective
 
 
 @register_model("kvdex")
@@ -131,7 +133,7 @@ class KVDexLM(HFLM):
         **kwargs,
     ) -> None:
         name, options, cache_args, hf_args = split_model_args(policy, kwargs)
-        validate(name, options, budget, cache_args)
+        effective = validate(name, options, budget, cache_args)
         if isinstance(pretrained, str):
             try:
                 pretrained, gguf_file = resolve_model(pretrained, gguf_file)
@@ -150,6 +152,7 @@ class KVDexLM(HFLM):
             raise ValueError("the kvdex model supports decoder-only (causal) language models only")
         enable(self.model)  # ValueError for models kvdex cannot serve (e.g. sliding-window layers)
         self.kvdex_policy, self.kvdex_options = name, options
+        self.kvdex_policy_options = effective  # every option of the policy, as it runs
         self.kvdex_cache_args = {"budget": budget, **cache_args}
         self.make_cache()  # checks the sizes against the model (budget vs heads, page_cache, ...)
         self.kvdex_usage = {
@@ -196,7 +199,7 @@ class KVDexLM(HFLM):
         info = super().get_model_info()
         info["kvdex"] = {
             "policy": self.kvdex_policy,
-            "policy_options": dict(self.kvdex_options),
+            "policy_options": dict(self.kvdex_policy_options),
             **self.kvdex_cache_args,
             "usage": dict(self.kvdex_usage),
         }
