@@ -449,3 +449,31 @@ def test_page_size_32_with_sink_16(llama):
     tok, _ = greedy(model, prompt(1050, 16), cache=cache, new=4)
     assert tok.shape[1] == 1054
     assert cache.layers[1].store.k.shape[2] == 1056
+
+
+def test_query_anchor_scores_pages_by_the_decode_query(llama):
+    """``anchor_from="query"``: after the first decode step the selection is rebuilt from that step's
+    queries (group means per kv head, every sparse layer); with one page per chunk and one chunk per
+    grid the hierarchy is flat, so the selection is exactly the top-K pages by sum_l,h q . mean key."""
+    model, _ = llama
+    ids = prompt(400, 5)
+    cache = _prefill(model, ids, budget=96, anchor_from="query", chunk_pages=1, grid_chunks=1, trigger="never")
+    pol = cache.policy
+    assert pol.query_builds == 0  # the prefill's build has no decode query: the window's keys
+    window_pages = pol._pages.clone()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[7]]), **cache_kwargs(cache), use_cache=True)
+    pol.on_step(1, out.logits[:, -1])
+    assert pol.query_builds == 1 and pol.stats()["anchor_from"] == "query"
+    # the anchor is the recorded queries, laid out like the page vectors
+    anchor = pol.query_anchor()
+    assert anchor.shape == (1, pol.dim)
+    p = int(pol._npages.min(0).values.max())
+    _, _, vp = pol._views()
+    score = torch.einsum("bnf,bf->bn", vp[:, :p].double(), anchor.double())
+    k = pol.cfg.retrieval_pages
+    want = torch.sort(torch.topk(score, k, dim=1).indices, dim=1).values
+    assert torch.equal(pol._pages[:, :k].cpu(), want.cpu())
+    assert not torch.equal(pol._pages.cpu(), window_pages.cpu())  # the query moved the selection
+    with pytest.raises(ValueError, match="anchor_from"):
+        ChessPolicy(anchor_from="queries")

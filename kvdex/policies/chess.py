@@ -47,6 +47,9 @@ PRESETS = {
     "aggressive": (0.5, 0.2, 0.1),
 }
 TRIGGERS = ("uncertainty", "interval", "always", "never")
+# window: the paper's anchor, the mean key of the recent window (eq. 3: key-key affinity, query-agnostic);
+# query: the decode step's query heads score the same hierarchy (a kvdex option, not in the paper)
+ANCHORS = ("window", "query")
 VARENTROPY_KINDS = ("output", "temporal")
 
 # CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
@@ -141,6 +144,7 @@ class ChessPolicy(Policy):
     varentropy_threshold: float | None = None
     varentropy: str = "output"  # output: mean per-step varentropy | temporal: variance of the entropy
     combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
+    anchor_from: str = "window"  # window (the paper) | query: the last decode step's queries (ANCHORS)
 
     def __post_init__(self) -> None:
         rhos = (self.rho_g, self.rho_c, self.rho_p)
@@ -168,6 +172,8 @@ class ChessPolicy(Policy):
                 raise ValueError(f"{n} must be an int >= 0 (0: the default), got {v!r}")
         if self.varentropy not in VARENTROPY_KINDS:
             raise ValueError(f"varentropy must be one of {', '.join(VARENTROPY_KINDS)}, got {self.varentropy!r}")
+        if self.anchor_from not in ANCHORS:
+            raise ValueError(f"anchor_from must be one of {', '.join(ANCHORS)}, got {self.anchor_from!r}")
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
         self._tau = self._load_thresholds()
@@ -228,6 +234,8 @@ class ChessPolicy(Policy):
         self.check_log: list[tuple[int, int, float, float]] = []  # (step, sequence, entropy, varentropy stat)
         self.rebuild_ms = 0.0  # time in _build (measured only with the cache's timing=True)
         self.selected_pages: list[float] = []  # mean selected pages per sequence at each build
+        self._queries: dict = {}  # anchor_from="query": layer -> [B, H, D] fp32, the last step's queries
+        self.query_builds = 0  # builds (and rebuilds) scored by queries instead of the window's keys
 
     # ---- the hierarchy ------------------------------------------------------------------------------
     @property
@@ -325,6 +333,25 @@ class ChessPolicy(Policy):
             parts.append(a.reshape(b, h * d).to(parts[0].device if parts else a.device))
         return torch.cat(parts, dim=-1)
 
+    def query_anchor(self) -> torch.Tensor:
+        """``anchor_from="query"``: the last decode step's queries, [B, F] laid out as the page vectors
+        (sparse layer, kv head, dim), each kv head's query the mean of its group's query heads. The
+        affinity of a page is then the sum over layers and heads of q . mean key: the query-key score
+        Quest and ArkVale bound, here on CHESS's grids, chunks and pages."""
+        parts = [self._queries[layer] for layer in self.info.sparse_layers]
+        dev = parts[0].device
+        return torch.cat([x.reshape(x.shape[0], -1).to(dev) for x in parts], dim=-1)
+
+    def _record_query(self, layer: int, q: torch.Tensor, kv_heads: int) -> None:
+        """Keep this step's queries of ``layer`` (in place, so a captured step records them too)."""
+        b, hq, d = q.shape
+        qm = q.view(b, kv_heads, hq // kv_heads, d).float().mean(2)
+        buf = self._queries.get(layer)
+        if buf is None or buf.shape != qm.shape or buf.device != qm.device:
+            self._queries[layer] = qm.clone()  # eager steps only: graph_key waits for every buffer
+        else:
+            buf.copy_(qm)
+
     def scores(self, anchor: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eq. 4 for the whole hierarchy in ONE batched GEMM over the coalesced buffer (Alg. 1 l. 1-4).
 
@@ -385,7 +412,10 @@ class ChessPolicy(Policy):
         grid = self._stores[self.info.sparse_layers[0]].grid
         n = self._stores[self.info.sparse_layers[-1]].lengths_host
         upcoming = grid.num_middle_pages(n + 1) > self._npages.min(dim=0).values  # next token starts a page
-        anchor = self.anchor(upcoming)
+        anchor = self.anchor(upcoming)  # also indexes the page that joins the middle at the next step
+        if self.anchor_from == "query" and len(self._queries) == len(self.info.sparse_layers):
+            anchor = self.query_anchor()
+            self.query_builds += 1
         npages = self._npages.min(dim=0).values  # [B] pages every layer has indexed
         b = npages.shape[0]
         p = int(npages.max())
@@ -451,6 +481,8 @@ class ChessPolicy(Policy):
 
     def select(self, layer, q, store, scale) -> Selection:
         self._stores[layer] = store
+        if self.anchor_from == "query":
+            self._record_query(layer, q, store.kv_heads)
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         if getattr(store, "static", False):  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
@@ -469,7 +501,12 @@ class ChessPolicy(Policy):
         buf = self._static_pages
         if buf is None:
             return None  # this step's select allocates the buffer: an eager step
-        return ("chess", id(buf), tuple(buf.shape))
+        queries = ()
+        if self.anchor_from == "query":
+            if len(self._queries) < len(self.info.sparse_layers):
+                return None  # this step's select allocates the query buffers: an eager step
+            queries = tuple((lay, id(x), tuple(x.shape)) for lay, x in sorted(self._queries.items()))
+        return ("chess", id(buf), tuple(buf.shape)) + queries
 
     def _static_selection(self, store) -> torch.Tensor:
         if self._static_pages is None:  # allocated in an eager step (the graph key changed)
@@ -503,6 +540,9 @@ class ChessPolicy(Policy):
             self._rebuild(step, None)
             return
         self.decode_steps += 1
+        if self.anchor_from == "query" and self.query_builds == 0 and len(self._queries):
+            self._rebuild(step, None)  # the prefill's build had no decode query: score with the first one
+            return
         rows = self._due(step, logits)
         if rows is not None:
             self._rebuild(step, rows)
@@ -567,6 +607,8 @@ class ChessPolicy(Policy):
             "pages_between_rebuilds": pages_generated / self.rebuilds if self.rebuilds else None,
             "selected_pages_mean": sum(self.selected_pages) / len(self.selected_pages) if self.selected_pages else None,
             "rebuild_ms": self.rebuild_ms,
+            "anchor_from": self.anchor_from,
+            "query_builds": self.query_builds,
         }
 
 
