@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.integration.model_parts import attention_modules, text_config
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -69,8 +71,6 @@ def tensor_parallel(model) -> TensorParallel:
     Raises ``ValueError`` when the model's query or kv heads do not divide over the ranks: the
     shard of a rank would hold part of a head, which neither the model nor kvdex can attend with.
     """
-    from kvdex.integration.loading import attention_modules, text_config
-
     mods = attention_modules(model)
     if not mods:
         return SINGLE

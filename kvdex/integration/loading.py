@@ -12,21 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvdex.integration.attention import ATTN_NAME, kvdex_attention, padding_mask
 from kvdex.integration.distributed import tensor_parallel
-
-
-def text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def attention_modules(model) -> dict[int, torch.nn.Module]:
-    """The attention module of each layer, by ``layer_idx``."""
-    found = {}
-    for m in model.modules():
-        idx = getattr(m, "layer_idx", None)
-        if idx is not None and hasattr(m, "o_proj") and "Attention" in type(m).__name__:
-            found[idx] = m
-    return found
+from kvdex.integration.model_parts import attention_modules, text_config  # noqa: F401  (kvdex.integration.loading's names)
 
 
 def _check_supported(model) -> None:
