@@ -388,7 +388,7 @@ def test_policy_spec_strings():
         (dict(preset="moderate", rho_g=0.5, rho_c=0.5, rho_p=0.5), "preset or rho_g/rho_c/rho_p, not both"),
         (dict(shape="x"), "unknown CHESS shape"),
         (dict(chunk_pages=0), "chunk_pages must be an int >= 1"),
-        (dict(grid_chunks=2.5), "grid_chunks must be an int >= 1"),
+        (dict(grid_chunks=2.5), "grid_chunks=2.5: expected int"),
         (dict(trigger="sometimes"), "unknown CHESS trigger 'sometimes'"),
         (dict(interval=-1), "interval must be an int >= 0"),
         (dict(check_every=-2), "check_every must be an int >= 0"),

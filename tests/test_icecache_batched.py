@@ -253,7 +253,8 @@ def test_search_option_is_checked():
     with pytest.raises(ValueError, match="search"):
         make_policy("icecache", search="gpu")
     with pytest.raises(ValueError, match="graphs"):
-        make_policy("icecache", graphs="False")  # a string is truthy: refused, not silently on
+        make_policy("icecache", graphs="maybe")
+    assert make_policy("icecache", graphs="False").graphs is False  # text is typed, never truthy
 
 
 @pytest.mark.gpu
