@@ -123,14 +123,14 @@ def heatmap(report: dict, path: Path) -> Path | None:
             if c is not None and c["ratio"] is not None:
                 grid[i, j] = 1 / c["ratio"] if t == "ppl" else c["ratio"]
                 text[i][j] = f"{c['ratio']:.2f}" + {"better": "+", "worse": "-", "": ""}[c["mark"]]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(cols), 1.0 + 0.35 * len(pairs)))
+    fig, ax = plt.subplots(figsize=(4.0 + 0.9 * len(cols), 1.5 + 0.35 * len(pairs)))  # room for row labels
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.2, aspect="auto")
     for i in range(len(pairs)):
         for j in range(len(cols)):
             ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(cols)), [f"{t.replace('tokens_per_s_', 'tok/s ')}\n{_k(n)}" for t, n in cols], fontsize=7)
     ax.set_yticks(range(len(pairs)), [f"{p} @{b}" for p, b in pairs], fontsize=7)
-    ax.set_title(f"kvdex scorecard, {report['model']}: ratio to full (+/-: decidedly better/worse)", fontsize=9)
+    ax.set_title(f"kvdex scorecard, {report['model']}\nratio to full (+/-: decidedly better/worse)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
