@@ -260,6 +260,64 @@ def test_chess_moves_page_vectors_to_its_shared_buffer():
     assert s_p.device.type == "meta" and s_p.shape == (1, 6)
 
 
+class _OneDevicePerOp(torch.overrides.TorchFunctionMode):
+    """Refuses an operation on tensors of two devices, as CUDA does for cuda:0 and cuda:1 (CPU and
+    ``meta`` mix silently otherwise); moves (``.to``, ``copy_``) are what crosses devices."""
+
+    MOVES = {"to", "copy_", "cpu", "cuda"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name not in self.MOVES:
+            found = {t.device for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if len(found) > 1:
+                raise RuntimeError(f"{name} mixes devices {sorted(map(str, found))}")
+        return func(*args, **kwargs)
+
+
+def test_arkvale_keeps_each_layer_state_on_its_device():
+    """ArkVale's per-layer state (digests, page-cache bookkeeping, recall count) stays on each layer's
+    device: layer 1 (the first sparse layer) on the CPU, layer 2 on another device."""
+    from types import SimpleNamespace
+
+    from kvdex.policies.base import PolicyInfo
+    from kvdex.storage.layout import Grid
+
+    pol = make_policy("arkvale")
+    pol.bind(PolicyInfo(kvdex.CacheConfig(budget=64, page_size=8, sink=8, window=16), 3, (1, 2), 4, 2, 16))
+    devices = {1: torch.device("cpu"), 2: torch.device("meta")}
+    pages = 12  # > the 10 cached pages: the eviction runs too
+    for layer, dev in devices.items():
+        keys = torch.randn(1, 2, pages, 8, 16).to(dev)
+        pol.index(layer, MiddleUpdate(torch.zeros(1, dtype=torch.long), torch.full((1,), pages), keys))
+    length = torch.tensor([8 + pages * 8 + 16])
+    with _OneDevicePerOp():
+        for _ in range(2):  # two decode steps: the second adds to what the first left
+            for layer, dev in devices.items():
+                store = SimpleNamespace(
+                    kv_heads=2, batch=1, grid=Grid(8, 8, 2), lengths=length.to(dev), lengths_host=length
+                )
+                sel = pol.select(layer, torch.randn(1, 4, 16).to(dev), store, 0.25)
+                assert sel.pages.device == dev and sel.pages.shape == (1, 2, 5)
+
+    def tensors(x, path):
+        if isinstance(x, torch.Tensor):
+            yield path, x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                yield from tensors(v, (*path, k))
+        elif hasattr(x, "__dict__"):
+            for k, v in vars(x).items():
+                yield from tensors(v, (*path, k))
+
+    found = list(tensors(pol, ()))
+    assert any(path[-1] == 2 for path, _ in found)
+    for path, t in found:
+        layer = path[-1] if isinstance(path[-1], int) else 1  # shared state: the first sparse layer's device
+        assert t.device == devices[layer], f"{'.'.join(map(str, path))} is on {t.device}, not {devices[layer]}"
+
+
 # ---- two GPUs (run with -m gpu on a machine with two CUDA devices) -----------------------------------
 
 

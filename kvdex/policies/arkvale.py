@@ -89,8 +89,10 @@ class ArkValePolicy(Policy):
                 "as ArkVale requires k < c; pass 0 for twice the attended pages"
             )
         self.cached: dict[int, torch.Tensor] = {}  # layer -> [B, H, P] bool: in ArkVale's device cache
+        # layer -> [] long on the layer's device: pages recalled into its cache, summed over steps and
+        # kv heads (added to in place, so a CUDA graph replays the addition; summed over layers by stats)
+        self.recalled: dict[int, torch.Tensor] = {}
         self._lookup_layers: set[int] = set()
-        self.recalled = 0  # pages recalled into the cache, summed over layers, steps and kv heads
         self.lookups = 0  # (layer, step, sequence, kv head) selections
         self._lookups_per_step = 0  # what one step's selects add to lookups (CUDA-graph replays)
 
@@ -100,16 +102,13 @@ class ArkValePolicy(Policy):
     # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it
     # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
     def graph_key(self, stores) -> tuple:
-        if not isinstance(self.recalled, torch.Tensor) and self.cached:  # a device counter, added to in place
-            t = next(iter(self.cached.values()))
-            self.recalled = torch.as_tensor(self.recalled, dtype=torch.long, device=t.device).clone()
-        return ("arkvale", id(self.recalled)) + _ids(self.digests.centre, self.digests.radius, self.cached)
+        return ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled)
 
     def graph_replayed(self) -> None:
         self.lookups += self._lookups_per_step
 
     def stats(self) -> dict:
-        per = float(self.recalled) / max(1, self.lookups)
+        per = sum(int(n) for n in self.recalled.values()) / max(1, self.lookups)
         return {"cache_pages": self.capacity, "recalled_pages_per_head_step": per}
 
     def index(self, layer, update) -> None:
@@ -120,7 +119,9 @@ class ArkValePolicy(Policy):
             b, h = update.keys.shape[:2]
             new = torch.zeros(b, h, max(need, 2 * (0 if cur is None else cur.shape[2])), dtype=torch.bool,
                               device=update.keys.device)  # fmt: skip
-            if cur is not None:
+            if cur is None:  # this layer's recall count, on its device
+                self.recalled[layer] = torch.zeros((), dtype=torch.long, device=new.device)
+            else:
                 new[:, :, : cur.shape[2]] = cur
             self.cached[layer] = cur = new
         for b in torch.nonzero(update.count).flatten().tolist():  # a page that fills is in the cache
@@ -143,10 +144,7 @@ class ArkValePolicy(Policy):
         cached = self.cached[layer][:, :, :p]
         sel = torch.zeros_like(cached)
         sel.scatter_(2, pages.clamp(min=0), pages >= 0)
-        if isinstance(self.recalled, torch.Tensor):  # in place: a CUDA graph replays the addition
-            self.recalled.add_((sel & ~cached).sum())
-        else:
-            self.recalled = self.recalled + (sel & ~cached).sum()
+        self.recalled[layer].add_((sel & ~cached).sum())  # in place: a CUDA graph replays the addition
         self.lookups += sel.shape[0] * sel.shape[1]
         self._lookup_layers.add(layer)
         self._lookups_per_step = len(self._lookup_layers) * sel.shape[0] * sel.shape[1]
