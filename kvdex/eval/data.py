@@ -87,14 +87,16 @@ def data_root(path: str | os.PathLike | None = None, required: bool = True) -> P
     return root.resolve()
 
 
-def need(root: Path | None, rel: str, task: str) -> Path:
-    """``root / rel``, or ``ValueError`` naming the file, where it comes from and where it goes."""
+def need(root: Path | None, rel: str, task: str, alternative: str | None = None) -> Path:
+    """``root / rel``, or ``ValueError`` naming the file, where it comes from and where it goes
+    (and ``alternative``, another way to run the task without the file, where there is one)."""
     if root is not None and (Path(root) / rel).is_file():
         return Path(root) / rel
     origin = FILES.get(rel, "see the task's documentation")
     where = f"{Path(root) / rel}" if root is not None else f"DIR/{rel}, then pass --data DIR (or set {ENV}=DIR)"
     missing = "not found" if root is not None else "needs an evaluation data folder"
-    raise ValueError(f"{task}: {rel} {missing}. It is {origin}. Put it at {where}")
+    other = f"; or {alternative}" if alternative else ""
+    raise ValueError(f"{task}: {rel} {missing}. It is {origin}. Put it at {where}{other}")
 
 
 def source_files(root: Path | None, source: str, task: str) -> list[Path]:

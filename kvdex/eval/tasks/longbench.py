@@ -98,10 +98,9 @@ def _require_datasets(root):
     try:
         import datasets
     except ImportError:
-        try:
-            data.need(root, V2_FILE, "longbench --version v2")
-        except ValueError as e:
-            raise ValueError(f"{e}; or, online, pip install 'kvdex[data]' to load {V2_HUB} from the hub") from None
+        data.need(
+            root, V2_FILE, "longbench --version v2", f"online, pip install 'kvdex[data]' to load {V2_HUB} from the hub"
+        )
     return datasets
 
 

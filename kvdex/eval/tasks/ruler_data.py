@@ -36,10 +36,9 @@ def haystack_file(root: Path | None, haystack, needed: bool) -> Path | None:
     if root is not None and (root / ESSAYS).is_file():
         return root / ESSAYS
     if needed:
-        try:
-            data.need(root, ESSAYS, "ruler (essay haystack)")
-        except ValueError as e:
-            raise ValueError(f"{e}; or pass --haystack FILE, any long text file (e.g. a Gutenberg book)") from None
+        data.need(
+            root, ESSAYS, "ruler (essay haystack)", "pass --haystack FILE, any long text file (e.g. a Gutenberg book)"
+        )
     return None
 
 
