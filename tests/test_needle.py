@@ -83,7 +83,7 @@ def test_metrics_follow_a_store_whose_slots_are_permuted():
     aset = SimpleNamespace(valid=torch.ones(1, 1, 1, dtype=torch.bool), positions=torch.tensor([[[40]]]))
     needle = torch.zeros(1, L, dtype=torch.bool)
     needle[0, 40] = True
-    m = needle_metrics(q, store, aset, needle, lambda slots: perm[slots])
+    m = needle_metrics(q, store, aset, needle, d**-0.5, lambda slots: perm[slots])
     assert m["kept"][0, 0] == 1 and m["mass"][0, 0] == 1 and m["oracle"][0, 0] == 1
-    wrong = needle_metrics(q, store, aset, needle)  # slot order taken for token order: the weights miss
+    wrong = needle_metrics(q, store, aset, needle, d**-0.5)  # slot order taken for token order: the weights miss
     assert wrong["oracle"][0, 0] == 0

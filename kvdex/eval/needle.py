@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvdex.eval import data, prompting
-from kvdex.eval.recall import SelectAll
+from kvdex.eval.recall import SelectAll, true_attention
 from kvdex.eval.runner import FULL, DecodeContext, RunResult, Sample, Task, teacher_forced
 
 NEEDLE_SUBTASKS = (
@@ -74,20 +74,18 @@ def value_token_variants(tokenizer, value: str) -> list[list[int]]:
     return out
 
 
-def needle_metrics(q: torch.Tensor, store, aset, needle: torch.Tensor, slot_positions=None) -> dict[str, np.ndarray]:
+def needle_metrics(
+    q: torch.Tensor, store, aset, needle: torch.Tensor, scale: float, slot_positions=None
+) -> dict[str, np.ndarray]:
     """One decode attention of one layer: q [B, Hq, D]; ``needle`` [B, L] bool over token positions.
 
     ``slot_positions(slots [B, H, L]) -> positions`` maps store slots to token positions for a policy
     that reorders its store (PRKV relocates its static tokens); None: slot == position.
     Returns per (batch row, kv head) arrays [B, H] of :data:`FIELDS`."""
     k, _ = store.dense()
-    b, hq, d = q.shape
-    h, L = k.shape[1], k.shape[2]
-    g = hq // h
-    scale = d**-0.5
-    s = torch.einsum("bhgd,bhld->bhgl", q.view(b, h, g, d).float(), k.float()) * scale
-    live = torch.arange(L, device=k.device)[None, :] < store.lengths.to(k.device)[:, None]
-    p = torch.softmax(s.masked_fill(~live[:, None, None, :], float("-inf")), dim=-1).sum(2)  # [B, H, L], group sum
+    b, h, L = k.shape[0], k.shape[1], k.shape[2]
+    p, live = true_attention(q, k, store.lengths, scale)
+    p = p.sum(2)  # [B, H, L]: the group's query heads summed
     if slot_positions is not None:  # true weights from slot order into token-position order
         slots = torch.arange(L, device=k.device).expand(b, h, L)
         p = torch.zeros_like(p).scatter_(2, slot_positions(slots).long().to(k.device), p)
@@ -135,7 +133,7 @@ class NeedleObserver:
             pad = store.dense()[0].shape[2] - self.needle.shape[1]
             self.needle = torch.nn.functional.pad(self.needle, (0, pad))
         remap = None if self.slot_positions is None else (lambda slots: self.slot_positions(layer, slots))
-        self.rows.setdefault(layer, []).append(needle_metrics(q, store, aset, self.needle, remap))
+        self.rows.setdefault(layer, []).append(needle_metrics(q, store, aset, self.needle, scale, remap))
 
     def table(self) -> tuple[list[int], dict[str, np.ndarray]]:
         """(layers, {field: [layers, heads]}) for batch row 0, averaged over steps."""

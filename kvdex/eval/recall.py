@@ -37,16 +37,22 @@ from kvdex.selection import Selection
 METRICS = ("recall", "topk_hit", "ceiling", "rel_l2")
 
 
+def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float):
+    """The dense softmax weights over every cached token: q [B, Hq, D], k [B, H, L, D] (store slots),
+    ``lengths`` [B] -> (p [B, H, G, L] fp32, live [B, L] bool), G = Hq // H query heads per kv head."""
+    b, hq, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    s = torch.einsum("bhgd,bhld->bhgl", q.view(b, h, hq // h, d).float(), k.float()) * scale
+    live = torch.arange(L, device=k.device)[None, :] < lengths.to(k.device)[:, None]
+    return torch.softmax(s.masked_fill(~live[:, None, None, :], float("-inf")), dim=-1), live
+
+
 def attention_metrics(q: torch.Tensor, store, aset, scale: float) -> dict[str, torch.Tensor]:
     """Metrics of one decode attention: q [B, Hq, D] -> {name: [B, Hq]} (fp32) plus ``attended`` [B, H]."""
     k, v = store.dense()
     b, hq, d = q.shape
     h, L = k.shape[1], k.shape[2]
-    g = hq // h
-    qg = q.view(b, h, g, d).float()
-    s = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
-    live = torch.arange(L, device=k.device)[None, :] < store.lengths.to(k.device)[:, None]  # [B, L]
-    p = torch.softmax(s.masked_fill(~live[:, None, None, :], float("-inf")), dim=-1)  # [B, H, G, L]
+    p, live = true_attention(q, k, store.lengths, scale)  # [B, H, G, L], [B, L]
 
     # attended positions -> a [B, H, L] mask (invalid entries are sent to a spare column L)
     pos = torch.where(aset.valid, aset.positions.long(), L).to(k.device)
