@@ -67,3 +67,39 @@ def test_dense_attention_causal_and_padding():
                 torch.testing.assert_close(out[bi, i, head].double(), exp[0], atol=1e-5, rtol=1e-5)
     # a padding query row attends to its own slot only
     torch.testing.assert_close(out[1, 0, 0], v[1, 0, 0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("t", [9, 5])
+def test_left_padded_batch_takes_the_fused_path_with_the_masked_result(t, monkeypatch):
+    """A left-padded batch (queries at the last T positions) runs fused causal attention per sequence and
+    gives what the general masked path gives, padding rows included (each attends to its own slot)."""
+    import kvdex.kernels.attention as A
+
+    g = torch.Generator().manual_seed(1)
+    b, hq, h, L, d = 3, 4, 2, 9, 8
+    q = torch.randn(b, hq, t, d, generator=g)
+    k = torch.randn(b, h, L, d, generator=g)
+    v = torch.randn(b, h, L, d, generator=g)
+    key_mask = torch.ones(b, L, dtype=torch.bool)
+    key_mask[1, :3] = False
+    key_mask[2, :7] = False  # more padding than keys before the first query when t = 5
+    q_pos = (L - t + torch.arange(t)).expand(b, t)
+    assert A._left_pads(q_pos, key_mask, t, L) == [0, 3, 7]
+    fused = dense_attention(q, k, v, q_pos, key_mask, d**-0.5)
+    monkeypatch.setattr(A, "_left_pads", lambda *a: None)  # force the general masked path
+    masked = dense_attention(q, k, v, q_pos, key_mask, d**-0.5, chunk=2)
+    torch.testing.assert_close(fused, masked, atol=1e-5, rtol=1e-5)
+
+
+def test_left_pads_rejects_other_masks():
+    import kvdex.kernels.attention as A
+
+    L, t = 6, 6
+    q_pos = torch.arange(t).expand(2, t)
+    inner = torch.ones(2, L, dtype=torch.bool)
+    inner[0, 2] = False  # a hole, not left padding
+    assert A._left_pads(q_pos, inner, t, L) is None
+    shifted = q_pos.clone()
+    shifted[1] -= 1  # queries not at the last T positions
+    assert A._left_pads(shifted, torch.ones(2, L, dtype=torch.bool), t, L) is None
+    assert A._left_pads(q_pos, None, t, L) is None

@@ -103,6 +103,9 @@ def dense_attention(
             raise ValueError("dense_attention: q_pos=None needs T == L and no key_mask")
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hq)
         return o.transpose(1, 2)
+    pads = _left_pads(q_pos, key_mask, t, L)
+    if pads is not None:  # left padding, queries at the last T positions: fused causal kernels per sequence
+        return _left_padded_attention(q, k, v, pads, scale)
     # Bound the score matrix a chunk materialises on backends without fused masking.
     rows = max(1, min(chunk, (1 << 27) // max(1, b * hq * L)))
     j = torch.arange(L, device=q.device)
@@ -117,6 +120,35 @@ def dense_attention(
             q[:, :, i0 : i0 + rows], k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=h != hq
         )
         out[:, i0 : i0 + rows] = o.transpose(1, 2)
+    return out
+
+
+def _left_pads(q_pos: torch.Tensor, key_mask: torch.Tensor | None, t: int, L: int) -> list[int] | None:
+    """Padding tokens per sequence when ``key_mask`` is left padding (False then True) and every
+    sequence's T queries sit at positions L - T ... L - 1; else None (the general masked path)."""
+    if key_mask is None or t > L:
+        return None
+    km = key_mask.to(torch.bool).cpu()
+    if km.shape[1] != L or bool((km[:, 1:] < km[:, :-1]).any()):  # a True before a False: not left padding
+        return None
+    if not bool((q_pos.cpu() == torch.arange(L - t, L)[None, :]).all()):
+        return None
+    return (L - km.sum(1)).tolist()
+
+
+def _left_padded_attention(q, k, v, pads: list[int], scale: float) -> torch.Tensor:
+    """``dense_attention`` for a left-padded batch: each sequence's real queries attend causally to its
+    real keys through :func:`causal_chunk_attention` (flash attention on CUDA, no mask in memory); a
+    padding query attends to its own slot only, as on the masked path."""
+    b, hq, t, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    g = hq // h
+    out = v[:, :, L - t :].repeat_interleave(g, dim=1).transpose(1, 2).to(q.dtype).contiguous()  # padding rows
+    for i, p in enumerate(pads):
+        first = max(0, p - (L - t))  # the first real query of sequence i
+        if first < t:
+            kb, vb = k[i : i + 1, :, p:], v[i : i + 1, :, p:]
+            out[i : i + 1, first:] = causal_chunk_attention(q[i : i + 1, :, first:], kb, vb, scale)
     return out
 
 
