@@ -8,7 +8,7 @@ whole file and loop over models and policies; their results come back through fi
 A model whose kv heads do not divide over the ranks must be refused with a ValueError, and layers
 placed by ``device_map`` on "cpu" and "disk" must decode exactly as the plain model.
 
-GPU (``-m gpu``, two CUDA devices): the same over nccl in bf16, and ``device_map`` over cuda:0/cuda:1.
+GPU (``-m gpu``, two CUDA devices): the same over nccl in float32, and ``device_map`` over cuda:0/cuda:1.
 """
 
 from __future__ import annotations
@@ -326,11 +326,13 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 @pytest.mark.gpu
 @two_gpus
-def test_tensor_parallel_two_gpus_bf16(tmp_path):
-    dirs, ranks = _run_tp(tmp_path, "bfloat16", {})
+def test_tensor_parallel_two_gpus_fp32(tmp_path):
+    # float32: in bf16 the ranks' partial sums round differently from one GPU's and greedy tokens can flip
+    # even for ``full`` (docs/multi-gpu.md), so "identical tokens" is checked where rounding cannot decide
+    dirs, ranks = _run_tp(tmp_path, "float32", {})
     failed = []
     for family in FAMILIES:
-        model = _load(dirs[family], dtype=torch.bfloat16).to("cuda:0")
+        model = _load(dirs[family], dtype=torch.float32).to("cuda:0")
         for policy in POLICIES:
             for offload in (False, True):
                 one = _decode(model, policy, offload, _prompt("cuda:0"))

@@ -9,7 +9,9 @@ work) and ``--tp`` (the number of ranks, checked against torchrun's). Each rank 
 random-weight model with transformers' tensor parallelism (``DistributedConfig(tp_plan="auto")``:
 the attention and MLP projections sharded over the ranks, so each rank's kvdex cache holds its share
 of the kv heads), then runs the same check and measurements as ``kvdex bench`` with the same prompts
-(seeded on the CPU). Every rank writes ``rank<r>/bench.json`` (its own peak device memory); rank 0
+(seeded on the CPU). ``--graph`` / ``--graph-only`` capture each rank's decode step in its own CUDA
+graph, the tensor-parallel all-reduces included (NCCL collectives are capturable). Every rank writes
+``rank<r>/bench.json`` (its own peak device memory); rank 0
 prints the table. All ranks must take the same path: a method that runs out of memory on one rank
 only would leave the others waiting in a collective (run with headroom).
 """
@@ -58,8 +60,6 @@ def run_tp(cfg: runner.BenchConfig, layers: int, log=print) -> dict:
     """``runner.run`` for a tensor-parallel model: check, then measure every (context, batch, method)."""
     for p in cfg.policies:
         kvdex.make_policy(p, **cfg.policy_options.get(p, {}))  # unknown policy/option: fail now
-    if cfg.graph:
-        raise ValueError("kvdex.bench.tp measures eager decoding; drop --graph/--compile")
     t0 = time.perf_counter()
     model = build_tp_model(cfg, layers)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
