@@ -138,7 +138,7 @@ def test_nsa_group_merge_orders_pages_by_importance_summed_over_the_group():
     """``group_merge="nsa"``: when the group's union does not fit, pages go by the softmax weight of
     their retrieved keys summed over the group's heads (rank-major would favour head 0)."""
     from kvdex.index.dci import DCIParams, DCITree
-    from kvdex.policies.icecache import _nsa_order
+    from kvdex.index.pages import nsa_order as _nsa_order
 
     tree = DCITree.build(torch.randn(200, 8), torch.arange(200), DCIParams(page_size=4, promotion_ratio=0.25))
     p0, p1, p2 = (int(tree.page_pts[i, 0]) for i in range(3))  # a key in each of three pages

@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import kvdex
 from kvdex.index import DCIParams, DCITree, transform_queries
 from kvdex.index import forest as forest_mod
-from kvdex.index.forest import DCIForest, _greedy_fit
+from kvdex.index.forest import DCIForest
+from kvdex.index.pages import greedy_fit as _greedy_fit
 from kvdex.policies import icecache as icecache_mod
 from kvdex.policies import make_policy
 
@@ -205,7 +206,7 @@ def test_device_search_decodes_like_the_host_search(spec, budget, static):
         out = greedy(model, ids, mask, cache, new=40)
         outs.append((out, log, cache.stats()["policy_stats"]))
         if where == "device":  # insertions reached the mirror through the worker-staged copies
-            assert sum(f.staged_puts for f in cache.policy._forests.values()) > 0
+            assert sum(f.staged_puts for f in cache.policy._device.forests.values()) > 0
     (t1, l1), log1, s1 = outs[0]
     (t2, l2), log2, s2 = outs[1]
     assert torch.equal(t1, t2)
@@ -330,7 +331,7 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
 
     pol.select = both
     greedy(model, x, cache=cache, new=24)
-    assert pol._forests  # auto on CUDA = the device search
+    assert pol._device.forests  # auto on CUDA = the device search
     assert len(same) > 20 and sum(same) >= 0.8 * len(same)
 
 
@@ -528,11 +529,11 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
             assert "graph_error" not in st, st.get("graph_error")
             assert (st["graph_captures"] > 1) == static  # graphs run only with static shapes on the CPU
             pol.flush()
-            assert pol._forests  # the searches ran on the mirror
-            for layer, forest in pol._forests.items():
+            assert pol._device.forests  # the searches ran on the mirror
+            for layer, forest in pol._device.forests.items():
                 trees = pol._trees[layer]
                 assert all(t is not None for t in trees)
-                forest = forest.update(trees, pol._staged.get(layer))
+                forest = forest.update(trees, pol._device.staged.get(layer))
                 fresh = DCIForest(trees, "cpu", capacity=(forest.S, forest.Pc), static_shapes=forest.static)
                 for name in ("X", "proj", "dirs", "pt_page", "page_pos", "page_fill", "c", "root", "starts_at"):
                     assert torch.equal(getattr(forest, name), getattr(fresh, name)), (layer, name)

@@ -30,6 +30,7 @@ import torch
 
 import kvdex
 from kvdex.bench import cli, report, runner, shapes
+from kvdex.bench.config import parse_dtype
 
 
 def build_tp_model(cfg: runner.BenchConfig, layers: int = 0):
@@ -48,7 +49,7 @@ def build_tp_model(cfg: runner.BenchConfig, layers: int = 0):
             None,
             config=conf,
             state_dict={},
-            dtype=runner._dtype(cfg.dtype),
+            dtype=parse_dtype(cfg.dtype),
             distributed_config=DistributedConfig(tp_plan="auto"),
         )
     model.eval()

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.index.search import children, dedupe, pdci
+
 _QUERY_CHUNK = 4096  # queries per batched search during construction (bounds memory)
 
 
@@ -315,7 +317,7 @@ class DCITree:
                 cand = self._children(ids, lev - 1)
         ids, dot = torch.cat(pool_ids, 1), torch.cat(pool_dot, 1)
         if len(pool_ids) > 1:  # a point found on several levels counts once
-            ids, dot = _dedupe(ids, dot)
+            ids, dot = dedupe(ids, dot)
         kk = min(k, ids.shape[1])
         dot, j = torch.topk(dot, kk, dim=1)
         ids = torch.where(torch.isfinite(dot), ids.gather(1, j), -1)
@@ -323,57 +325,12 @@ class DCITree:
 
     def _pdci(self, Xq, pq, cand, width, prop):
         """Prioritized DCI over the candidate sets cand [Q, C] (-1 padded): best ``width`` by distance."""
-        Q, C = cand.shape
         p = self.params
-        valid = cand >= 0
-        # proj's last row is +inf: padding (-1) gathers it and gets an infinite lower bound
-        pc = torch.index_select(self.proj, 0, (cand % self.proj.shape[0]).flatten()).view(Q, C, -1)
-        lb = pc.sub_(pq[:, None, :]).abs_().view(Q, C, p.num_comp, p.num_simp).amax(-1)  # [Q, C, m]
-        nvalid = valid.sum(1)
-        k1 = torch.minimum((prop * nvalid).ceil().long().clamp(min=p.min_candidates), nvalid)  # [Q]
-        K1 = int(k1.max()) if Q else 0
-        if K1 == 0:
-            return cand[:, :0], torch.empty(Q, 0)
-        if K1 * p.num_comp >= C:  # most points are candidates: threshold the bounds, score densely
-            # The k1-th smallest bound of each row and composite index: a single kthvalue for every
-            # row, after giving K1 - k1 of the row's padding entries a bound of -inf (a row has at
-            # least that many: k1 grows by at most 1 per visited point).
-            pad_rank = (~valid).cumsum(1) - 1
-            lift = (~valid) & (pad_rank < (K1 - k1)[:, None])
-            thr = torch.kthvalue(lb.masked_fill(lift[:, :, None], float("-inf")), K1, dim=1).values  # [Q, m]
-            is_cand = ((lb <= thr[:, None, :]) & valid[:, :, None]).any(-1)
-            dot = _dots(self.X, cand, Xq).masked_fill(~is_cand, float("-inf"))
-            ids = cand
-        else:  # few candidates: take them in retrieval order, gather only them (duplicates count once)
-            first = torch.topk(lb, K1, dim=1, largest=False).indices  # [Q, K1, m] retrieval order per composite
-            keep = (torch.arange(K1)[None, :] < k1[:, None])[:, :, None].expand_as(first)
-            at = torch.where(keep, first, -1).flatten(1)
-            at, _ = torch.sort(at, dim=1)
-            dup = torch.zeros_like(at, dtype=torch.bool)
-            dup[:, 1:] = at[:, 1:] == at[:, :-1]
-            ok = (at >= 0) & ~dup
-            ids = torch.where(ok, cand.gather(1, at.clamp(min=0)), -1)
-            dot = _dots(self.X, ids, Xq).masked_fill(~ok, float("-inf"))
-        w = min(width, dot.shape[1])
-        dot, j = torch.topk(dot, w, dim=1)
-        return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
+        return pdci(self.X, self.proj, Xq, pq, cand, width, prop, p.num_comp, p.num_simp, p.min_candidates)
 
     def _children(self, ids: torch.Tensor, level: int) -> torch.Tensor:
         """The union of the level-``level`` nodes headed by ids [Q, w] (-1 padded) as [Q, C] (-1 padded)."""
-        Q, w = ids.shape
-        safe = ids.clamp(min=0)
-        cnt = torch.where(ids >= 0, self.kid_count[level][safe], 0)
-        st = self.kid_start[level][safe]
-        offs = cnt.cumsum(1)
-        tot = offs[:, -1] if w else torch.zeros(Q, dtype=torch.long)
-        C = int(tot.max()) if Q else 0
-        if C == 0:
-            return torch.full((Q, 0), -1, dtype=torch.long)
-        j = torch.arange(C).expand(Q, C).contiguous()
-        owner = torch.searchsorted(offs, j, right=True).clamp(max=w - 1)
-        within = j - (offs - cnt).gather(1, owner)
-        at = (st.gather(1, owner) + within).clamp(max=self.kids[level].numel() - 1)
-        return torch.where(j < tot[:, None], self.kids[level][at], -1)
+        return children(self.kids[level], self.kid_start[level], self.kid_count[level], ids)
 
     # ---- pages ------------------------------------------------------------------------------------
     def leaf_nodes(self) -> torch.Tensor:
@@ -390,13 +347,6 @@ class DCITree:
         query q [G, d]: point ids [G, k'] in descending order, -1 padded."""
         ids, _ = self.search(transform_queries(q), k, 0, fov, prop, collect_all=True)
         return ids
-
-
-def _dots(X: torch.Tensor, ids: torch.Tensor, Xq: torch.Tensor) -> torch.Tensor:
-    """Inner products X[ids] . Xq per row: ids [Q, C] (-1 allowed, gives junk), Xq [Q, d] -> [Q, C]."""
-    Q, C = ids.shape
-    rows = torch.index_select(X, 0, ids.clamp(min=0).flatten()).view(Q, C, -1)
-    return torch.bmm(rows, Xq[:, :, None]).view(Q, C)
 
 
 def _with_sentinel(proj: torch.Tensor) -> torch.Tensor:
@@ -418,13 +368,3 @@ def _csr(parent: torch.Tensor, n: int):
     count = torch.bincount(par, minlength=n)
     start = count.cumsum(0) - count
     return kids, start, count
-
-
-def _dedupe(ids: torch.Tensor, dot: torch.Tensor):
-    """Mark repeated ids of a row as -1 / -inf."""
-    s, o = torch.sort(ids, dim=1)
-    d = dot.gather(1, o)
-    dup = torch.zeros_like(s, dtype=torch.bool)
-    dup[:, 1:] = s[:, 1:] == s[:, :-1]
-    bad = dup | (s < 0)
-    return torch.where(bad, -1, s), d.masked_fill(bad, float("-inf"))

@@ -34,16 +34,12 @@ import math
 import torch
 
 from kvdex.index.dci import DCITree
+from kvdex.index.pages import select_pages
+from kvdex.index.search import children, dedupe, pdci
 
 _UIDS = itertools.count()
 _HEADROOM = 1.25  # capacity growth factor of the per-tree regions
 STATIC_ON_CPU = False  # tests: run the sync-free (static-shape) variant on the CPU too
-
-
-def _k1(n: int, prop: float, min_cand: int) -> int:
-    """Candidates per composite index for ``n`` visited points, computed as :meth:`DCITree._pdci` does."""
-    c = int((prop * torch.tensor(n)).ceil().long().clamp(min=min_cand))
-    return min(c, n)
 
 
 class DCIForest:
@@ -245,72 +241,19 @@ class DCIForest:
             pool_dot.append(dot)
         ids, dot = torch.cat(pool_ids, 1), torch.cat(pool_dot, 1)
         if len(pool_ids) > 1:
-            ids, dot = _dedupe(ids, dot)
+            ids, dot = dedupe(ids, dot)
         kk = min(k, ids.shape[1])
         dot, j = torch.topk(dot, kk, dim=1)
         return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
 
     def _pdci(self, Xq, pq, cand, width, prop):
-        """DCITree._pdci with host-known shapes: the k1-th smallest bound per row by a sort."""
-        Q, C = cand.shape
-        if C == 0:
-            return cand, torch.empty(Q, 0, device=cand.device)
-        valid = cand >= 0
-        pc = torch.index_select(self.proj, 0, (cand % self.proj.shape[0]).flatten()).view(Q, C, -1)
-        lb = pc.sub_(pq[:, None, :]).abs_().view(Q, C, self.m, self.p).amax(-1)  # [Q, C, m]
-        nvalid = valid.sum(1)
-        k1 = torch.minimum((prop * nvalid).ceil().long().clamp(min=self.min_cand), nvalid)  # [Q]
-        # static: K1 >= every row's k1 (k1 grows with the visited points); else exactly DCITree's K1
-        K1 = _k1(C, prop, self.min_cand) if self.static else int(k1.max())
-        if K1 == 0:
-            return cand[:, :0], torch.empty(Q, 0, device=cand.device)
-        if K1 * self.m >= C:  # dense: threshold each row's bounds at its k1-th smallest, score all
-            if self.static:  # a sort: no assumption on how many padding entries a row has
-                srt = torch.sort(lb, dim=1).values  # padding (+inf) last
-                thr = srt.gather(1, (k1 - 1).clamp(min=0)[:, None, None].expand(Q, 1, self.m)).view(Q, self.m)
-                thr = thr.masked_fill((k1 == 0)[:, None], float("-inf"))
-            else:  # DCITree._pdci's kthvalue (K1 - k1 padding entries of a row lifted to -inf)
-                pad_rank = (~valid).cumsum(1) - 1
-                lift = (~valid) & (pad_rank < (K1 - k1)[:, None])
-                thr = torch.kthvalue(lb.masked_fill(lift[:, :, None], float("-inf")), K1, dim=1).values
-            is_cand = ((lb <= thr[:, None, :]) & valid[:, :, None]).any(-1)
-            dot = _dots(self.X, cand, Xq).masked_fill(~is_cand, float("-inf"))
-            ids = cand
-        else:  # sparse: the first k1 of each composite index's retrieval order
-            first = torch.topk(lb, K1, dim=1, largest=False).indices  # [Q, K1, m]
-            keep = (torch.arange(K1, device=cand.device)[None, :] < k1[:, None])[:, :, None].expand_as(first)
-            at = torch.where(keep, first, -1).flatten(1)
-            at, _ = torch.sort(at, dim=1)
-            dup = torch.zeros_like(at, dtype=torch.bool)
-            dup[:, 1:] = at[:, 1:] == at[:, :-1]
-            ok = (at >= 0) & ~dup
-            ids = torch.where(ok, cand.gather(1, at.clamp(min=0)), -1)
-            dot = _dots(self.X, ids, Xq).masked_fill(~ok, float("-inf"))
-        w = min(width, dot.shape[1])
-        dot, j = torch.topk(dot, w, dim=1)
-        return torch.where(torch.isfinite(dot), ids.gather(1, j), -1), dot
+        """DCITree._pdci with host-known shapes (static: the k1-th smallest bound per row by a sort)."""
+        return pdci(self.X, self.proj, Xq, pq, cand, width, prop, self.m, self.p, self.min_cand, self.static)
 
     def _children(self, ids: torch.Tensor, level: int, C: int | None) -> torch.Tensor:
         """DCITree._children with a host-known width C (>= every row's child count), or (None) the
         exact width (a sync)."""
-        Q, w = ids.shape
-        dev = ids.device
-        if C == 0 or w == 0:
-            return torch.full((Q, 0), -1, dtype=torch.long, device=dev)
-        safe = ids.clamp(min=0)
-        cnt = torch.where(ids >= 0, self.kid_count[level][safe], 0)
-        st = self.kid_start[level][safe]
-        offs = cnt.cumsum(1)
-        tot = offs[:, -1]
-        if C is None:
-            C = int(tot.max()) if Q else 0
-            if C == 0:
-                return torch.full((Q, 0), -1, dtype=torch.long, device=dev)
-        j = torch.arange(C, device=dev).expand(Q, C).contiguous()
-        owner = torch.searchsorted(offs, j, right=True).clamp(max=w - 1)
-        within = j - (offs - cnt).gather(1, owner)
-        at = (st.gather(1, owner) + within).clamp(0, self.kids[level].numel() - 1)
-        return torch.where(j < tot[:, None], self.kids[level][at], -1)
+        return children(self.kids[level], self.kid_start[level], self.kid_count[level], ids, C)
 
     # ---- page selection (Algorithm 3, kvdex's GQA union and budget rules, batched) -----------------
     def select_pages(
@@ -329,47 +272,7 @@ class DCIForest:
         """IceCachePolicy._select_pages for R trees at once: ids/dot [R*G, k'] (global, the search's
         output; the G query heads of row r are rows r*G ... r*G+G-1), rows_tree [R] (device). Returns
         token positions [R, T] (-1 padded, in page order) and the number of pages taken [R]."""
-        R = rows_tree.shape[0]
-        kp = ids.shape[1]
-        dev = ids.device
-        Pc, big = self.Pc, torch.iinfo(torch.long).max
-        base = (rows_tree * Pc)[:, None]
-        ok = ids >= 0
-        page = torch.where(ok, self.pt_page[ids.clamp(min=0)], -1)  # [R*G, k'] global pages
-        local = torch.where(ok, page - base.repeat_interleave(G, 0), 0)
-        M = min(Pc, G * kp)
-        if merge == "nsa":
-            qk = dot * qk_scale  # q.k
-            prob = torch.softmax(qk.float() * scale, dim=1).nan_to_num(0.0).masked_fill(~ok, 0.0)
-            score = torch.zeros(R, Pc, device=dev).scatter_add_(1, local.view(R, -1), prob.view(R, -1))
-            hits = torch.zeros(R, Pc, device=dev).scatter_add_(1, local.view(R, -1), ok.view(R, -1).float())
-            present = hits > 0
-            key = score.masked_fill(~present, float("-inf"))
-            srt, order = torch.sort(key, dim=1, descending=True, stable=True)
-            valid = torch.isfinite(srt[:, :M])
-        else:  # rank-major: a page's rank = the first (rank, head) position holding one of its keys
-            rank = torch.arange(kp, device=dev)[None, :] * G + torch.arange(G, device=dev).repeat(R)[:, None] % G
-            rank = torch.where(ok, rank, big).view(R, -1)
-            first = torch.full((R, Pc), big, dtype=torch.long, device=dev)
-            first.scatter_reduce_(1, local.view(R, -1), rank, reduce="amin")
-            srt, order = torch.sort(first, dim=1, stable=True)
-            valid = srt[:, :M] < big
-        order = order[:, :M] + base  # global page ids, best first
-        f = torch.where(valid, self.page_fill[order], 0)
-        pos_i = torch.arange(M, device=dev)[None, :]
-        if rule == "keys":
-            taken = valid & (pos_i < cap)
-        else:
-            taken = _greedy_fit(f, valid, room, cap, self.ps)
-        npages = taken.sum(1)
-        Tp = min(M, cap)
-        key = torch.where(taken, pos_i, M + pos_i)
-        sel = torch.sort(key, dim=1).values[:, :Tp]  # taken columns first, in order
-        pages = torch.where(sel < M, order.gather(1, sel.clamp(max=M - 1)), -1)
-        pos = torch.where(pages[:, :, None] >= 0, self.page_pos[pages.clamp(min=0)], -1).flatten(1)
-        Tt = min(pos.shape[1], room) if rule != "keys" else pos.shape[1]
-        keep = torch.argsort((pos < 0).to(torch.int8), dim=1, stable=True)[:, :Tt]
-        return pos.gather(1, keep), npages
+        return select_pages(self, ids, dot, rows_tree, G, room, cap, rule, merge, qk_scale, scale)
 
 
 def _node_cum(tree: DCITree, lev: int) -> torch.Tensor:
@@ -377,46 +280,3 @@ def _node_cum(tree: DCITree, lev: int) -> torch.Tensor:
     cumulated: entry w-1 bounds the points in the nodes of any w level-``lev+1`` points."""
     heads = tree.kid_count[lev][tree.top >= lev + 1]
     return torch.sort(heads, descending=True).values.cumsum(0)
-
-
-def _greedy_fit(f: torch.Tensor, valid: torch.Tensor, room: int, cap: int, ps: int) -> torch.Tensor:
-    """Exactly IceCachePolicy._take_pages' loop (take a page if its fill fits the room left, else skip
-    it; stop after ``cap`` pages) for every row at once. f [R, M] fills (>= 1 where valid; the valid
-    pages are a prefix). Phase 1: the longest prefix that fits (a cumsum). After the first page that
-    does not fit, the room left is < its fill <= ps, so the rest is an automaton over ps room
-    states; its transitions are composed by a prefix scan (log2 M steps), no per-page loop."""
-    R, M = f.shape
-    dev = f.device
-    pos_i = torch.arange(M, device=dev)[None, :]
-    cum = f.cumsum(1)
-    p1 = (valid & (cum <= room)).sum(1)  # pages taken before the first skip
-    before = torch.where(p1 > 0, cum.gather(1, (p1 - 1).clamp(min=0)[:, None]).view(R), 0)
-    room1 = (room - before).clamp(0, ps - 1)  # < ps whenever a page was skipped
-    # Transition of each page after the skipped one on room v: v - f if f <= v else v (identity elsewhere).
-    v = torch.arange(ps, device=dev)[None, None, :]
-    live = (valid & (pos_i > p1[:, None]))[:, :, None]
-    F = torch.where(live & (f[:, :, None] <= v), v - f[:, :, None], v)  # [R, M, ps]
-    d = 1
-    while d < M:  # inclusive prefix composition: F_i <- F_i o F_{i-d}
-        F = torch.cat([F[:, :d], torch.gather(F[:, d:], 2, F[:, :-d])], dim=1)
-        d *= 2
-    ident = v.expand(R, 1, ps)
-    excl = torch.cat([ident, F[:, :-1]], dim=1)  # the room map before each page
-    room_before = excl.gather(2, room1[:, None, None].expand(R, M, 1)).view(R, M)
-    taken = (pos_i < p1[:, None]) | (live.view(R, M) & (f <= room_before))
-    return taken & (taken.cumsum(1) <= cap)
-
-
-def _dots(X: torch.Tensor, ids: torch.Tensor, Xq: torch.Tensor) -> torch.Tensor:
-    Q, C = ids.shape
-    rows = torch.index_select(X, 0, ids.clamp(min=0).flatten()).view(Q, C, -1)
-    return torch.bmm(rows, Xq[:, :, None]).view(Q, C)
-
-
-def _dedupe(ids: torch.Tensor, dot: torch.Tensor):
-    s, o = torch.sort(ids, dim=1)
-    d = dot.gather(1, o)
-    dup = torch.zeros_like(s, dtype=torch.bool)
-    dup[:, 1:] = s[:, 1:] == s[:, :-1]
-    bad = dup | (s < 0)
-    return torch.where(bad, -1, s), d.masked_fill(bad, float("-inf"))

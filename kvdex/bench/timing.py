@@ -1,0 +1,131 @@
+"""Timing one method's decode: timed steps, host->device bytes, page-cache counters, and the split of a
+step into selection / transfer / attention from the cache's own phase timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+import kvdex
+from kvdex.bench.decoding import decode_step, sync_device
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    i = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[i]
+
+
+def page_cache_counts(cache) -> tuple[int, int, int]:
+    """(hits, misses, bytes moved) of every offloaded store's device page cache so far (a sync)."""
+    h = m = by = 0
+    for lay in getattr(cache, "layers", []):
+        st = getattr(lay, "store", None)
+        if getattr(st, "page_cache", 0):
+            s = st.page_cache_stats()
+            h, m, by = h + s["hits"], m + s["misses"], by + s["bytes_moved"]
+    return h, m, by
+
+
+def h2d_bytes(cache) -> int:
+    """Host->device bytes so far: the cache's counter plus what its device page caches moved."""
+    return cache.transfer.h2d_bytes + page_cache_counts(cache)[2] if isinstance(cache, kvdex.Cache) else 0
+
+
+def make_stepper(model, cache, graph=None):
+    """step(ids) -> (next ids, logits): eager, or through a GraphDecoder."""
+    if graph is None:
+        return lambda ids: decode_step(model, cache, ids)
+
+    def step(ids):
+        logits = graph.step(ids)
+        return logits.argmax(-1, keepdim=True), logits
+
+    return step
+
+
+def timed_steps(step, nxt, steps: int, device) -> tuple[list[float], float]:
+    """Per-step milliseconds (CUDA events on CUDA, wall clock elsewhere) and total wall seconds."""
+    if device.type == "cuda":
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for a, b in ev:
+            a.record()
+            nxt, _ = step(nxt)
+            b.record()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        return [a.elapsed_time(b) for a, b in ev], wall
+    ms = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        nxt, _ = step(nxt)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return ms, time.perf_counter() - t0
+
+
+class ReuseMeter:
+    """Share of the selected middle pages (or tokens) of a step that the same layer and kv head
+    also selected at the previous step: the hit rate a device-resident cache holding the previous
+    step's selection would get (the per-step transfer of an offloaded policy would be the misses)."""
+
+    def __init__(self, policy):
+        self.policy, self.prev, self.hit, self.total = policy, {}, 0, 0
+        self._own = "select" in vars(policy)
+        self._select = policy.select
+        policy.select = self._wrapped
+
+    def _wrapped(self, layer, q, store, scale):
+        sel = self._select(layer, q, store, scale)
+        ids = sel.pages if sel.pages is not None else sel.tokens
+        if ids is not None and not sel.everything:
+            b, h, n = ids.shape
+            row = torch.arange(b * h, device=ids.device).view(b, h, 1) * (1 << 40)
+            cur = torch.where(ids >= 0, ids.long() + row, -1).flatten()
+            prev = self.prev.get(layer)
+            if prev is not None and prev.numel() == cur.numel():
+                live = cur >= 0
+                self.hit += int((torch.isin(cur, prev) & live).sum())
+                self.total += int(live.sum())
+            self.prev[layer] = cur
+        return sel
+
+    def detach(self):
+        if self._own:
+            self.policy.select = self._select
+        else:
+            del self.policy.select
+
+    def rate(self):
+        return self.hit / self.total if self.total else None
+
+
+def phase_split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
+    """Selection / transfer / attention / rest per step, from the cache's own phase timing."""
+    cache.config = dataclasses.replace(cache.config, timing=True)
+    before = dict(cache._timing)
+    reuse = ReuseMeter(cache.policy)
+    sync_device(device)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            nxt, _ = decode_step(model, cache, nxt)
+        sync_device(device)
+    finally:
+        reuse.detach()
+    total = (time.perf_counter() - t0) * 1e3 / steps
+    cache.config = dataclasses.replace(cache.config, timing=False)
+    out = {"step_ms_timed": total, "page_reuse": reuse.rate()}
+    known = 0.0
+    for name in ("selection", "transfer", "attention"):
+        v = (cache._timing.get(name, 0.0) - before.get(name, 0.0)) / steps
+        out[f"{name}_ms"] = v
+        known += v
+    out["rest_ms"] = max(total - known, 0.0)
+    for name in ("selection", "transfer", "attention", "rest"):
+        out[f"{name}_frac"] = out[f"{name}_ms"] / total if total > 0 else None
+    return out
