@@ -21,7 +21,13 @@ class DeviceSearch:
         self.staged: dict = {}  # layer -> {tree index: DCIForest.stage(...)} not mirrored yet
         self.row_idx: dict = {}  # (device, searched rows, G) -> (row index, tree of each query row) on the device
         self.graphs = SearchGraphs()  # per layer: the CUDA graph of its search (graphs=True)
-        self.counts: torch.Tensor | None = None  # pages / tokens selected, summed on the device (no sync)
+        # pages / tokens selected, summed on each layer's device (no sync; a device_map may spread the layers)
+        self.counts: dict[torch.device, torch.Tensor] = {}
+
+    def selected(self) -> tuple[int, int]:
+        """(pages, tokens) the device searches selected, over every device."""
+        per = [c.tolist() for c in self.counts.values()]
+        return sum(p for p, _ in per), sum(t for _, t in per)
 
     def mirror(self, layer: int, trees, device: torch.device) -> DCIForest:
         """The layer's mirror of ``trees`` on ``device``: updated in place (with the copies staged by the
@@ -92,5 +98,5 @@ class DeviceSearch:
         out = torch.full((R, toks.shape[1]), -1, dtype=torch.long, device=dev)
         out[ridx] = toks
         counts = torch.stack([npages.sum(), (toks >= 0).sum()])
-        self.counts = counts if self.counts is None else self.counts + counts
+        self.counts[dev] = counts if dev not in self.counts else self.counts[dev] + counts
         return out

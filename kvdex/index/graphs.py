@@ -25,7 +25,7 @@ class SearchGraphs:
 
     def __init__(self) -> None:
         self.graphs: dict = {}  # layer -> (signature, graph, static query, static outputs, kept tensors)
-        self.stream = None  # the side stream captures run on
+        self.streams: dict = {}  # device -> the side stream captures on it run on (layers may sit on several GPUs)
         self.captures = 0
         self.replays = 0
 
@@ -51,9 +51,9 @@ class SearchGraphs:
         cuda = qd.device.type == "cuda"
         static_q = qd.clone()
         if cuda:
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(qd.device)
-            s, main = self.stream, torch.cuda.current_stream(qd.device)
+            if qd.device not in self.streams:
+                self.streams[qd.device] = torch.cuda.Stream(qd.device)
+            s, main = self.streams[qd.device], torch.cuda.current_stream(qd.device)
             s.wait_stream(main)
             graph, ctx = torch.cuda.CUDAGraph(), torch.cuda.stream(s)
         else:

@@ -377,10 +377,9 @@ class IceCachePolicy(Policy):
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         s = dict(self._stats)
-        if self._device.counts is not None:
-            pages, tokens = self._device.counts.tolist()
-            s["pages_selected"] += pages
-            s["tokens_selected"] += tokens
+        pages, tokens = self._device.selected()
+        s["pages_selected"] += pages
+        s["tokens_selected"] += tokens
         s["clamped_keys"] = sum(self._clamped.values())
         g = self._device.graphs
         s["graph_captures"], s["graph_replays"] = g.captures, g.replays
