@@ -43,7 +43,8 @@ class SearchGraphs:
             self.graphs[layer] = ent
             self.captures += 1
         ent[2].copy_(qd)
-        ent[1].replay()
+        with torch.cuda.device(qd.device) if qd.device.type == "cuda" else contextlib.nullcontext():
+            ent[1].replay()  # on the graph's own device (a device_map may put this layer on another GPU)
         self.replays += 1
         return ent[3][0].clone(), ent[3][1].clone()
 
