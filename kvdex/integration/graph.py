@@ -63,11 +63,17 @@ import torch
 
 from kvdex.integration.cache import Cache
 from kvdex.integration.compat import cache_kwargs
-from kvdex.storage import DeviceStore, OffloadStore
+from kvdex.storage import DeviceStore, OffloadStore, host_joins
 
 # Policies with built-in graph support that do not define the protocol themselves.
 _BUILTIN = {"full"}
 
+
+# Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of
+# the longest sequence (half of it used up -> grown again), so that a re-allocation (a new graph key, an
+# eager warm-up step and a capture) happens once every JOIN_HEADROOM_PAGES / 2 pages at most, and rarely
+# in practice (the buffers grow by a quarter of their size at a time).
+JOIN_HEADROOM_PAGES = 16
 
 # torch.compile modes that keep inductor's own CUDA graphs off (kvdex captures the whole step itself).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -199,10 +205,12 @@ class GraphDecoder:
         self.enabled, self.warn = enabled, warn
         self.reason: str | None = None
         self._checked = False
-        self.graph = None
+        self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
         self.key = None
-        self._warm_key = None
+        self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
+        self._joins = False  # the policy indexes page joins inside captured steps (capturable_index)
+        self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
         self.compile_mode = _compile_mode(compile)
@@ -220,6 +228,19 @@ class GraphDecoder:
                     why = str(e)
             if why is not None:
                 self._compile_off(why)
+
+    @property
+    def graph(self):
+        """The CUDA graph of the last replayed key (None: none). Setting None drops every graph and its pool."""
+        entry = self.graphs.get(self.key)
+        return None if entry is None else entry[0]
+
+    @graph.setter
+    def graph(self, value) -> None:
+        if value is not None:
+            raise ValueError("GraphDecoder.graph can only be reset (set to None)")
+        self.graphs.clear()
+        self.key = None
 
     def _compile_off(self, why: str) -> None:
         self.compiled, self.compile_reason = None, why
@@ -301,11 +322,38 @@ class GraphDecoder:
             return
         for st in stores:
             st.static = True
+        self._joins = bool(self.cache.policy.capturable_index)
+        self.cache.joins_external = self._joins  # Policy.joined runs here, before every step (replays run no Python)
+
+    def _join_host(self) -> bool:
+        """Before a step of a ``capturable_index`` policy: room for the pages to come (stores and index,
+        :data:`JOIN_HEADROOM_PAGES` ahead, re-allocating -- a new graph key -- only every so many pages),
+        then the host side of this step's joins (``Policy.joined``). True when a page joins."""
+        c, p = self.cache, self.cache.policy
+        lays = [c.layers[i] for i in p.info.sparse_layers]
+        if not lays:
+            return False
+        st = lays[0].store
+        g = st.grid
+        top = int(st.lengths_host.max()) + 1
+        if top + JOIN_HEADROOM_PAGES * g.page_size // 2 > self._reserved:
+            self._reserved = top + JOIN_HEADROOM_PAGES * g.page_size
+            pages = int(g.num_middle_pages(torch.tensor(self._reserved)))
+            for lay in c.layers:
+                lay.store.reserve_join(self._reserved)
+            for lay in lays:
+                p.reserve_index(lay.layer_idx, pages, lay.store)
+        start, count = host_joins(g, st.lengths_host)
+        if not bool((count > 0).any()):
+            return False
+        for lay in lays:
+            p.joined(lay.layer_idx, start, count)
+        return True
 
     def _needs_eager(self) -> bool:
         st = self._stores()[0]
         g, L = st.grid, st.lengths_host
-        if bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
+        if not self._joins and bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
             return True  # a page joins the middle: store/policy index work with data-dependent shapes
         for s in self._stores():
             if not isinstance(s, OffloadStore) and int(s.lengths_host.max()) + 1 > s.k.shape[2]:
@@ -336,25 +384,37 @@ class GraphDecoder:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._prepare()
         c = self.cache
+        joining = self._join_host() if self.reason is None and self._joins else False
         key = None if self.reason is not None or self._needs_eager() else self._key()
+        if key is not None and self._joins:
+            # the join variant of the step (page-join path, masked per sequence on the device) is right on
+            # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
+            early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
+            key = (key, joining or early)
+        if self.reason is None and self._joins:
+            c.join_step = joining if key is None else key[1]
         torch.add(self._neg_pads, c.layers[0].seen, out=self.pos)  # position of the new token, per row
-        if key is None or (key != self.key and key != self._warm_key):
-            # eager: a boundary, or a new key run once eagerly first so that every kernel variant is
-            # compiled and loaded before a capture (no module loads while capturing)
-            self._warm_key = key
+        if key is None or (key not in self.graphs and key not in self._warmed):
+            # eager: a boundary (a policy without capturable_index), a step the policy keeps eager, or a new
+            # key run once eagerly first so that every kernel variant is compiled and loaded before a
+            # capture (no module loads while capturing)
+            if key is not None:
+                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
             self.counts["eager"] += 1
             out = self._run(input_ids=ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos)
             return out.logits[:, -1]
         self.ids.copy_(ids)
-        if self.graph is None or key != self.key:
-            self._capture()
+        if key not in self.graphs:
+            self._capture(key)
             self.key = key
-            self.graph.replay()  # the capture ran this step's CPU side; this does its device work
+            self.graphs[key][0].replay()  # the capture ran this step's CPU side; this does its device work
             self.counts["replays"] += 1
             c.policy.on_step(c.step, self.logits)  # held back during the capture
             return self.logits
+        graph, self.logits, self._delta = self.graphs[key]
+        self.key = key
         self._bookkeeping()
-        self.graph.replay()
+        graph.replay()
         self.counts["replays"] += 1
         if hasattr(c.policy, "graph_replayed"):
             c.policy.graph_replayed()
@@ -367,7 +427,7 @@ class GraphDecoder:
         c.step += 1
         for lay in c.layers:
             lay.seen += 1
-            lay.store.lengths_host += 1
+            lay.store.advance_host(1)  # lengths, and an offloaded store's count of the pages it wrote out
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
         c._attended_calls += self._delta[2]
@@ -380,9 +440,14 @@ class GraphDecoder:
                 stacklevel=3,
             )
 
-    def _capture(self) -> None:
+    def _base(self, key):
+        """The key without the page-join flag (the policy's buffers and shapes)."""
+        return key[0] if self._joins else key
+
+    def _capture(self, key) -> None:
         c = self.cache
-        self.graph = None
+        for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
+            del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
         # attended tokens: a persistent device counter that the replays accumulate into (in place)
         c._attended = (
             torch.zeros((), dtype=torch.long, device=self.device)
@@ -400,8 +465,8 @@ class GraphDecoder:
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
-        self.graph = g
         self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c._attended_calls - before[2])
+        self.graphs[key] = (g, self.logits, self._delta)
         self.counts["captures"] += 1
 
 
