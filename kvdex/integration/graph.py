@@ -338,7 +338,7 @@ class GraphDecoder:
         top = int(st.lengths_host.max()) + 1
         if top + JOIN_HEADROOM_PAGES * g.page_size // 2 > self._reserved:
             self._reserved = top + JOIN_HEADROOM_PAGES * g.page_size
-            pages = int(g.num_middle_pages(torch.tensor(self._reserved)))
+            pages = g.middle_pages_of(self._reserved)
             for lay in c.layers:
                 lay.store.reserve_join(self._reserved)
             for lay in lays:

@@ -203,7 +203,7 @@ class ParisKVPolicy(Policy):
             self.means[layer] = (torch.zeros(store.batch, store.kv_heads, self.info.head_dim, device=store.device),
                                  torch.zeros(store.batch, dtype=torch.bool))  # fmt: skip
         if self.center and layer not in self._done_dev:
-            self._done_dev[layer] = self.means[layer][1].to(store.device)
+            self._done_dev[layer] = self.means[layer][1].to(store.device, copy=True)
 
     def joined(self, layer, start, count) -> None:
         ps = self.cfg.page_size

@@ -204,7 +204,7 @@ class OffloadStore(LayerStore):
 
     def reserve_join(self, tokens: int) -> None:
         """Host pages for sequences of up to ``tokens`` tokens (the page leaving the window is written there)."""
-        self.host.reserve(int(self.grid.num_middle_pages(torch.tensor(tokens))))
+        self.host.reserve(self.grid.middle_pages_of(tokens))
 
     def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
         """:meth:`append` of one token with static shapes: the ring page the new token overwrites when a
