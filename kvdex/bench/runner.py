@@ -419,6 +419,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             torch.cuda.reset_peak_memory_stats(device)
         h2d0 = _h2d(cache)
         pc0 = _page_cache(cache)
+        eager0 = None if stepper is None else stepper.counts["eager"]
         ms, wall = _timed_steps(step, nxt, cfg.steps, device)
         pc1 = _page_cache(cache)
         if pc1 != pc0 or getattr(cache, "page_cache", 0):  # hits / misses over the timed steps
@@ -428,6 +429,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             rec["page_cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
         if stepper is not None:
             rec["graph_counts"] = dict(stepper.counts)
+            rec["eager_steps"] = stepper.counts["eager"] - eager0  # timed steps that ran eagerly (no replay)
             if is_compiled(method):
                 rec.update(_compile_info(stepper))  # compile_s: the warm-up steps that compiled
         rec["ms_median"] = statistics.median(ms)
@@ -699,4 +701,5 @@ def _line(r: dict) -> str:
         f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
         f"prefill {r['prefill_s']:.2f} s  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
         + ("" if hit is None else f"  page-cache hits {hit:.3f}")
+        + ("" if r.get("eager_steps") is None else f"  eager {r['eager_steps']}/{r['steps']} steps")
     )

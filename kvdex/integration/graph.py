@@ -6,9 +6,10 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
 
 * between page boundaries nothing joins the middle region, so ``policy.index`` (Python over
   data-dependent shapes) does not run and every shape is fixed. A step in which a new page starts
-  (the oldest window page joins the middle, once every ``page_size`` tokens) runs eagerly, and so
-  does a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring every
-  ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores);
+  (the oldest window page joins the middle, once every ``page_size`` tokens) is replayed from a
+  second graph when the policy declares ``capturable_index`` (*page joins*, below), else it runs
+  eagerly; a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring
+  every ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores) runs eagerly;
 * stores and policies are switched to *static sizing* (``store.static = True``): the dense layers
   read the whole slot buffer (rows past each length are masked by the kernel using the device
   lengths), Quest / ArkVale / PRKV score their whole index capacity (pages past the middle masked),
@@ -29,11 +30,29 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
   the replay skipped (step counters, lookup counts). Device-side effects (H2O's score accumulation,
   ArkVale's cache bookkeeping) are inside the graph, written in place into persistent buffers.
 
+**Page joins** (``Policy.capturable_index``: quest, pariskv, chess, arkvale, prkv). In a decode step at
+most one page per sequence joins the middle, and the host knows which from its lengths. The step is
+then made of fixed-shape device work over device-side indices: ``LayerStore.append_join`` appends the
+token and returns a :class:`~kvdex.storage.PageJoin` (device ``joins`` mask and page ``start`` from the
+device lengths, the page's keys gathered there; an offloaded store first writes the page leaving its
+window ring to pinned host memory with one UVA kernel), and ``Policy.index_join`` writes the page's
+index entries in place under the mask. Everything data-dependent stays on the host, outside the
+graph: before every step (eager, captured or replayed) the decoder grows the stores and the policy's
+index ``JOIN_HEADROOM_PAGES`` ahead (``reserve_join`` / ``reserve_index``; a re-allocation is a new
+graph key, so it happens once every so many pages) and runs the policy's host side of the join
+(``Policy.joined``: CPU counters, CHESS's host-held selection); after a replay the stores' host side
+(``advance_host``: lengths, the bytes written out). The cache takes this path under static sizing for
+every single-token step that ``Cache.join_step`` marks (without a decoder: every step in which a page
+joins). The decoder keys its graphs by (the policy's key, join step): two graphs per key. The join
+graph is right on a step in which nothing joins (an empty mask), so it is warmed up and captured on
+the first steps after the plain one and never at a boundary: steady decoding runs no eager step.
+``joined`` + ``index_join`` leave the index exactly as ``index`` would (tests/test_graph_joins.py).
+
 A policy without ``graph_key`` (``icecache``: its tree search runs on CPU threads) is decoded
 eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
 
 **CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
-every layer's sequence length and host lengths, the transfer counters (the captured step's counts),
+every layer's sequence length and host lengths (``advance_host``), the transfer counters (the captured step's counts),
 the attended-token count (``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device
 inside the graph, its call count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
 with the replayed logits (CHESS's trigger and rebuild, PRKV's refresh clock run outside the graph).
