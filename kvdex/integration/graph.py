@@ -342,7 +342,6 @@ class GraphDecoder:
         for st in stores:
             st.static = True
         self._joins = bool(self.cache.policy.capturable_index)
-        self.cache.joins_external = self._joins  # Policy.joined runs here, before every step (replays run no Python)
 
     def _join_host(self) -> bool:
         """Before a step of a ``capturable_index`` policy: room for the pages to come (stores and index,
@@ -402,6 +401,15 @@ class GraphDecoder:
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._prepare()
+        c = self.cache
+        try:
+            # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
+            c.joins_external = self._joins
+            return self._step(ids)
+        finally:  # the cache used without the decoder decides page joins itself again
+            c.join_step, c.joins_external = None, False
+
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.cache
         joining = self._join_host() if self.reason is None and self._joins else False
         key = None if self.reason is not None or self._needs_eager() else self._key()

@@ -29,7 +29,7 @@ sequence) does not call ``index``; instead, per sparse layer:
                                      ``joins`` mask and ``start`` ids, keys [B, H, 1, ps, D]); fixed
                                      shapes, no host read of a device value, writes in place into
                                      buffers ``reserve_index`` made. ``joined`` + ``index_join`` leave
-                                     the index exactly as ``index(layer, join.as_update())`` does.
+                                     the index exactly as ``index`` does for the same pages.
 
 Sink and window are always attended and are never part of a selection. GQA: ``select`` gets the
 queries of all heads, ``q`` [B, Hq, D]; it returns one selection per kv head. ``group_reduce`` is

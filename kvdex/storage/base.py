@@ -76,13 +76,6 @@ class PageJoin:
         on = self.joins.view(b, 1, 1, *([1] * len(rest)))
         buf.scatter_(2, idx, torch.where(on, val.to(buf.dtype), cur))
 
-    def as_update(self) -> MiddleUpdate:
-        """The same pages as a :class:`MiddleUpdate` (for the eager ``index``; reads the host counts)."""
-        if int(self.host_count.sum()) == 0:
-            return MiddleUpdate(self.host_start, self.host_count, self.keys[:, :, :0], self.values[:, :, :0],
-                                store=self.store)  # fmt: skip
-        return MiddleUpdate(self.host_start, self.host_count, self.keys, self.values, store=self.store)
-
 
 def host_joins(grid: Grid, lengths_host: torch.Tensor, t: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(start, count) [B] (CPU) of the middle pages that join when ``t`` tokens are appended to
