@@ -69,7 +69,7 @@ stay eager Python: ``kvdex.Cache.update`` and the ``"kvdex"`` attention function
 after the attention (two graph breaks per layer). The compiled layers are swapped into the model's
 layer list only while the decoder runs a step (prefill and the user's own calls run the model as it
 was), one compilation per layer and shape (dynamo specialises on the module's ``layer_idx``), on the
-first decode step; later steps, eager page-boundary steps included, reuse them (no recompiles).
+first decode step; later steps, eager ones included, reuse them (no recompiles).
 """
 
 from __future__ import annotations

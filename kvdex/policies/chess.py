@@ -538,8 +538,8 @@ class ChessPolicy(Policy):
 
     # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
     # The selection only changes in _build, which runs in on_step (after the step, outside a captured
-    # graph) or at a page boundary (an eager step). Under static sizing select returns one persistent
-    # [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
+    # graph) or before a page-boundary step (joined: the budget cover). Under static sizing select returns
+    # one persistent [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
     # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
     # new buffer, whose identity is in the graph key.
     def graph_key(self, stores) -> tuple | None:

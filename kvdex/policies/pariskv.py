@@ -278,8 +278,9 @@ class ParisKVPolicy(Policy):
     # whole index capacity (slots past each row's middle length masked on the device), keeps the pool in a
     # fixed width (the largest pool any middle length up to the capacity can have; each row's own pool size
     # is a device buffer), and reranks that width. The per-row sizes (``rows``) are persistent buffers that
-    # only a new middle length rewrites, in place -- at a page boundary, which the decoder runs eagerly, as
-    # it does the encoding of the page that joined the middle (``index``). Selected tokens == dynamic sizing.
+    # only a new middle length rewrites, in place -- before a page-boundary step (graph_key sizes them for
+    # the middle during the step); the page that joins is encoded inside the step (index_join).
+    # Selected tokens == dynamic sizing.
     def graph_key(self, stores) -> tuple:
         st = stores[-1]
         # host bookkeeping: the middle lengths during the step (a page that joins in it included)
