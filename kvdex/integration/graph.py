@@ -40,21 +40,23 @@ index entries in place under the mask. Everything data-dependent stays on the ho
 graph: before every step (eager, captured or replayed) the decoder grows the stores and the policy's
 index ``JOIN_HEADROOM_PAGES`` ahead (``reserve_join`` / ``reserve_index``; a re-allocation is a new
 graph key, so it happens once every so many pages) and runs the policy's host side of the join
-(``Policy.joined``: CPU counters, CHESS's host-held selection); after a replay the stores' host side
-(``advance_host``: lengths, the bytes written out). The cache takes this path under static sizing for
-every single-token step that ``Cache.join_step`` marks (without a decoder: every step in which a page
-joins). The decoder keys its graphs by (the policy's key, join step): two graphs per key. The join
-graph is right on a step in which nothing joins (an empty mask), so it is warmed up and captured on
-the first steps after the plain one and never at a boundary: steady decoding runs no eager step.
+(``Policy.joined``: CPU counters, CHESS's host-held selection); after a replay the stores' host
+side (``advance_host``, ``count_join``: lengths, the bytes written out). The cache takes this path
+under static sizing for every single-token step that ``Cache.join_step`` marks (without a decoder:
+every step in which a page joins). The decoder keys its graphs by (the policy's key, join step): two
+graphs per key. The join graph is right on a step in which nothing joins (an empty mask), so it is
+warmed up and captured on the first steps after the plain one and never at a boundary: steady
+decoding runs no eager step.
 ``joined`` + ``index_join`` leave the index exactly as ``index`` would (tests/test_graph_joins.py).
 
 A policy without ``graph_key`` (``icecache``: its tree search runs on CPU threads) is decoded
 eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
 
 **CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
-every layer's sequence length and host lengths (``advance_host``), the transfer counters (the captured step's counts),
-the attended-token count (``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device
-inside the graph, its call count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
+every layer's sequence length and host lengths (``advance_host``; ``count_join`` in a join step), the
+transfer counters (the captured step's counts), the attended-token count
+(``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device inside the graph, its call
+count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
 with the replayed logits (CHESS's trigger and rebuild, PRKV's refresh clock run outside the graph).
 A capture runs the step's Python once (its CPU-side effects are those of the captured step; the
 ``on_step`` hook is held back and called after the first replay, when the logits exist).
@@ -229,6 +231,7 @@ class GraphDecoder:
         self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
         self._joins = False  # the policy indexes page joins inside captured steps (capturable_index)
+        self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
         self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
@@ -362,6 +365,7 @@ class GraphDecoder:
             for lay in lays:
                 p.reserve_index(lay.layer_idx, pages, lay.store)
         start, count = host_joins(g, st.lengths_host)
+        self._join_count = count
         if not bool((count > 0).any()):
             return False
         for lay in lays:
@@ -452,9 +456,12 @@ class GraphDecoder:
         """The CPU side of one replayed step, as the captured step's Python did it."""
         c = self.cache
         c.step += 1
+        join = self._joins and self.key[1] and bool((self._join_count > 0).any())
         for lay in c.layers:
             lay.seen += 1
-            lay.store.advance_host(1)  # lengths, and an offloaded store's count of the pages it wrote out
+            lay.store.advance_host(1)
+            if join:
+                lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
         c._attended_calls += self._delta[2]

@@ -184,11 +184,19 @@ class LayerStore(ABC):
         """Outside a captured step: make room for sequences of up to ``tokens`` tokens. Default: nothing."""
         return None
 
-    def advance_host(self, t: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host side of appending ``t`` tokens per sequence (what a replayed step leaves to the CPU):
-        advances ``lengths_host``; returns the (start, count) of the pages that joined (:func:`host_joins`)."""
-        start, count = host_joins(self.grid, self.lengths_host, t)
+    def advance_host(self, t: int = 1) -> None:
+        """The host side of appending ``t`` tokens per sequence (what a replayed step leaves to the CPU)."""
         self.lengths_host += t
+
+    def count_join(self, count: torch.Tensor) -> None:
+        """The host counters of a :meth:`append_join` in which ``count`` [B] (CPU) pages joined. Default: none."""
+        return None
+
+    def _advance_join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host side of :meth:`append_join`: (start, count) of the joining pages, lengths advanced, counted."""
+        start, count = host_joins(self.grid, self.lengths_host)
+        self.advance_host(1)
+        self.count_join(count)
         return start, count
 
     def _join_pages(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

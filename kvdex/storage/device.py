@@ -90,7 +90,7 @@ class DeviceStore(LayerStore):
         rows = (g.sink + start * g.page_size)[:, None] + torch.arange(g.page_size, device=self.device)[None, :]
         rows = rows.clamp(max=self.k.shape[2] - 1)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         keys, values = self.k.gather(2, rows)[:, :, None], self.v.gather(2, rows)[:, :, None]
-        host_start, host_count = self.advance_host(1)
+        host_start, host_count = self._advance_join()
         return PageJoin(joins, start, keys, values, host_start, host_count, self)
 
     def attend(self, sel: Selection) -> AttendSet:

@@ -228,14 +228,12 @@ class OffloadStore(LayerStore):
             self.k[bi, :, slot] = k[:, :, 0]
             self.v[bi, :, slot] = v[:, :, 0]
         self.lengths += 1
-        host_start, host_count = self.advance_host(1)
+        host_start, host_count = self._advance_join()
         return PageJoin(joins, start, kp[:, :, None], vp[:, :, None], host_start, host_count, self)
 
-    def advance_host(self, t: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        start, count = super().advance_host(t)
+    def count_join(self, count: torch.Tensor) -> None:
         page = 2 * self.grid.page_size * self.kv_heads * self.head_dim * self.dtype.itemsize
         self.stats.d2h_bytes += int(count.sum()) * page  # as host.write counts the pages leaving the window
-        return start, count
 
     def _append_many(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
         """t columns at once, the same end state as t single appends: per sequence, the rows from the
