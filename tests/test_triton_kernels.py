@@ -200,6 +200,26 @@ def test_gather_pages_matches_twin(on_device):
 
 
 @run_kernels
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_store_pages_matches_twin(on_device):
+    """The page that leaves an offloaded window, written into the page store by one kernel (pinned host
+    memory over UVA on CUDA): rows with page -1 write nothing."""
+    from kvdex.storage.host import store_pages_reference
+
+    dst = _host_pages(seed=4)
+    if on_device:
+        dst = dst.to(DEV)
+    want = dst.cpu().clone()
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randn(2, 3, 2, 4, 16, generator=gen)
+    pages = torch.tensor([6, -1])
+    uva.store_pages(dst, pages.to(DEV), blocks.to(DEV))
+    store_pages_reference(want, pages, blocks)
+    assert torch.equal(dst.cpu(), want)
+    assert torch.equal(want[0, :, 6], blocks[0]) and not torch.equal(want[1, :, 6], blocks[1])
+
+
+@run_kernels
 def test_gather_rows_matches_twin_and_host_layout():
     src = _host_pages(d=32, seed=2)
     sink, ps = 5, src.shape[4]

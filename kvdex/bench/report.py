@@ -32,12 +32,13 @@ def table(result: dict) -> str:
 
     The headline is tokens per second over every timed step (index updates included) and its ratio
     to dense ``full`` at the same context, batch and storage; the median, p90 and mean ms per token
-    stand beside it (a mean far above the median means some steps are much slower than the rest)."""
+    stand beside it (a mean far above the median means some steps are much slower than the rest).
+    ``eager``: CUDA-graph methods, the timed steps that ran eagerly instead of replaying a graph."""
     head = (
         f"{'method':<26} {'ctx':>5} {'b':>2} {'tok/s':>9} {'x full':>6} {'ms med':>8} {'p90':>8} {'mean':>8} "
         f"{'prefill s':>9} "
         f"{'peak GB':>7} {'dec GB':>7} {'host GB':>7} {'H2D MB/step':>11} {'sel/xfer/attn/rest %':>22} "
-        f"{'reuse':>5} {'pc hit':>6}"
+        f"{'reuse':>5} {'pc hit':>6} {'eager':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in result.get("results", []):
@@ -58,7 +59,8 @@ def table(result: dict) -> str:
             f"{r['ms_p90']:>8.2f} {_fmt(r.get('ms_mean'), '.2f'):>8} {r['prefill_s']:>9.2f} "
             f"{_fmt(r.get('peak_device_gb'), '.1f'):>7} {_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
             f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
-            f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6}"
+            f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6} "
+            f"{_fmt(r.get('eager_steps'), 'd'):>5}"
         )
     return "\n".join(lines)
 

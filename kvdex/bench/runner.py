@@ -106,6 +106,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             torch.cuda.reset_peak_memory_stats(device)
         h2d0 = h2d_bytes(cache)
         pc0 = page_cache_counts(cache)
+        eager0 = None if stepper is None else stepper.counts["eager"]
         ms, wall = timed_steps(step, nxt, cfg.steps, device)
         pc1 = page_cache_counts(cache)
         if pc1 != pc0 or getattr(cache, "page_cache", 0):  # hits / misses over the timed steps
@@ -115,6 +116,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             rec["page_cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
         if stepper is not None:
             rec["graph_counts"] = dict(stepper.counts)
+            rec["eager_steps"] = stepper.counts["eager"] - eager0  # timed steps that ran eagerly (no replay)
             if is_compiled(method):
                 rec.update(compile_info(stepper))  # compile_s: the warm-up steps that compiled
         rec["ms_median"] = statistics.median(ms)
@@ -282,4 +284,5 @@ def _line(r: dict) -> str:
         f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
         f"prefill {r['prefill_s']:.2f} s  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
         + ("" if hit is None else f"  page-cache hits {hit:.3f}")
+        + ("" if r.get("eager_steps") is None else f"  eager {r['eager_steps']}/{r['steps']} steps")
     )

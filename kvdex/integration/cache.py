@@ -37,7 +37,15 @@ from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.policies import PolicyInfo, make_policy
-from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats, left_padding, strip_left_padding
+from kvdex.storage import (
+    DeviceStore,
+    Grid,
+    OffloadStore,
+    TransferStats,
+    host_joins,
+    left_padding,
+    strip_left_padding,
+)
 
 # Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
 OBS_KEEP = 128
@@ -86,14 +94,45 @@ class KVDexLayer(CacheLayerMixin):
         if self.store is not None:
             if key_states.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
                 self._lengths_before = self.store.lengths.clone()
-            update = self.store.append(key_states, value_states)
-            update.store = self.store
-            if not self.dense and not update.empty:
-                parent.policy.index(self.layer_idx, update)
+            if self._joins_static(key_states):
+                self._append_join(key_states, value_states)
+            else:
+                update = self.store.append(key_states, value_states)
+                update.store = self.store
+                if not self.dense and not update.empty:
+                    parent.policy.index(self.layer_idx, update)
         self.seen += key_states.shape[2]
         tagged = key_states.view(key_states.shape)
         setattr(tagged, TAG, self)
         return tagged, value_states
+
+    def _joins_static(self, key_states: torch.Tensor) -> bool:
+        """Whether this append takes the capturable page-join path (CUDA-graph decoding: static sizing, one
+        token, a policy with ``capturable_index``) -- on a step that the decoder marks as a join step, or,
+        without a decoder (``Cache.join_step`` None), on a step in which a page joins the middle."""
+        parent = self.parent
+        if key_states.shape[2] != 1 or not getattr(self.store, "static", False) or not parent.policy.capturable_index:
+            return False
+        if parent.join_step is None:
+            return bool((host_joins(self.store.grid, self.store.lengths_host)[1] > 0).any())
+        if not parent.join_step and bool((host_joins(self.store.grid, self.store.lengths_host)[1] > 0).any()):
+            raise RuntimeError("a page joins the middle in a step the decoder did not mark as a join step")
+        return parent.join_step
+
+    def _append_join(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token through ``store.append_join`` and, for a sparse layer, ``policy.index_join`` (device work
+        with fixed shapes). The policy's host side (``joined``) runs here unless a decoder runs it before
+        the step (``Cache.joins_external``: a replay skips this Python)."""
+        parent = self.parent
+        join = self.store.append_join(k, v)
+        if self.dense:
+            return
+        policy = parent.policy
+        policy.reserve_index(self.layer_idx, int(self.store.grid.num_middle_pages(self.store.lengths_host).max()),
+                             self.store)  # fmt: skip
+        if not parent.joins_external and bool((join.host_count > 0).any()):
+            policy.joined(self.layer_idx, join.host_start, join.host_count)
+        policy.index_join(self.layer_idx, join)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -301,6 +340,11 @@ class Cache(HFCache):
         self._timing: dict[str, float] = {}
         self._attended = None
         self._attended_calls = 0
+        # CUDA-graph decoding (kvdex.integration.graph) of a policy with capturable_index: join_step says
+        # whether this step appends through the page-join path (None: where a page joins);
+        # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
+        self.join_step: bool | None = None
+        self.joins_external = False
         self._hook = None
         # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode
         # attention; the evaluation harness uses it to measure recall against the dense truth.

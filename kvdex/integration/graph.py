@@ -6,9 +6,10 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
 
 * between page boundaries nothing joins the middle region, so ``policy.index`` (Python over
   data-dependent shapes) does not run and every shape is fixed. A step in which a new page starts
-  (the oldest window page joins the middle, once every ``page_size`` tokens) runs eagerly, and so
-  does a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring every
-  ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores);
+  (the oldest window page joins the middle, once every ``page_size`` tokens) is replayed from a
+  second graph when the policy declares ``capturable_index`` (*page joins*, below), else it runs
+  eagerly; a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring
+  every ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores) runs eagerly;
 * stores and policies are switched to *static sizing* (``store.static = True``): the dense layers
   read the whole slot buffer (rows past each length are masked by the kernel using the device
   lengths), Quest / ArkVale / PRKV score their whole index capacity (pages past the middle masked),
@@ -29,13 +30,33 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
   the replay skipped (step counters, lookup counts). Device-side effects (H2O's score accumulation,
   ArkVale's cache bookkeeping) are inside the graph, written in place into persistent buffers.
 
+**Page joins** (``Policy.capturable_index``: quest, pariskv, chess, arkvale, prkv). In a decode step at
+most one page per sequence joins the middle, and the host knows which from its lengths. The step is
+then made of fixed-shape device work over device-side indices: ``LayerStore.append_join`` appends the
+token and returns a :class:`~kvdex.storage.PageJoin` (device ``joins`` mask and page ``start`` from the
+device lengths, the page's keys gathered there; an offloaded store first writes the page leaving its
+window ring to pinned host memory with one UVA kernel), and ``Policy.index_join`` writes the page's
+index entries in place under the mask. Everything data-dependent stays on the host, outside the
+graph: before every step (eager, captured or replayed) the decoder grows the stores and the policy's
+index ``JOIN_HEADROOM_PAGES`` ahead (``reserve_join`` / ``reserve_index``; a re-allocation is a new
+graph key, so it happens once every so many pages) and runs the policy's host side of the join
+(``Policy.joined``: CPU counters, CHESS's host-held selection); after a replay the stores' host
+side (``advance_host``, ``count_join``: lengths, the bytes written out). The cache takes this path
+under static sizing for every single-token step that ``Cache.join_step`` marks (without a decoder:
+every step in which a page joins). The decoder keys its graphs by (the policy's key, join step): two
+graphs per key. The join graph is right on a step in which nothing joins (an empty mask), so it is
+warmed up and captured on the first steps after the plain one and never at a boundary: steady
+decoding runs no eager step.
+``joined`` + ``index_join`` leave the index exactly as ``index`` would (tests/test_graph_joins.py).
+
 A policy without ``graph_key`` (``icecache``: its tree search runs on CPU threads) is decoded
 eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
 
 **CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
-every layer's sequence length and host lengths, the transfer counters (the captured step's counts),
-the attended-token count (``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device
-inside the graph, its call count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
+every layer's sequence length and host lengths (``advance_host``; ``count_join`` in a join step), the
+transfer counters (the captured step's counts), the attended-token count
+(``Cache.stats()["attended_tokens_per_step"]``: accumulated on the device inside the graph, its call
+count here), the policy's :meth:`graph_replayed`, then ``policy.on_step``
 with the replayed logits (CHESS's trigger and rebuild, PRKV's refresh clock run outside the graph).
 A capture runs the step's Python once (its CPU-side effects are those of the captured step; the
 ``on_step`` hook is held back and called after the first replay, when the logits exist).
@@ -50,7 +71,7 @@ stay eager Python: ``kvdex.Cache.update`` and the ``"kvdex"`` attention function
 after the attention (two graph breaks per layer). The compiled layers are swapped into the model's
 layer list only while the decoder runs a step (prefill and the user's own calls run the model as it
 was), one compilation per layer and shape (dynamo specialises on the module's ``layer_idx``), on the
-first decode step; later steps, eager page-boundary steps included, reuse them (no recompiles).
+first decode step; later steps, eager ones included, reuse them (no recompiles).
 """
 
 from __future__ import annotations
@@ -63,11 +84,17 @@ import torch
 
 from kvdex.integration.cache import Cache
 from kvdex.integration.compat import cache_kwargs
-from kvdex.storage import DeviceStore, OffloadStore
+from kvdex.storage import DeviceStore, OffloadStore, host_joins
 
 # Policies with built-in graph support that do not define the protocol themselves.
 _BUILTIN = {"full"}
 
+
+# Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of
+# the longest sequence (half of it used up -> grown again), so that a re-allocation (a new graph key, an
+# eager warm-up step and a capture) happens once every JOIN_HEADROOM_PAGES / 2 pages at most, and rarely
+# in practice (the buffers grow by a quarter of their size at a time).
+JOIN_HEADROOM_PAGES = 16
 
 # torch.compile modes that keep inductor's own CUDA graphs off (kvdex captures the whole step itself).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -199,10 +226,13 @@ class GraphDecoder:
         self.enabled, self.warn = enabled, warn
         self.reason: str | None = None
         self._checked = False
-        self.graph = None
+        self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
         self.key = None
-        self._warm_key = None
+        self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
+        self._joins = False  # the policy indexes page joins inside captured steps (capturable_index)
+        self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
+        self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
         self.compile_mode = _compile_mode(compile)
@@ -220,6 +250,19 @@ class GraphDecoder:
                     why = str(e)
             if why is not None:
                 self._compile_off(why)
+
+    @property
+    def graph(self):
+        """The CUDA graph of the last replayed key (None: none). Setting None drops every graph and its pool."""
+        entry = self.graphs.get(self.key)
+        return None if entry is None else entry[0]
+
+    @graph.setter
+    def graph(self, value) -> None:
+        if value is not None:
+            raise ValueError("GraphDecoder.graph can only be reset (set to None)")
+        self.graphs.clear()
+        self.key = None
 
     def _compile_off(self, why: str) -> None:
         self.compiled, self.compile_reason = None, why
@@ -301,11 +344,38 @@ class GraphDecoder:
             return
         for st in stores:
             st.static = True
+        self._joins = bool(self.cache.policy.capturable_index)
+
+    def _join_host(self) -> bool:
+        """Before a step of a ``capturable_index`` policy: room for the pages to come (stores and index,
+        :data:`JOIN_HEADROOM_PAGES` ahead, re-allocating -- a new graph key -- only every so many pages),
+        then the host side of this step's joins (``Policy.joined``). True when a page joins."""
+        c, p = self.cache, self.cache.policy
+        lays = [c.layers[i] for i in p.info.sparse_layers]
+        if not lays:
+            return False
+        st = lays[0].store
+        g = st.grid
+        top = int(st.lengths_host.max()) + 1
+        if top + JOIN_HEADROOM_PAGES * g.page_size // 2 > self._reserved:
+            self._reserved = top + JOIN_HEADROOM_PAGES * g.page_size
+            pages = g.middle_pages_of(self._reserved)
+            for lay in c.layers:
+                lay.store.reserve_join(self._reserved)
+            for lay in lays:
+                p.reserve_index(lay.layer_idx, pages, lay.store)
+        start, count = host_joins(g, st.lengths_host)
+        self._join_count = count
+        if not bool((count > 0).any()):
+            return False
+        for lay in lays:
+            p.joined(lay.layer_idx, start, count)
+        return True
 
     def _needs_eager(self) -> bool:
         st = self._stores()[0]
         g, L = st.grid, st.lengths_host
-        if bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
+        if not self._joins and bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
             return True  # a page joins the middle: store/policy index work with data-dependent shapes
         for s in self._stores():
             if not isinstance(s, OffloadStore) and int(s.lengths_host.max()) + 1 > s.k.shape[2]:
@@ -336,25 +406,46 @@ class GraphDecoder:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._prepare()
         c = self.cache
+        try:
+            # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
+            c.joins_external = self._joins
+            return self._step(ids)
+        finally:  # the cache used without the decoder decides page joins itself again
+            c.join_step, c.joins_external = None, False
+
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        joining = self._join_host() if self.reason is None and self._joins else False
         key = None if self.reason is not None or self._needs_eager() else self._key()
+        if key is not None and self._joins:
+            # the join variant of the step (page-join path, masked per sequence on the device) is right on
+            # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
+            early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
+            key = (key, joining or early)
+        if self.reason is None and self._joins:
+            c.join_step = joining if key is None else key[1]
         torch.add(self._neg_pads, c.layers[0].seen, out=self.pos)  # position of the new token, per row
-        if key is None or (key != self.key and key != self._warm_key):
-            # eager: a boundary, or a new key run once eagerly first so that every kernel variant is
-            # compiled and loaded before a capture (no module loads while capturing)
-            self._warm_key = key
+        if key is None or (key not in self.graphs and key not in self._warmed):
+            # eager: a boundary (a policy without capturable_index), a step the policy keeps eager, or a new
+            # key run once eagerly first so that every kernel variant is compiled and loaded before a
+            # capture (no module loads while capturing)
+            if key is not None:
+                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
             self.counts["eager"] += 1
             out = self._run(input_ids=ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos)
             return out.logits[:, -1]
         self.ids.copy_(ids)
-        if self.graph is None or key != self.key:
-            self._capture()
+        if key not in self.graphs:
+            self._capture(key)
             self.key = key
-            self.graph.replay()  # the capture ran this step's CPU side; this does its device work
+            self.graphs[key][0].replay()  # the capture ran this step's CPU side; this does its device work
             self.counts["replays"] += 1
             c.policy.on_step(c.step, self.logits)  # held back during the capture
             return self.logits
+        graph, self.logits, self._delta = self.graphs[key]
+        self.key = key
         self._bookkeeping()
-        self.graph.replay()
+        graph.replay()
         self.counts["replays"] += 1
         if hasattr(c.policy, "graph_replayed"):
             c.policy.graph_replayed()
@@ -365,9 +456,12 @@ class GraphDecoder:
         """The CPU side of one replayed step, as the captured step's Python did it."""
         c = self.cache
         c.step += 1
+        join = self._joins and self.key[1] and bool((self._join_count > 0).any())
         for lay in c.layers:
             lay.seen += 1
-            lay.store.lengths_host += 1
+            lay.store.advance_host(1)
+            if join:
+                lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
         c._attended_calls += self._delta[2]
@@ -380,9 +474,14 @@ class GraphDecoder:
                 stacklevel=3,
             )
 
-    def _capture(self) -> None:
+    def _base(self, key):
+        """The key without the page-join flag (the policy's buffers and shapes)."""
+        return key[0] if self._joins else key
+
+    def _capture(self, key) -> None:
         c = self.cache
-        self.graph = None
+        for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
+            del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
         # attended tokens: a persistent device counter that the replays accumulate into (in place)
         c._attended = (
             torch.zeros((), dtype=torch.long, device=self.device)
@@ -400,8 +499,8 @@ class GraphDecoder:
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
-        self.graph = g
         self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c._attended_calls - before[2])
+        self.graphs[key] = (g, self.logits, self._delta)
         self.counts["captures"] += 1
 
 

@@ -199,6 +199,30 @@ def _pc_step_kernel(
     tl.store(SLOT_TOK + (bh * P + po)[:, None] * PS + so[None, :], rows, mask=pm[:, None])
 
 
+@triton.jit
+def _store_kernel(
+    DST,
+    PAGES,
+    BLOCKS,
+    stride_db,
+    stride_dh,
+    stride_dp,
+    H,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)  # one program per (sequence, kv head); rows with page -1 write nothing
+    b = i // H
+    h = i % H
+    page = tl.load(PAGES + b)
+    if page >= 0:
+        offs = tl.arange(0, BLOCK)
+        m = offs < BLOCK_SIZE
+        x = tl.load(BLOCKS + i.to(tl.int64) * BLOCK_SIZE + offs, mask=m, other=0.0)
+        dst = DST + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + page.to(tl.int64) * stride_dp
+        tl.store(dst + offs, x, mask=m)
+
+
 def _check_src(src: torch.Tensor) -> None:
     if src.dim() != 6 or src.shape[3] != 2:
         raise ValueError(f"source must be host pages [B, H, P, 2, page_size, D], got {tuple(src.shape)}")
@@ -297,6 +321,25 @@ def fill_slots(
         src, pages, dst, k_buf, v_buf, src.stride(0), src.stride(1), src.stride(2),
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
         base, h, n, PS=ps, D=d, BLOCK=triton.next_power_of_2(ps * d),
+    )  # fmt: skip
+
+
+def store_pages(dst: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Write one page per sequence into the page store, one launch: dst [B, H, P, 2, ps, D] (pinned host
+    or device); pages [B] page ids on the kernel's device (``-1``: that sequence writes nothing);
+    blocks [B, H, 2, ps, D] on that device. The grid does not depend on which rows write, so a CUDA
+    graph can capture it (the page that leaves an offloaded window, written through UVA)."""
+    _check_src(dst)
+    b, h, cap, _, ps, d = dst.shape
+    if pages.shape != (b,) or tuple(blocks.shape) != (b, h, 2, ps, d) or blocks.dtype != dst.dtype:
+        raise ValueError(f"pages must be [{b}] and blocks [{b}, {h}, 2, {ps}, {d}] of {dst.dtype}")
+    _readable(dst, pages.device)
+    if b * h == 0:
+        return
+    block = 2 * ps * d
+    _store_kernel[(b * h,)](
+        dst, pages.contiguous(), blocks.contiguous(), dst.stride(0), dst.stride(1), dst.stride(2), h,
+        BLOCK_SIZE=block, BLOCK=triton.next_power_of_2(block),
     )  # fmt: skip
 
 

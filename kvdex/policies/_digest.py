@@ -116,6 +116,22 @@ class DigestIndex:
             centre[b, :, s : s + n] = c[b, :, :n]
             radius[b, :, s : s + n] = r[b, :, :n]
 
+    def reserve(self, layer: int, pages: int, store) -> None:
+        """Capacity for ``pages`` pages of ``layer`` (page joins inside a captured step: reserved beforehand)."""
+        if pages > 0:
+            b, h, d, dev = store.batch, store.kv_heads, store.head_dim, store.device
+            r = 1 if self.kind.startswith("sphere") else d
+            like = torch.empty(b, h, 0, d, device=dev)
+            self._reserve(layer, pages, like, torch.empty(b, h, 0, r, device=dev))
+
+    def write_join(self, layer: int, join) -> None:
+        """The digest of the page each sequence with ``join.joins`` adds (a :class:`~kvdex.storage.PageJoin`),
+        with fixed shapes; the same values as :meth:`write`."""
+        if layer in self.centre:
+            c, r = summarize(join.keys, self.kind)
+            join.write(self.centre[layer], c)
+            join.write(self.radius[layer], r)
+
     def scores(self, layer: int, q: torch.Tensor, pages: int) -> torch.Tensor:
         """[B, Hq, pages] estimated importance of pages 0 ... pages-1 for q [B, Hq, D]."""
         return digest_scores(q, self.centre[layer][:, :, :pages], self.radius[layer][:, :, :pages])

@@ -70,6 +70,7 @@ def top_pages(
 class ArkValePolicy(Policy):
     name = "arkvale"
     capturable = True
+    capturable_index = True
 
     digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
@@ -114,19 +115,36 @@ class ArkValePolicy(Policy):
     def index(self, layer, update) -> None:
         self.digests.write(layer, update.start, update.count, update.keys)
         need = int((update.start + update.count).max()) if update.count.numel() else 0
+        cur = self._reserve_cached(layer, need, update.keys)
+        for b in torch.nonzero(update.count).flatten().tolist():  # a page that fills is in the cache
+            s = int(update.start[b])
+            cur[b, :, s : s + int(update.count[b])] = True
+
+    # page joins inside a captured decode step (Policy.capturable_index): the digest and the cache flag of
+    # the joining page, written at the device start of each joining sequence
+    def reserve_index(self, layer, pages, store) -> None:
+        if pages > 0:
+            self.digests.reserve(layer, pages, store)
+            self._reserve_cached(layer, pages, torch.empty(store.batch, store.kv_heads, device=store.device))
+
+    def index_join(self, layer, join) -> None:
+        self.digests.write_join(layer, join)
+        if layer in self.cached:
+            b, h = join.keys.shape[:2]
+            join.write(self.cached[layer], torch.ones(b, h, 1, dtype=torch.bool, device=join.keys.device))
+
+    def _reserve_cached(self, layer: int, need: int, like: torch.Tensor) -> torch.Tensor:
         cur = self.cached.get(layer)
         if cur is None or cur.shape[2] < need:
-            b, h = update.keys.shape[:2]
+            b, h = like.shape[:2]
             new = torch.zeros(b, h, max(need, 2 * (0 if cur is None else cur.shape[2])), dtype=torch.bool,
-                              device=update.keys.device)  # fmt: skip
+                              device=like.device)  # fmt: skip
             if cur is None:  # this layer's recall count, on its device
                 self.recalled[layer] = torch.zeros((), dtype=torch.long, device=new.device)
             else:
                 new[:, :, : cur.shape[2]] = cur
             self.cached[layer] = cur = new
-        for b in torch.nonzero(update.count).flatten().tolist():  # a page that fills is in the cache
-            s = int(update.start[b])
-            cur[b, :, s : s + int(update.count[b])] = True
+        return cur
 
     def select(self, layer, q, store, scale) -> Selection:
         k = self.cfg.retrieval_pages

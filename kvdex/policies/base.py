@@ -10,8 +10,26 @@ Life cycle, driven by :class:`kvdex.Cache`:
 * ``index(layer, update)``           pages joined the middle region: all of them at prefill
                                      (with the observation-window queries when ``obs_window``),
                                      then one page at a time as the window moves on;
+                                     A ``capturable_index`` policy indexes decode-time joins
+                                     through ``index_join`` instead (below);
 * ``select(layer, q, store, scale)`` every decode step, per sparse layer -> :class:`Selection`;
 * ``on_step(step, logits)``          after every decode step, with the last-position logits.
+
+**Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.integration.graph).
+Under static sizing, a single-token decode step in which pages join the middle (at most one per
+sequence) does not call ``index``; instead, per sparse layer:
+
+* ``reserve_index(layer, pages, store)`` outside any captured step: capacity for ``pages`` middle pages
+  per sequence (re-allocating changes ``graph_key``);
+* ``joined(layer, start, count)`` the host side of the join (CPU counters, host-held selections):
+                                     start / count [B] (CPU) as a :class:`MiddleUpdate`'s. Runs once per
+                                     step, before the step's device work -- by the decoder before a
+                                     replay, since a replay runs no Python;
+* ``index_join(layer, join)``        the device side: a :class:`~kvdex.storage.PageJoin` (device
+                                     ``joins`` mask and ``start`` ids, keys [B, H, 1, ps, D]); fixed
+                                     shapes, no host read of a device value, writes in place into
+                                     buffers ``reserve_index`` made. ``joined`` + ``index_join`` leave
+                                     the index exactly as ``index`` does for the same pages.
 
 Sink and window are always attended and are never part of a selection. GQA: ``select`` gets the
 queries of all heads, ``q`` [B, Hq, D]; it returns one selection per kv head. ``group_reduce`` is
@@ -30,7 +48,7 @@ import torch
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
 from kvdex.selection import Selection
-from kvdex.storage import LayerStore, MiddleUpdate
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -66,6 +84,8 @@ class Policy:
     uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
     observes: ClassVar[bool] = False  # True: ``observe`` is called after every sparse decode attention
     capturable: ClassVar[bool] = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
+    # True: a page joining the middle is indexed inside a captured step (reserve_index / joined / index_join)
+    capturable_index: ClassVar[bool] = False
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -76,6 +96,22 @@ class Policy:
 
     def select(self, layer: int, q: torch.Tensor, store: LayerStore, scale: float) -> Selection:
         raise NotImplementedError
+
+    # ---- capturable page joins (capturable_index = True; see the module docstring) ----------------
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
+        """Capacity for ``pages`` middle pages per sequence of ``layer``'s index (outside a captured step).
+        Nothing to do for ``pages == 0``."""
+        if self.capturable_index:
+            raise NotImplementedError(f"{type(self).__name__} declares capturable_index without reserve_index")
+
+    def joined(self, layer: int, start: torch.Tensor, count: torch.Tensor) -> None:
+        """The host side of pages joining ``layer``'s middle in a step indexed by ``index_join``:
+        start / count [B] (CPU). Default: nothing."""
+
+    def index_join(self, layer: int, join: PageJoin) -> None:
+        """Index the page that joins the middle of each sequence with ``join.joins`` (device work only,
+        fixed shapes whatever joins)."""
+        raise NotImplementedError(f"{type(self).__name__} does not index page joins with static shapes")
 
     def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""

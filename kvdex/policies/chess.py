@@ -128,6 +128,7 @@ class ChessPolicy(Policy):
 
     name = "chess"
     capturable = True
+    capturable_index = True
 
     preset: str = ""  # conservative | moderate | aggressive; "" with no rho_*: budget mode
     rho_g: float | None = None
@@ -307,6 +308,50 @@ class ChessPolicy(Policy):
         cid = torch.arange(g0 * ng, g1 * ng, device=vp.device).view(1, g1 - g0, ng)
         have = (cid < (-(-n // nc))[:, None, None]).float()
         vg[:, g0:g1, cols] = (chunks * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
+
+    # ---- page joins inside a captured decode step (Policy.capturable_index) ---------------------------
+    # The joining page's vector (eq. 1) is written at the device start of each joining sequence, then the
+    # centroids (eq. 2) of its chunk and grid are recomputed (the other chunks do not change); the page
+    # counts and the budget-mode cover of the selection (_cover: host-held) are the host side (joined).
+    def reserve_index(self, layer, pages, store) -> None:
+        if pages > 0:
+            self._reserve(pages, torch.empty(store.batch, 0, device=store.device))
+
+    def joined(self, layer, start, count) -> None:
+        slot = self._slot[layer]
+        if self._npages is None:
+            self._npages = torch.zeros(len(self._slot), count.shape[0], dtype=torch.long)
+        self._npages[slot] = torch.where(
+            count > 0, torch.maximum(self._npages[slot], start + count), self._npages[slot]
+        )
+        self._cover(MiddleUpdate(start, count, torch.empty(0)))
+
+    def index_join(self, layer, join) -> None:
+        self._stores[layer] = join.store
+        if self._vall is None:
+            return
+        vg, vc, vp = self._views()
+        dev = vp.device
+        cols = slice(self._slot[layer] * self._hd, (self._slot[layer] + 1) * self._hd)
+        means = join.keys.float().mean(dim=3)  # [B, H, 1, D]
+        b, h, _, d = means.shape
+        means = means.permute(0, 2, 1, 3).reshape(b, h * d).to(dev)
+        on, bi = join.joins.to(dev)[:, None], torch.arange(b, device=dev)
+        page = join.start.to(dev).clamp(max=vp.shape[1] - 1)
+        vp[bi, page, cols] = torch.where(on, means, vp[bi, page, cols])
+        nc, ng = self.chunk_pages, self.grid_chunks
+        n = page + 1  # pages of a joining sequence (this one is its last)
+        chunk, grid = page // nc, page // (nc * ng)
+        pid = chunk[:, None] * nc + torch.arange(nc, device=dev)  # [B, Nc]
+        have = (pid < n[:, None]).float()[:, None]  # [B, 1, Nc]
+        pages = vp[bi[:, None], pid, cols][:, None]  # [B, 1, Nc, F_layer]
+        cent = (pages * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
+        vc[bi, chunk, cols] = torch.where(on, cent[:, 0], vc[bi, chunk, cols])
+        cid = grid[:, None] * ng + torch.arange(ng, device=dev)  # [B, Ng]
+        have = (cid < (-(-n // nc))[:, None]).float()[:, None]
+        chunks = vc[bi[:, None], cid, cols][:, None]
+        cent = (chunks * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
+        vg[bi, grid, cols] = torch.where(on, cent[:, 0], vg[bi, grid, cols])
 
     # ---- selection ------------------------------------------------------------------------------------
     def anchor(self, upcoming: torch.Tensor | None = None) -> torch.Tensor:
@@ -493,8 +538,8 @@ class ChessPolicy(Policy):
 
     # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
     # The selection only changes in _build, which runs in on_step (after the step, outside a captured
-    # graph) or at a page boundary (an eager step). Under static sizing select returns one persistent
-    # [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
+    # graph) or before a page-boundary step (joined: the budget cover). Under static sizing select returns
+    # one persistent [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
     # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
     # new buffer, whose identity is in the graph key.
     def graph_key(self, stores) -> tuple | None:
@@ -506,7 +551,8 @@ class ChessPolicy(Policy):
             if len(self._queries) < len(self.info.sparse_layers):
                 return None  # this step's select allocates the query buffers: an eager step
             queries = tuple((lay, id(x), tuple(x.shape)) for lay, x in sorted(self._queries.items()))
-        return ("chess", id(buf), tuple(buf.shape)) + queries
+        index = (id(self._vall), self._gcap)  # page joins write into it inside the captured step
+        return ("chess", id(buf), tuple(buf.shape), index) + queries
 
     def _static_selection(self, store) -> torch.Tensor:
         if self._static_pages is None:  # allocated in an eager step (the graph key changed)

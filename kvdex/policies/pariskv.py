@@ -83,6 +83,7 @@ class _Rows:
 class ParisKVPolicy(Policy):
     name = "pariskv"
     capturable = True
+    capturable_index = True
     granularity = "token"
 
     m: int = 8  # subspace size: 2**m analytic centroids per subspace
@@ -126,6 +127,7 @@ class ParisKVPolicy(Policy):
         self._ops = None
         self._consts: dict[torch.device, tuple] = {}
         self._rows: dict[tuple, _Rows] = {}
+        self._done_dev: dict[int, torch.Tensor] = {}  # center=True, page joins: the means set, on the device
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(SRHT signs, magnitude thresholds, centers, centroid codebook, SRHT matrix) on ``device`` (copied once)."""
@@ -187,6 +189,53 @@ class ParisKVPolicy(Policy):
             idx.counts[bi] += K.cluster_counts(ids[bi, :, :c], valid, 1 << self.m)
             idx.n[bi] = max(int(idx.n[bi]), s + c)
 
+    # ---- page joins inside a captured decode step (Policy.capturable_index) ---------------------------
+    # The page that joins (at most one per sequence) is encoded with fixed shapes and written at the device
+    # start of each joining sequence; its centroid counts are added under the device mask; the encoded
+    # token count ``n`` (CPU) is the host side (``joined``). center=True: a sequence whose mean key is not
+    # set yet (no middle at prefill) takes it from its first joining page, under a device flag.
+    def reserve_index(self, layer, pages, store) -> None:
+        if pages <= 0:
+            return
+        like = torch.empty(store.batch, store.kv_heads, 0, 1, device=store.device)
+        self._reserve(layer, pages * store.grid.page_size, like)
+        if self.center and layer not in self.means:
+            self.means[layer] = (torch.zeros(store.batch, store.kv_heads, self.info.head_dim, device=store.device),
+                                 torch.zeros(store.batch, dtype=torch.bool))  # fmt: skip
+        if self.center and layer not in self._done_dev:
+            self._done_dev[layer] = self.means[layer][1].to(store.device, copy=True)
+
+    def joined(self, layer, start, count) -> None:
+        ps = self.cfg.page_size
+        if layer in self.index_:
+            n = self.index_[layer].n
+            n.copy_(torch.where(count > 0, torch.maximum(n, (start + count) * ps), n))
+        if self.center and layer in self.means:
+            self.means[layer][1].logical_or_(count > 0)
+
+    def index_join(self, layer, join) -> None:
+        if layer not in self.index_:
+            return
+        b, h, _, ps, d = join.keys.shape
+        keys = join.keys.reshape(b, h, ps, d)
+        valid = join.joins[:, None].expand(b, ps)
+        if self.center:
+            mu, done = self.means[layer][0], self._done_dev[layer]
+            w = valid.float()
+            mean = torch.einsum("bn,bhnd->bhd", w, keys.float()) / w.sum(1).clamp(min=1)[:, None, None]
+            mu.copy_(torch.where((join.joins & ~done)[:, None, None], mean, mu))
+            done.logical_or_(join.joins)
+            keys = keys.float() - mu[:, :, None, :]
+        signs, thresholds, centers = self.consts(keys.device)[:3]
+        ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
+        ids = self.assign(layer, keys, ids, valid)
+        idx = self.index_[layer]
+        join.write(idx.ids, ids)
+        join.write(idx.codes, codes)
+        join.write(idx.weight, weight)
+        live = valid[:, None, :].expand(b, h, ps).reshape(b * h, ps)
+        idx.counts += K.cluster_counts(ids.reshape(b * h, ps, -1), live, 1 << self.m).view(idx.counts.shape)
+
     def key_mean(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``center=True``: the frozen mean key per (sequence, kv head) [B, H, d] fp32. A sequence's mean
         is set from the first update that holds keys of it (the prefill) and never changes after."""
@@ -229,11 +278,13 @@ class ParisKVPolicy(Policy):
     # whole index capacity (slots past each row's middle length masked on the device), keeps the pool in a
     # fixed width (the largest pool any middle length up to the capacity can have; each row's own pool size
     # is a device buffer), and reranks that width. The per-row sizes (``rows``) are persistent buffers that
-    # only a new middle length rewrites, in place -- at a page boundary, which the decoder runs eagerly, as
-    # it does the encoding of the page that joined the middle (``index``). Selected tokens == dynamic sizing.
+    # only a new middle length rewrites, in place -- before a page-boundary step (graph_key sizes them for
+    # the middle during the step); the page that joins is encoded inside the step (index_join).
+    # Selected tokens == dynamic sizing.
     def graph_key(self, stores) -> tuple:
         st = stores[-1]
-        nmid = st.grid.num_middle_pages(st.lengths_host) * st.grid.page_size  # host bookkeeping
+        # host bookkeeping: the middle lengths during the step (a page that joins in it included)
+        nmid = st.grid.num_middle_pages(st.lengths_host + 1) * st.grid.page_size
         n, k = int(nmid.max()), self.cfg.retrieval_tokens
         mode = "empty" if n == 0 or not self.index_ else ("all" if n <= k else "search")  # select's branch
         if mode != "empty":  # the sizes of this middle length, before the step (no page joins in it)
@@ -246,7 +297,7 @@ class ParisKVPolicy(Policy):
         idx = tuple(
             (lay, id(i.ids), tuple(i.ids.shape), id(i.codes), id(i.weight), id(i.counts))
             for lay, i in sorted(self.index_.items())
-        )
+        ) + tuple((lay, id(self.means[lay][0]), id(d)) for lay, d in sorted(self._done_dev.items()))
         rows = tuple((key, id(r.n_row), id(r.quotas), id(r.pool)) for key, r in self._rows.items())
         return idx, rows
 

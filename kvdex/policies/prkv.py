@@ -59,6 +59,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 class PRKVPolicy(Policy):
     name = "prkv"
     capturable = True
+    capturable_index = True
 
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
@@ -105,6 +106,14 @@ class PRKVPolicy(Policy):
         if update.obs_queries is not None:
             self.pending[layer] = update
         self.digests.write(layer, update.start, update.count, update.keys)
+
+    # page joins inside a captured decode step (Policy.capturable_index): the joining page's digest (the
+    # page joins after the static region: restructuring leaves the slots past the middle in place)
+    def reserve_index(self, layer, pages, store) -> None:
+        self.digests.reserve(layer, pages, store)
+
+    def index_join(self, layer, join) -> None:
+        self.digests.write_join(layer, join)
 
     # ---- static part (Algorithm 1) -------------------------------------------------------------
     def _origin(self, layer: int, store, m: int) -> torch.Tensor:

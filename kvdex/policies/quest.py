@@ -28,6 +28,7 @@ _GROW = 256  # pages of index capacity added at a time
 class QuestPolicy(Policy):
     name = "quest"
     capturable = True
+    capturable_index = True
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -45,6 +46,18 @@ class QuestPolicy(Policy):
             s, c = int(update.start[b]), int(update.count[b])
             kmin[b, :, s : s + c] = lo[b, :, :c]
             kmax[b, :, s : s + c] = hi[b, :, :c]
+
+    # page joins inside a captured decode step (Policy.capturable_index): the same bounds, written at the
+    # device start of each joining sequence
+    def reserve_index(self, layer, pages, store) -> None:
+        if pages > 0:
+            like = torch.empty(store.batch, store.kv_heads, 0, store.head_dim, dtype=store.dtype, device=store.device)
+            self._reserve(layer, pages, like)
+
+    def index_join(self, layer, join) -> None:
+        if layer in self.kmin:
+            join.write(self.kmin[layer], join.keys.amin(dim=3))
+            join.write(self.kmax[layer], join.keys.amax(dim=3))
 
     def _reserve(self, layer, pages, like):
         cur = self.kmin.get(layer)

@@ -1,6 +1,14 @@
 """KV storage: page-grid layout, GPU-resident pages, host page store, batched transfers."""
 
-from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, TransferStats, strip_left_padding
+from kvdex.storage.base import (
+    AttendSet,
+    LayerStore,
+    MiddleUpdate,
+    PageJoin,
+    TransferStats,
+    host_joins,
+    strip_left_padding,
+)
 from kvdex.storage.device import DeviceStore
 from kvdex.storage.layout import Grid, left_padding
 from kvdex.storage.offload import OffloadStore
@@ -12,7 +20,9 @@ __all__ = [
     "LayerStore",
     "MiddleUpdate",
     "OffloadStore",
+    "PageJoin",
     "TransferStats",
+    "host_joins",
     "left_padding",
     "strip_left_padding",
 ]

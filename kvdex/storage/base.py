@@ -45,6 +45,47 @@ class MiddleUpdate:
 
 
 @dataclass
+class PageJoin:
+    """At most one page per sequence joining the middle in a single-token decode step, with static
+    shapes (the capturable twin of :class:`MiddleUpdate`, ``LayerStore.append_join``).
+
+    Device (what captured work may read): ``joins`` [B] bool -- sequence b's oldest window page joins
+    the middle; ``start`` [B] long -- its middle page id (for other rows a valid id that must not be
+    written); ``keys`` / ``values`` [B, H, 1, ps, D] -- its keys / values (junk where not ``joins``).
+    Host (CPU, bookkeeping only, never fed into device work): ``host_start`` / ``host_count`` [B], the
+    same as a :class:`MiddleUpdate`'s ``start`` / ``count``.
+    """
+
+    joins: torch.Tensor
+    start: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    host_start: torch.Tensor
+    host_count: torch.Tensor
+    store: LayerStore | None = None
+
+    def write(self, buf: torch.Tensor, val: torch.Tensor) -> None:
+        """``buf[b, :, start[b]*n : start[b]*n + n] = val[b]`` for every sequence b that joins, in place with
+        fixed shapes (a gather and a scatter): buf [B, H, cap, ...], val [B, H, n, ...] (n entries per page:
+        1 for a per-page index, page_size for a per-token one)."""
+        b, h, n = val.shape[:3]
+        rest = val.shape[3:]
+        idx = (self.start * n)[:, None] + torch.arange(n, device=self.start.device)[None, :]
+        idx = idx.clamp(max=buf.shape[2] - 1).view(b, 1, n, *([1] * len(rest))).expand(b, h, n, *rest)
+        cur = buf.gather(2, idx)
+        on = self.joins.view(b, 1, 1, *([1] * len(rest)))
+        buf.scatter_(2, idx, torch.where(on, val.to(buf.dtype), cur))
+
+
+def host_joins(grid: Grid, lengths_host: torch.Tensor, t: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, count) [B] (CPU) of the middle pages that join when ``t`` tokens are appended to
+    sequences of ``lengths_host`` tokens (``start`` is 0 where ``count`` is 0)."""
+    before = grid.num_middle_pages(lengths_host)
+    count = grid.num_middle_pages(lengths_host + t) - before
+    return torch.where(count > 0, before, 0), count
+
+
+@dataclass
 class AttendSet:
     """Device-resident K/V buffers and, per (sequence, kv head), the slots to attend.
 
@@ -130,6 +171,40 @@ class LayerStore(ABC):
         if bool((tail & (order != ar)).any()):
             raise ValueError("order must leave the slots past a sequence's own middle in place")
         return m
+
+    # ---- capturable page joins (CUDA-graph decoding, kvdex.integration.graph) ------------------
+    def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
+        """One new token per sequence (k/v [B, H, 1, D]) with static shapes: every device op is the same
+        whichever sequences' oldest window page joins the middle (a device mask), so a CUDA graph can
+        capture it. The host side (lengths, counters) is :meth:`advance_host`; the device memory the
+        step writes must be reserved first (:meth:`reserve_join`). Same end state as :meth:`append`."""
+        raise NotImplementedError(f"{type(self).__name__} has no capturable append")
+
+    def reserve_join(self, tokens: int) -> None:
+        """Outside a captured step: make room for sequences of up to ``tokens`` tokens. Default: nothing."""
+        return None
+
+    def advance_host(self, t: int = 1) -> None:
+        """The host side of appending ``t`` tokens per sequence (what a replayed step leaves to the CPU)."""
+        self.lengths_host += t
+
+    def count_join(self, count: torch.Tensor) -> None:
+        """The host counters of a :meth:`append_join` in which ``count`` [B] (CPU) pages joined. Default: none."""
+        return None
+
+    def _advance_join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host side of :meth:`append_join`: (start, count) of the joining pages, lengths advanced, counted."""
+        start, count = host_joins(self.grid, self.lengths_host)
+        self.advance_host(1)
+        self.count_join(count)
+        return start, count
+
+    def _join_pages(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device (joins [B] bool, start [B] long) for appending one token to sequences of ``lengths``
+        (device) tokens; ``start`` is the page id for every row (the window's first page where none joins)."""
+        g = self.grid
+        before = g.num_middle_pages(lengths)
+        return g.num_middle_pages(lengths + 1) > before, before
 
     @abstractmethod
     def device_bytes(self) -> int: ...

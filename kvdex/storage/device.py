@@ -7,7 +7,7 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
-from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
+from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 
 # Capacity grows in steps of at least this many tokens (and 25%), so a decode step
 # almost never reallocates.
@@ -67,6 +67,31 @@ class DeviceStore(LayerStore):
         self._advance(t)
         after = self.grid.num_middle_pages(self.lengths_host)
         return self._middle_update(before, after - before, self.k, self.v)
+
+    def reserve_join(self, tokens: int) -> None:
+        self._reserve(tokens)
+
+    def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
+        """:meth:`append` of one token with static shapes (the capacity is reserved beforehand; a step that
+        must grow the buffer is not capturable): the joining page is read at the device start."""
+        if k.shape[2] != 1:
+            raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
+        self._reserve(int(self.lengths_host.max()) + 1)  # a no-op when reserved ahead (host check only)
+        joins, start = self._join_pages(self.lengths)
+        fast = _fast_append() if self.k.is_cuda else None
+        if fast is not None:
+            fast(self.k, self.v, k, v, self.lengths)
+        else:
+            bi = torch.arange(self.batch, device=self.device)
+            self.k[bi, :, self.lengths] = k[:, :, 0]
+            self.v[bi, :, self.lengths] = v[:, :, 0]
+        self.lengths += 1
+        g = self.grid
+        rows = (g.sink + start * g.page_size)[:, None] + torch.arange(g.page_size, device=self.device)[None, :]
+        rows = rows.clamp(max=self.k.shape[2] - 1)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+        keys, values = self.k.gather(2, rows)[:, :, None], self.v.gather(2, rows)[:, :, None]
+        host_start, host_count = self._advance_join()
+        return PageJoin(joins, start, keys, values, host_start, host_count, self)
 
     def attend(self, sel: Selection) -> AttendSet:
         g, dev = self.grid, self.device

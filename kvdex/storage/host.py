@@ -86,6 +86,17 @@ def _aligned_offset(t: torch.Tensor) -> int:
     return (-t.untyped_storage().data_ptr()) % _HOST_PAGE
 
 
+def store_pages_reference(dst: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    """The spec of :func:`kvdex.kernels.uva.store_pages` (PyTorch, on ``dst``'s device; no host read of ``pages``)."""
+    b = dst.shape[0]
+    p = pages.to(dst.device).long()
+    blk = blocks.to(dst.device)
+    bi = torch.arange(b, device=dst.device)
+    at = p.clamp(min=0, max=dst.shape[2] - 1)
+    cur = dst[bi, :, at]  # [B, H, 2, ps, D]
+    dst[bi, :, at] = torch.where((p >= 0)[:, None, None, None, None], blk, cur)
+
+
 def _uva_kernels():
     """kvdex.kernels.uva when triton is importable and KVDEX_UVA is not "0", else None."""
     return triton_kernel("uva")
@@ -166,6 +177,16 @@ class HostPages:
             dst[:, :, 0].copy_(k)
             dst[:, :, 1].copy_(v)
         self.stats.d2h_bytes += 2 * k.numel() * k.element_size()
+
+    def write_join(self, pages: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Store page ``pages[b]`` of every sequence b with ``pages[b] >= 0``: blocks [B, H, 2, ps, D] (device),
+        pages [B] (device). UVA (pinned + triton): one kernel writing host memory, no host read of the
+        page ids (graph-capturable); else the PyTorch twin. Capacity is reserved by the caller
+        (:meth:`reserve`); bytes are counted by the caller (on the host)."""
+        if self._uva is not None:
+            self._uva.store_pages(self.data, pages.to(self.device), blocks)
+            return
+        store_pages_reference(self.data, pages, blocks)
 
     def permute_tokens(self, order: torch.Tensor) -> None:
         """Reorder the first M tokens (M / ps pages) of every (sequence, head): token j <- token order[..., j].

@@ -30,6 +30,10 @@ class Grid:
         grid_pages = (after_sink + self.page_size - 1) // self.page_size
         return (grid_pages - self.window_pages).clamp(min=0)
 
+    def middle_pages_of(self, length: int) -> int:
+        """:meth:`num_middle_pages` of one length, in Python (host bookkeeping without a tensor)."""
+        return max(0, -(-max(length - self.sink, 0) // self.page_size) - self.window_pages)
+
     def window_start(self, lengths: torch.Tensor) -> torch.Tensor:
         """First position of the window per sequence (== end of the middle)."""
         return self.sink + self.num_middle_pages(lengths) * self.page_size

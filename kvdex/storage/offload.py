@@ -35,7 +35,7 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
-from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate
+from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.host import HostPages
 
 
@@ -200,6 +200,39 @@ class OffloadStore(LayerStore):
                 self.v[bi, :, slot] = v[:, :, j]
             self._advance(1)
         return self._evicted_update(evicted)
+
+    def reserve_join(self, tokens: int) -> None:
+        """Host pages for sequences of up to ``tokens`` tokens (the page leaving the window is written there)."""
+        self.host.reserve(self.grid.middle_pages_of(tokens))
+
+    def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
+        """:meth:`append` of one token with static shapes: the ring page the new token overwrites when a
+        page leaves the window is read on the device and written to its host page by one kernel
+        (``HostPages.write_join``; masked per sequence), then the token is written to the ring."""
+        if k.shape[2] != 1:
+            raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
+        g = self.grid
+        self.reserve_join(int(self.lengths_host.max()) + 1)  # a no-op when reserved ahead (host check only)
+        joins, start = self._join_pages(self.lengths)
+        rows = (g.sink + (start * g.page_size) % g.window)[:, None] + torch.arange(g.page_size, device=self.device)
+        rows = rows[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+        kp, vp = self.k.gather(2, rows), self.v.gather(2, rows)  # [B, H, ps, D], before the ring slot is reused
+        self.host.write_join(torch.where(joins, start, -1), torch.stack([kp, vp], dim=2))
+        fast = _fast_append() if self.k.is_cuda else None
+        if fast is not None:
+            fast(self.k, self.v, k, v, self.lengths, ring=(g.sink, g.window))
+        else:
+            slot = self._slot(self.lengths)
+            bi = torch.arange(self.batch, device=self.device)
+            self.k[bi, :, slot] = k[:, :, 0]
+            self.v[bi, :, slot] = v[:, :, 0]
+        self.lengths += 1
+        host_start, host_count = self._advance_join()
+        return PageJoin(joins, start, kp[:, :, None], vp[:, :, None], host_start, host_count, self)
+
+    def count_join(self, count: torch.Tensor) -> None:
+        page = 2 * self.grid.page_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+        self.stats.d2h_bytes += int(count.sum()) * page  # as host.write counts the pages leaving the window
 
     def _append_many(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
         """t columns at once, the same end state as t single appends: per sequence, the rows from the
