@@ -103,7 +103,8 @@ def dense_attention(
             raise ValueError("dense_attention: q_pos=None needs T == L and no key_mask")
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hq)
         return o.transpose(1, 2)
-    pads = _left_pads(q_pos, key_mask, t, L)
+    # a prefill (T > 1; a decode step must not read device values on the host: CUDA graphs)
+    pads = _left_pads(q_pos, key_mask, t, L) if t > 1 else None
     if pads is not None:  # left padding, queries at the last T positions: fused causal kernels per sequence
         return _left_padded_attention(q, k, v, pads, scale)
     # Bound the score matrix a chunk materialises on backends without fused masking.
