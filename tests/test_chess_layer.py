@@ -195,3 +195,57 @@ def test_no_all_reduce_and_heads_select_independently():
 def test_bad_layer_options(opts, pattern):
     with pytest.raises(ValueError, match=pattern):
         kvdex.make_policy("chess", **opts)
+
+
+# ---- CUDA-graph decoding: the contract of tests/test_graph.py for the layer scope --------------------
+
+GRAPH_SPECS = [
+    f"{LAYER_Q}:trigger=interval:interval=5",
+    f"{LAYER_Q}:trigger=uncertainty:check_every=4:entropy_threshold=0.0:varentropy_threshold=0.0",
+    f"{LAYER_Q}:trigger=always",
+    f"{LAYER_Q}:preset=moderate:trigger=interval:interval=7",
+    "chess:scope=layer:trigger=interval:interval=5",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvdex.bench import shapes
+
+    return shapes.build_model("tiny", torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("spec", GRAPH_SPECS)
+def test_static_selection_equals_dynamic(tiny, spec):
+    """Static sizing (what a captured step runs) selects exactly what dynamic sizing selects, over 60
+    steps with page boundaries and rebuilds; a rebuild step is eager (graph_key None)."""
+    from test_graph import _decode, _prompt
+
+    ids = _prompt(tiny)
+    fed, ref, sel_dyn, c_dyn = _decode(tiny, spec, ids, 60, static=False)
+    _, got, sel_sta, c_sta = _decode(tiny, spec, ids, 60, static=True, feed=fed)
+    assert len(sel_dyn) == len(sel_sta) == 60 * 2
+    for i, (a, b) in enumerate(zip(sel_dyn, sel_sta, strict=True)):
+        assert a == b, f"step {i // 2} layer {a[0]}: static selection differs"
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert c_dyn.stats()["policy_stats"] == c_sta.stats()["policy_stats"]
+    assert c_dyn.policy.rebuilds > 0
+
+
+@pytest.mark.parametrize("spec", [s for s in GRAPH_SPECS if "always" not in s])
+def test_replayable_steps_issue_identical_device_work(tiny, spec):
+    from test_graph import _replay_contract
+
+    replayable, keys, problems = _replay_contract(tiny, spec)
+    assert not problems, problems[:5]
+    assert replayable >= 30, f"only {replayable} of 60 steps replayable"
+    assert keys <= 12, f"{keys} graph keys in 60 steps: too many captures"
+
+
+def test_rebuild_steps_are_eager(tiny):
+    """trigger=always rebuilds inside every select: no step is replayed (graph_key is None)."""
+    from test_graph import _replay_contract
+
+    replayable, _, problems = _replay_contract(tiny, f"{LAYER_Q}:trigger=always")
+    assert replayable == 0 and not problems

@@ -23,6 +23,11 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
   only when they exceed them. ``trigger="interval"`` is Appendix C's fixed-interval baseline.
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
+
+Beyond the paper (named options, the paper's mode is the default): ``anchor_from="query"`` scores
+the hierarchy with the decode step's queries instead of the window's keys; ``scope="layer"``
+(``_chess_layer.py``) gives every sparse layer its own selection per kv head, scored on its own
+slice of the page / chunk / grid vectors and built inside ``select`` from that step's queries.
 """
 
 from __future__ import annotations
