@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import greedy, prompt, shared_pair
+from conftest import greedy, left_padded, prompt, shared_pair
 
 import kvdex
 from kvdex import cache_kwargs
@@ -38,6 +38,26 @@ def test_covering_budget_is_dense(family, opts, offload):
     assert torch.equal(tok, tok_ref)
     st = cache.stats()["policy_stats"]
     assert st["scope"] == "layer" and st["builds"] == 1 and st["query_builds"] >= 1
+
+
+@pytest.mark.parametrize("opts", ["trigger=always", "trigger=interval:interval=8", "preset=aggressive:trigger=always"])
+def test_batch_each_sequence_selects_for_itself(opts):
+    """A left-padded ragged batch decodes and selects, per layer and kv head, as each prompt alone."""
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, prompts = left_padded([300, 180, 240], seed=12)
+    spec = f"{LAYER_Q}:{opts}"
+    cache = kvdex.Cache(model, spec, 112, dense_layers=1)
+    tokens, logits = greedy(model, ids, mask, cache, new=30)
+    width = ids.shape[1]
+    for i, p in enumerate(prompts):
+        alone = kvdex.Cache(model, spec, 112, dense_layers=1)
+        t1, l1 = greedy(model, p[None], None, alone, new=30)
+        assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
+        torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
+        for lay, sel in cache.policy._layers.pages.items():
+            one = alone.policy._layers.pages[lay][0]
+            for h in range(sel.shape[1]):
+                assert sorted(x for x in sel[i, h].tolist() if x >= 0) == sorted(x for x in one[h].tolist() if x >= 0)
 
 
 def test_window_anchor_in_layer_scope_is_dense_at_full_budget(llama):
@@ -249,3 +269,20 @@ def test_rebuild_steps_are_eager(tiny):
 
     replayable, _, problems = _replay_contract(tiny, f"{LAYER_Q}:trigger=always")
     assert replayable == 0 and not problems
+
+
+@pytest.mark.parametrize("storage", ["device", "offload"])
+@pytest.mark.parametrize("spec", [f"{LAYER_Q}:trigger=interval:interval=5", f"{LAYER_Q}:check_every=4"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_decoding_matches_eager_on_gpu(spec, storage):
+    """Captured CUDA-graph steps (between rebuilds) decode exactly as eager steps."""
+    from kvdex.bench import runner, shapes
+
+    model = shapes.build_model("tiny", torch.float32, "cuda")
+    cfg = runner.BenchConfig(shape="tiny", dtype="float32", device="cuda", budget=80, check_context=150,
+                             dense_layers=1, storages=(storage,))  # fmt: skip
+    res = runner.check_graph(model, cfg, [f"{spec}/{storage}+graph"], steps=40)
+    assert res[0]["ok"], res
+    c = res[0]["counts"]
+    assert c["replays"] >= 20 and c["captures"] >= 1, c
