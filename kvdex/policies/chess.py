@@ -23,33 +23,49 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
   only when they exceed them. ``trigger="interval"`` is Appendix C's fixed-interval baseline.
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
+
+Beyond the paper (named options, the paper's mode is the default): ``anchor_from="query"`` scores
+the hierarchy with the decode step's queries instead of the window's keys; ``scope="layer"``
+(``_chess_layer.py``) gives every sparse layer its own selection per kv head, scored on its own
+slice of the page / chunk / grid vectors and built inside ``select`` from that step's queries.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvdex.policies._chess_layer import LayerScope
+from kvdex.policies._chess_levels import (
+    PRESETS,
+    count_mask,
+    entropy_varentropy,
+    level_mask,
+    mask_to_ids,
+    pad,
+    top_down,
+    trim,
+    window_anchor,
+    window_keys,
+)
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
 
-# Retention ratios (rho_g, rho_c, rho_p) of the paper's Table 1; their products are the KV budgets
-# it reports (0.729 -> "73%", 0.392 -> "40%", 0.01 -> "1%").
-PRESETS = {
-    "conservative": (0.9, 0.9, 0.9),
-    "moderate": (0.8, 0.7, 0.7),
-    "aggressive": (0.5, 0.2, 0.1),
-}
+__all__ = ["ChessPolicy", "PRESETS", "count_mask", "entropy_varentropy", "level_mask", "window_keys"]
+
 TRIGGERS = ("uncertainty", "interval", "always", "never")
 # window: the paper's anchor, the mean key of the recent window (eq. 3: key-key affinity, query-agnostic);
 # query: the decode step's query heads score the same hierarchy (a kvdex option, not in the paper)
 ANCHORS = ("window", "query")
+# shared: one selection for every layer and head (the paper); layer: each sparse layer scores its own
+# slice of the hierarchy per kv head (a kvdex option, kvdex/policies/_chess_layer.py)
+SCOPES = ("shared", "layer")
+GROUPS = ("max", "sum", "mean")  # scope=layer with anchor_from=query: the GQA reduction of the group's scores
 VARENTROPY_KINDS = ("output", "temporal")
 
 # CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
@@ -68,54 +84,6 @@ DEFAULT_INTERVAL_PAGES = 6
 DEFAULT_THRESHOLDS = {"entropy": 2.6133, "varentropy": 6.3457, "temporal_varentropy": 3.5523}
 
 _GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time
-
-
-def entropy_varentropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy H = -sum p log p and varentropy V = sum p (log p + H)^2 (nats) of logits [B, V] -> [B], [B]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-    h = -plogp.sum(-1)
-    v = (p * (logp + h[:, None]).square()).where(p > 0, torch.zeros_like(p)).sum(-1)
-    return h, v
-
-
-def level_mask(score: torch.Tensor, active: torch.Tensor, rho: float) -> torch.Tensor:
-    """Algorithm 1's quantile masking of one level: keep ``score >= Quantile(score, 1 - rho)``.
-
-    score/active [B, N], rho in (0, 1]. CHOICE: the quantile is taken over the *active* units
-    only (children of kept parents), as §3.2 says ("from this subset, the top rho_c fraction is
-    preserved") and as the reported budgets require (73% = 0.9^3); Algorithm 1 writes it over
-    scores with inactive ones zeroed, which would also rank zeros above negative affinities.
-    ``torch.nanquantile`` interpolates linearly; a row with no active unit keeps nothing.
-    """
-    s = torch.where(active, score, torch.full_like(score, float("nan")))
-    tau = torch.nanquantile(s, 1.0 - rho, dim=-1)  # [B]
-    return active & (score >= tau[:, None])
-
-
-def count_mask(score: torch.Tensor, active: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Keep the ``n[b]`` highest-scoring active units of each row: score/active [B, N], n [B]."""
-    s = torch.where(active, score, torch.full_like(score, float("-inf")))
-    order = s.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
-    return active & (rank < n[:, None])
-
-
-def window_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of the recent window: [B, H, window, D] and valid [B, window] (rows past a length are invalid).
-
-    Reads the store's device buffer in place: slot == position on the GPU-resident store; the
-    offloaded store keeps the window in a ring of pages (``OffloadStore._slot``).
-    """
-    g = store.grid
-    pos = g.window_start(store.lengths)[:, None] + torch.arange(g.window, device=store.device)[None, :]
-    valid = pos < store.lengths[:, None]
-    slots = store._slot(pos) if hasattr(store, "_slot") else pos
-    slots = torch.where(valid, slots, 0)
-    b, h, d = store.batch, store.kv_heads, store.head_dim
-    k = store.k.gather(2, slots[:, None, :, None].expand(b, h, g.window, d))
-    return k, valid
 
 
 @register_policy
@@ -145,7 +113,9 @@ class ChessPolicy(Policy):
     varentropy_threshold: float | None = None
     varentropy: str = "output"  # output: mean per-step varentropy | temporal: variance of the entropy
     combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
-    anchor_from: str = "window"  # window (the paper) | query: the last decode step's queries (ANCHORS)
+    anchor_from: str = "window"  # window (the paper) | query: the decode step's queries (ANCHORS)
+    scope: str = "shared"  # shared (the paper): one selection for all layers and heads | layer (SCOPES)
+    group: str = "max"  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
 
     def __post_init__(self) -> None:
         rhos = (self.rho_g, self.rho_c, self.rho_p)
@@ -175,6 +145,15 @@ class ChessPolicy(Policy):
             raise ValueError(f"varentropy must be one of {', '.join(VARENTROPY_KINDS)}, got {self.varentropy!r}")
         if self.anchor_from not in ANCHORS:
             raise ValueError(f"anchor_from must be one of {', '.join(ANCHORS)}, got {self.anchor_from!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {', '.join(GROUPS)}, got {self.group!r}")
+        if self.group != "max" and not (self.scope == "layer" and self.anchor_from == "query"):
+            raise ValueError(
+                f"group={self.group!r} reduces query heads' scores per kv head: it needs scope='layer' and "
+                "anchor_from='query' (the shared scope scores with each group's mean query)"
+            )
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
         self._tau = self._load_thresholds()
@@ -237,6 +216,8 @@ class ChessPolicy(Policy):
         self.selected_pages: list[float] = []  # mean selected pages per sequence at each build
         self._queries: dict = {}  # anchor_from="query": layer -> [B, H, D] fp32, the last step's queries
         self.query_builds = 0  # builds (and rebuilds) scored by queries instead of the window's keys
+        self._layers = LayerScope(self) if self.scope == "layer" else None
+        self._batch = 0  # sequences (set at the first build)
 
     # ---- the hierarchy ------------------------------------------------------------------------------
     @property
@@ -274,10 +255,20 @@ class ChessPolicy(Policy):
             self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
         if not update.empty:
             self._add_pages(slot, update)
-            self._cover(update)
+            if self._layers is None:
+                self._cover(update)
+            else:
+                self._layers.cover(layer, update)
         last = self.info.sparse_layers[-1]
-        if self._pages is None and layer == last and len(self._stores) == len(self._slot):
-            self._build(step=0)  # end of the prompt: every layer is stored and indexed (prefill / fork)
+        if not self._batch and layer == last and len(self._stores) == len(self._slot):
+            # end of the prompt: every layer is stored and indexed (prefill / fork)
+            self._batch = int(update.count.shape[0])
+            if self._layers is None:
+                self._build(step=0)
+            else:  # the first decode step builds every layer's selection from its own queries
+                self._layers.request(torch.ones(self._batch, dtype=torch.bool))
+                self._last_len = self._stores[last].lengths_host.clone()
+                self.builds += 1
 
     def _add_pages(self, slot: int, update) -> None:
         """Eq. 1 for the new pages (this layer's slice of F), then eq. 2 for their chunks and grids."""
@@ -370,11 +361,7 @@ class ChessPolicy(Policy):
             if upcoming is not None and bool(upcoming.any()):
                 start = self._npages[self._slot[layer]].clone()  # not a view: _add_pages advances it
                 self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), k[:, :, None, :ps]))
-            kf = k.float().view(b, h, w // ps, ps, d)
-            cnt = valid.view(b, w // ps, ps).sum(-1)  # tokens per window page
-            page_vec = (kf * valid.view(b, 1, w // ps, ps, 1)).sum(3) / cnt.clamp(min=1)[:, None, :, None]
-            has = (cnt > 0).float()
-            a = (page_vec * has[:, None, :, None]).sum(2) / has.sum(1).clamp(min=1)[:, None, None]
+            a = window_anchor(k, valid, ps)
             parts.append(a.reshape(b, h * d).to(parts[0].device if parts else a.device))
         return torch.cat(parts, dim=-1)
 
@@ -416,35 +403,10 @@ class ChessPolicy(Policy):
         Returns the kept masks (grids [B, G], chunks [B, C], pages [B, P]); a chunk is scored only
         under a kept grid and a page only under a kept chunk.
         """
-        nc, ng = self.chunk_pages, self.grid_chunks
-        dev = s_p.device
-        npages = npages.to(dev)
-        nchunks = -(-npages // nc)
-        live_g = torch.arange(s_g.shape[1], device=dev)[None, :] < (-(-nchunks // ng))[:, None]
-        live_c = torch.arange(s_c.shape[1], device=dev)[None, :] < nchunks[:, None]
-        live_p = torch.arange(s_p.shape[1], device=dev)[None, :] < npages[:, None]
-        parent_c = torch.arange(s_c.shape[1], device=dev) // ng
-        parent_p = torch.arange(s_p.shape[1], device=dev) // nc
-        ratios = self.ratios
-        if ratios is not None:
-            rg, rc, rp = ratios
-            m_g = level_mask(s_g, live_g, rg)
-            m_c = level_mask(s_c, live_c & m_g[:, parent_c], rc)
-            return m_g, m_c, level_mask(s_p, live_p & m_c[:, parent_p], rp)
-        # Budget mode. CHOICE: the budget fixes the overall kept fraction f = K / P of each
-        # sequence; it is split over the levels as in the `shape` preset (rho_l = f^w_l with
-        # w_l = log rho_l / log(rho_g rho_c rho_p)), each level keeps at least what can still fill K
-        # pages, and the page level keeps exactly the top K pages under the kept chunks.
-        k = self.cfg.retrieval_pages
-        f = (k / npages.clamp(min=1).float()).clamp(max=1.0)
-        logs = [math.log(r) for r in PRESETS[self.shape]]
-        w = [x / sum(logs) for x in logs]
-        n_g = torch.maximum(torch.ceil(f ** w[0] * live_g.sum(1)), torch.tensor(-(-k // (nc * ng)), device=dev))
-        m_g = count_mask(s_g, live_g, n_g.long())
-        act_c = live_c & m_g[:, parent_c]
-        n_c = torch.maximum(torch.ceil(f ** w[1] * act_c.sum(1)), torch.tensor(-(-k // nc), device=dev))
-        m_c = count_mask(s_c, act_c, n_c.long())
-        return m_g, m_c, count_mask(s_p, live_p & m_c[:, parent_p], torch.full_like(npages, k))
+        return top_down(
+            s_g, s_c, s_p, npages, nc=self.chunk_pages, ng=self.grid_chunks, ratios=self.ratios,
+            k=self.cfg.retrieval_pages, shape=self.shape,
+        )  # fmt: skip
 
     def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
         """(Re)build the selection of the sequences in ``rows`` [B] bool (None: all), from the
@@ -469,18 +431,18 @@ class ChessPolicy(Policy):
         else:
             s_g, s_c, s_p = self.scores(anchor, p)
             mask = self.select_pages(s_g, s_c, s_p, npages)[2]
-        new = _mask_to_ids(mask)
+        new = mask_to_ids(mask)
         if self._pages is None or rows is None:
             pages = new
         else:
             width = max(new.shape[1], self._pages.shape[1])
-            old, new = _pad(self._pages, width), _pad(new.to(self._pages.device), width)
+            old, new = pad(self._pages, width), pad(new.to(self._pages.device), width)
             pages = torch.where(rows.to(old.device)[:, None], new, old)
         # budget mode: a sequence whose build kept every middle page keeps them all while they fit (_cover)
         covering = (mask.sum(1) >= npages.to(mask.device)).cpu() & (self.ratios is None)
         keep = rows is not None and self._covering is not None
         self._covering = torch.where(rows, covering, self._covering) if keep else covering
-        self._publish(_trim(pages))
+        self._publish(trim(pages))
         self._last_len = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
         self.selected_pages.append(float((self._pages >= 0).sum(1).float().mean()))
         if timing:
@@ -521,11 +483,13 @@ class ChessPolicy(Policy):
             rows[b], changed = torch.cat([rows[b], new]), True
         if changed:
             width = max(len(r) for r in rows)
-            out = torch.stack([_pad(r[None], width)[0] for r in rows])
+            out = torch.stack([pad(r[None], width)[0] for r in rows])
             self._publish(out.to(self._pages.device))
 
     def select(self, layer, q, store, scale) -> Selection:
         self._stores[layer] = store
+        if self._layers is not None:
+            return self._layers.select(layer, q, store)
         if self.anchor_from == "query":
             self._record_query(layer, q, store.kv_heads)
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
@@ -543,6 +507,8 @@ class ChessPolicy(Policy):
     # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
     # new buffer, whose identity is in the graph key.
     def graph_key(self, stores) -> tuple | None:
+        if self._layers is not None:
+            return self._layers.graph_key()
         buf = self._static_pages
         if buf is None:
             return None  # this step's select allocates the buffer: an eager step
@@ -575,7 +541,7 @@ class ChessPolicy(Policy):
 
     # ---- quality-aware backtracking ----------------------------------------------------------------
     def on_step(self, step, logits) -> None:
-        if self._pages is None:
+        if not self._batch:
             return
         now = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
         grew = int((now - self._last_len).max()) > 1
@@ -586,7 +552,7 @@ class ChessPolicy(Policy):
             self._rebuild(step, None)
             return
         self.decode_steps += 1
-        if self.anchor_from == "query" and self.query_builds == 0 and len(self._queries):
+        if self._layers is None and self.anchor_from == "query" and self.query_builds == 0 and len(self._queries):
             self._rebuild(step, None)  # the prefill's build had no decode query: score with the first one
             return
         rows = self._due(step, logits)
@@ -594,16 +560,19 @@ class ChessPolicy(Policy):
             self._rebuild(step, rows)
 
     def _rebuild(self, step: int, rows: torch.Tensor | None) -> None:
-        b = self._pages.shape[0]
+        b = self._batch
         rows_cpu = torch.ones(b, dtype=torch.bool) if rows is None else rows.cpu()
-        self._build(step, None if rows is None else rows_cpu)
+        if self._layers is not None:  # done by every layer's select at the next step, with its queries
+            self._layers.request(rows_cpu)
+        else:
+            self._build(step, None if rows is None else rows_cpu)
         for i in torch.nonzero(rows_cpu).flatten().tolist():
             self.rebuild_log.append((step, i))
         self.rebuilds += int(rows_cpu.sum())
 
     def _due(self, step: int, logits) -> torch.Tensor | None:
         """Sequences whose selection is rebuilt after decode step ``step``: [B] bool, or None."""
-        b = self._pages.shape[0]
+        b = self._batch
         if self.trigger == "never":
             return None
         if self.trigger == "always":
@@ -639,7 +608,7 @@ class ChessPolicy(Policy):
         return (h > th) & (v > tv) if self.combine == "and" else (h > th) | (v > tv)
 
     def stats(self) -> dict:
-        b = 0 if self._pages is None else self._pages.shape[0]
+        b = self._batch
         pages_generated = self.decode_steps * b / self.cfg.page_size
         return {
             "mode": "ratio" if self.ratios is not None else "budget",
@@ -654,22 +623,6 @@ class ChessPolicy(Policy):
             "selected_pages_mean": sum(self.selected_pages) / len(self.selected_pages) if self.selected_pages else None,
             "rebuild_ms": self.rebuild_ms,
             "anchor_from": self.anchor_from,
+            "scope": self.scope,
             "query_builds": self.query_builds,
         }
-
-
-def _mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
-    """[B, P] bool -> [B, K] ascending page ids of the True entries, -1 padded (K = max count)."""
-    k = int(mask.sum(1).max()) if mask.numel() else 0
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]
-    return torch.where(mask.gather(1, order), order, -1)
-
-
-def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
-
-
-def _trim(x: torch.Tensor) -> torch.Tensor:
-    """Drop columns that are -1 in every row (ids are left-packed)."""
-    k = int((x >= 0).sum(1).max()) if x.numel() else 0
-    return x[:, :k]

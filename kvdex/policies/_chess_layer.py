@@ -1,0 +1,175 @@
+"""CHESS's per-(layer, kv head) scope, ``chess:scope=layer`` (kvdex.policies.chess; not in the paper).
+
+The paper's mode (``scope=shared``) scores the Grid -> Chunk -> Page hierarchy once, with page
+vectors flattened over every layer and head, and serves that one selection to all of them. In the
+layer scope every sparse layer scores *its own slice* of the same hierarchy vectors (the columns of
+its kv heads) and keeps its own pages per (sequence, kv head), with the same top-down masks and
+the same budget rule:
+
+* the score of a unit for kv head h is ``reduce_g(q_g . v_u[h])`` over the group's query heads g
+  (``group``: max, sum or mean) with ``anchor_from=query``: the current decode step's queries of the
+  layer; with ``anchor_from=window`` it is ``a[h] . v_u[h]``, a the layer's window anchor (eq. 3);
+* a (re)build happens *inside* ``select`` of the step after it was requested, so it reads that
+  step's queries (the first decode step builds from its own queries) and each layer's index is up
+  to date (the page that joins the middle at this step is already indexed);
+* the entropy trigger requests rebuilds exactly as in the shared scope (per sequence, in
+  ``on_step``); between rebuilds each layer reuses its selection, and in budget mode a selection
+  that covers the whole middle keeps covering it while the budget has room (as ``_cover``).
+
+CUDA graphs: a step with a pending rebuild runs eagerly (``graph_key`` is None then); the other
+steps read one persistent [B, H, W] buffer per layer, rewritten in place by a rebuild.
+Tensor parallelism: a rank holds whole kv heads and each (layer, kv head) selects from its own
+scores, so no score is all-reduced (the shared scope all-reduces its flattened dot products).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvdex.kernels.scoring import group_reduce
+from kvdex.policies._chess_levels import mask_to_ids, pad, trim, window_anchor, window_keys
+from kvdex.selection import Selection
+
+
+def unit_scores(units: torch.Tensor, anchor: torch.Tensor, kv_heads: int, group: str) -> torch.Tensor:
+    """Scores of hierarchy units for each kv head: units [B, N, H*D] (one layer's columns of the
+    buffer), anchor [B, Hq, D] (query heads, or the kv heads' own anchors when Hq == H) -> [B, H, N]."""
+    b, n, _ = units.shape
+    hq, d = anchor.shape[1], anchor.shape[2]
+    v = units.reshape(b, n, kv_heads, d)
+    a = anchor.float().view(b, kv_heads, hq // kv_heads, d)
+    s = torch.einsum("bnhd,bhgd->bhgn", v, a.to(v.device))  # [B, H, G, N]
+    return group_reduce(s.reshape(b, hq, n), kv_heads, group)
+
+
+class LayerScope:
+    """Per-layer selections of a :class:`~kvdex.policies.chess.ChessPolicy` with ``scope="layer"``."""
+
+    def __init__(self, policy) -> None:
+        self.p = policy
+        self.pages: dict[int, torch.Tensor] = {}  # layer -> [B, H, W] page ids, -1 padded (the layer's device)
+        self.static: dict[int, torch.Tensor] = {}  # layer -> persistent [B, H, W'] buffer (CUDA-graph decoding)
+        self.covering: dict[int, torch.Tensor] = {}  # layer -> [B] bool (CPU): the last build kept every page
+        self.pending: torch.Tensor | None = None  # [B] bool (CPU): sequences rebuilt at the next select
+        self.todo: set[int] = set()  # layers that have not rebuilt the pending sequences yet
+
+    def request(self, rows: torch.Tensor) -> None:
+        """Rebuild the selections of ``rows`` [B] bool at the next decode step, in every sparse layer."""
+        rows = rows.cpu()
+        self.pending = rows.clone() if self.pending is None else self.pending | rows
+        self.todo = set(self.p.info.sparse_layers)
+
+    # ---- a build, inside select ----------------------------------------------------------------------
+    def build(self, layer: int, q: torch.Tensor, store) -> None:
+        p = self.p
+        timing = p.cfg.timing
+        if timing:
+            sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+        slot = p._slot[layer]
+        npages = p._npages[slot].clone()  # [B] this layer's middle pages (indexed before its attention)
+        b, h = npages.shape[0], store.kv_heads
+        n = int(npages.max())
+        if n == 0 or p._vall is None:
+            ids = torch.full((b, h, 0), -1, dtype=torch.long, device=store.device)
+            kept = torch.zeros(b, h, dtype=torch.long)
+        else:
+            if p.anchor_from == "query":
+                anchor, group = q, p.group
+            else:  # the layer's own window anchor, one per kv head
+                anchor, group = window_anchor(*window_keys(store), p.cfg.page_size), "max"
+            g, c = p._gcap, p._ccap
+            cols = slice(slot * p._hd, (slot + 1) * p._hd)
+            s = unit_scores(p._vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
+            nc, ng = p.chunk_pages, p.grid_chunks
+            cn = -(-n // nc)
+            levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
+            rows = [x.reshape(b * h, -1) for x in levels]
+            mask = p.select_pages(*rows, npages.repeat_interleave(h))[2]
+            ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
+            kept = mask.sum(1).view(b, h).cpu()
+        rows = self.pending
+        old = self.pages.get(layer)
+        if old is not None and rows is not None and not bool(rows.all()):
+            width = max(ids.shape[2], old.shape[2])
+            ids = torch.where(rows.to(old.device)[:, None, None], pad(ids, width), pad(old, width))
+            ids = trim(ids)
+        covering = (kept.min(1).values >= npages) & (p.ratios is None)
+        prev = self.covering.get(layer)
+        self.covering[layer] = covering if prev is None or rows is None else torch.where(rows, covering, prev)
+        self._publish(layer, ids)
+        p.selected_pages.append(float(kept[rows].float().mean()) if rows is not None and rows.any() else 0.0)
+        self.todo.discard(layer)
+        if not self.todo:
+            self.pending = None
+            if p.anchor_from == "query":
+                p.query_builds += 1
+        if timing:
+            sync()
+            p.rebuild_ms += (time.perf_counter() - t0) * 1e3
+
+    def _publish(self, layer: int, ids: torch.Tensor) -> None:
+        self.pages[layer] = ids
+        buf = self.static.get(layer)
+        if buf is None:
+            return
+        if ids.shape[2] > buf.shape[2]:
+            del self.static[layer]  # wider than the buffer: a new one at the next static select (eager)
+            return
+        buf.fill_(-1)
+        buf[..., : ids.shape[2]] = ids.to(buf.device)
+
+    # ---- between rebuilds ----------------------------------------------------------------------------
+    def cover(self, layer: int, update) -> None:
+        """Budget mode: a sequence whose last build kept every middle page of ``layer`` keeps every
+        page that joins it while the budget has room (the layer-scope twin of the policy's ``_cover``)."""
+        cov = self.covering.get(layer)
+        if cov is None or not bool(cov.any()) or layer not in self.pages:
+            return
+        k = self.p.cfg.retrieval_pages
+        cur = self.pages[layer].cpu()
+        rows, changed = [cur[b] for b in range(cur.shape[0])], False
+        for b in torch.nonzero(cov & (update.count > 0)).flatten().tolist():
+            new = torch.arange(int(update.start[b]), int(update.start[b] + update.count[b]))
+            have = rows[b][0][rows[b][0] >= 0]  # a covering sequence holds the same pages in every head
+            new = new[~torch.isin(new, have)]
+            if len(new) == 0:
+                continue
+            if len(have) + len(new) > k:
+                cov[b] = False
+                continue
+            rows[b] = torch.cat([have, new])[None].expand(cur.shape[1], -1)
+            changed = True
+        if changed:
+            width = max(r.shape[-1] for r in rows)
+            out = torch.stack([pad(r, width) for r in rows])
+            self._publish(layer, out.to(self.pages[layer].device))
+
+    # ---- select / CUDA graphs ------------------------------------------------------------------------
+    def select(self, layer: int, q: torch.Tensor, store) -> Selection:
+        if self.pending is not None and layer in self.todo:
+            self.build(layer, q, store)
+        ids = self.pages.get(layer)
+        if ids is None:
+            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
+        if getattr(store, "static", False):
+            buf = self.static.get(layer)
+            if buf is None:  # allocated in an eager step (the graph key changes)
+                w = ids.shape[2]
+                width = max(w, self.p.cfg.retrieval_pages) if self.p.ratios is None else w + max(1, w // 4)
+                buf = torch.full((*ids.shape[:2], width), -1, dtype=torch.long, device=store.device)
+                buf[..., :w] = ids
+                self.static[layer] = buf
+            return Selection(pages=buf)
+        return Selection(pages=ids)
+
+    def graph_key(self) -> tuple | None:
+        if self.pending is not None:
+            return None  # this step rebuilds inside select (host work, data-dependent shapes): eager
+        layers = self.p.info.sparse_layers
+        if any(lay not in self.static for lay in layers):
+            return None  # this step's select allocates the static buffers: an eager step
+        return ("chess/layer",) + tuple((lay, id(self.static[lay]), tuple(self.static[lay].shape)) for lay in layers)
