@@ -43,6 +43,39 @@ def test_full_budget_equals_dense(spec, offload, n):
     assert cache.stats()["attended_tokens_per_step"] == pytest.approx(n + NEW / 2)
 
 
+@pytest.mark.parametrize(
+    "spec", ["icecache:search=summary:rerank=2", "icecache:search=summary:rerank=1:group_merge=max"]
+)
+def test_rerank_full_budget_equals_dense_and_needs_the_resident_store(spec):
+    model, _ = shared_pair("llama_gqa")
+    ref_tokens, ref_logits = reference_greedy("llama_gqa", 70, 70, NEW)
+    cache = _cache(model, spec, 256, page_size=PAGE, sink=SINK, window=WINDOW)
+    tokens, logits = greedy(model, prompt(70, seed=70), cache=cache, new=NEW)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    with pytest.raises(ValueError, match="offload=False"):
+        greedy(model, prompt(120, seed=1), cache=_cache(model, spec, 96, offload=True), new=2)
+
+
+def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
+    """With every page a candidate, rerank picks the pages holding the group's best keys (the oracle's pages)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, G, D, ps, n = 1, 1, 2, 8, 4, 64
+    keys = torch.randn(B, H, n, D, generator=g)
+    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
+    for j in range(n // ps):  # consecutive positions, one page each (an empty table spills every page)
+        pages.insert(
+            keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]), True
+        )
+    pages.bound = int(pages.npages.max())
+    q = torch.randn(B, H * G, D, generator=g)
+    got = pages.select(q, pages.bound, 2 * ps, 2, "max", 1.0, keys, rerank=8)
+    page_max = torch.einsum("gd,nd->gn", q[0], keys[0, 0]).view(G, -1, ps).amax(-1).amax(0)
+    best = torch.topk(page_max, 2).indices
+    want = (best[:, None] * ps + torch.arange(ps)).flatten()
+    assert torch.equal(torch.sort(got[0, 0]).values, torch.sort(want).values)
+
+
 @pytest.mark.parametrize("summary", ["minmax", "centroid"])
 def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary):
     """After a prefill build and many insertions (a ragged batch, one sequence without a prefill middle)."""
@@ -74,7 +107,9 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
                 assert bool((bound[b, h][:, live] >= true[:, live] - slack).all()), (layer, b, h)
 
 
-@pytest.mark.parametrize("spec", SPECS + ["icecache:search=summary:group_merge=nsa"])
+@pytest.mark.parametrize(
+    "spec", SPECS + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2"]
+)
 def test_static_sizing_selects_what_dynamic_sizing_selects(spec):
     """store.static (CUDA-graph decoding: the whole page capacity scored, fixed width) == dynamic."""
     model, _ = shared_pair("llama_gqa")
@@ -170,7 +205,7 @@ def test_graph_protocol():
     assert keys[0] is not None and keys[0] == keys[-1]  # no growth in 20 steps: one capture serves them all
     host = kvdex.Cache(model, "icecache:search=host", budget=96).policy
     assert not host.capturable and "search=summary" in host.graph_unsupported([])
-    assert host.graph_key([]) is None
+    assert not hasattr(host, "graph_key")  # CUDA-graph decoding skips it (kvdex policies: "no")
 
 
 def test_bad_options_raise():
@@ -179,6 +214,7 @@ def test_bad_options_raise():
         dict(search="summary", budget_rule="keys"),
         dict(search="host", group_merge="max"),
         dict(search="tree"),
+        dict(search="summary", rerank=-1),
     ):
         with pytest.raises(ValueError):
             kvdex.make_policy("icecache", **bad)

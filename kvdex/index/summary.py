@@ -214,16 +214,28 @@ class SemanticPages:
         live = (self.fill[:, :, :P] > 0).repeat_interleave(Hq // H, 1)
         return torch.where(live, s, -_INF)
 
-    def select(self, q, P: int, room: int, cap: int, merge: str, scale: float) -> torch.Tensor:
+    def select(self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0):
         """Token positions [B, H, T] (-1 padded, T = min(pages taken at most x ps, room)) of the pages
         taken for the queries q [B, Hq, D] among the first ``P`` pages of every row (the capacity under
-        a CUDA graph, ``bound`` otherwise: the same pages)."""
-        B, Hq, _ = q.shape
+        a CUDA graph, ``bound`` otherwise: the same pages). ``rerank`` > 0: the ``rerank * cap`` best pages
+        by summary (the group's max) are ranked by the exact max q.k of their keys, read from ``keys``
+        [B, H, S, D] (slot == position: a GPU-resident store)."""
+        B, Hq, D = q.shape
         H, ps, dev = self.H, self.ps, q.device
         G, R = Hq // H, B * self.H
         if P == 0 or room <= 0:
             return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
         s = self.scores(q, P).view(R, G, P)
+        cand = None  # page id of each scored column (None: column == page)
+        if rerank:
+            val, cand = torch.topk(s.amax(1), min(P, rerank * cap), dim=1)  # [R, Pc]
+            rows = torch.arange(R, device=dev)[:, None] * self.pos.shape[2]
+            pos = self.pos.view(-1, ps)[(rows + cand).flatten()].view(R, -1).long()  # [R, Pc * ps]
+            live = (pos >= 0) & torch.isfinite(val).repeat_interleave(ps, 1)
+            k = keys.reshape(R, -1, D).gather(1, pos.clamp(min=0)[:, :, None].expand(-1, -1, D))
+            qk = torch.einsum("rgd,rnd->rgn", q.reshape(R, G, D).float(), k.float())
+            s = qk.masked_fill(~live[:, None, :], -_INF).view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
+        P = s.shape[2]
         M = min(P, 2 * cap)
         if merge == "rank":  # the union over the group, rank-major (every head's best page, then the second, ...)
             c = min(P, cap)
@@ -248,6 +260,8 @@ class SemanticPages:
                 score = torch.where(torch.isfinite(s[:, 0]), prob.sum(1), -_INF)
             val, order = torch.topk(score, M, dim=1)
             valid = torch.isfinite(val)
+        if cand is not None:
+            order = cand.gather(1, order)
         fill = self.fill.view(R, -1)
         f = torch.where(valid, fill.gather(1, order).long(), 0)
         taken = greedy_fit(f, valid, room, cap, ps)

@@ -53,6 +53,7 @@ from kvdex.index.trees import update_trees
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
+from kvdex.storage import DeviceStore
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 
 # tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) to run
@@ -94,6 +95,9 @@ class IceCachePolicy(Policy):
     # search="summary": "minmax" (per-channel min/max keys: an upper bound of q.k, Quest's on semantic pages)
     # or "centroid" (mean key + radius: q.mu + |q| r, also an upper bound, looser); ignored otherwise
     summary: str = "minmax"
+    # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
+    # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
+    rerank: int = 0
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -105,7 +109,7 @@ class IceCachePolicy(Policy):
             raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
         for name in ("num_comp", "num_simp", "construction_fov", "reuse_every"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("query_fov", "topk", "max_pages", "threads", "seed", "query_chunks"):
+        for name in ("query_fov", "topk", "max_pages", "threads", "seed", "query_chunks", "rerank"):
             _check_int(name, getattr(self, name), 0)
         for name in ("construction_prop", "query_prop"):
             v = getattr(self, name)
@@ -125,7 +129,11 @@ class IceCachePolicy(Policy):
             raise ValueError("search='summary' retrieves no keys: use budget_rule='tokens' (or another search)")
         if self.search != "summary" and self.group_merge == "max":
             raise ValueError("group_merge='max' (max of the group's page bounds) needs search='summary'")
-        self.capturable = self.search == "summary"  # CUDA-graph decoding (graph_key) only without tree searches
+        # CUDA-graph decoding (kvdex.integration.graph) only without tree searches: the protocol's graph_key /
+        # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
+        self.capturable = self.search == "summary"
+        if self.capturable:
+            self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
         if not isinstance(self.graphs, bool):
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
@@ -297,7 +305,10 @@ class IceCachePolicy(Policy):
             pages = self._pages_of(layer, store)
             P = pages.capacity if getattr(store, "static", False) else min(pages.bound, pages.capacity)
             room, cap = self.cfg.retrieval_tokens, self._max_pages()
-            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale)
+            if self.rerank and not isinstance(store, DeviceStore):
+                raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
+            keys = store.k if self.rerank else None
+            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank)
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
@@ -402,14 +413,14 @@ class IceCachePolicy(Policy):
         return (f"policy 'icecache' with search={self.search!r} searches trees with host-driven shapes and threads; "
                 "icecache:search=summary is capturable")  # fmt: skip
 
-    def graph_key(self, stores) -> tuple | None:
+    def _graph_key(self, stores) -> tuple | None:
         """None while a prefill build is pending (joined by an eager step), else every device tensor the
         selection reads, with its shape."""
-        if self.search != "summary" or any(self._jobs.values()):
+        if any(self._jobs.values()):
             return None
         return tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items()))
 
-    def graph_replayed(self) -> None:
+    def _graph_replayed(self) -> None:
         self._stats["queries"] += len(self._pages)
 
     def _graph_run(self, layer, sig, run, qd, keep=()):
