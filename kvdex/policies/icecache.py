@@ -25,6 +25,12 @@ already on the device are gathered into pinned staging and sent in one copy (bul
 ``reuse=True`` is IceCache (reuse), Appendix C: trees and queries only on anchor layers (every
 ``reuse_every``-th sparse layer from the first); the layers in between attend the tokens selected
 at the most recent anchor layer. Choices the paper leaves open are listed in docs/policies/icecache.md.
+
+``search="summary"`` (not the paper's: a GPU retrieval mode) keeps the trees' leaf pages on the device
+with one summary per page (``summary="minmax"``: per-channel min/max keys, Quest's bound;
+``"centroid"``: mean key + radius) and scores every page of every (sequence, kv head) from them at
+each step (:mod:`kvdex.index.summary`): no tree search and no host sync, so the step can be replayed
+from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ from kvdex.index.dci import DCIParams, DCITree, transform_queries
 from kvdex.index.device_search import DeviceSearch
 from kvdex.index.graphs import CaptureError
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
+from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.trees import update_trees
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
+from kvdex.storage import DeviceStore
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 
 # tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) to run
@@ -81,8 +89,15 @@ class IceCachePolicy(Policy):
     # where the per-step tree searches run: "device" = one batched search over all trees of a layer on q's
     # device (kvdex.index.forest, no host sync), "host" = one search per tree on the CPU thread pool, "auto" =
     # device when the model runs on CUDA, else host. Same pages as the host search, faster on the H200:
-    # docs/policies/icecache.md, "Speed on the H200".
+    # docs/policies/icecache.md, "Speed on the H200". "summary": no tree search per step, every leaf page
+    # scored from its device summary (kvdex.index.summary; capturable in a CUDA graph; not the paper's).
     search: str = "auto"
+    # search="summary": "minmax" (per-channel min/max keys: an upper bound of q.k, Quest's on semantic pages)
+    # or "centroid" (mean key + radius: q.mu + |q| r, also an upper bound, looser); ignored otherwise
+    summary: str = "minmax"
+    # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
+    # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
+    rerank: int = 0
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -94,7 +109,7 @@ class IceCachePolicy(Policy):
             raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
         for name in ("num_comp", "num_simp", "construction_fov", "reuse_every"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("query_fov", "topk", "max_pages", "threads", "seed", "query_chunks"):
+        for name in ("query_fov", "topk", "max_pages", "threads", "seed", "query_chunks", "rerank"):
             _check_int(name, getattr(self, name), 0)
         for name in ("construction_prop", "query_prop"):
             v = getattr(self, name)
@@ -102,12 +117,23 @@ class IceCachePolicy(Policy):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         if self.norm_margin < 1.0:
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
-        if self.group_merge not in ("rank", "nsa"):
-            raise ValueError(f"group_merge must be 'rank' or 'nsa', got {self.group_merge!r}")
+        if self.group_merge not in MERGES:
+            raise ValueError(f"group_merge must be one of {', '.join(MERGES)}, got {self.group_merge!r}")
         if self.budget_rule not in ("tokens", "keys"):
             raise ValueError(f"budget_rule must be 'tokens' or 'keys', got {self.budget_rule!r}")
-        if self.search not in ("auto", "device", "host"):
-            raise ValueError(f"search must be 'auto', 'device' or 'host', got {self.search!r}")
+        if self.search not in ("auto", "device", "host", "summary"):
+            raise ValueError(f"search must be 'auto', 'device', 'host' or 'summary', got {self.search!r}")
+        if self.summary not in SUMMARIES:
+            raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {self.summary!r}")
+        if self.search == "summary" and self.budget_rule != "tokens":
+            raise ValueError("search='summary' retrieves no keys: use budget_rule='tokens' (or another search)")
+        if self.search != "summary" and self.group_merge == "max":
+            raise ValueError("group_merge='max' (max of the group's page bounds) needs search='summary'")
+        # CUDA-graph decoding (kvdex.integration.graph) only without tree searches: the protocol's graph_key /
+        # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
+        self.capturable = self.search == "summary"
+        if self.capturable:
+            self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
         if not isinstance(self.graphs, bool):
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
@@ -136,9 +162,11 @@ class IceCachePolicy(Policy):
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
         self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees, their CUDA graphs
+        self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
+        self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
 
     def make_store(self, layer, offload, args, work_tokens):
-        if not offload or self.anchor_of.get(layer) != layer:
+        if not offload or self.anchor_of.get(layer) != layer or self.search == "summary":
             return None  # GPU-resident store: selected tokens are read in place
         return SemanticOffloadStore(*args, work_tokens=work_tokens, page_slots=self._max_pages())
 
@@ -149,6 +177,8 @@ class IceCachePolicy(Policy):
     def index(self, layer, update) -> None:
         if update.empty or self.anchor_of.get(layer) != layer:
             return
+        if self.search == "summary" and (layer in self._pages or self._jobs.get(layer) or self._trees.get(layer)):
+            return self._summary_insert(layer, update)  # a window page joins, on the device
         if getattr(update, "store", None) is not None:
             self._stores[layer] = update.store
         keys, ready = to_host(update.keys)
@@ -158,6 +188,8 @@ class IceCachePolicy(Policy):
         for b in torch.nonzero(count).flatten().tolist():
             first = g.sink + int(start[b]) * g.page_size
             per_b[b] = torch.arange(first, first + int(count[b]) * g.page_size)
+        if self.search == "summary":  # the page summaries are made from these keys with the trees
+            self._prefill_keys[layer] = (keys, ready, {b: int(p[0]) for b, p in per_b.items()})
         q = self._jobs.setdefault(layer, deque())
         prev = q[-1][0] if q else None
         step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
@@ -269,6 +301,15 @@ class IceCachePolicy(Policy):
         if anchor != layer and anchor in self._last:
             return self._last[anchor]  # IceCache (reuse): the indices of the most recent anchor layer
         t0 = time.perf_counter()
+        if self.search == "summary":  # every page scored from its summary on q's device: no host sync
+            pages = self._pages_of(layer, store)
+            P = pages.capacity if getattr(store, "static", False) else min(pages.bound, pages.capacity)
+            room, cap = self.cfg.retrieval_tokens, self._max_pages()
+            if self.rerank and not isinstance(store, DeviceStore):
+                raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
+            keys = store.k if self.rerank else None
+            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank)
+            return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
         B, H, G = store.batch, store.kv_heads, q.shape[1] // store.kv_heads
@@ -332,6 +373,56 @@ class IceCachePolicy(Policy):
         self._stats["queries"] += 1
         return sel
 
+    # ---- search="summary": the device pages, CUDA-graph decoding (kvdex.integration.graph) -------------
+    def _pages_of(self, layer, store) -> SemanticPages:
+        """The layer's semantic pages on the device: made at its first use from the prefill's trees (the
+        build joined here) and the prefill keys."""
+        pages = self._pages.get(layer)
+        if pages is not None:
+            return pages
+        for fut, _, _ in self._jobs.pop(layer, ()):
+            self._apply(layer, fut, None)
+        keys, ready, first = self._prefill_keys.pop(layer, (None, None, {}))
+        trees = self._trees.pop(layer, None)
+        B, H, g = store.batch, store.kv_heads, self.cfg
+        if keys is None or trees is None:
+            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
+        else:
+            if ready is not None:
+                ready.synchronize()
+            firsts = [first.get(b, 0) for b in range(B)]
+            pages = SemanticPages.from_trees(trees, keys, firsts, self.summary, g.page_size, store.dtype,
+                                             store.device, B, H)  # fmt: skip
+        self._pages[layer] = pages
+        return pages
+
+    def _summary_insert(self, layer, update) -> None:
+        t0 = time.perf_counter()
+        pages = self._pages_of(layer, update.store)
+        ps, dev = self.cfg.page_size, pages.device
+        for j in range(update.keys.shape[2]):  # one page per step while decoding
+            ok = update.count > j
+            pos = self.cfg.sink + (update.start + j)[:, None] * ps + torch.arange(ps)[None, :]
+            pages.insert(update.keys[:, :, j], pos.to(dev), ok.to(dev), bool(ok.any()))
+            self._stats["inserts"] += 1
+        self._stats["insert_s"] += time.perf_counter() - t0
+
+    def graph_unsupported(self, stores) -> str | None:
+        if self.search == "summary":
+            return None
+        return (f"policy 'icecache' with search={self.search!r} searches trees with host-driven shapes and threads; "
+                "icecache:search=summary is capturable")  # fmt: skip
+
+    def _graph_key(self, stores) -> tuple | None:
+        """None while a prefill build is pending (joined by an eager step), else every device tensor the
+        selection reads, with its shape."""
+        if any(self._jobs.values()):
+            return None
+        return tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items()))
+
+    def _graph_replayed(self) -> None:
+        self._stats["queries"] += len(self._pages)
+
     def _graph_run(self, layer, sig, run, qd, keep=()):
         """``run(qd)`` through the layer's CUDA graph (:meth:`~kvdex.index.graphs.SearchGraphs.run`)."""
         try:
@@ -380,6 +471,9 @@ class IceCachePolicy(Policy):
         pages, tokens = self._device.selected()
         s["pages_selected"] += pages
         s["tokens_selected"] += tokens
+        if self._pages:  # search="summary": pages on the device, their index bytes vs the KV they hold
+            for k, v in summary_stats(self._pages.values()).items():
+                s[k] = s.get(k, 0) + v
         s["clamped_keys"] = sum(self._clamped.values())
         g = self._device.graphs
         s["graph_captures"], s["graph_replays"] = g.captures, g.replays

@@ -1,0 +1,298 @@
+"""Semantic pages scored on the device (IceCache ``search="summary"``): per (sequence, kv head) the DCI
+tree's leaf pages as a fixed-capacity table on the model's device, each page with a summary that
+bounds (``"minmax"``) or approximates (``"centroid"``) its keys' inner products with a query.
+
+A step scores every page of every (sequence, kv head) at once from the summaries alone (no tree
+search, no host sync) and takes pages with the policy's budget rule (:func:`kvdex.index.pages.greedy_fit`:
+best first, a page taken if its fill fits the room left, at most ``cap`` pages), so a selection is
+a fixed-width ``-1``-padded list of token positions: replayable from a CUDA graph.
+
+Summaries (``q`` one query head, ``k`` the keys of a page):
+
+* ``"minmax"``: per channel the min and max key (Quest's bound on semantic pages),
+  ``relu(q).max + min(q, 0).min >= q.k`` for every key of the page (exact: min/max are key values);
+* ``"centroid"``: the mean key ``mu`` and the radius ``r = max |k - mu|``: ``q.mu + |q| r >= q.k``
+  (Cauchy-Schwarz; ``r`` is kept conservative under insertions: ``r' = max(r + |mu' - mu|, |k - mu'|)``).
+
+Layout per layer: ``pos`` [B, H, C + 1, ps] token positions (int32, -1 empty), ``fill`` [B, H, C + 1],
+the summaries [B, H, C + 1, D] (key dtype; the centroid's radius fp32 [B, H, C + 1]); page ``C`` of
+every row is a trash page that masked writes go to (its fill stays 0, so it is never scored).
+``npages`` [B, H] (device) counts the pages used; ``bound`` (host) is an upper bound on it, so the
+capacity grows outside any captured step (at the boundary step where a page joins the middle).
+
+Pages come from the prefill's trees (built on the host, :meth:`SemanticPages.from_trees`). A window
+page that joins the middle is placed on the device (:meth:`SemanticPages.insert`, fixed shapes): each
+key goes to the nearest page (distance to the page's box centre / centroid); it joins that page if
+it has room (keys of the same page in the order they come), else it spills into one new page per
+(sequence, kv head) that holds every key of this window page that did not fit, like a leaf node that
+outgrows its page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.index.pages import greedy_fit
+from kvdex.kernels.scoring import page_bounds
+
+SUMMARIES = ("minmax", "centroid")
+MERGES = ("rank", "max", "nsa")
+_INF = float("inf")
+
+
+class SemanticPages:
+    """The semantic pages of one layer's (sequence, kv head) rows on one device."""
+
+    def __init__(self, B: int, H: int, D: int, ps: int, cap: int, kind: str, dtype, device):
+        if kind not in SUMMARIES:
+            raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {kind!r}")
+        self.kind, self.ps, self.dtype, self.device = kind, ps, dtype, torch.device(device)
+        self.B, self.H, self.D = B, H, D
+        self.bound = 0
+        self.npages = torch.zeros(B, H, dtype=torch.long, device=device)
+        self.counts = torch.zeros(2, dtype=torch.long, device=device)  # pages, tokens selected (in place)
+        self._alloc(cap)
+
+    def _alloc(self, cap: int) -> None:
+        B, H, D, ps, dev = self.B, self.H, self.D, self.ps, self.device
+        self.pos = torch.full((B, H, cap + 1, ps), -1, dtype=torch.int32, device=dev)
+        self.fill = torch.zeros(B, H, cap + 1, dtype=torch.int32, device=dev)
+        if self.kind == "minmax":
+            self.a = torch.full((B, H, cap + 1, D), _INF, dtype=self.dtype, device=dev)  # per-channel min
+            self.b = torch.full((B, H, cap + 1, D), -_INF, dtype=self.dtype, device=dev)  # per-channel max
+        else:
+            self.a = torch.zeros(B, H, cap + 1, D, dtype=self.dtype, device=dev)  # centroid
+            self.b = torch.zeros(B, H, cap + 1, dtype=torch.float32, device=dev)  # radius
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[2] - 1
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every device tensor a selection reads (a CUDA graph's inputs)."""
+        return self.pos, self.fill, self.a, self.b, self.counts
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pos, self.fill, self.a, self.b, self.npages))
+
+    def reserve_one(self) -> None:
+        """Room for one more page in every row before a window page is placed: grows the table (a copy)
+        when the host bound reaches the capacity, after tightening the bound (one sync). Runs outside any
+        captured step (at the step where a page joins the middle)."""
+        cap = self.capacity
+        if self.bound < cap:
+            return
+        self.bound = int(self.npages.max())
+        if self.bound < cap:
+            return
+        old = (self.pos, self.fill, self.a, self.b)
+        self._alloc(cap + max(16, cap // 16))
+        for new, o in zip((self.pos, self.fill, self.a, self.b), old, strict=True):
+            new[:, :, :cap] = o[:, :, :cap]
+
+    # ---- building from the prefill's trees (host) -------------------------------------------------
+    @classmethod
+    def from_trees(cls, trees, keys, first, kind, ps, dtype, device, B, H):
+        """The pages of ``trees`` (row ``b * H + h``, None: no pages) with their summaries from the keys
+        [B, H, Pn, ps, D] (host) of the pages starting at token position ``first[b]``."""
+        D = keys.shape[-1]
+        rows = []
+        for t, tree in enumerate(trees):
+            if tree is None or tree.num_pages == 0:
+                rows.append(None)
+                continue
+            b, h = divmod(t, H)
+            pos = tree.page_positions(torch.arange(tree.num_pages))  # [P, ps]
+            k = keys[b, h].reshape(-1, D)[(pos - first[b]).clamp(min=0)].float()  # [P, ps, D]
+            rows.append((t, pos, k, pos >= 0))
+        used = max((r[1].shape[0] for r in rows if r is not None), default=0)
+        self = cls(B, H, D, ps, used + max(16, used // 16), kind, dtype, device)
+        pos_all = torch.full((B * H, self.capacity + 1, ps), -1, dtype=torch.int32)
+        fill = torch.zeros(B * H, self.capacity + 1, dtype=torch.int32)
+        a = self.a.view(B * H, -1, *self.a.shape[3:]).cpu().clone()
+        b_ = self.b.view(B * H, -1, *self.b.shape[3:]).cpu().clone()
+        npages = torch.zeros(B * H, dtype=torch.long)
+        for r in rows:
+            if r is None:
+                continue
+            t, pos, k, ok = r
+            P = pos.shape[0]
+            pos_all[t, :P], fill[t, :P], npages[t] = pos.int(), ok.sum(1).int(), P
+            m = ok[:, :, None]
+            if kind == "minmax":
+                a[t, :P] = k.masked_fill(~m, _INF).amin(1).to(dtype)
+                b_[t, :P] = k.masked_fill(~m, -_INF).amax(1).to(dtype)
+            else:
+                mu = ((k * m).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)).to(dtype)
+                a[t, :P] = mu
+                b_[t, :P] = ((k - mu.float()[:, None]).norm(dim=-1) * ok).amax(1)
+        nb = device.type == "cuda"
+        self.pos.copy_(pos_all.view_as(self.pos), non_blocking=nb)
+        self.fill.copy_(fill.view_as(self.fill), non_blocking=nb)
+        self.a.copy_(a.view_as(self.a), non_blocking=nb)
+        self.b.copy_(b_.view_as(self.b), non_blocking=nb)
+        self.npages.copy_(npages.view(B, H), non_blocking=nb)
+        self.bound = used
+        return self
+
+    # ---- a window page joins (device, fixed shapes) -----------------------------------------------
+    def insert(self, keys: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor, any_ok: bool) -> None:
+        """Place one page of keys [B, H, ps, D] (device) at token positions [B, ps] into the rows of the
+        sequences ``ok`` [B] (device bool; ``any_ok``: whether any is set, host)."""
+        if not any_ok:
+            return
+        self.reserve_one()
+        self.bound += 1
+        B, H, D, ps = self.B, self.H, self.D, self.ps
+        C = self.capacity + 1  # with the trash page
+        R, dev = B * H, self.device
+        k = keys.reshape(R, ps, D).float()
+        rok = ok.to(dev).repeat_interleave(H)[:, None].expand(R, ps)  # [R, ps]
+        fill = self.fill.view(R, C).long()
+        a, b = self.a.view(R, C, *self.a.shape[3:]), self.b.view(R, C, *self.b.shape[3:])
+        centre = (a.float() + b.float()) / 2 if self.kind == "minmax" else a.float()
+        live = fill > 0
+        centre = torch.where(live[:, :, None], centre, 0.0)
+        d2 = (centre * centre).sum(-1)[:, None, :] - 2 * torch.bmm(k, centre.transpose(1, 2))  # [R, ps, C]
+        d2 = d2.masked_fill(~live[:, None, :], _INF)
+        tgt = d2.argmin(-1)  # [R, ps]
+        has = live.any(1)[:, None].expand(R, ps)
+        j = torch.arange(ps, device=dev)
+        same = (tgt[:, :, None] == tgt[:, None, :]) & (j[None, None, :] < j[None, :, None])
+        rank = (same & rok[:, None, :]).sum(-1)  # keys of this page before it that chose the same page
+        f_t = fill.gather(1, tgt)
+        join = rok & has & (f_t + rank < ps)
+        spill = rok & ~join
+        new = self.npages.view(R)[:, None].expand(R, ps)
+        trash = torch.full_like(tgt, C - 1)
+        page = torch.where(join, tgt, torch.where(spill, new, trash))
+        slot = torch.where(join, f_t + rank, torch.where(spill, spill.cumsum(1) - 1, 0))
+        flat = torch.arange(R, device=dev)[:, None] * C + page  # [R, ps] row-major page ids
+        pos_v = self.pos.view(R * C, ps)
+        pos_v[flat.flatten(), slot.flatten()] = positions.to(dev).int().repeat_interleave(H, 0).flatten()
+        put = (join | spill).int()
+        fill_new = fill.flatten().index_add(0, flat.flatten(), put.flatten().long()).view(R, C)
+        self.npages.view(R).add_(spill.any(1).long())
+        kf = k.reshape(R * ps, D)
+        idx = flat.flatten()
+        if self.kind == "minmax":
+            m = (join | spill).flatten()[:, None]
+            self.a.view(R * C, D).scatter_reduce_(
+                0, idx[:, None].expand(-1, D), kf.masked_fill(~m, _INF).to(self.dtype), "amin"
+            )
+            self.b.view(R * C, D).scatter_reduce_(
+                0, idx[:, None].expand(-1, D), kf.masked_fill(~m, -_INF).to(self.dtype), "amax"
+            )
+        else:
+            f0 = fill.float().view(R * C, 1)
+            mu0 = a.float().reshape(R * C, D)
+            tot = (mu0 * f0).index_add(0, idx, kf * put.flatten()[:, None].float())
+            f1 = fill_new.float().view(R * C, 1)
+            mu1 = torch.where(f1 > 0, tot / f1.clamp(min=1), mu0).to(self.dtype)
+            shift = (mu1.float() - mu0).norm(dim=-1)
+            r = self.b.view(R * C)
+            r1 = torch.where(f0.view(-1) > 0, r + shift, 0.0)
+            dk = (kf - mu1.float()[idx]).norm(dim=-1) * put.flatten()
+            r1 = r1.scatter_reduce(0, idx, dk, "amax")
+            self.a.view(R * C, D).copy_(mu1)
+            r.copy_(r1)
+        self.fill.view(R, C).copy_(fill_new)
+        self.fill.view(R, C)[:, -1] = 0  # the trash page is never a page
+
+    # ---- a decode step (device, fixed shapes) -----------------------------------------------------
+    def scores(self, q: torch.Tensor, P: int) -> torch.Tensor:
+        """Each query head's bound (or estimate) of q.k per page: q [B, Hq, D] -> [B, Hq, P] fp32,
+        -inf for pages without keys."""
+        B, Hq, D = q.shape
+        H = self.H
+        if self.kind == "minmax":
+            s = page_bounds(q, self.a[:, :, :P], self.b[:, :, :P])
+        else:
+            qg = q.view(B, H, Hq // H, D).float()
+            s = torch.einsum("bhgd,bhpd->bhgp", qg, self.a[:, :, :P].float())
+            s = (s + qg.norm(dim=-1, keepdim=True) * self.b[:, :, None, :P]).reshape(B, Hq, P)
+        live = (self.fill[:, :, :P] > 0).repeat_interleave(Hq // H, 1)
+        return torch.where(live, s, -_INF)
+
+    def select(self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0):
+        """Token positions [B, H, T] (-1 padded, T = min(pages taken at most x ps, room)) of the pages
+        taken for the queries q [B, Hq, D] among the first ``P`` pages of every row (the capacity under
+        a CUDA graph, ``bound`` otherwise: the same pages). ``rerank`` > 0: the ``rerank * cap`` best pages
+        by summary (the group's max) are ranked by the exact max q.k of their keys, read from ``keys``
+        [B, H, S, D] (slot == position: a GPU-resident store)."""
+        B, Hq, D = q.shape
+        H, ps, dev = self.H, self.ps, q.device
+        G, R = Hq // H, B * self.H
+        if P == 0 or room <= 0:
+            return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
+        s = self.scores(q, P).view(R, G, P)
+        cand = None  # page id of each scored column (None: column == page)
+        if rerank:
+            val, cand = torch.topk(s.amax(1), min(P, rerank * cap), dim=1)  # [R, Pc]
+            rows = torch.arange(R, device=dev)[:, None] * self.pos.shape[2]
+            pos = self.pos.view(-1, ps)[(rows + cand).flatten()].view(R, -1).long()  # [R, Pc * ps]
+            live = (pos >= 0) & torch.isfinite(val).repeat_interleave(ps, 1)
+            k = keys.reshape(R, -1, D).gather(1, pos.clamp(min=0)[:, :, None].expand(-1, -1, D))
+            qk = torch.einsum("rgd,rnd->rgn", q.reshape(R, G, D).float(), k.float())
+            s = qk.masked_fill(~live[:, None, :], -_INF).view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
+        P = s.shape[2]
+        M = min(P, 2 * cap)
+        if merge == "rank":  # the union over the group, rank-major (every head's best page, then the second, ...)
+            c = min(P, cap)
+            val, ids = torch.topk(s, c, dim=2)  # [R, G, c]
+            ok = torch.isfinite(val).transpose(1, 2).reshape(R, -1)
+            ids = ids.transpose(1, 2).reshape(R, -1)
+            N = ids.shape[1]
+            key = torch.where(ok, ids, P)
+            srt, perm = torch.sort(key, dim=1, stable=True)
+            first = torch.ones_like(ok)
+            first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+            keep = torch.zeros_like(ok).scatter_(1, perm, first & (srt < P))
+            col = torch.arange(N, device=dev)[None, :]
+            order = torch.sort(torch.where(keep, col, N + col), dim=1).values[:, :M]
+            valid = order < N
+            order = torch.where(valid, ids.gather(1, order.clamp(max=N - 1)), 0)
+        else:
+            if merge == "max":  # Quest's GQA rule: the max of the group's bounds
+                score = s.amax(1)
+            else:  # "nsa": each head's softmax over the pages' scores, summed over the group
+                prob = torch.softmax(s * scale, dim=2).nan_to_num(0.0)
+                score = torch.where(torch.isfinite(s[:, 0]), prob.sum(1), -_INF)
+            val, order = torch.topk(score, M, dim=1)
+            valid = torch.isfinite(val)
+        if cand is not None:
+            order = cand.gather(1, order)
+        fill = self.fill.view(R, -1)
+        f = torch.where(valid, fill.gather(1, order).long(), 0)
+        taken = greedy_fit(f, valid, room, cap, ps)
+        Tp = min(M, cap)
+        col = torch.arange(M, device=dev)[None, :]
+        sel = torch.sort(torch.where(taken, col, M + col), dim=1).values[:, :Tp]
+        pages = torch.where(sel < M, order.gather(1, sel.clamp(max=M - 1)), -1)
+        rows = torch.arange(R, device=dev)[:, None] * fill.shape[1]
+        pos = self.pos.view(R * fill.shape[1], ps)[(rows + pages.clamp(min=0)).flatten()].view(R, Tp * ps)
+        pos = torch.where((pages >= 0).repeat_interleave(ps, 1), pos, -1)
+        T = min(Tp * ps, room)
+        keep = torch.argsort((pos < 0).to(torch.int8), dim=1, stable=True)[:, :T]
+        out = pos.gather(1, keep).long()
+        self.counts.add_(torch.stack([taken.sum(), (out >= 0).sum()]))
+        return out.view(B, H, T)
+
+
+def summary_stats(layers) -> dict:
+    """``policy_stats`` of the layers' :class:`SemanticPages`: pages and tokens selected, pages held,
+    tokens per page, the index bytes and (dense KV of the held tokens + index) / dense KV (one sync)."""
+    out = dict(pages_selected=0, tokens_selected=0, semantic_pages=0, summary_index_bytes=0)
+    kv = held = 0
+    for p in layers:
+        pages, tokens = p.counts.tolist()
+        out["pages_selected"] += pages
+        out["tokens_selected"] += tokens
+        out["semantic_pages"] += int(p.npages.sum())
+        out["summary_index_bytes"] += p.nbytes()
+        n = int(p.fill.sum())
+        held += n
+        kv += n * 2 * p.D * p.a.element_size()
+    out["tokens_per_semantic_page"] = held / max(1, out["semantic_pages"])
+    out["semantic_store_per_dense_kv"] = (kv + out["summary_index_bytes"]) / kv if kv else 0.0
+    return out
