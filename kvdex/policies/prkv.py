@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.arkvale import _ids, top_pages
 from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.policies.snapkv import check_obs, prompt_rows
@@ -102,8 +102,8 @@ class PRKVPolicy(Policy):
         return self.split.get(layer, (self.n_static, self.n_dynamic)) if self.auto else (self.n_static, self.n_dynamic)
 
     def index(self, layer, update) -> None:
-        if update.obs_queries is not None:
-            self.pending[layer] = update
+        if update.obs_queries is not None:  # the window's rows only, not the prompt's queries they slice
+            self.pending[layer] = obs_rows(update)
         self.digests.write(layer, update.start, update.count, update.keys)
 
     # ---- static part (Algorithm 1) -------------------------------------------------------------
