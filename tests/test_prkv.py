@@ -295,11 +295,54 @@ def test_static_set_is_topk_of_window_scores():
     assert sorted(set(checked)) == [5, 10, 15, 20]
 
 
+@pytest.mark.parametrize("obs_tokens", ["score", "last"])
+def test_obs_tokens_last_ranks_the_windows_own_tokens_last(obs_tokens):
+    """obs > the cache's window: the observation queries' own tokens lie in the middle. With
+    ``obs_tokens="last"`` the static set is the top-k_s of the earlier tokens only (Algorithm 1 scores
+    K[:-n_local]); with "score" those tokens compete (and, with their local attention, get in)."""
+    model, _ = shared_pair("llama_gqa")
+    T, W = 5, 40  # window 32: 8-23 of the 40 observation queries' tokens lie in the middle
+    opts = dict(static_ratio=1.0, refresh=T, obs=W, obs_tokens=obs_tokens)
+    cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, **opts)
+    pol = cache.policy
+    late_static = []
+
+    def observer(layer, q, store, aset, scale):
+        step = pol.steps[layer] - 1
+        if step == 0 or step % T:
+            return
+        ring = pol.rings[layer]
+        first = int(ring.pos[0][ring.valid[0]].min())
+        k, _ = store.dense()
+        org = pol.origin[layer]
+        m = org.shape[2]
+        kpos = k.clone()
+        for h in range(store.kv_heads):  # keys back in position order
+            kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
+        s = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale)
+        ns = int(pol.static[layer][0])
+        assert first - SINK > ns  # enough earlier tokens: "last" never needs a late one
+        for h in range(store.kv_heads):
+            static = org[0, h, :ns]
+            late_static.append(int((static + SINK >= first).sum()))
+            if obs_tokens == "last":
+                early = s[0, h, : first - SINK]
+                kth = torch.sort(early, descending=True).values[ns - 1]
+                assert bool((static + SINK < first).all())
+                assert bool((early[static] >= kth).all())  # the top-k_s of the earlier tokens
+
+    cache.observer = observer
+    greedy(model, prompt(200, seed=1), cache=cache, new=22)
+    assert late_static
+    assert (sum(late_static) == 0) == (obs_tokens == "last")
+
+
 CONFIGS = [
     {"static_ratio": 0.0},
     {"static_ratio": 0.25},
     {"static_ratio": 0.5, "refresh": 8},
     {"static_ratio": 1.0, "refresh": 1},
+    {"static_ratio": 1.0, "refresh": 1, "obs_tokens": "last"},
 ]
 
 
@@ -327,6 +370,7 @@ def test_covering_budget_matches_sdpa(opts, offload):
         {"digest": "ball"},
         {"kernel": 2},
         {"pooling": "median"},
+        {"obs_tokens": "drop"},
     ],
 )
 def test_bad_options_raise(opts):

@@ -12,6 +12,8 @@ scores from; the middle tokens' share of them is the score.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +88,26 @@ def middle_scores(
     b, hq = mass.shape[:2]
     score = mass if per_query_head else mass.view(b, h, hq // h, m).mean(2)
     return score.masked_fill(~inside[:, None, :], float("-inf"))
+
+
+@dataclass
+class ObsRows:
+    """A prefill's observation rows, detached from the :class:`~kvdex.storage.MiddleUpdate` that carried
+    them (``prompt_rows`` reads the same two fields)."""
+
+    obs_queries: torch.Tensor  # [B, Hq, W, D]
+    obs_valid: torch.Tensor  # [B, W]
+
+
+def obs_rows(update) -> ObsRows:
+    """A compact copy of ``update``'s observation rows, to keep from the prefill to the first decode step.
+
+    ``update.obs_queries`` is a slice of the layer's whole prompt queries [B, Hq, L, D]: keeping the
+    update (or the slice) keeps all L rows alive, for every sparse layer, until decoding starts --
+    twice the KV bytes with 32 query / 8 kv heads (Llama-3.1-8B), all of it during the prefill.
+    """
+    q = update.obs_queries.clone(memory_format=torch.contiguous_format)
+    return ObsRows(q, update.obs_valid.clone())
 
 
 class QueryRing:

@@ -39,11 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.arkvale import _ids, top_pages
 from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
+
+OBS_TOKENS = ("score", "last")
 
 
 def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
@@ -67,6 +69,9 @@ class PRKVPolicy(Policy):
     digest: str = "cuboid-mean"  # dynamic pages' digest, as ArkVale
     kernel: int = 1  # pooling of the static scores (1 = none, as Algorithm 1)
     pooling: str = "max"
+    # the observation window's own middle tokens (when obs > the cache's window): "score" -- they compete
+    # with the others; "last" -- chosen only after every earlier token (Algorithm 1 scores K[:-n_local])
+    obs_tokens: str = "score"
 
     def __post_init__(self) -> None:
         s = self.static_ratio
@@ -77,6 +82,8 @@ class PRKVPolicy(Policy):
             raise ValueError("refresh (T) must be >= 1 decode steps")
         check_digest(self.digest)
         check_pooling(self.kernel, self.pooling)
+        if self.obs_tokens not in OBS_TOKENS:
+            raise ValueError(f"obs_tokens must be one of {', '.join(OBS_TOKENS)}, got {self.obs_tokens!r}")
         self.obs_window = self.obs
 
     def bind(self, info) -> None:
@@ -103,8 +110,8 @@ class PRKVPolicy(Policy):
         return self.split.get(layer, (self.n_static, self.n_dynamic)) if self.auto else (self.n_static, self.n_dynamic)
 
     def index(self, layer, update) -> None:
-        if update.obs_queries is not None:
-            self.pending[layer] = update
+        if update.obs_queries is not None:  # the window's rows only, not the prompt's queries they slice
+            self.pending[layer] = obs_rows(update)
         self.digests.write(layer, update.start, update.count, update.keys)
 
     # page joins inside a captured decode step (Policy.capturable_index): the joining page's digest (the
@@ -143,6 +150,8 @@ class PRKVPolicy(Policy):
         if not n_static:
             return
         score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling)
+        if self.obs_tokens == "last":
+            score = _demote_observed(score, ring, g.sink)
         top = topk_ids(score, n_static)  # [B, H, n] positions - sink, -1 padded
         is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
         is_static.scatter_(2, torch.where(top >= 0, top, m), True)
@@ -266,3 +275,14 @@ class PRKVPolicy(Policy):
         mid = (slots >= sink) & (slots < sink + m)
         mapped = org.gather(2, (slots - sink).clamp(0, m - 1).to(org.device)) + sink
         return torch.where(mid, mapped, slots)
+
+
+def _demote_observed(score: torch.Tensor, ring: QueryRing, sink: int) -> torch.Tensor:
+    """``score`` [B, H, M] (middle tokens by position - sink) with the tokens at or after the window's first
+    valid query ranked below every earlier one (scores are mean softmax weights in [0, 1]: minus 2 keeps
+    them finite, so a budget that covers every earlier token still takes them)."""
+    big = torch.iinfo(torch.long).max
+    first = torch.where(ring.valid, ring.pos, big).amin(-1)  # [B]
+    pos = sink + torch.arange(score.shape[-1], device=score.device)
+    late = pos[None, :] >= first.to(score.device)[:, None]  # [B, M]
+    return torch.where(late[:, None, :], score - 2.0, score)
