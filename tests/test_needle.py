@@ -64,7 +64,8 @@ def test_needle_task_refuses_other_subtasks():
 
 
 def test_metrics_follow_a_store_whose_slots_are_permuted():
-    """PRKV reorders its store: the true weights are mapped back to token positions before comparing."""
+    """PRKV reorders its store: the true weights and the attended slots are both mapped back to token
+    positions before comparing."""
     from types import SimpleNamespace
 
     import torch
@@ -80,7 +81,8 @@ def test_metrics_follow_a_store_whose_slots_are_permuted():
     store_k = k[:, :, perm]
     grid = Grid(sink=0, page_size=16, window_pages=1)
     store = SimpleNamespace(dense=lambda: (store_k, store_k), lengths=torch.tensor([L]), grid=grid)
-    aset = SimpleNamespace(valid=torch.ones(1, 1, 1, dtype=torch.bool), positions=torch.tensor([[[40]]]))
+    slot40 = int((perm == 40).nonzero())  # the attended set names store slots (PRKV's relocated ones)
+    aset = SimpleNamespace(valid=torch.ones(1, 1, 1, dtype=torch.bool), positions=torch.tensor([[[slot40]]]))
     needle = torch.zeros(1, L, dtype=torch.bool)
     needle[0, 40] = True
     m = needle_metrics(q, store, aset, needle, d**-0.5, lambda slots: perm[slots])

@@ -82,7 +82,9 @@ def full_peak(model):
     return prefill_peak(model, "full")[0]
 
 
-@pytest.mark.parametrize("policy", ["prkv", "prkv:static_ratio=auto", "prkv:static_ratio=1.0", "arkvale"])
+@pytest.mark.parametrize(
+    "policy", ["prkv", "prkv:static_ratio=auto", "prkv:static_ratio=1.0", "arkvale", "snapkv", "h2o"]
+)
 def test_prefill_peak_is_near_full(model, full_peak, policy):
     peak, kv = prefill_peak(model, policy)
     assert peak - full_peak <= LIMIT * kv, f"{policy}: {(peak - full_peak) / kv:.2f}x the KV bytes over full's peak"

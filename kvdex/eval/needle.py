@@ -90,7 +90,10 @@ def needle_metrics(
         slots = torch.arange(L, device=k.device).expand(b, h, L)
         p = torch.zeros_like(p).scatter_(2, slot_positions(slots).long().to(k.device), p)
     needle = needle[:, :L].to(k.device) & live
-    pos = torch.where(aset.valid, aset.positions.long(), L).to(k.device)
+    pos = aset.positions.long().to(k.device)
+    if slot_positions is not None:  # the attended slots into token positions too (PRKV's relocated slots)
+        pos = slot_positions(torch.where(aset.valid.to(k.device), pos, 0)).long().to(k.device)
+    pos = torch.where(aset.valid.to(k.device), pos, L)
     att = torch.zeros(b, h, L + 1, dtype=torch.bool, device=k.device).scatter_(2, pos, True)[:, :, :L] & live[:, None]
     count = att.sum(-1)  # [B, H]
     nd = needle[:, None, :].expand(-1, h, -1)

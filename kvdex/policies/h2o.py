@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import attention_mass
+from kvdex.policies._obs import attention_mass, obs_rows
 from kvdex.policies.base import Policy, group_reduce, register_policy, topk_ids
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
@@ -65,7 +65,7 @@ class H2OPolicy(Policy):
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
-            self.pending[layer] = update
+            self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
     def _reserve(self, layer: int, n: int, like: torch.Tensor) -> None:
         cur = self.score.get(layer)

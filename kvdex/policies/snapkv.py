@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.selection import Selection
 
@@ -74,7 +74,7 @@ class SnapKVPolicy(Policy):
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
-            self.pending[layer] = update
+            self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
     # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
     # The first decode step (the prompt's votes) and every refresh-th step (SnapKV+) run eagerly; the
