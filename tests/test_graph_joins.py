@@ -18,10 +18,15 @@ decodes what the eager static path decodes.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import pytest
 import test_graph as G
 import torch
 from conftest import left_padded, shared_pair
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvdex
 from kvdex import cache_kwargs
@@ -276,3 +281,74 @@ def test_graph_decoding_replays_page_joins_on_gpu(spec, storage):
         if storage == "offload" and not a.dense:  # the pages that left the window, written by the graph
             n = int(a.store.grid.num_middle_pages(a.store.lengths_host).max())
             assert torch.equal(a.store.host.data[:, :, :n], b.store.host.data[:, :, :n])
+
+
+# ---- the kept graphs of a key: nothing they read or write is freed under them ----------------------------
+
+
+class _FakeGraph:
+    """torch.cuda.CUDAGraph on CPU: the capture runs the step once (its CPU side and, here, its device work),
+    recording every tensor storage the step uses that it did not allocate itself (the persistent buffers a
+    real graph reads and writes by address); a replay does nothing."""
+
+    def __init__(self):
+        self.buffers = {}  # data_ptr -> (weak reference to the storage, first op that used it, shape, dtype)
+
+    def replay(self):
+        pass
+
+
+class _Buffers(TorchDispatchMode):
+    def __init__(self, graph):
+        super().__init__()
+        self.graph, self.made = graph, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (list, tuple)) else [a])]:
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in self.made:
+                ref = StorageWeakRef(t.untyped_storage())
+                self.graph.buffers.setdefault(t.untyped_storage().data_ptr(), (ref, str(func), tuple(t.shape), t.dtype))
+        out = func(*args, **kwargs)
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in self.graph.buffers:
+                self.made.add(o.untyped_storage().data_ptr())  # a temporary (the graph's private pool)
+        return out
+
+
+@contextmanager
+def _fake_capture(graph):
+    with _Buffers(graph):
+        yield
+
+
+@pytest.mark.parametrize("spec", GPU_SPECS + ["pariskv:center=True"])
+def test_kept_graphs_buffers_stay_alive(tiny, spec, monkeypatch):
+    """GraphDecoder's own warm-up and capture sequence for a capturable_index policy (captures faked on CPU):
+    the plain graph of a key is captured, then its join variant, and both are kept and replayed. A replay
+    reads and writes the buffers of its capture by address: none may be freed (re-allocated, replaced) while
+    the graph is kept. (The attended-token counter was made anew at each capture: the plain graph's replays
+    then added into the freed counter's memory, i.e. into whatever the allocator put there next -- on a GPU
+    the next sampled token or the caller's logits.)"""
+    ids, mask = G._left_padded(tiny, [150, 97], seed=1)
+    cache = G._cache(tiny, spec)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        out = tiny(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), logits_to_keep=1)
+    monkeypatch.setattr(GraphDecoder, "_unsupported", lambda self: None)  # CPU: decide as on a GPU
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    dec = GraphDecoder(tiny, cache)
+    nxt, keep = out.logits[:, -1:].argmax(-1), []
+    for _ in range(8):  # eager warm-up, capture (plain); eager warm-up, capture (join variant)
+        nxt = dec.step(nxt).argmax(-1, keepdim=True)
+        keep.append(nxt)
+        if len(dec.graphs) == 2:
+            break
+    assert sorted(k[1] for k in dec.graphs) == [False, True], dec.counts
+    gc.collect()
+    for key, (g, _, _) in dec.graphs.items():
+        assert len(g.buffers) > 20
+        freed = [(op, shape, dtype) for ref, op, shape, dtype in g.buffers.values() if ref.expired()]
+        assert not freed, f"join variant {key[1]}: buffers freed under the kept graph: {freed}"

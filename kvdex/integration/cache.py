@@ -340,6 +340,7 @@ class Cache(HFCache):
         self._timing: dict[str, float] = {}
         self._attended = None
         self._attended_calls = 0
+        self._attended_inplace = False  # CUDA-graph decoding: one counter, added to in place (GraphDecoder)
         # CUDA-graph decoding (kvdex.integration.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself

@@ -482,13 +482,17 @@ class GraphDecoder:
         c = self.cache
         for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
             del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
-        # attended tokens: a persistent device counter that the replays accumulate into (in place)
-        c._attended = (
-            torch.zeros((), dtype=torch.long, device=self.device)
-            if c._attended is None
-            else c._attended.to(torch.long).clone()
-        )
-        c._attended_inplace = True
+        # attended tokens: a persistent device counter that the replays accumulate into (in place), made at
+        # the first capture only: the graphs kept (both page-join variants of a key) add into it by address,
+        # and a counter replaced here would be freed under them (their replays then add into whatever
+        # tensor the allocator puts there next: a sampled token, the caller's logits)
+        if not c._attended_inplace:
+            c._attended = (
+                torch.zeros((), dtype=torch.long, device=self.device)
+                if c._attended is None
+                else c._attended.to(torch.long).clone()
+            )
+            c._attended_inplace = True
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         t = c.transfer
