@@ -674,6 +674,20 @@ def test_triton_collision_votes(n, nsub):
 
 
 @kernel_test
+@pytest.mark.parametrize("n,nsub,g", [(63, 8, 7), (1000, 16, 4), (300, 8, 2)])
+def test_triton_collision_votes_with_head_tables(n, nsub, g):
+    """group="heads": G vote tables per row, a key scores its best head's sum (live lengths too)."""
+    from kvdex.kernels import pariskv_triton as T
+
+    gg = gen(n + g)
+    ids = torch.randint(0, 256, (3, n, nsub), generator=gg).to(torch.uint8).to(DEV)
+    votes = torch.randint(0, K.SCORE_LEVELS + 1, (3, g, nsub, 256), generator=gg).int().to(DEV)
+    live = torch.tensor([n, 0, n // 3]).to(DEV)
+    assert torch.equal(T.collision_votes(ids, votes, live), K.collision_votes(ids, votes, live))
+    assert torch.equal(T.collision_votes(ids, votes), K.collision_votes(ids, votes))
+
+
+@kernel_test
 @pytest.mark.parametrize("n,nsub", [(63, 8), (1000, 16)])
 def test_triton_collision_votes_with_live_lengths(n, nsub):
     from kvdex.kernels import pariskv_triton as T
@@ -744,6 +758,28 @@ def test_triton_rerank_scores(n, c, d, m):
 
 
 @kernel_test
+@pytest.mark.parametrize("g", [2, 7])
+def test_triton_rerank_scores_per_head(g):
+    """group="heads": the candidates' codes scored for each of a row's G query heads -> [R, G, C]."""
+    from kvdex.kernels import pariskv_triton as T
+
+    gg = gen(g)
+    d, m, n, c = 64, 8, 400, 90
+    signs = K.srht_signs(d, 1)
+    t, cen = K.magnitude_levels(m)
+    _, codes, w = K.encode_keys(torch.randn(3, n, d, generator=gg) * 2 + 0.5, signs, m, t, cen)
+    qb, qn = K.encode_query(torch.randn(3, g, d, generator=gg), signs, m)
+    cand = torch.randint(-1, n, (3, c), generator=gg)
+    args = [x.to(DEV) for x in (cand, codes, w, qb, qn, cen)]
+    want = K.rerank_scores(*args, m)
+    got = T.rerank_scores(*args, m)
+    assert got.shape == want.shape == (3, g, c)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-4, rtol=1e-4)
+
+
+@kernel_test
 @pytest.mark.parametrize("d,ps,t", [(64, 16, 50), (128, 4, 7), (48, 8, 33)])
 def test_triton_gather_rows(d, ps, t):
     from kvdex.kernels import pariskv_triton as T
@@ -762,13 +798,14 @@ def test_triton_gather_rows(d, ps, t):
 
 
 @kernel_test
-def test_triton_policy_selects_like_the_twins():
+@pytest.mark.parametrize("opts", [{}, {"group": "heads", "coarse": "scores"}, {"group": "heads"}])
+def test_triton_policy_selects_like_the_twins(opts):
     """The policy with kernels='triton' picks the same tokens as with the PyTorch twins."""
     model, _ = shared_pair("llama_gqa")
     if CUDA:
         pytest.skip("the tiny CPU model pair; the GPU script covers the policy on CUDA")
-    _, a = _decode_with_selections("pariskv", new=6, kernels="torch")
-    _, b = _decode_with_selections("pariskv", new=6, kernels="triton")
+    _, a = _decode_with_selections("pariskv", new=6, kernels="torch", **opts)
+    _, b = _decode_with_selections("pariskv", new=6, kernels="triton", **opts)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x[2], y[2])
 

@@ -19,7 +19,15 @@ from kvdex.bench import runner, shapes
 from kvdex.integration.graph import graph_policies
 from kvdex.policies.pariskv import ADAPTIVE_RATIOS, ParisKVPolicy
 
-SPECS = ["pariskv", "pariskv-kmeans", "pariskv:center=True", "pariskv:pool_factor=3", "pariskv:candidate_ratio=0.3"]
+SPECS = [
+    "pariskv",
+    "pariskv-kmeans",
+    "pariskv:center=True",
+    "pariskv:pool_factor=3",
+    "pariskv:candidate_ratio=0.3",
+    "pariskv:group=heads:coarse=scores:pool_factor=3",
+    "pariskv-kmeans:group=heads",
+]
 tiny = G.tiny
 
 
@@ -45,7 +53,7 @@ def test_static_selection_equals_dynamic(tiny, spec, budget, monkeypatch):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["pariskv", "pariskv-kmeans"])
+@pytest.mark.parametrize("spec", ["pariskv", "pariskv-kmeans", "pariskv:group=heads:coarse=scores"])
 def test_static_selection_equals_dynamic_on_a_ragged_batch(spec):
     """Left-padded prompts of 200, 130 and 300 tokens: every sequence has its own middle length, pool
     size and vote quotas (device buffers under static sizing); 40 steps cross page boundaries."""

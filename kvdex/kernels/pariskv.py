@@ -32,6 +32,8 @@ import torch
 # The paper says "the top-rho centroids vote"; the authors' released kernel weights them in these
 # six tiers (best 5% of the quota: 6 votes ... last 25%: 1 vote), which we follow.
 TIERS = (0.05, 0.15, 0.30, 0.50, 0.75, 1.0)
+# ``votes="scores"`` (a kvdex option): a centroid's vote is its query score quantised to 0..SCORE_LEVELS.
+SCORE_LEVELS = 32
 MAG_LEVELS = 8  # 3 magnitude bits
 VALID_M = (2, 4, 8)  # subspace sizes: 2**m centroids must fit a uint8 id, m even for nibble packing
 
@@ -222,17 +224,34 @@ def cluster_votes(scores: torch.Tensor, counts: torch.Tensor, quotas: torch.Tens
     return torch.empty_like(tiers).scatter_(-1, order, tiers)
 
 
+def score_votes(scores: torch.Tensor, levels: int = SCORE_LEVELS) -> torch.Tensor:
+    """Vote table of ``votes="scores"``: scores [R, G, B, K] (a row's G query heads) -> int32 [R, G, B, K].
+
+    Every centroid's score is quantised on one scale per row, ``round((s + M) * levels / 2M)`` with
+    ``M = max |s|`` over the row's heads, subspaces and centroids, so votes lie in ``0..levels`` and a
+    key's summed vote is an affine function of its summed score (up to rounding): comparable between
+    the heads of a row, unlike tier votes, which only say how a centroid ranks in its own subspace.
+    """
+    m = scores.abs().amax(dim=(1, 2, 3), keepdim=True).clamp(min=1e-30)
+    return torch.round((scores + m) * (levels / (2 * m))).to(torch.int32)
+
+
 def collision_votes(ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """Integer score of every key: ids uint8 [R, N, B], votes int32 [R, B, K] -> int32 [R, N].
 
     score[n] = sum_b votes[b, ids[n, b]] (the paper's collision count, tier-weighted). ``live`` [R]
-    (optional): slots n >= live[r] score -1 (past the row's middle: never selected).
+    (optional): slots n >= live[r] score -1 (past the row's middle: never selected). ``votes`` may be
+    [R, G, B, K], one table per query head of the row's group: then a key scores its best head's sum.
     """
     r, n, b = ids.shape
-    flat = votes.flatten(1)  # [R, B*K]
     k = votes.shape[-1]
     ix = ids.long() + torch.arange(b, device=ids.device) * k  # [R, N, B]
-    score = flat.gather(1, ix.flatten(1)).view(r, n, b).sum(-1, dtype=torch.int32)
+    if votes.dim() == 4:
+        g = votes.shape[1]
+        per = votes.flatten(2).gather(2, ix.flatten(1)[:, None].expand(r, g, n * b)).view(r, g, n, b)
+        score = per.sum(-1, dtype=torch.int32).amax(1)
+    else:
+        score = votes.flatten(1).gather(1, ix.flatten(1)).view(r, n, b).sum(-1, dtype=torch.int32)
     if live is None:
         return score
     return torch.where(torch.arange(n, device=ids.device)[None, :] < live[:, None], score, -1)
@@ -309,16 +328,38 @@ def rerank_scores(
     qb [R, B, m], qnorm [R] -> fp32 [R, C] (``-inf`` for -1).
 
     ``<k, q> = |k||q| sum_b r_b <u_b, q~_b>`` and ``<u_b, q~_b> ~ <v_b, q~_b> / alpha_b``, so the
-    estimate is ``|q| sum_b w_b <v_b, q~_b>``.
+    estimate is ``|q| sum_b w_b <v_b, q~_b>``. With qb [R, G, B, m] and qnorm [R, G] (G query heads
+    sharing the row's keys and candidates) -> [R, G, C].
     """
     ok = cand >= 0
     c = cand.clamp(min=0)
     cc = codes.gather(1, c[..., None].expand(-1, -1, codes.shape[-1]))
     cw = weight.gather(1, c[..., None].expand(-1, -1, weight.shape[-1])).float()
     v = decode_codes(cc, centers, m)  # [R, C, B, m]
+    if qb.dim() == 4:  # per head: [R, G, C]
+        per_sub = (v[:, None] * qb[:, :, None]).sum(-1)  # [R, G, C, B]
+        est = (per_sub * cw[:, None]).sum(-1) * qnorm[..., None]
+        return est.masked_fill(~ok[:, None], float("-inf"))
     per_sub = (v * qb[:, None]).sum(-1)  # [R, C, B]
     est = (per_sub * cw).sum(-1) * qnorm[:, None]
     return est.masked_fill(~ok, float("-inf"))
+
+
+def combine_heads(est: torch.Tensor, scale: float) -> torch.Tensor:
+    """One score per candidate from the estimates of a row's G query heads: est [R, G, C] -> [R, C].
+
+    ``sum_g exp(scale * (est_g - max_c est_g))``: each head's attention weights over the candidates,
+    relative to its own best candidate, summed over the group (the oracle sums the heads' softmax
+    weights; a head that looks at one token gives it ~1 whatever the other heads do). Only a max, an
+    exp and a G-term sum in a fixed order: a candidate's score does not depend on the pool's width
+    (static and dynamic sizing select the same tokens). ``-inf`` where every estimate is ``-inf``.
+    """
+    top = est.amax(-1, keepdim=True).clamp(min=torch.finfo(est.dtype).min)  # an empty row: no -inf - -inf
+    w = torch.exp((est - top) * scale)  # [R, G, C], 0 for no candidate
+    out = w[:, 0]
+    for g in range(1, est.shape[1]):
+        out = out + w[:, g]
+    return out.masked_fill(~(est > float("-inf")).any(1), float("-inf"))
 
 
 # ---- fetch ------------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ _GROW = 4096  # tokens of index capacity added at a time
 # (retrieval length below, candidate_ratio beta, collision_ratio rho): the authors' adaptive table.
 ADAPTIVE_RATIOS = ((5_000, 0.5, 0.5), (10_000, 0.25, 0.3), (30_000, 0.2, 0.25), (math.inf, 0.1, 0.2))
 KERNELS = ("auto", "torch", "triton")
+GROUPS = ("mean", "heads")  # the GQA reduction: the group's mean query (authors) or every query head
+COARSE = ("tiers", "scores")  # the vote table: the authors' rank tiers, or quantised centroid scores
 
 
 def adaptive_ratios(n: int) -> tuple[float, float]:
@@ -101,6 +103,17 @@ class ParisKVPolicy(Policy):
     # paper's pool is ceil(beta * n) whatever k is; the authors' later adaptive-k variant caps k at 10% of
     # the pool. For budgets far above the paper's k = 100 the beta pool holds too little (docs).
     pool_factor: float | None = None
+    # kvdex option, off by default: "heads" searches with every query head of a GQA group instead of the
+    # group's mean query. Each head votes with its own query over the kv head's shared index and a key
+    # keeps its best head's vote; each head reranks the pool, and the final top-k is by
+    # kernels.pariskv.combine_heads (the heads' attention weights summed). A head that retrieves a needle
+    # the others ignore is not averaged away (docs: "GQA and the coarse stage").
+    group: str = "mean"
+    # kvdex option, off by default: "scores" makes a centroid's vote its query score, quantised to
+    # 0..kernels.pariskv.SCORE_LEVELS on one scale per kv head (kernels.pariskv.score_votes), so a key's
+    # summed vote is a 1-bit estimate of <q, k/|k|>; "tiers" is the authors' six rank tiers over a quota of
+    # collision_ratio * n keys (collision_ratio is unused with "scores").
+    coarse: str = "tiers"
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -114,6 +127,10 @@ class ParisKVPolicy(Policy):
             raise ValueError(f"pariskv: kernels must be one of {KERNELS}, got {self.kernels!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"pariskv: center must be True or False, got {self.center!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"pariskv: group must be one of {GROUPS}, got {self.group!r}")
+        if self.coarse not in COARSE:
+            raise ValueError(f"pariskv: coarse must be one of {COARSE}, got {self.coarse!r}")
         pf = self.pool_factor
         if pf is not None and (isinstance(pf, bool) or not isinstance(pf, (int, float)) or not pf >= 1):
             raise ValueError(f"pariskv: pool_factor must be a number >= 1 or None, got {pf!r}")
@@ -164,8 +181,12 @@ class ParisKVPolicy(Policy):
         return ids
 
     def centroid_scores(self, layer: int, q: torch.Tensor, qb: torch.Tensor) -> torch.Tensor:
-        """Query-centroid scores per subspace: q [B, H, d], qb [B, H, nsub, m] -> [B, H, nsub, 2**m]."""
+        """Query-centroid scores per subspace: q [B, H, (G,) d], qb [B, H, (G,) nsub, m] -> [B, H, (G,) nsub, 2**m]."""
         return qb @ self.consts(qb.device)[3].T
+
+    def centroid_logits(self, layer: int, q: torch.Tensor, qb: torch.Tensor, qn: torch.Tensor) -> torch.Tensor:
+        """:meth:`centroid_scores` on the scale of <q, key direction> (the analytic ones are of the unit query)."""
+        return self.centroid_scores(layer, q, qb) * qn[..., None, None]
 
     def index(self, layer, update) -> None:
         if update.empty:
@@ -315,26 +336,39 @@ class ParisKVPolicy(Policy):
             j = torch.arange(w, device=q.device)
             pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], store.grid.sink + j, -1)
             return Selection(tokens=pos[:, None, :].expand(b, h, w).contiguous())
-        cand, _ = self.search(layer, q, n, nmid, k, static=static)
+        cand, _ = self.search(layer, q, n, nmid, k, static=static, scale=scale)
         return Selection(tokens=torch.where(cand >= 0, cand + store.grid.sink, -1))
 
     def votes(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
         """Coarse stage: collision scores of the first n middle tokens.
 
-        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, rotated query blocks
-        [R, nsub, m], |q| [R]); R = B * H, the query is the mean of the GQA group (authors' code).
+        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, rotated query blocks, query norms);
+        R = B * H. ``group="mean"``: the query is the mean of the GQA group (authors' code), blocks
+        [R, nsub, m] and norms [R]; ``"heads"``: every query head of the group votes (a key scores its
+        best head's sum), blocks [R, G, nsub, m] and norms [R, G].
         """
         idx = self.index_[layer]
         b, hq, d = q.shape
         h = idx.ids.shape[1]
-        r = b * h
-        qm = q.float().view(b, h, hq // h, d).mean(2)
-        qb, qn = K.encode_query_matrix(qm, self.consts(q.device)[4], self.m)  # == encode_query, fewer kernels
+        r, g = b * h, (hq // h if self.group == "heads" else 1)
+        qg = q.float().view(b, h, hq // h, d)
+        qv = qg if self.group == "heads" else qg.mean(2)  # [B, H, G, d] or [B, H, d]
+        qb, qn = K.encode_query_matrix(qv, self.consts(q.device)[4], self.m)  # == encode_query, fewer kernels
         rows = self.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
-        cscore = self.centroid_scores(layer, qm, qb).reshape(r, self.num_sub, -1)
         ops = self.ops(q.device)
-        votes = ops.cluster_votes(cscore, idx.counts.reshape(r, self.num_sub, -1), rows.quotas)
+        if self.coarse == "scores":
+            votes = K.score_votes(self.centroid_logits(layer, qv, qb, qn).reshape(r, g, self.num_sub, -1))
+        else:
+            cscore = self.centroid_scores(layer, qv, qb).reshape(r * g, self.num_sub, -1)
+            counts, quotas = idx.counts.reshape(r, 1, self.num_sub, -1), rows.quotas
+            if g > 1:  # every head of a row ranks the centroids against that row's key counts
+                counts, quotas = counts.expand(-1, g, -1, -1), quotas.repeat_interleave(g, 0)
+            votes = ops.cluster_votes(cscore, counts.reshape(r * g, self.num_sub, -1), quotas)
+            votes = votes.view(r, g, self.num_sub, -1)
+        votes = votes if g > 1 else votes[:, 0]  # one table per row: the paper's kernel path
         score = ops.collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes, rows.n_row)  # -1 past n_row
+        if g > 1:
+            return score, qb.reshape(r, g, self.num_sub, self.m), qn.reshape(r, g)
         return score, qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
 
     def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
@@ -384,14 +418,25 @@ class ParisKVPolicy(Policy):
 
     @property
     def max_votes(self) -> int:
-        return len(K.TIERS) * self.num_sub
+        return (K.SCORE_LEVELS if self.coarse == "scores" else len(K.TIERS)) * self.num_sub
 
-    def search(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor, k: int, static: bool = False):
+    def search(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        n: int,
+        nmid: torch.Tensor,
+        k: int,
+        static: bool = False,
+        scale: float | None = None,
+    ):
         """Two-stage retrieval over the first n middle tokens. q [B, Hq, D] -> (final top-k middle
         offsets [B, H, k] (-1 padded), coarse candidates [B, H, C]); offsets past ``nmid[b]`` never win.
 
         ``static``: vote over the whole index capacity and keep the pool in :meth:`pool_width` columns
         (CUDA-graph decoding); the extra slots and columns are masked, so the selected tokens are the same.
+        ``scale``: the attention's softmax scale (``group="heads"`` combines the heads' weights;
+        default 1/sqrt(head_dim)).
         """
         idx = self.index_[layer]
         ops = self.ops(q.device)
@@ -405,6 +450,8 @@ class ParisKVPolicy(Policy):
         cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
+        if est.dim() == 3:  # group="heads": [R, G, C] -> one score per candidate
+            est = K.combine_heads(est, self.info.head_dim**-0.5 if scale is None else scale)
         val, top = torch.topk(est, min(k, c), dim=-1)
         final = torch.where(val > float("-inf"), cand.gather(1, top), -1)  # -inf: no candidate (1 kernel, not 4)
         return final.view(b, h, -1), cand.view(b, h, -1)
@@ -439,8 +486,12 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
 
     def centroid_scores(self, layer, q, qb):
-        qs = q.unflatten(-1, (-1, self.m))  # raw query subspaces [B, H, nsub, m]
-        return (self.centroids[layer] @ qs[..., None])[..., 0]
+        qs = q.unflatten(-1, (-1, self.m))  # raw query subspaces [B, H, (G,) nsub, m]
+        c = self.centroids[layer]  # [B, H, nsub, 2**m, m]
+        return ((c if qs.dim() == 4 else c[:, :, None]) @ qs[..., None])[..., 0]
+
+    def centroid_logits(self, layer, q, qb, qn):
+        return self.centroid_scores(layer, q, qb)  # raw query and raw-key centroids: already <q, c>
 
 
 def kmeans(
@@ -487,14 +538,18 @@ def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 4096) -> torch.Tensor
     return torch.cat(parts, dim=-1) if parts else x.new_zeros(x.shape[:-1], dtype=torch.long)
 
 
-def recall_at_k(policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100) -> dict[str, float]:
+def recall_at_k(
+    policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100, scale: float | None = None
+) -> dict[str, float]:
     """The paper's ablation metric on one decode query, averaged over (sequence, kv head), stage by stage.
 
-    Truth: the exact top-k middle keys by <q_mean, key> (q_mean = the query the policy searches
-    with). ``coarse``: the top-k by collision votes alone (bucket top-k); ``pool``: the share of the
-    truth inside the beta candidate pool (what the rerank can at best recover); ``e2e``: the top-k
-    after the 4-bit rerank of that pool; ``rerank``: the top-k by the 4-bit estimate over *every*
-    middle key (the rerank stage alone, no coarse stage). All are |found & truth| / k (ANN Recall@k).
+    Truth: the exact top-k middle keys by the policy's target: <q_mean, key> (``group="mean"``, the
+    query the policy searches with) or :func:`kvdex.kernels.pariskv.combine_heads` of the exact
+    <q_h, key> (``group="heads"``; ``scale`` default 1/sqrt(head_dim)). ``coarse``: the top-k by
+    collision votes alone (bucket top-k); ``pool``: the share of the truth inside the candidate pool
+    (what the rerank can at best recover); ``e2e``: the top-k after the 4-bit rerank of that pool;
+    ``rerank``: the top-k by the 4-bit estimate over *every* middle key (the rerank stage alone, no
+    coarse stage). All are |found & truth| / k (ANN Recall@k).
     """
     nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size
     n = int(nmid.max())
@@ -503,17 +558,24 @@ def recall_at_k(policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: in
     keys = store.middle_keys().float()  # [B, H, n, d]
     b, hq, d = q.shape
     h = keys.shape[1]
-    qm = q.float().view(b, h, hq // h, d).mean(2)
-    exact = torch.einsum("bhd,bhnd->bhn", qm, keys)
+    sc = d**-0.5 if scale is None else scale
+    qg = q.float().view(b, h, hq // h, d)
     live = torch.arange(n, device=q.device)[None, None, :] < nmid.to(q.device)[:, None, None]
-    truth = exact.masked_fill(~live, float("-inf")).topk(k, dim=-1).indices
-    final, pool = policy.search(layer, q, n, nmid, k)
+    if policy.group == "heads":
+        exact = torch.einsum("bhgd,bhnd->bhgn", qg, keys).masked_fill(~live[:, :, None], float("-inf"))
+        target = K.combine_heads(exact.reshape(b * h, hq // h, n), sc).view(b, h, n)
+    else:
+        target = torch.einsum("bhd,bhnd->bhn", qg.mean(2), keys).masked_fill(~live, float("-inf"))
+    truth = target.topk(k, dim=-1).indices
+    final, pool = policy.search(layer, q, n, nmid, k, scale=sc)
     coarse = _coarse_topk(policy, layer, q, n, nmid, k)
     everything = torch.where(live, torch.arange(n, device=q.device), -1).expand(b, h, n).reshape(b * h, n)
     _, qb, qn = policy.votes(layer, q, n, nmid)
     idx = policy.index_[layer]
     codes, weight = idx.codes[:, :, :n].reshape(b * h, n, -1), idx.weight[:, :, :n].reshape(b * h, n, -1)
     est = K.rerank_scores(everything, codes, weight, qb, qn, policy.consts(q.device)[2], policy.m)
+    if est.dim() == 3:
+        est = K.combine_heads(est, sc)
     rerank = est.topk(k, dim=-1).indices.view(b, h, k)
 
     def rec(found):
