@@ -175,6 +175,77 @@ def test_resumed_run_gives_the_same_table(tiny, tmp_path):
     ).read_text().split("## Retrieval")[0].splitlines()[6:]
 
 
+def _rescore(out) -> None:
+    """Give every record a 0/1 score that differs between policies and prompts (the tiny model scores 0
+    everywhere), the same function of (policy, budget, prompt id) in every output folder."""
+    import hashlib
+
+    for f in out.glob("cells/*/*/*.json"):
+        c = json.loads(f.read_text())
+        for r in c["records"]:
+            key = f"{c['policy']}@{c['budget']}/{r['id']}" if c["policy"] != "full" else f"full/{r['id']}"
+            r["score"] = float(hashlib.sha1(key.encode()).digest()[0] % 3 != 0)
+        f.write_text(json.dumps(c))
+
+
+def _cells(cfg) -> dict:
+    """{(policy, budget, task, length): cell} rebuilt from a folder's cell files."""
+    from kvdex.eval.card import report
+    from kvdex.eval.card.plan import Plan
+
+    found, _, _ = report.cells(Plan(cfg, "tiny", "float32", None, "cpu"), cfg.resamples)
+    return {(c["policy"], c["budget"], c["task"], c["length"]): c for c in found}
+
+
+def test_stopped_run_reports_partial_cells_equal_to_a_run_over_those_prompts(tiny, tmp_path):
+    from kvdex.eval.card.run import scorecard
+
+    model, tok = tiny
+    # 5 cells: retrieval batch 0 (niah_single, niah_multikey) for all 4 pairs, batch 1 (vt) for full only
+    part = scorecard(_cfg(tmp_path / "b", max_cells=5), model=model, tokenizer=tok)
+    assert part["stopped"].startswith("max_cells") and part["slots_done"] == 1 and not part["complete"]
+    t = table(part)
+    assert all(c["partial"] is None for c in t[("full", None)].values())  # full's retrieval slot finished
+    for pair in [("oracle", 64), ("oracle", 2048), ("quest", 64)]:
+        got = t[pair]
+        assert set(got) == {(x, 1024) for x in ("retrieval", "retrieval/niah_single", "retrieval/niah_multikey")}
+        assert got[("retrieval", 1024)]["n"] == 4 and got[("retrieval", 1024)]["partial"] == {"of": 6}
+        assert got[("retrieval/niah_single", 1024)]["partial"] is None  # every prompt of the subtask decoded
+    md = (tmp_path / "b/scorecard.md").read_text()
+    assert "(partial: 4/6)" in md and "**Incomplete**: 1 of 8" in md
+    saved = json.loads((tmp_path / "b/scorecard.json").read_text())
+    assert [c["partial"] for c in saved["cells"] if c["task"] == "retrieval"] == [None] + [{"of": 6}] * 3
+
+    # the same prompts uninterrupted: batch 0 holds exactly the first two subtasks' prompts
+    ref_cfg = _cfg(tmp_path / "c", subtasks=["niah_single", "niah_multikey"], tasks=["retrieval"])
+    assert scorecard(ref_cfg, model=model, tokenizer=tok)["complete"]
+    whole_cfg = _cfg(tmp_path / "a", tasks=["retrieval"])
+    assert scorecard(whole_cfg, model=model, tokenizer=tok)["complete"]
+    for out in ("a", "b", "c"):
+        _rescore(tmp_path / out)
+    got, ref, whole = _cells(_cfg(tmp_path / "b")), _cells(ref_cfg), _cells(whole_cfg)
+    drop = lambda c: {k: v for k, v in c.items() if k != "partial"}  # noqa: E731
+    assert got.keys() == {k for k in ref if k[0] != "full"} | {k for k in whole if k[0] == "full"}
+    assert any(c["ratio"] != 1.0 for c in got.values())  # the check below compares real intervals
+    for k, c in got.items():
+        assert drop(c) == drop(ref[k] if k[0] != "full" else whole[k]), k
+
+
+def test_order_pairs_gives_the_same_table(tiny, tmp_path):
+    from kvdex.eval.card.run import scorecard
+
+    model, tok = tiny
+    batches = scorecard(_cfg(tmp_path / "a"), model=model, tokenizer=tok)
+    part = scorecard(_cfg(tmp_path / "b", order="pairs", max_cells=2), model=model, tokenizer=tok)
+    assert part["slots_done"] == 1 and all(c["policy"] == "full" and not c["partial"] for c in part["cells"])
+    pairs = scorecard(_cfg(tmp_path / "b", order="pairs"), model=model, tokenizer=tok)
+    assert batches["complete"] and pairs["complete"]
+    assert _records(tmp_path / "a") == _records(tmp_path / "b")
+    assert batches["cells"] == pairs["cells"]
+    with pytest.raises(ValueError, match="order must be batches or pairs"):
+        _cfg(tmp_path, order="pair").validate()
+
+
 def test_batched_ragged_decoding_equals_one_prompt_at_a_time(tiny):
     from kvdex.eval.card import decode
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvdex.eval.card.config import ScorecardConfig, smoke
+from kvdex.eval.card.config import ORDERS, ScorecardConfig, smoke
 from kvdex.eval.card.tasks import GROUPS, SUBTASKS
 from kvdex.eval.tasks import parse_depths
 
@@ -25,7 +25,8 @@ the same prompts (RULER-style retrieval, passkey grid, attention recall and perp
 optionally LongBench v1) at every length, in batches prefilled once and forked per policy. Each cell is
 the ratio to full with a paired 95% bootstrap interval; cells whose interval excludes 1 are marked.
 Writes <out>/scorecard.md, scorecard.json and scorecard.png. Finished cells are kept under <out>/cells:
-run the same command again to continue a stopped run (--max-minutes stops cleanly before a limit).
+run the same command again to continue a stopped run (--max-minutes stops cleanly before a limit); a
+stopped run reports unfinished slots over the prompts decoded so far, marked "(partial: n/N)".
 
 examples:
   kvdex scorecard --model qwen05b --out scorecard-qwen --max-minutes 9     # the full default size
@@ -87,6 +88,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-minutes", type=float, default=None, help="stop cleanly before this wall time")
     g.add_argument("--max-cells", type=int, default=None, help="stop after computing this many cells")
     g.add_argument(
+        "--order",
+        choices=ORDERS,
+        default=None,
+        help="batches (default): prefill each prompt batch once for every policy; pairs: finish one (policy, "
+        "budget) over every batch before the next (a prefill per batch and pair: slower, but a run stopped "
+        "early has only complete slots)",
+    )
+    g.add_argument(
         "--prepare",
         action="store_true",
         help="only generate and save the prompts under --out (the tokenizer only: a CPU job before a GPU run)",
@@ -101,7 +110,7 @@ _FIELDS = {
     "longtext_prompts": "longtext_prompts", "recall_steps": "recall_steps", "ppl_tokens": "ppl_tokens",
     "batch": "batch", "seed": "seed", "page_size": "page_size", "sink": "sink", "window": "window",
     "dense_layers": "dense_layers", "out": "out", "data": "data", "device": "device", "dtype": "dtype",
-    "decode": "decode", "max_minutes": "max_minutes", "max_cells": "max_cells",
+    "decode": "decode", "max_minutes": "max_minutes", "max_cells": "max_cells", "order": "order",
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, 
 from kvdex.eval.card.tasks import SUBTASKS
 
 PASSKEY_DEPTHS = tuple(range(0, 100, 5))
+ORDERS = ("batches", "pairs")
 
 
 @dataclass
@@ -52,6 +53,10 @@ class ScorecardConfig:
     data: str | None = None
     max_minutes: float | None = None
     max_cells: int | None = None
+    # batches: each prompt batch prefilled once and decoded by every (policy, budget) before the next batch;
+    # pairs: one (policy, budget) over every batch before the next (a prefill per batch and pair, slower,
+    # but a stopped run has only complete slots)
+    order: str = "batches"
     progress: bool = True
     resamples: int = 2000
     prepare: bool = False  # only generate and save the prompts (tokenizer only, no model weights, no device)
@@ -61,6 +66,8 @@ class ScorecardConfig:
 
         if self.decode not in ("auto", "eager", "graph"):
             raise ValueError(f"decode must be auto, eager or graph, got {self.decode!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be {' or '.join(ORDERS)}, got {self.order!r}")
         for name, v in (("batch", self.batch), ("prompts", self.prompts), ("speed_steps", self.speed_steps)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -18,20 +18,26 @@ def _columns(report: dict, tasks) -> list[tuple[str, int]]:
     return [(t, n) for t in tasks for n in lengths if (t, n) in have]
 
 
+def _partial(c: dict) -> str:
+    p = c.get("partial")
+    return f" (partial: {c['n']}/{p['of']})" if p else ""
+
+
 def _fmt(c: dict | None) -> str:
     if c is None:
         return "missing"
     if c["ratio"] is None:
-        return "n/a (full 0)"
+        return "n/a (full 0)" + _partial(c)
     if c["low"] is None:
-        return f"{c['ratio']:.2f}"
-    return f"{c['ratio']:.2f} [{c['low']:.2f}, {c['high']:.2f}]{MARK[c['mark']]}"
+        return f"{c['ratio']:.2f}" + _partial(c)
+    return f"{c['ratio']:.2f} [{c['low']:.2f}, {c['high']:.2f}]{MARK[c['mark']]}" + _partial(c)
 
 
 def _abs(c: dict | None) -> str:
     if c is None or c["full"] is None:
         return "missing"
-    return f"{c['full']:.1f}" if c["task"] == "ppl" or c["task"].startswith("tokens") else f"{c['full']:.3f}"
+    v = f"{c['full']:.1f}" if c["task"] == "ppl" or c["task"].startswith("tokens") else f"{c['full']:.3f}"
+    return v + _partial(c)
 
 
 def _table(report: dict, cols, speed_cols, speed_note) -> list[str]:
@@ -77,7 +83,13 @@ def render(report: dict, speed_note: str | None) -> str:
     if not report["complete"]:
         out += [
             f"**Incomplete**: {report['slots_done']} of {report['slots_total']} (task, length, policy) slots "
-            f"finished{'; stopped: ' + report['stopped'] if report['stopped'] else ''}.",
+            f"finished{'; stopped: ' + report['stopped'] if report['stopped'] else ''}."
+            + (
+                " A cell marked `(partial: n/N)` covers the n of its N prompts that both the policy and `full` "
+                "have decoded so far; run the same command again to finish it."
+                if any(c.get("partial") for c in report["cells"])
+                else ""
+            ),
             "",
         ]
     cols = _columns(report, MAIN)
@@ -123,6 +135,7 @@ def heatmap(report: dict, path: Path) -> Path | None:
             if c is not None and c["ratio"] is not None:
                 grid[i, j] = 1 / c["ratio"] if t == "ppl" else c["ratio"]
                 text[i][j] = f"{c['ratio']:.2f}" + {"better": "+", "worse": "-", "": ""}[c["mark"]]
+                text[i][j] += "*" if c.get("partial") else ""
     fig, ax = plt.subplots(figsize=(4.0 + 0.9 * len(cols), 1.5 + 0.35 * len(pairs)))  # room for row labels
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.2, aspect="auto")
     for i in range(len(pairs)):
@@ -130,7 +143,8 @@ def heatmap(report: dict, path: Path) -> Path | None:
             ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(cols)), [f"{t.replace('tokens_per_s_', 'tok/s ')}\n{_k(n)}" for t, n in cols], fontsize=7)
     ax.set_yticks(range(len(pairs)), [f"{p} @{b}" for p, b in pairs], fontsize=7)
-    ax.set_title(f"kvdex scorecard, {report['model']}\nratio to full (+/-: decidedly better/worse)", fontsize=9)
+    star = ", *: partial" if any(c.get("partial") for c in report["cells"]) else ""
+    ax.set_title(f"kvdex scorecard, {report['model']}\nratio to full (+/-: decidedly better/worse{star})", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

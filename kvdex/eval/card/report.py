@@ -6,7 +6,9 @@ prompts with its paired 95% bootstrap interval ``[low, high]`` (:mod:`kvdex.eval
 ``score`` and ``full``'s. Tasks: ``retrieval`` (all subtasks pooled, resampled within subtask) and
 ``retrieval/<subtask>``, ``passkey``, ``recall`` (attention mass kept; ``full`` = 1), ``ppl`` (ratio of
 perplexities: above 1 is worse), ``longbench``, and ``tokens_per_s_b<B>`` (speed; no interval).
-A (policy, budget) whose batches are not all finished is left out of that column ("missing").
+A (policy, budget) whose batches are not all finished (or ``full``'s) is reported over the prompts that
+both have decoded, marked ``partial`` (with the prompts a complete cell has); one with no such prompt
+is left out of that column ("missing").
 """
 
 from __future__ import annotations
@@ -31,18 +33,33 @@ def _seed(*key) -> int:
     return int(hashlib.sha1(repr(key).encode()).hexdigest()[:8], 16)
 
 
-def _records(plan, group, length, policy, budget) -> list[dict] | None:
-    """Every prompt's record of one (group, length, policy, budget), or None if a batch is missing."""
+def _records(plan, group, length, policy, budget) -> tuple[list[dict], bool]:
+    """The records of every finished batch of one (group, length, policy, budget), and whether every
+    batch is finished."""
     cdir = plan.cell_dir(group, length)
     n = plan.prompt_count(group, length)
     if n is None:
-        return None
-    out = []
+        return [], False
+    out, complete = [], True
     for bi in range(-(-n // plan.cfg.batch)):
         path = cdir / cell_name(bi, policy, budget)
         if not path.is_file():
-            return None
+            complete = False
+            continue
         out += json.loads(path.read_text())["records"]
+    return out, complete
+
+
+def _totals(plan, group, length) -> dict[str, int]:
+    """Prompts a complete cell of each column of (group, length) has (the denominator of a partial one)."""
+    info = tasks.prompt_info(plan.prompt_file(group, length))
+    if info is None:
+        return {}
+    ids = info[1]
+    out = {task: len(ids) for task, _, strat in _columns(group) if not isinstance(strat, tuple)}
+    for task, _, strat in _columns(group):
+        if isinstance(strat, tuple):  # retrieval prompt ids are "<subtask>-<i>"
+            out[task] = sum(i.rpartition("-")[0] == strat[1] for i in ids)
     return out
 
 
@@ -59,20 +76,29 @@ def _columns(group) -> list[tuple[str, str, object]]:
 
 
 def cells(plan, resamples: int) -> tuple[list[dict], int, int]:
-    """Every reportable cell; also how many (task, length, pair) slots exist and how many are done."""
+    """Every reportable cell; also how many (task, length, pair) slots exist and how many are done.
+
+    A slot whose batches (or ``full``'s) are not all finished still gives a cell over the prompts both
+    have decoded, with ``partial = {"of": N}`` (N: the prompts of the complete cell); a cell over all
+    of its prompts (every cell of a finished slot, and e.g. a subtask whose batches are all done) has
+    ``partial = None`` and is the same as when the slot finishes."""
     out, slots, done = [], 0, 0
     for length in plan.cfg.lengths:
         for g in plan.groups:
-            full = _records(plan, g, length, "full", None)
+            full, full_done = _records(plan, g, length, "full", None)
+            totals = _totals(plan, g, length) if full else {}
             for policy, budget in plan.pairs:
                 slots += 1
-                recs = full if policy == "full" else _records(plan, g, length, policy, budget)
-                if recs is None or full is None:
+                recs, finished = (full, full_done) if policy == "full" else _records(plan, g, length, policy, budget)
+                complete = finished and full_done
+                done += complete
+                if not recs or not full:
                     continue
-                done += 1
                 for task, fieldname, strat in _columns(g):
                     c = _cell(task, fieldname, strat, recs, full, policy, budget, length, resamples)
-                    if c["n"]:  # a subtask left out at this length has no prompts
+                    if c["n"]:  # a subtask left out at this length (or not reached yet) has no prompts
+                        of = totals.get(task, c["n"])
+                        c["partial"] = None if complete or c["n"] >= of else {"of": of}
                         out.append(c)
     return out, slots, done
 
@@ -135,6 +161,7 @@ def speed_cells(plan) -> list[dict]:
                     "score": round(s["tokens_per_s"], 2),
                     "full": round(full["tokens_per_s"], 2),
                     "p_exact": None,
+                    "partial": None,
                 }
             )
     return out
@@ -159,7 +186,8 @@ def write(plan, run) -> dict:
             c = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        compute += c.get("cell_s", 0.0) + (c.get("prefill_s", 0.0) if str(c.get("policy")) == "full" else 0.0)
+        charged = c.get("prefill_charged", str(c.get("policy")) == "full")  # the cell that ran its batch's prefill
+        compute += c.get("cell_s", 0.0) + (c.get("prefill_s", 0.0) if charged else 0.0)
     prompts, notes = {}, list(plan.notes)
     for g in plan.groups:
         for length in cfg.lengths:

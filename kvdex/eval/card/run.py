@@ -4,9 +4,12 @@ A *cell* is one prompt batch decoded by one (policy, budget) at one length. Each
 one JSON file under ``<out>/cells/<task>/L<length>__<hash>/`` (the hash covers every setting that
 changes its numbers: model, dtype, seed, cache sizes, batch size, the task's options), written
 atomically, so a run stopped anywhere (``max_minutes``, ``max_cells``, a killed command) continues
-where it stopped and never recomputes a finished cell. A batch is prefilled once for all its
-missing cells. The report (:mod:`kvdex.eval.card.report`) is rebuilt from the cell files at the
-end of every invocation, so an interrupted and a resumed run give the same table as one run.
+where it stopped and never recomputes a finished cell. ``order="batches"``: a batch is prefilled once
+for all its missing cells; ``order="pairs"``: one (policy, budget) runs over every batch before the
+next, with a prefill per batch and pair (the same cells, so the same numbers). The report
+(:mod:`kvdex.eval.card.report`) is rebuilt from the cell files at the end of every invocation, so an
+interrupted and a resumed run give the same table as one run; a (policy, budget) with some batches
+left is reported over the prompts decoded so far, marked partial.
 """
 
 from __future__ import annotations
@@ -150,10 +153,13 @@ class _Run:
             self.say(note)
         failed: set = set()
         batches = plan.batches(len(samples))
-        for bi, rows in enumerate(batches):
-            todo = [
-                (p, b) for p, b in plan.pairs if not (cdir / cell_name(bi, p, b)).is_file() and (p, b) not in failed
-            ]
+        if cfg.order == "pairs":  # one (policy, budget) over every batch, then the next: a prefill each
+            schedule = [(bi, [pair]) for pair in plan.pairs for bi in range(len(batches))]
+        else:  # a batch prefilled once for every (policy, budget), then the next batch
+            schedule = [(bi, plan.pairs) for bi in range(len(batches))]
+        for bi, pairs in schedule:
+            rows = batches[bi]
+            todo = [(p, b) for p, b in pairs if not (cdir / cell_name(bi, p, b)).is_file() and (p, b) not in failed]
             if not todo:
                 continue
             key = (g.name, length)
@@ -169,6 +175,7 @@ class _Run:
             self.clock.note(key + ("prefill",), pf_s)
             width = max(len(s.input_ids) for s in batch)
             self.say(f"L={length} {g.name} batch {bi + 1}/{len(batches)}: prefill {len(batch)}x{width} {pf_s:.2f}s")
+            charged = False  # the first cell of a prefill carries its time in the report's compute time
             for policy, budget in todo:
                 if not self.clock.allows(key):
                     return not self._stop("--max-minutes reached")
@@ -188,10 +195,12 @@ class _Run:
                     policy=policy,
                     budget=budget,
                     prefill_s=round(pf_s, 4),
+                    prefill_charged=not charged,
                     cell_s=round(dt, 4),
                     device=plan.device_name,
                 )
                 write_json(cdir / cell_name(bi, policy, budget), cell)
+                charged = True
                 self.computed += 1
                 self.bar.update(1)
                 d = cell["decode"]
