@@ -107,7 +107,7 @@ def describe(g: dict[str, set[str]], comp: list[str]) -> str:
 def test_graph_sees_imports():
     """The walker finds top-level, function-level, relative and 'from package import module' imports."""
     g = graph()
-    assert "kvdex.kernels.attention" in g["kvdex.integration.cache"]
+    assert "kvdex.kernels.attention" in g["kvdex.integration.layer"]
     assert "kvdex.policies.base" in g["kvdex.policies.quest"]
     assert "kvdex.kernels.pariskv" in g["kvdex.kernels.pariskv_triton"]  # from kvdex.kernels import pariskv
     assert len(g) > 40

@@ -8,6 +8,7 @@ from kvdex.policies import (  # noqa: F401  (importing a policy module registers
     icecache,
     oracle,
     pariskv,
+    pariskv_kmeans,
     prkv,
     quest,
     snapkv,

@@ -1,3 +1,4 @@
+# Over 400 lines: the policy's own lifecycle (options, bind, index, build, select, on_step) reads as one.
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page key-key selection, one context per step,
 rebuilt only when the output distribution becomes uncertain.
 
@@ -32,13 +33,12 @@ slice of the page / chunk / grid vectors and built inside ``select`` from that s
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from kvdex.policies._chess_hierarchy import HierarchyMixin
 from kvdex.policies._chess_layer import LayerScope
 from kvdex.policies._chess_levels import (
     PRESETS,
@@ -47,11 +47,10 @@ from kvdex.policies._chess_levels import (
     level_mask,
     mask_to_ids,
     pad,
-    top_down,
     trim,
-    window_anchor,
     window_keys,
 )
+from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
@@ -76,19 +75,10 @@ DEFAULT_GRID_CHUNKS = 4
 # Appendix C's fixed-interval baseline rebuilds "every 6 pages" of generated tokens.
 DEFAULT_INTERVAL_PAGES = 6
 
-# Default thresholds when neither a calibration file nor explicit values are given: the 99th
-# percentiles measured by `kvdex calibrate chess` on SmolLM2-135M-Instruct (CPU, fp32): LongBench v1
-# gov_report/qmsum/multi_news/samsum/lcc (the last 3 samples of each), prompts of 3072 tokens, 192
-# greedy tokens with full attention, 76 pages of 32 generated tokens (docs/policies/chess.md,
-# docs/policies/chess_calibration_smollm2.json). Thresholds are model-specific: calibrate yours.
-DEFAULT_THRESHOLDS = {"entropy": 2.6133, "varentropy": 6.3457, "temporal_varentropy": 3.5523}
-
-_GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time
-
 
 @register_policy
 @dataclass
-class ChessPolicy(Policy):
+class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
     """CHESS. Ratio mode (``preset`` or ``rho_g/rho_c/rho_p``): the paper's retention ratios, the
     budget is not used. Budget mode (the default): the same hierarchy cut to exactly
     ``(budget - sink - window) / page_size`` pages per sequence, for comparisons at equal budget.
@@ -168,25 +158,6 @@ class ChessPolicy(Policy):
             return (float(self.rho_g), float(self.rho_c), float(self.rho_p))
         return None
 
-    def _load_thresholds(self) -> tuple[float, float]:
-        table = dict(DEFAULT_THRESHOLDS)
-        if self.thresholds:
-            path = Path(self.thresholds).expanduser()
-            if not path.is_file():
-                raise ValueError(f"CHESS thresholds file {path} not found; write it with `kvdex calibrate chess`")
-            try:
-                data = json.loads(path.read_text())
-                table = {k: float(data[k]) for k in DEFAULT_THRESHOLDS}
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"CHESS thresholds file {path} is not a `kvdex calibrate chess` output "
-                    f"(needs numbers {', '.join(DEFAULT_THRESHOLDS)}): {e}"
-                ) from None
-        h = table["entropy"] if self.entropy_threshold is None else float(self.entropy_threshold)
-        key = "varentropy" if self.varentropy == "output" else "temporal_varentropy"
-        v = table[key] if self.varentropy_threshold is None else float(self.varentropy_threshold)
-        return h, v
-
     def bind(self, info) -> None:
         super().bind(info)
         self._slot = {layer: i for i, layer in enumerate(info.sparse_layers)}
@@ -219,34 +190,7 @@ class ChessPolicy(Policy):
         self._layers = LayerScope(self) if self.scope == "layer" else None
         self._batch = 0  # sequences (set at the first build)
 
-    # ---- the hierarchy ------------------------------------------------------------------------------
-    @property
-    def _ccap(self) -> int:
-        return self._gcap * self.grid_chunks
-
-    @property
-    def _pcap(self) -> int:
-        return self._ccap * self.chunk_pages
-
-    def _reserve(self, pages: int, like: torch.Tensor) -> None:
-        per_grid = self.chunk_pages * self.grid_chunks
-        need = -(-pages // per_grid)
-        if need <= self._gcap:
-            return
-        old, (og, oc, op) = self._vall, (self._gcap, self._ccap, self._pcap)
-        self._gcap = max(need, self._gcap + max(_GROW_GRIDS, self._gcap // 4))
-        b = like.shape[0]
-        self._vall = torch.zeros(b, self._gcap + self._ccap + self._pcap, self.dim, device=like.device)
-        if old is not None:
-            self._vall[:, :og] = old[:, :og]
-            self._vall[:, self._gcap : self._gcap + oc] = old[:, og : og + oc]
-            self._vall[:, self._gcap + self._ccap : self._gcap + self._ccap + op] = old[:, og + oc :]
-
-    def _views(self):
-        """(grids [B, Gcap, F], chunks [B, Ccap, F], pages [B, Pcap, F]) views of the one buffer."""
-        g, c = self._gcap, self._ccap
-        return self._vall[:, :g], self._vall[:, g : g + c], self._vall[:, g + c :]
-
+    # ---- the hierarchy (its buffer, eq. 1-2 and the scoring, eq. 3-4: _chess_hierarchy.py) ---------
     def index(self, layer, update) -> None:
         if update.store is not None:
             self._stores[layer] = update.store
@@ -270,36 +214,6 @@ class ChessPolicy(Policy):
                 self._last_len = self._stores[last].lengths_host.clone()
                 self.builds += 1
 
-    def _add_pages(self, slot: int, update) -> None:
-        """Eq. 1 for the new pages (this layer's slice of F), then eq. 2 for their chunks and grids."""
-        start = update.start.clone()
-        end = start + update.count
-        self._reserve(int(end.max()), update.keys)
-        vg, vc, vp = self._views()
-        cols = slice(slot * self._hd, (slot + 1) * self._hd)
-        means = update.keys.float().mean(dim=3)  # [B, H, Pn, D]: mean-pooled keys of each page
-        b, h, pn, d = means.shape
-        means = means.permute(0, 2, 1, 3).reshape(b, pn, h * d)  # flatten (kv head, dim)
-        ids = update.page_ids()  # [B, Pn]
-        bi, j = torch.nonzero(ids >= 0, as_tuple=True)
-        dev = vp.device  # device_map: the one buffer lives on the first sparse layer's device, this layer's moves
-        vp[bi.to(dev), ids[bi, j].to(dev), cols] = means[bi, j].to(dev)
-        self._npages[slot] = torch.maximum(self._npages[slot], end)
-        # centroids of the touched chunks and grids, over the pages/chunks each sequence has so far
-        nc, ng = self.chunk_pages, self.grid_chunks
-        live = update.count > 0
-        c0, c1 = int(start[live].min()) // nc, -(-int(end.max()) // nc)
-        n = self._npages[slot].to(vp.device)
-        pages = vp[:, c0 * nc : c1 * nc, cols].reshape(b, c1 - c0, nc, -1)
-        pid = torch.arange(c0 * nc, c1 * nc, device=vp.device).view(1, c1 - c0, nc)
-        have = (pid < n[:, None, None]).float()  # [B, chunks, Nc]
-        vc[:, c0:c1, cols] = (pages * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
-        g0, g1 = c0 // ng, -(-c1 // ng)
-        chunks = vc[:, g0 * ng : g1 * ng, cols].reshape(b, g1 - g0, ng, -1)
-        cid = torch.arange(g0 * ng, g1 * ng, device=vp.device).view(1, g1 - g0, ng)
-        have = (cid < (-(-n // nc))[:, None, None]).float()
-        vg[:, g0:g1, cols] = (chunks * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
-
     # ---- page joins inside a captured decode step (Policy.capturable_index) ---------------------------
     # The joining page's vector (eq. 1) is written at the device start of each joining sequence, then the
     # centroids (eq. 2) of its chunk and grid are recomputed (the other chunks do not change); the page
@@ -317,97 +231,7 @@ class ChessPolicy(Policy):
         )
         self._cover(MiddleUpdate(start, count, torch.empty(0)))
 
-    def index_join(self, layer, join) -> None:
-        self._stores[layer] = join.store
-        if self._vall is None:
-            return
-        vg, vc, vp = self._views()
-        dev = vp.device
-        cols = slice(self._slot[layer] * self._hd, (self._slot[layer] + 1) * self._hd)
-        means = join.keys.float().mean(dim=3)  # [B, H, 1, D]
-        b, h, _, d = means.shape
-        means = means.permute(0, 2, 1, 3).reshape(b, h * d).to(dev)
-        on, bi = join.joins.to(dev)[:, None], torch.arange(b, device=dev)
-        page = join.start.to(dev).clamp(max=vp.shape[1] - 1)
-        vp[bi, page, cols] = torch.where(on, means, vp[bi, page, cols])
-        nc, ng = self.chunk_pages, self.grid_chunks
-        n = page + 1  # pages of a joining sequence (this one is its last)
-        chunk, grid = page // nc, page // (nc * ng)
-        pid = chunk[:, None] * nc + torch.arange(nc, device=dev)  # [B, Nc]
-        have = (pid < n[:, None]).float()[:, None]  # [B, 1, Nc]
-        pages = vp[bi[:, None], pid, cols][:, None]  # [B, 1, Nc, F_layer]
-        cent = (pages * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
-        vc[bi, chunk, cols] = torch.where(on, cent[:, 0], vc[bi, chunk, cols])
-        cid = grid[:, None] * ng + torch.arange(ng, device=dev)  # [B, Ng]
-        have = (cid < (-(-n // nc))[:, None]).float()[:, None]
-        chunks = vc[bi[:, None], cid, cols][:, None]
-        cent = (chunks * have[..., None]).sum(2) / have.sum(2).clamp(min=1)[..., None]
-        vg[bi, grid, cols] = torch.where(on, cent[:, 0], vg[bi, grid, cols])
-
     # ---- selection ------------------------------------------------------------------------------------
-    def anchor(self, upcoming: torch.Tensor | None = None) -> torch.Tensor:
-        """Eq. 3: the mean of the window's page vectors, [B, F] (the newest page may be partial).
-
-        ``upcoming`` [B] (CPU): sequences whose next token starts a new page, so that the oldest
-        window page joins the middle at the next step. Its page vector is indexed now (the same
-        eq. 1 the cache's update will repeat), so a selection built between two steps covers the
-        middle of the step it serves (with every ratio 1 it is exactly all middle pages).
-        """
-        parts = []
-        ps = self.cfg.page_size
-        for layer in self.info.sparse_layers:
-            k, valid = window_keys(self._stores[layer])
-            b, h, w, d = k.shape
-            if upcoming is not None and bool(upcoming.any()):
-                start = self._npages[self._slot[layer]].clone()  # not a view: _add_pages advances it
-                self._add_pages(self._slot[layer], MiddleUpdate(start, upcoming.long(), k[:, :, None, :ps]))
-            a = window_anchor(k, valid, ps)
-            parts.append(a.reshape(b, h * d).to(parts[0].device if parts else a.device))
-        return torch.cat(parts, dim=-1)
-
-    def query_anchor(self) -> torch.Tensor:
-        """``anchor_from="query"``: the last decode step's queries, [B, F] laid out as the page vectors
-        (sparse layer, kv head, dim), each kv head's query the mean of its group's query heads. The
-        affinity of a page is then the sum over layers and heads of q . mean key: the query-key score
-        Quest and ArkVale bound, here on CHESS's grids, chunks and pages."""
-        parts = [self._queries[layer] for layer in self.info.sparse_layers]
-        dev = parts[0].device
-        return torch.cat([x.reshape(x.shape[0], -1).to(dev) for x in parts], dim=-1)
-
-    def _record_query(self, layer: int, q: torch.Tensor, kv_heads: int) -> None:
-        """Keep this step's queries of ``layer`` (in place, so a captured step records them too)."""
-        b, hq, d = q.shape
-        qm = q.view(b, kv_heads, hq // kv_heads, d).float().mean(2)
-        buf = self._queries.get(layer)
-        if buf is None or buf.shape != qm.shape or buf.device != qm.device:
-            self._queries[layer] = qm.clone()  # eager steps only: graph_key waits for every buffer
-        else:
-            buf.copy_(qm)
-
-    def scores(self, anchor: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Eq. 4 for the whole hierarchy in ONE batched GEMM over the coalesced buffer (Alg. 1 l. 1-4).
-
-        Returns (S_g [B, G], S_c [B, C], S_p [B, P]) for the first ``pages`` pages.
-        """
-        g, c = self._gcap, self._ccap
-        s_all = torch.bmm(self._vall[:, : g + c + pages], anchor[:, :, None].to(self._vall.device)).squeeze(-1)
-        if self.info.tp is not None:  # tensor parallelism: F is split over the ranks' heads, sum the partial scores
-            s_all = self.info.tp.all_reduce(s_all.contiguous())
-        nc, ng = self.chunk_pages, self.grid_chunks
-        cn = -(-pages // nc)
-        return s_all[:, : -(-cn // ng)], s_all[:, g : g + cn], s_all[:, g + c : g + c + pages]
-
-    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor):
-        """Top-down masking (Alg. 1 l. 5-18) for sequences with ``npages`` [B] middle pages.
-
-        Returns the kept masks (grids [B, G], chunks [B, C], pages [B, P]); a chunk is scored only
-        under a kept grid and a page only under a kept chunk.
-        """
-        return top_down(
-            s_g, s_c, s_p, npages, nc=self.chunk_pages, ng=self.grid_chunks, ratios=self.ratios,
-            k=self.cfg.retrieval_pages, shape=self.shape,
-        )  # fmt: skip
-
     def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
         """(Re)build the selection of the sequences in ``rows`` [B] bool (None: all), from the
         current state of every layer (called between forwards, so every layer is at the same length)."""
@@ -569,43 +393,6 @@ class ChessPolicy(Policy):
         for i in torch.nonzero(rows_cpu).flatten().tolist():
             self.rebuild_log.append((step, i))
         self.rebuilds += int(rows_cpu.sum())
-
-    def _due(self, step: int, logits) -> torch.Tensor | None:
-        """Sequences whose selection is rebuilt after decode step ``step``: [B] bool, or None."""
-        b = self._batch
-        if self.trigger == "never":
-            return None
-        if self.trigger == "always":
-            return torch.ones(b, dtype=torch.bool)
-        if self.trigger == "interval":
-            return torch.ones(b, dtype=torch.bool) if step % self._interval == 0 else None
-        if logits is None:
-            return None
-        h, v = entropy_varentropy(logits)
-        acc = torch.stack([h, h.square(), v, torch.ones_like(h)])
-        self._acc = acc if self._acc is None else self._acc + acc
-        self._nacc += 1
-        if self._nacc < self._every:
-            return None
-        h_page, v_page = self.page_stats(self._acc)
-        exceed = self.exceeds(h_page, v_page)
-        self._acc, self._nacc = None, 0
-        self.checks += b
-        pairs = zip(h_page.tolist(), v_page.tolist(), strict=True)
-        self.check_log += [(step, i, h, v) for i, (h, v) in enumerate(pairs)]
-        return exceed.cpu() if bool(exceed.any()) else None
-
-    def page_stats(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean entropy, varentropy statistic) [B] from sums acc [4, B] = (H, H^2, V, steps)."""
-        n = acc[3]
-        h_mean = acc[0] / n
-        if self.varentropy == "output":
-            return h_mean, acc[2] / n
-        return h_mean, (acc[1] / n - h_mean.square()).clamp(min=0)
-
-    def exceeds(self, h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        th, tv = self._tau
-        return (h > th) & (v > tv) if self.combine == "and" else (h > th) | (v > tv)
 
     def stats(self) -> dict:
         b = self._batch

@@ -39,7 +39,6 @@ import threading
 import time
 import warnings
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +48,8 @@ from kvdex.index.device_search import DeviceSearch
 from kvdex.index.graphs import CaptureError
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
-from kvdex.index.trees import update_trees
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
+from kvdex.policies._icecache_index import IndexJobsMixin
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import DeviceStore
@@ -63,7 +62,7 @@ GRAPHS_ON_CPU = None
 
 @register_policy
 @dataclass
-class IceCachePolicy(Policy):
+class IceCachePolicy(IndexJobsMixin, Policy):
     name = "icecache"
     granularity = "token"
 
@@ -173,7 +172,7 @@ class IceCachePolicy(Policy):
     def _max_pages(self) -> int:
         return self.max_pages or max(1, 2 * self.cfg.retrieval_pages)
 
-    # ---- indexing (Algorithm 1 lines 5-10 and 26-36) --------------------------------------------------
+    # ---- indexing (Algorithm 1 lines 5-10 and 26-36; the tree jobs: _icecache_index.py) --------------
     def index(self, layer, update) -> None:
         if update.empty or self.anchor_of.get(layer) != layer:
             return
@@ -222,78 +221,6 @@ class IceCachePolicy(Policy):
         self._memo = memo
         for key, fut in self._prefill_builds.items():
             memo.setdefault(key, fut)
-
-    def _memo_key(self, layer: int, per_b: dict, shape: tuple) -> tuple:
-        g = self.cfg
-        rows = tuple((b, int(p[0]), p.numel()) for b, p in sorted(per_b.items()))
-        return ("icecache", layer, self.params, self.seed, g.sink, g.page_size, g.window, shape, rows)
-
-    def _index_job(self, layer, keys, ready, per_b, prev: Future | None, base, heads: int):
-        """Worker thread: build or extend the trees of one layer; returns (trees, placements)."""
-        if prev is not None:
-            base = prev.result()[0]
-        if ready is not None:
-            ready.synchronize()
-        t0 = time.perf_counter()
-        trees = list(base) if base is not None else [None] * (keys.shape[0] * heads)
-        # One random stream per (layer, kv head), the same for every sequence of a batch: a sequence
-        # gets the same tree in a batch as alone; the model's head index, so a tensor-parallel rank
-        # builds the trees one process builds for its heads.
-        seeds = [self.seed + 7919 * layer + self.info.head_offset + h for h in range(heads)]
-        stage = self.search == "device" or (self.search == "auto" and ready is not None)
-        pin = (ready is not None) if base is not None and stage else None  # staged copies for the device mirror
-        gens = self._gens.setdefault(layer, {})
-        placements, staged, built, inserted = update_trees(trees, keys, per_b, self.params, seeds, gens, pin)
-        dt = time.perf_counter() - t0
-        with self._lock:
-            s = self._stats
-            if built:
-                s["build_s"] += dt
-                s["build_keys"] += built
-                s["builds"] += 1
-            else:
-                s["insert_s"] += dt
-                s["inserts"] += inserted
-        return trees, placements, staged
-
-    def flush(self) -> None:
-        """Wait for every pending index job and apply it (tests, benchmarks, end of generation)."""
-        for layer, q in self._jobs.items():
-            store = self._stores.get(layer)
-            while q:
-                self._apply(layer, q.popleft()[0], store)
-
-    def _apply(self, layer, fut: Future, store) -> None:
-        t0 = time.perf_counter()
-        trees, placements, staged = fut.result()
-        self._stats["wait_s"] += time.perf_counter() - t0
-        if staged:  # the latest staged copy of each tree (an older one no longer matches the snapshot)
-            self._device.staged.setdefault(layer, {}).update(staged)
-        trees = list(trees)  # the list may be shared with forks (share_index); the trees are immutable
-        self._trees[layer] = trees
-        self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
-        if isinstance(store, SemanticOffloadStore):
-            for b, h, pages, slots, pos in placements:
-                store.place(b, h, pages, slots, pos)
-
-    def _sync(self, layer, store) -> list[torch.Tensor]:
-        """Apply the index jobs of ``layer`` submitted before this step (joining them if they are
-        still running: the first build, or an insertion slower than a whole decode step); return,
-        per sequence, the positions evicted during this step (not in the tree yet: attended only
-        when the budget covers every middle token)."""
-        q = self._jobs.get(layer)
-        now = self._selects.get(layer, 0)
-        self._selects[layer] = now + 1
-        while q:
-            fut, _, step = q[0]
-            if step == now and self._trees.get(layer) is not None:
-                break  # evicted during this very step: attended explicitly, inserted by the next step
-            self._apply(layer, q.popleft()[0], store)
-        pending = [[] for _ in range(store.batch)]
-        for _, per_b, _ in q or ():
-            for b, pos in per_b.items():
-                pending[b].append(pos)
-        return [torch.cat(p) if p else torch.empty(0, dtype=torch.long) for p in pending]
 
     # ---- page selection (Algorithms 3-4) -----------------------------------------------------------
     def select(self, layer, q, store, scale) -> Selection:
@@ -373,40 +300,7 @@ class IceCachePolicy(Policy):
         self._stats["queries"] += 1
         return sel
 
-    # ---- search="summary": the device pages, CUDA-graph decoding (kvdex.integration.graph) -------------
-    def _pages_of(self, layer, store) -> SemanticPages:
-        """The layer's semantic pages on the device: made at its first use from the prefill's trees (the
-        build joined here) and the prefill keys."""
-        pages = self._pages.get(layer)
-        if pages is not None:
-            return pages
-        for fut, _, _ in self._jobs.pop(layer, ()):
-            self._apply(layer, fut, None)
-        keys, ready, first = self._prefill_keys.pop(layer, (None, None, {}))
-        trees = self._trees.pop(layer, None)
-        B, H, g = store.batch, store.kv_heads, self.cfg
-        if keys is None or trees is None:
-            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
-        else:
-            if ready is not None:
-                ready.synchronize()
-            firsts = [first.get(b, 0) for b in range(B)]
-            pages = SemanticPages.from_trees(trees, keys, firsts, self.summary, g.page_size, store.dtype,
-                                             store.device, B, H)  # fmt: skip
-        self._pages[layer] = pages
-        return pages
-
-    def _summary_insert(self, layer, update) -> None:
-        t0 = time.perf_counter()
-        pages = self._pages_of(layer, update.store)
-        ps, dev = self.cfg.page_size, pages.device
-        for j in range(update.keys.shape[2]):  # one page per step while decoding
-            ok = update.count > j
-            pos = self.cfg.sink + (update.start + j)[:, None] * ps + torch.arange(ps)[None, :]
-            pages.insert(update.keys[:, :, j], pos.to(dev), ok.to(dev), bool(ok.any()))
-            self._stats["inserts"] += 1
-        self._stats["insert_s"] += time.perf_counter() - t0
-
+    # ---- search="summary": CUDA-graph decoding (kvdex.integration.graph; pages: _icecache_index.py) ----
     def graph_unsupported(self, stores) -> str | None:
         if self.search == "summary":
             return None

@@ -22,7 +22,9 @@ Documented in docs/policies/pariskv.md with measurements.
 
 ``pariskv-kmeans`` is the drift baseline of the paper's ablation ("no normalise+rotate, learned
 centroids"): identical except that the centroids of each subspace are learned by k-means on the
-prefill keys (raw key space) and then frozen; later keys are assigned to the nearest of them.
+prefill keys (raw key space) and then frozen; later keys are assigned to the nearest of them
+(kvdex/policies/pariskv_kmeans.py). ``recall_at_k``, the stage-by-stage diagnostic, is in
+``_pariskv_recall.py``; both it and ``kmeans`` / ``nearest`` are importable from here.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels import pariskv as K
+from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
+from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
+from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
-
-_GROW = 4096  # tokens of index capacity added at a time
 
 # (retrieval length below, candidate_ratio beta, collision_ratio rho): the authors' adaptive table.
 ADAPTIVE_RATIOS = ((5_000, 0.5, 0.5), (10_000, 0.25, 0.3), (30_000, 0.2, 0.25), (math.inf, 0.1, 0.2))
@@ -51,17 +54,6 @@ def adaptive_ratios(n: int) -> tuple[float, float]:
         if n < limit:
             return beta, rho
     raise AssertionError("unreachable")
-
-
-@dataclass
-class _LayerIndex:
-    """The device-resident summary of one layer's middle tokens, slot j == position sink + j."""
-
-    ids: torch.Tensor  # uint8 [B, H, cap, nsub]
-    codes: torch.Tensor  # uint8 [B, H, cap, D/2]
-    weight: torch.Tensor  # bf16  [B, H, cap, D/m]
-    counts: torch.Tensor  # int32 [B, H, nsub, 2**m] keys per centroid
-    n: torch.Tensor  # int64 [B] (CPU) encoded tokens per sequence
 
 
 @dataclass
@@ -82,7 +74,7 @@ class _Rows:
 
 @register_policy
 @dataclass
-class ParisKVPolicy(Policy):
+class ParisKVPolicy(IndexMixin, Policy):
     name = "pariskv"
     capturable = True
     capturable_index = True
@@ -170,7 +162,7 @@ class ParisKVPolicy(Policy):
             self._ops = T if use_triton else K
         return self._ops
 
-    # ---- index -------------------------------------------------------------------------------
+    # ---- index (buffers, center=True, page joins: _pariskv_index.py) --------------------------
     @property
     def num_sub(self) -> int:
         return self.rot_dim // self.m
@@ -209,89 +201,6 @@ class ParisKVPolicy(Policy):
             valid = torch.ones(h, c, dtype=torch.bool, device=keys.device)
             idx.counts[bi] += K.cluster_counts(ids[bi, :, :c], valid, 1 << self.m)
             idx.n[bi] = max(int(idx.n[bi]), s + c)
-
-    # ---- page joins inside a captured decode step (Policy.capturable_index) ---------------------------
-    # The page that joins (at most one per sequence) is encoded with fixed shapes and written at the device
-    # start of each joining sequence; its centroid counts are added under the device mask; the encoded
-    # token count ``n`` (CPU) is the host side (``joined``). center=True: a sequence whose mean key is not
-    # set yet (no middle at prefill) takes it from its first joining page, under a device flag.
-    def reserve_index(self, layer, pages, store) -> None:
-        if pages <= 0:
-            return
-        like = torch.empty(store.batch, store.kv_heads, 0, 1, device=store.device)
-        self._reserve(layer, pages * store.grid.page_size, like)
-        if self.center and layer not in self.means:
-            self.means[layer] = (torch.zeros(store.batch, store.kv_heads, self.info.head_dim, device=store.device),
-                                 torch.zeros(store.batch, dtype=torch.bool))  # fmt: skip
-        if self.center and layer not in self._done_dev:
-            self._done_dev[layer] = self.means[layer][1].to(store.device, copy=True)
-
-    def joined(self, layer, start, count) -> None:
-        ps = self.cfg.page_size
-        if layer in self.index_:
-            n = self.index_[layer].n
-            n.copy_(torch.where(count > 0, torch.maximum(n, (start + count) * ps), n))
-        if self.center and layer in self.means:
-            self.means[layer][1].logical_or_(count > 0)
-
-    def index_join(self, layer, join) -> None:
-        if layer not in self.index_:
-            return
-        b, h, _, ps, d = join.keys.shape
-        keys = join.keys.reshape(b, h, ps, d)
-        valid = join.joins[:, None].expand(b, ps)
-        if self.center:
-            mu, done = self.means[layer][0], self._done_dev[layer]
-            w = valid.float()
-            mean = torch.einsum("bn,bhnd->bhd", w, keys.float()) / w.sum(1).clamp(min=1)[:, None, None]
-            mu.copy_(torch.where((join.joins & ~done)[:, None, None], mean, mu))
-            done.logical_or_(join.joins)
-            keys = keys.float() - mu[:, :, None, :]
-        signs, thresholds, centers = self.consts(keys.device)[:3]
-        ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
-        ids = self.assign(layer, keys, ids, valid)
-        idx = self.index_[layer]
-        join.write(idx.ids, ids)
-        join.write(idx.codes, codes)
-        join.write(idx.weight, weight)
-        live = valid[:, None, :].expand(b, h, ps).reshape(b * h, ps)
-        idx.counts += K.cluster_counts(ids.reshape(b * h, ps, -1), live, 1 << self.m).view(idx.counts.shape)
-
-    def key_mean(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """``center=True``: the frozen mean key per (sequence, kv head) [B, H, d] fp32. A sequence's mean
-        is set from the first update that holds keys of it (the prefill) and never changes after."""
-        b, h, _, d = keys.shape
-        if layer not in self.means:
-            self.means[layer] = (torch.zeros(b, h, d, device=keys.device), torch.zeros(b, dtype=torch.bool))
-        mu, done = self.means[layer]
-        w = valid.to(keys.device, torch.float32)  # [B, N]
-        fresh = (~done) & valid.any(1)
-        if fresh.any():
-            mean = torch.einsum("bn,bhnd->bhd", w, keys.float()) / w.sum(1).clamp(min=1)[:, None, None]
-            mu[fresh.to(mu.device)] = mean[fresh.to(mu.device)]
-            done |= fresh
-        return mu
-
-    def _reserve(self, layer: int, tokens: int, like: torch.Tensor) -> _LayerIndex:
-        cur = self.index_.get(layer)
-        cap = 0 if cur is None else cur.ids.shape[2]
-        if tokens > cap:
-            b, h, dev = like.shape[0], like.shape[1], like.device
-            new_cap = max(tokens, cap + max(_GROW, cap // 4))
-            nsub = self.num_sub
-            new = _LayerIndex(
-                ids=torch.zeros(b, h, new_cap, nsub, dtype=torch.uint8, device=dev),
-                codes=torch.zeros(b, h, new_cap, self.rot_dim // 2, dtype=torch.uint8, device=dev),
-                weight=torch.zeros(b, h, new_cap, nsub, dtype=torch.bfloat16, device=dev),
-                counts=torch.zeros(b, h, nsub, 1 << self.m, dtype=torch.int32, device=dev)
-                if cur is None
-                else cur.counts,
-                n=torch.zeros(b, dtype=torch.long) if cur is None else cur.n,
-            )
-            if cur is not None:
-                new.ids[:, :, :cap], new.codes[:, :, :cap], new.weight[:, :, :cap] = cur.ids, cur.codes, cur.weight
-            self.index_[layer] = new
-        return self.index_[layer]
 
     # ---- CUDA-graph decoding (kvdex.integration.graph) -----------------------------------------------
     # Under static sizing (``store.static``, set by the graph decoder) select issues the same device work
@@ -455,137 +364,3 @@ class ParisKVPolicy(Policy):
         val, top = torch.topk(est, min(k, c), dim=-1)
         final = torch.where(val > float("-inf"), cand.gather(1, top), -1)  # -inf: no candidate (1 kernel, not 4)
         return final.view(b, h, -1), cand.view(b, h, -1)
-
-
-@register_policy
-@dataclass
-class ParisKVKMeansPolicy(ParisKVPolicy):
-    """The ablation/drift baseline: k-means centroids learned on prefill keys, then frozen."""
-
-    name = "pariskv-kmeans"
-    kmeans_iters: int = 10
-
-    def bind(self, info) -> None:
-        super().bind(info)
-        if info.head_dim % self.m:
-            raise ValueError(f"pariskv-kmeans: head_dim {info.head_dim} is not a multiple of m={self.m}")
-        if self.kmeans_iters < 1:
-            raise ValueError(f"pariskv-kmeans: kmeans_iters must be >= 1, got {self.kmeans_iters}")
-        self.centroids: dict[int, torch.Tensor] = {}  # layer -> [B, H, nsub_raw, 2**m, m]
-
-    @property
-    def num_sub(self) -> int:  # subspaces of the raw head dim (no rotation, no padding)
-        return self.info.head_dim // self.m
-
-    def assign(self, layer, k, ids, valid):
-        sub = k.float().unflatten(-1, (-1, self.m)).transpose(2, 3)  # [B, H, nsub, N, m]
-        if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
-            w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
-            heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
-            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
-        return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
-
-    def centroid_scores(self, layer, q, qb):
-        qs = q.unflatten(-1, (-1, self.m))  # raw query subspaces [B, H, (G,) nsub, m]
-        c = self.centroids[layer]  # [B, H, nsub, 2**m, m]
-        return ((c if qs.dim() == 4 else c[:, :, None]) @ qs[..., None])[..., 0]
-
-    def centroid_logits(self, layer, q, qb, qn):
-        return self.centroid_scores(layer, q, qb)  # raw query and raw-key centroids: already <q, c>
-
-
-def kmeans(
-    x: torch.Tensor,
-    k: int,
-    iters: int,
-    seed: int,
-    valid: torch.Tensor | None = None,
-    heads: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Batched Lloyd k-means: x [..., N, m] -> centroids [..., k, m]; init: k seeded random points.
-
-    ``valid`` [..., N] (bool, any device): only those points are sampled and averaged.
-    ``heads`` = (offset, total): x is [B, H, ..., N, m] holding the model's kv heads offset ... offset +
-    H - 1 of ``total`` (a tensor-parallel rank's share); every sequence of a head draws the random
-    numbers of that head, so a rank (or a sequence in a batch) gets what one process gets alone.
-    """
-    lead, n, m = x.shape[:-2], x.shape[-2], x.shape[-1]
-    xf = x.reshape(-1, n, m)
-    w = torch.ones(xf.shape[:2]) if valid is None else valid.reshape(-1, n).float().cpu()
-    w = w + (w.sum(-1, keepdim=True) == 0).float()  # a row without valid points: sample uniformly
-    g = torch.Generator().manual_seed(seed)
-    if heads is None:
-        u = torch.rand(*lead, k, generator=g)
-    else:  # draws of every head of the model, this process's heads picked, the same for each sequence
-        off, total = heads
-        u = torch.rand(total, *lead[2:], k, generator=g)[off : off + lead[1]].expand(*lead, k)
-    cdf = w.cumsum(-1)  # inverse-CDF sampling with replacement, weighted by w
-    init = torch.searchsorted(cdf, u.reshape(-1, k) * cdf[:, -1:], right=True).clamp(max=n - 1).to(x.device)
-    c = xf.gather(1, init[..., None].expand(-1, -1, m)).clone()
-    wd = w.to(x.device)
-    for _ in range(iters):
-        a = nearest(xf, c)  # [G, N]
-        s = torch.zeros_like(c).scatter_add_(1, a[..., None].expand(-1, -1, m), xf * wd[..., None])
-        cnt = torch.zeros(c.shape[:2], device=x.device).scatter_add_(1, a, wd)
-        c = torch.where(cnt[..., None] > 0, s / cnt.clamp(min=1)[..., None], c)  # empty cluster: keep
-    return c.view(*lead, k, m)
-
-
-def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Index of the nearest centroid: x [..., N, m], c [..., K, m] -> int64 [..., N] (chunks of N bound memory)."""
-    c2 = (c * c).sum(-1)[..., None, :]
-    parts = [(c2 - 2 * x[..., i : i + chunk, :] @ c.transpose(-1, -2)).argmin(-1) for i in range(0, x.shape[-2], chunk)]
-    return torch.cat(parts, dim=-1) if parts else x.new_zeros(x.shape[:-1], dtype=torch.long)
-
-
-def recall_at_k(
-    policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100, scale: float | None = None
-) -> dict[str, float]:
-    """The paper's ablation metric on one decode query, averaged over (sequence, kv head), stage by stage.
-
-    Truth: the exact top-k middle keys by the policy's target: <q_mean, key> (``group="mean"``, the
-    query the policy searches with) or :func:`kvdex.kernels.pariskv.combine_heads` of the exact
-    <q_h, key> (``group="heads"``; ``scale`` default 1/sqrt(head_dim)). ``coarse``: the top-k by
-    collision votes alone (bucket top-k); ``pool``: the share of the truth inside the candidate pool
-    (what the rerank can at best recover); ``e2e``: the top-k after the 4-bit rerank of that pool;
-    ``rerank``: the top-k by the 4-bit estimate over *every* middle key (the rerank stage alone, no
-    coarse stage). All are |found & truth| / k (ANN Recall@k).
-    """
-    nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size
-    n = int(nmid.max())
-    if n <= k or layer not in policy.index_:
-        return {}
-    keys = store.middle_keys().float()  # [B, H, n, d]
-    b, hq, d = q.shape
-    h = keys.shape[1]
-    sc = d**-0.5 if scale is None else scale
-    qg = q.float().view(b, h, hq // h, d)
-    live = torch.arange(n, device=q.device)[None, None, :] < nmid.to(q.device)[:, None, None]
-    if policy.group == "heads":
-        exact = torch.einsum("bhgd,bhnd->bhgn", qg, keys).masked_fill(~live[:, :, None], float("-inf"))
-        target = K.combine_heads(exact.reshape(b * h, hq // h, n), sc).view(b, h, n)
-    else:
-        target = torch.einsum("bhd,bhnd->bhn", qg.mean(2), keys).masked_fill(~live, float("-inf"))
-    truth = target.topk(k, dim=-1).indices
-    final, pool = policy.search(layer, q, n, nmid, k, scale=sc)
-    coarse = _coarse_topk(policy, layer, q, n, nmid, k)
-    everything = torch.where(live, torch.arange(n, device=q.device), -1).expand(b, h, n).reshape(b * h, n)
-    _, qb, qn = policy.votes(layer, q, n, nmid)
-    idx = policy.index_[layer]
-    codes, weight = idx.codes[:, :, :n].reshape(b * h, n, -1), idx.weight[:, :, :n].reshape(b * h, n, -1)
-    est = K.rerank_scores(everything, codes, weight, qb, qn, policy.consts(q.device)[2], policy.m)
-    if est.dim() == 3:
-        est = K.combine_heads(est, sc)
-    rerank = est.topk(k, dim=-1).indices.view(b, h, k)
-
-    def rec(found):
-        hit = (found[..., :, None] == truth[..., None, :]).any(-2).float()  # truth entries found
-        return float(hit.mean())
-
-    return {"coarse": rec(coarse), "pool": rec(pool), "e2e": rec(final), "rerank": rec(rerank)}
-
-
-def _coarse_topk(policy: ParisKVPolicy, layer, q, n, nmid, k):
-    """Top-k middle offsets by collision votes only (the coarse stage ranked on its own)."""
-    score, _, _ = policy.votes(layer, q, n, nmid)
-    return K.bucket_topk(score, k, policy.max_votes).view(q.shape[0], -1, k)

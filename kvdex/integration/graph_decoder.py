@@ -1,0 +1,363 @@
+"""The CUDA-graph decoder: :class:`GraphDecoder` (capture, replay, the CPU bookkeeping after a replay).
+
+What a step must satisfy to be captured, the policy protocol (``graph_unsupported`` / ``graph_key`` /
+``graph_replayed``) and page joins are described in :mod:`kvdex.integration.graph`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from kvdex.integration.cache import Cache
+from kvdex.integration.compat import cache_kwargs
+from kvdex.integration.compiled_layers import CompiledLayers, _compile_mode
+from kvdex.storage import DeviceStore, OffloadStore, host_joins
+
+# Policies with built-in graph support that do not define the protocol themselves.
+_BUILTIN = {"full"}
+
+
+# Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of
+# the longest sequence (half of it used up -> grown again), so that a re-allocation (a new graph key, an
+# eager warm-up step and a capture) happens once every JOIN_HEADROOM_PAGES / 2 pages at most, and rarely
+# in practice (the buffers grow by a quarter of their size at a time).
+JOIN_HEADROOM_PAGES = 16
+
+
+def graph_policies() -> list[str]:
+    """Registered policies whose decode step can be captured (with a suitable store)."""
+    from kvdex.policies.base import _REGISTRY
+
+    return sorted(n for n, cls in _REGISTRY.items() if n in _BUILTIN or hasattr(cls, "graph_key"))
+
+
+class GraphDecoder:
+    """Decode a prefilled :class:`kvdex.Cache` one token at a time, replaying CUDA graphs.
+
+    ``step(ids [B, 1]) -> logits [B, vocab]``. Where the cache cannot be captured (no CUDA device, a
+    policy or store without graph support, ``timing=True``, an observer) every step runs eagerly
+    and :attr:`reason` says why (warned once). ``counts``: eager steps, captures, replays.
+
+    ``compile=True`` (or an inductor mode from :data:`COMPILE_MODES`): every step, eager or captured,
+    runs the model's decoder layers compiled by ``torch.compile`` (:class:`CompiledLayers`); also on CPU
+    and with ``enabled=False``. :attr:`compiled` holds them (``.graphs``, ``.compile_s``);
+    :attr:`compile_reason` says why compilation is off where it was asked for (warned once).
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: Cache,
+        batch: int | None = None,
+        *,
+        enabled: bool = True,
+        warn: bool = True,
+        compile: bool | str = False,
+    ):
+        if not isinstance(cache, Cache):
+            raise ValueError("graph decoding needs a kvdex.Cache")
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.batch = batch
+        self.enabled, self.warn = enabled, warn
+        self.reason: str | None = None
+        self._checked = False
+        self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
+        self.key = None
+        self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
+        self.logits = None
+        self._joins = False  # the policy indexes page joins inside captured steps (capturable_index)
+        self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
+        self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
+        self.ids = self.pos = self._neg_pads = None
+        self.counts = {"eager": 0, "captures": 0, "replays": 0}
+        self.compile_mode = _compile_mode(compile)
+        self.compiled: CompiledLayers | None = None
+        self.compile_reason: str | None = None
+        self._compile_proven = False
+        if self.compile_mode is not None:
+            why = None
+            if not torch._dynamo.is_dynamo_supported():
+                why = "torch.compile is not supported on this Python / platform"
+            else:
+                try:
+                    self.compiled = CompiledLayers(model, self.compile_mode)
+                except ValueError as e:
+                    why = str(e)
+            if why is not None:
+                self._compile_off(why)
+
+    @property
+    def graph(self):
+        """The CUDA graph of the last replayed key (None: none). Setting None drops every graph and its pool."""
+        entry = self.graphs.get(self.key)
+        return None if entry is None else entry[0]
+
+    @graph.setter
+    def graph(self, value) -> None:
+        if value is not None:
+            raise ValueError("GraphDecoder.graph can only be reset (set to None)")
+        self.graphs.clear()
+        self.key = None
+
+    def _compile_off(self, why: str) -> None:
+        self.compiled, self.compile_reason = None, why
+        if self.warn:
+            warnings.warn(f"kvdex: torch.compile is off, running the model uncompiled: {why}", stacklevel=4)
+
+    def _run(self, **kw):
+        """The model's forward for one decode step, through the compiled layers when compiling. If the
+        very first compiled call fails before any layer's cache was updated (no compiler, an inductor
+        error), compilation is switched off with a warning and the step runs uncompiled; a failure after
+        the cache changed cannot be undone and is raised."""
+        if self.compiled is None:
+            return self.model(**kw)
+        if self._compile_proven:
+            with self.compiled.active():
+                return self.model(**kw)
+        seen = [lay.seen for lay in self.cache.layers]
+        try:
+            with self.compiled.active():
+                out = self.model(**kw)
+        except Exception as e:
+            if [lay.seen for lay in self.cache.layers] != seen:
+                raise
+            root = getattr(e, "inner_exception", None) or e
+            while root.__cause__ is not None:
+                root = root.__cause__
+            line = next((x for x in str(root).splitlines() if x.strip()), "")
+            self._compile_off(f"compiling failed ({type(e).__name__}): {type(root).__name__}: {line[:200]}")
+            return self.model(**kw)
+        self._compile_proven = True
+        return out
+
+    # ---- decisions --------------------------------------------------------------------------------
+    def _stores(self):
+        return [lay.store for lay in self.cache.layers]
+
+    def _unsupported(self) -> str | None:
+        c = self.cache
+        if self.device.type != "cuda":
+            return "it needs a CUDA device"
+        if c.config.timing:
+            return "timing=True synchronises inside the step"
+        if c.observer is not None:
+            return "an observer runs Python inside the step"
+        stores = self._stores()
+        for st in stores:
+            if type(st) not in (DeviceStore, OffloadStore):
+                return f"the store {type(st).__name__} has no graph support"
+            if isinstance(st, OffloadStore) and st.host._uva is None:
+                return "an offloaded store needs the UVA gather (triton, KVDEX_UVA != 0)"
+        p = c.policy
+        if hasattr(p, "graph_unsupported"):
+            return p.graph_unsupported(stores)
+        if p.name in _BUILTIN:
+            return None
+        return f"policy {p.name!r} does not support graph capture (its selection touches the CPU)"
+
+    def _prepare(self) -> None:
+        if self._checked:
+            return
+        stores = self._stores()
+        if any(st is None for st in stores):
+            raise ValueError("prefill the cache before decoding with GraphDecoder")
+        self._checked = True
+        self.reason = self._unsupported() if self.enabled else "disabled (cuda_graph=False)"
+        b = stores[0].batch
+        if self.batch is not None and self.batch != b:
+            raise ValueError(f"batch {self.batch} does not match the cache's batch {b}")
+        self.batch = b
+        dev = stores[0].device
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        pads = getattr(self.cache.layers[0], "_pads", None)
+        pads = torch.zeros(b, dtype=torch.long) if pads is None else pads.to(torch.long).cpu()
+        self._neg_pads = (-pads).to(dev)[:, None]
+        if self.reason is not None:
+            if self.warn and self.enabled:
+                warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=4)
+            return
+        for st in stores:
+            st.static = True
+        self._joins = bool(self.cache.policy.capturable_index)
+
+    def _join_host(self) -> bool:
+        """Before a step of a ``capturable_index`` policy: room for the pages to come (stores and index,
+        :data:`JOIN_HEADROOM_PAGES` ahead, re-allocating -- a new graph key -- only every so many pages),
+        then the host side of this step's joins (``Policy.joined``). True when a page joins."""
+        c, p = self.cache, self.cache.policy
+        lays = [c.layers[i] for i in p.info.sparse_layers]
+        if not lays:
+            return False
+        st = lays[0].store
+        g = st.grid
+        top = int(st.lengths_host.max()) + 1
+        if top + JOIN_HEADROOM_PAGES * g.page_size // 2 > self._reserved:
+            self._reserved = top + JOIN_HEADROOM_PAGES * g.page_size
+            pages = g.middle_pages_of(self._reserved)
+            for lay in c.layers:
+                lay.store.reserve_join(self._reserved)
+            for lay in lays:
+                p.reserve_index(lay.layer_idx, pages, lay.store)
+        start, count = host_joins(g, st.lengths_host)
+        self._join_count = count
+        if not bool((count > 0).any()):
+            return False
+        for lay in lays:
+            p.joined(lay.layer_idx, start, count)
+        return True
+
+    def _needs_eager(self) -> bool:
+        st = self._stores()[0]
+        g, L = st.grid, st.lengths_host
+        if not self._joins and bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
+            return True  # a page joins the middle: store/policy index work with data-dependent shapes
+        for s in self._stores():
+            if not isinstance(s, OffloadStore) and int(s.lengths_host.max()) + 1 > s.k.shape[2]:
+                return True  # the resident buffer grows
+        return False
+
+    def _key(self):
+        stores = self._stores()
+        key = []
+        for s in stores:
+            key.append((id(s.k), tuple(s.k.shape)))
+            if isinstance(s, OffloadStore):  # the UVA gather reads the host buffer by address
+                key.append((id(s.host.data), tuple(s.host.data.shape)))
+        p = self.cache.policy
+        if hasattr(p, "graph_key"):
+            pk = p.graph_key(stores)
+            if pk is None:
+                return None
+            key.append(pk)
+        elif any(isinstance(s, OffloadStore) for s in stores):  # offloaded "full" fetches range(nmid)
+            st = stores[-1]
+            key.append(int(st.grid.num_middle_pages(st.lengths_host).max()))
+        return tuple(key)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
+        self._prepare()
+        c = self.cache
+        try:
+            # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
+            c.joins_external = self._joins
+            return self._step(ids)
+        finally:  # the cache used without the decoder decides page joins itself again
+            c.join_step, c.joins_external = None, False
+
+    def _step(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        joining = self._join_host() if self.reason is None and self._joins else False
+        key = None if self.reason is not None or self._needs_eager() else self._key()
+        if key is not None and self._joins:
+            # the join variant of the step (page-join path, masked per sequence on the device) is right on
+            # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
+            early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
+            key = (key, joining or early)
+        if self.reason is None and self._joins:
+            c.join_step = joining if key is None else key[1]
+        torch.add(self._neg_pads, c.layers[0].seen, out=self.pos)  # position of the new token, per row
+        if key is None or (key not in self.graphs and key not in self._warmed):
+            # eager: a boundary (a policy without capturable_index), a step the policy keeps eager, or a new
+            # key run once eagerly first so that every kernel variant is compiled and loaded before a
+            # capture (no module loads while capturing)
+            if key is not None:
+                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
+            self.counts["eager"] += 1
+            out = self._run(input_ids=ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos)
+            return out.logits[:, -1]
+        self.ids.copy_(ids)
+        if key not in self.graphs:
+            self._capture(key)
+            self.key = key
+            self.graphs[key][0].replay()  # the capture ran this step's CPU side; this does its device work
+            self.counts["replays"] += 1
+            c.policy.on_step(c.step, self.logits)  # held back during the capture
+            return self.logits
+        graph, self.logits, self._delta = self.graphs[key]
+        self.key = key
+        self._bookkeeping()
+        graph.replay()
+        self.counts["replays"] += 1
+        if hasattr(c.policy, "graph_replayed"):
+            c.policy.graph_replayed()
+        c.policy.on_step(c.step, self.logits)
+        return self.logits
+
+    def _bookkeeping(self) -> None:
+        """The CPU side of one replayed step, as the captured step's Python did it."""
+        c = self.cache
+        c.step += 1
+        join = self._joins and self.key[1] and bool((self._join_count > 0).any())
+        for lay in c.layers:
+            lay.seen += 1
+            lay.store.advance_host(1)
+            if join:
+                lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
+        c.transfer.h2d_bytes += self._delta[0]
+        c.transfer.h2d_calls += self._delta[1]
+        c._attended_calls += self._delta[2]
+        total = c.layers[0].seen
+        if c._max_positions and total > c._max_positions and not c._warned_long:
+            c._warned_long = True
+            warnings.warn(
+                f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
+                f"({c._max_positions}); quality past the trained context is not guaranteed",
+                stacklevel=3,
+            )
+
+    def _base(self, key):
+        """The key without the page-join flag (the policy's buffers and shapes)."""
+        return key[0] if self._joins else key
+
+    def _capture(self, key) -> None:
+        c = self.cache
+        for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
+            del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
+        # attended tokens: a persistent device counter that the replays accumulate into (in place), made at
+        # the first capture only: the graphs kept (both page-join variants of a key) add into it by address,
+        # and a counter replaced here would be freed under them (their replays then add into whatever
+        # tensor the allocator puts there next: a sampled token, the caller's logits)
+        if not c._attended_inplace:
+            c._attended = (
+                torch.zeros((), dtype=torch.long, device=self.device)
+                if c._attended is None
+                else c._attended.to(torch.long).clone()
+            )
+            c._attended_inplace = True
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        t = c.transfer
+        before = (t.h2d_bytes, t.h2d_calls, c._attended_calls)
+        # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
+        with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
+            out = self._run(
+                input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
+            )
+            self.logits = out.logits[:, -1]
+        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c._attended_calls - before[2])
+        self.graphs[key] = (g, self.logits, self._delta)
+        self.counts["captures"] += 1
+
+
+@contextmanager
+def _on_step_held(policy):
+    """``policy.on_step`` does nothing inside (the logits hook fires during a capture, before any
+    logits exist; the decoder calls it after the first replay)."""
+    had = "on_step" in vars(policy)
+    old = vars(policy).get("on_step")
+    policy.on_step = lambda step, logits: None
+    try:
+        yield
+    finally:
+        if had:
+            policy.on_step = old
+        else:
+            del policy.on_step

@@ -1,0 +1,52 @@
+"""``pariskv-kmeans``: the drift baseline of the ParisKV paper's ablation ("no normalise+rotate, learned
+centroids"), on :class:`~kvdex.policies.pariskv.ParisKVPolicy`: identical except that the centroids of each
+subspace are learned by k-means on the prefill keys (raw key space) and then frozen; later keys are
+assigned to the nearest of them. Documented in docs/policies/pariskv.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.policies._kmeans import kmeans, nearest
+from kvdex.policies.base import register_policy
+from kvdex.policies.pariskv import ParisKVPolicy
+
+
+@register_policy
+@dataclass
+class ParisKVKMeansPolicy(ParisKVPolicy):
+    """The ablation/drift baseline: k-means centroids learned on prefill keys, then frozen."""
+
+    name = "pariskv-kmeans"
+    kmeans_iters: int = 10
+
+    def bind(self, info) -> None:
+        super().bind(info)
+        if info.head_dim % self.m:
+            raise ValueError(f"pariskv-kmeans: head_dim {info.head_dim} is not a multiple of m={self.m}")
+        if self.kmeans_iters < 1:
+            raise ValueError(f"pariskv-kmeans: kmeans_iters must be >= 1, got {self.kmeans_iters}")
+        self.centroids: dict[int, torch.Tensor] = {}  # layer -> [B, H, nsub_raw, 2**m, m]
+
+    @property
+    def num_sub(self) -> int:  # subspaces of the raw head dim (no rotation, no padding)
+        return self.info.head_dim // self.m
+
+    def assign(self, layer, k, ids, valid):
+        sub = k.float().unflatten(-1, (-1, self.m)).transpose(2, 3)  # [B, H, nsub, N, m]
+        if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
+            w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
+            heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
+            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
+        return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
+
+    def centroid_scores(self, layer, q, qb):
+        qs = q.unflatten(-1, (-1, self.m))  # raw query subspaces [B, H, (G,) nsub, m]
+        c = self.centroids[layer]  # [B, H, nsub, 2**m, m]
+        return ((c if qs.dim() == 4 else c[:, :, None]) @ qs[..., None])[..., 0]
+
+    def centroid_logits(self, layer, q, qb, qn):
+        return self.centroid_scores(layer, q, qb)  # raw query and raw-key centroids: already <q, c>
