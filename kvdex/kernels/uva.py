@@ -1,3 +1,4 @@
+# Over 400 lines: every kernel that reads or writes the host page store's layout (its checks are shared).
 """Gather of selected KV pages / rows by a Triton kernel that reads the source directly.
 
 The source is the host page store ``[B, H, P, 2, page_size, D]`` (``kvdex.storage.host``): K and V
@@ -10,8 +11,12 @@ against 2.4 GB/s for a CPU gather into staging and 0.7 GB/s for one copy per pag
 
 The same kernels gather from a device-resident source (then it is a plain device gather).
 
+:func:`store_pages` is the write the other way: the page that leaves an offloaded window, one launch
+whose grid does not depend on which sequences write (capturable). :func:`page_cache_step` is the
+device page cache's bookkeeping, one kernel per layer and step.
+
 Twins (the spec, used on CPU and by the tests): :func:`gather_pages_reference`,
-:func:`gather_rows_reference` -- plain advanced indexing.
+:func:`gather_rows_reference` -- plain advanced indexing; ``kvdex.storage.host.store_pages_reference``.
 """
 
 from __future__ import annotations
