@@ -172,14 +172,19 @@ class Cache(HFCache):
         if layer_idx == 0:
             self.step += 1
             self._in_forward = True
-            total = self.layers[0].seen + key_states.shape[2]
-            if self._max_positions and total > self._max_positions and not self._warned_long:
-                self._warned_long = True
-                warnings.warn(
-                    f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
-                    f"({self._max_positions}); quality past the trained context is not guaranteed",
-                    stacklevel=4,
-                )
+            self.warn_if_long(self.layers[0].seen + key_states.shape[2], stacklevel=4)
+
+    def warn_if_long(self, total: int, stacklevel: int = 2) -> None:
+        """Warn once when the sequence (``total`` tokens) passes the model's max_position_embeddings
+        (the eager step and the CUDA-graph decoder's bookkeeping after a replay both ask); ``stacklevel``
+        as ``warnings.warn`` would take it at the caller."""
+        if self._max_positions and total > self._max_positions and not self._warned_long:
+            self._warned_long = True
+            warnings.warn(
+                f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
+                f"({self._max_positions}); quality past the trained context is not guaranteed",
+                stacklevel=stacklevel + 1,
+            )
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     @contextmanager

@@ -304,14 +304,7 @@ class GraphDecoder:
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
         c._attended_calls += self._delta[2]
-        total = c.layers[0].seen
-        if c._max_positions and total > c._max_positions and not c._warned_long:
-            c._warned_long = True
-            warnings.warn(
-                f"the sequence ({total} tokens) is longer than the model's max_position_embeddings "
-                f"({c._max_positions}); quality past the trained context is not guaranteed",
-                stacklevel=3,
-            )
+        c.warn_if_long(c.layers[0].seen, stacklevel=3)
 
     def _base(self, key):
         """The key without the page-join flag (the policy's buffers and shapes)."""
