@@ -101,16 +101,23 @@ def _decode(model, spec, ids, steps, static, feed=None, **kw):
 def test_static_selection_equals_dynamic(tiny, spec):
     """Static sizing (what graph decoding runs, eager or replayed) selects exactly what dynamic sizing
     selects, over 60 steps: page boundaries, CHESS rebuilds, PRKV / SnapKV+ refreshes, H2O evictions."""
-    ids = _prompt(tiny)
-    fed, ref, sel_dyn, c_dyn = _decode(tiny, spec, ids, 60, static=False)
-    _, got, sel_sta, c_sta = _decode(tiny, spec, ids, 60, static=True, feed=fed)
-    assert len(sel_dyn) == len(sel_sta) == 60 * 2
+    c_dyn, c_sta = static_matches_dynamic(tiny, spec)
+    assert c_dyn.stats()["attended_tokens_per_step"] == pytest.approx(c_sta.stats()["attended_tokens_per_step"])
+
+
+def static_matches_dynamic(model, spec, steps: int = 60):
+    """Decode ``steps`` steps with dynamic sizing, then teacher-forced with static sizing: the same
+    selections every step and layer, logits within 1e-5, the same policy stats. Returns both caches."""
+    ids = _prompt(model)
+    fed, ref, sel_dyn, c_dyn = _decode(model, spec, ids, steps, static=False)
+    _, got, sel_sta, c_sta = _decode(model, spec, ids, steps, static=True, feed=fed)
+    assert len(sel_dyn) == len(sel_sta) == steps * 2
     for i, (a, b) in enumerate(zip(sel_dyn, sel_sta, strict=True)):
         assert a == b, f"step {i // 2} layer {a[0]}: static selection differs"
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     assert c_dyn.stats()["policy_stats"] == c_sta.stats()["policy_stats"]
-    assert c_dyn.stats()["attended_tokens_per_step"] == pytest.approx(c_sta.stats()["attended_tokens_per_step"])
+    return c_dyn, c_sta
 
 
 # ---- the trace of a replayable step -------------------------------------------------------------------
