@@ -259,6 +259,19 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     assert pol.static[1].tolist() == [n_static, n_static]
 
 
+def _window_scores(pol, layer, store, scale):
+    """The observation scores of PRKV's ring over the middle with the keys put back in position order
+    (sequence 0), computed here from the store; returns (scores [1, H, L], origin of each middle slot)."""
+    ring = pol.rings[layer]
+    k, _ = store.dense()
+    org = pol.origin[layer]
+    m = org.shape[2]
+    kpos = k.clone()
+    for h in range(store.kv_heads):
+        kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
+    return middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale), org
+
+
 def test_static_set_is_topk_of_window_scores():
     """After a refresh, the front of the middle holds exactly the top-k_s tokens by the observation
     scores of the last W queries (keys in position order)."""
@@ -272,14 +285,7 @@ def test_static_set_is_topk_of_window_scores():
         step = pol.steps[layer] - 1
         if step == 0 or step % T:
             return
-        ring = pol.rings[layer]
-        k, _ = store.dense()
-        org = pol.origin[layer]
-        m = org.shape[2]
-        kpos = k.clone()
-        for h in range(store.kv_heads):  # keys back in position order
-            kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
-        s = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale)
+        s, org = _window_scores(pol, layer, store, scale)
         ns = int(pol.static[layer][0])
         for h in range(store.kv_heads):
             front = set((org[0, h, :ns] + SINK).tolist())
@@ -313,13 +319,7 @@ def test_obs_tokens_last_ranks_the_windows_own_tokens_last(obs_tokens):
             return
         ring = pol.rings[layer]
         first = int(ring.pos[0][ring.valid[0]].min())
-        k, _ = store.dense()
-        org = pol.origin[layer]
-        m = org.shape[2]
-        kpos = k.clone()
-        for h in range(store.kv_heads):  # keys back in position order
-            kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
-        s = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale)
+        s, org = _window_scores(pol, layer, store, scale)
         ns = int(pol.static[layer][0])
         assert first - SINK > ns  # enough earlier tokens: "last" never needs a late one
         for h in range(store.kv_heads):
