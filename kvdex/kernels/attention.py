@@ -144,9 +144,11 @@ def _left_padded_attention(q, k, v, pads: list[int], scale: float) -> torch.Tens
     b, hq, t, d = q.shape
     h, L = k.shape[1], k.shape[2]
     g = hq // h
-    out = v[:, :, L - t :].repeat_interleave(g, dim=1).transpose(1, 2).to(q.dtype).contiguous()  # padding rows
+    out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     for i, p in enumerate(pads):
         first = max(0, p - (L - t))  # the first real query of sequence i
+        if first:  # padding rows: their own slot's value (only these rows, not the whole batch)
+            out[i, :first] = v[i, :, L - t : L - t + first].repeat_interleave(g, dim=0).transpose(0, 1)
         if first < t:
             kb, vb = k[i : i + 1, :, p:], v[i : i + 1, :, p:]
             out[i : i + 1, first:] = causal_chunk_attention(q[i : i + 1, :, first:], kb, vb, scale)
