@@ -154,6 +154,20 @@ class Policy:
 # ---- registry ----------------------------------------------------------------------------------
 
 
+class IndexFreePolicy(Policy):
+    """A policy that keeps no index of the middle (its selection reads only the store: ``full``,
+    ``oracle``, ``streaming``): a page joining the middle needs no index work, so CUDA-graph decoding
+    replays those steps too (``capturable_index``) instead of running them eagerly."""
+
+    capturable_index: ClassVar[bool] = True
+
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
+        """Nothing to reserve."""
+
+    def index_join(self, layer: int, join: PageJoin) -> None:
+        """Nothing to index."""
+
+
 def register_policy(cls: type[Policy]) -> type[Policy]:
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a class attribute `name`")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.base import IndexFreePolicy, register_policy
 from kvdex.selection import Selection
 
 
 @register_policy
 @dataclass
-class FullPolicy(Policy):
+class FullPolicy(IndexFreePolicy):
     name = "full"
     uses_budget = False
     capturable = True

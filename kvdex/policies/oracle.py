@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import Policy, group_reduce, register_policy, topk_ids
+from kvdex.policies.base import IndexFreePolicy, group_reduce, register_policy, topk_ids
 from kvdex.selection import Selection
 
 
@@ -29,7 +29,7 @@ def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scal
 
 @register_policy
 @dataclass
-class OraclePolicy(Policy):
+class OraclePolicy(IndexFreePolicy):
     name = "oracle"
     granularity = "token"
     capturable = True

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.base import IndexFreePolicy, register_policy
 from kvdex.selection import Selection
 
 
 @register_policy
 @dataclass
-class StreamingPolicy(Policy):
+class StreamingPolicy(IndexFreePolicy):
     name = "streaming"
     capturable = True
     granularity = "token"
