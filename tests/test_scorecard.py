@@ -305,3 +305,14 @@ def test_smoke_smollm2(tmp_path):
     for task in ("retrieval", "passkey"):
         assert recs[(task, "oracle", 1024)] == recs[(task, "full", None)]
     assert set(t) == {("full", None), ("oracle", 64), ("oracle", 1024), ("quest", 64), ("streaming", 64)}
+
+
+def test_task_left_out_for_missing_data_is_noted(tmp_path):
+    from kvdex.eval.card.tasks import make_groups
+
+    cfg = ScorecardConfig(tasks=["retrieval", "longtext", "longbench"], out=str(tmp_path / "o"))
+    skipped: list[str] = []
+    names = [g.name for g in make_groups(cfg, tmp_path, skipped)]  # an empty data folder
+    assert names == ["retrieval"]
+    assert any(n.startswith("recall / ppl skipped") for n in skipped)
+    assert any(n.startswith("LongBench v1 skipped") for n in skipped)

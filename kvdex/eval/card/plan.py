@@ -47,13 +47,14 @@ class Plan:
         self.cfg, self.root = cfg, root
         self.out = Path(cfg.out)
         self.pairs = cfg.policy_budgets()
-        self.groups = tasks.make_groups(cfg, root)
+        skipped: list[str] = []
+        self.groups = tasks.make_groups(cfg, root, skipped)
         cache = dict(page_size=cfg.page_size, sink=cfg.sink, window=cfg.window, dense_layers=cfg.dense_layers)
         self.cache_options = cache
         self.common = {"format": FORMAT, "model": model_tag, "dtype": dtype, "seed": cfg.seed, "cache": cache}
         self.common_batched = {**self.common, "batch": cfg.batch}
         self.device_name = device_name
-        self.notes = [n for g in self.groups for n in g.notes]
+        self.notes = skipped + [n for g in self.groups for n in g.notes]
 
     def cell_dir(self, group: tasks.Group, length: int) -> Path:
         return self.out / "cells" / group.name / f"L{length}__{group.digest(self.common_batched)}"

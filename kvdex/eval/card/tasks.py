@@ -83,9 +83,11 @@ class Group:
         return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-def make_groups(cfg, root: Path | None) -> list[Group]:
-    """The groups ``cfg`` asks for, with what the data folder allows (skips are noted)."""
+def make_groups(cfg, root: Path | None, skipped: list[str] | None = None) -> list[Group]:
+    """The groups ``cfg`` asks for, with what the data folder allows: a group left out entirely adds its
+    note to ``skipped``; a group run in part carries its notes in ``Group.notes``."""
     out = []
+    skipped = [] if skipped is None else skipped
     for name in cfg.tasks:
         if name not in GROUPS:
             raise ValueError(f"unknown scorecard task {name!r}; choose from {', '.join(GROUPS)}")
@@ -110,7 +112,7 @@ def make_groups(cfg, root: Path | None) -> list[Group]:
             g.options = {"depths": list(cfg.passkey_depths), "per_depth": cfg.passkey_per_depth}
         elif name == "longtext":
             if root is None or not all((root / b).is_file() for b in data.BOOKS):
-                g.notes.append("recall / ppl skipped (no long texts; set KVDEX_DATA or --data)")
+                skipped.append("recall / ppl skipped (no long texts; set KVDEX_DATA or --data)")
                 continue
             g.options = {
                 "prompts": cfg.longtext_prompts,
@@ -120,7 +122,7 @@ def make_groups(cfg, root: Path | None) -> list[Group]:
             }
         elif name == "longbench":
             if root is None or not (root / "longbench_v1/minilongbench_237.jsonl").is_file():
-                g.notes.append("LongBench v1 skipped (no LongBench data; set KVDEX_DATA or --data)")
+                skipped.append("LongBench v1 skipped (no LongBench data; set KVDEX_DATA or --data)")
                 continue
             g.options = {"per_dataset": cfg.longbench_per_dataset, "max_new_tokens": cfg.longbench_max_new_tokens}
         out.append(g)
