@@ -181,11 +181,14 @@ def write(plan, run) -> dict:
     elif not cfg.speed:
         speed_note = "not measured"
     compute = 0.0
+    pairs = {(str(p), b) for p, b in plan.pairs}
     for f in plan.out.glob("cells/**/*.json"):
         try:
             c = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
+        if (str(c.get("policy")), c.get("budget")) not in pairs or c.get("length") not in cfg.lengths:
+            continue  # a cell of the same folder that this table does not show
         charged = c.get("prefill_charged", str(c.get("policy")) == "full")  # the cell that ran its batch's prefill
         compute += c.get("cell_s", 0.0) + (c.get("prefill_s", 0.0) if charged else 0.0)
     prompts, notes = {}, list(plan.notes)
