@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle, and the kernels import no policy, store or adapter.
+"""The package's import graph has no cycle, the kernels import no policy, store or adapter, and no
+module probes a store or a policy instead of asking the typed contract (``LayerStore`` / ``Policy``).
 
 Every ``import`` / ``from ... import`` statement of every ``kvdex/**/*.py`` counts, at any depth
 (function-level imports too): ``A -> B`` when module A names module B (``from kvdex.kernels import
@@ -9,6 +10,7 @@ topk`` names ``kvdex.kernels.topk``; ``from kvdex.kernels import triton_kernel``
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,70 @@ def test_kernels_import_no_policy_store_or_adapter():
         if b.startswith(KERNEL_FORBIDDEN)
     ]
     assert not bad, "kvdex.kernels must not import policies, stores or the adapter:\n" + "\n".join(bad)
+
+
+# ---- the typed contract instead of probes -------------------------------------------------------------
+# Outside kvdex/storage/ a store is asked (LayerStore: static, offloaded, positional_slots, graph_unsupported,
+# graph_buffers, grows_on_append, reserve_prompt, window_slots, page_cache), never tested for its class; a
+# policy's optional behaviour is a method or ClassVar of Policy, never a hasattr.
+PROBE_DIRS = ("kvdex/integration/", "kvdex/bench/", "kvdex/eval/")  # hasattr / getattr probes: the engine
+# expressions that name a policy, a store, a cache layer or the cache (not transformers' model or config)
+PROBED = re.compile(r"polic|store|layer|cache|\b(p|st|s|pol|lay)\b")
+# Being reworked on their own (the IceCache index and its summary search): remove once they ask the contract.
+PROBE_ALLOWED = {"kvdex/policies/icecache.py", "kvdex/policies/_icecache_index.py", "kvdex/index/summary.py"}
+
+
+def _class_names(node: ast.AST) -> list[str]:
+    elts = node.elts if isinstance(node, ast.Tuple) else [node]
+    return [ast.unparse(e).rpartition(".")[2] for e in elts]
+
+
+def probes(source: str, rel: str) -> list[str]:
+    """Store / policy probes in the module text ``source`` at path ``rel`` (relative to the root)."""
+    out = []
+    engine = rel.startswith(PROBE_DIRS)
+    in_storage = rel.startswith("kvdex/storage/")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and not in_storage:  # type(x) is / in (... Store ...)
+            left = node.left
+            if isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "type":
+                if any(n.endswith("Store") for c in node.comparators for n in _class_names(c)):
+                    out.append(f"{rel}:{node.lineno}: a store's class compared: {ast.unparse(node)}")
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or len(node.args) < 2:
+            continue
+        fn, obj, what = node.func.id, ast.unparse(node.args[0]), node.args[1]
+        name = what.value if isinstance(what, ast.Constant) and isinstance(what.value, str) else None
+        line = f"{rel}:{node.lineno}: {ast.unparse(node)}"
+        if fn == "isinstance" and not in_storage and any(n.endswith("Store") for n in _class_names(what)):
+            out.append(f"{line} (ask a LayerStore property instead of its class)")
+        elif fn == "getattr" and name == "static":
+            out.append(f"{line} (LayerStore.static is declared: read it)")
+        elif fn in ("hasattr", "getattr") and obj not in ("self", "cls"):
+            if engine and PROBED.search(obj) and (fn == "hasattr" or len(node.args) == 3):
+                out.append(f"{line} (declare it on Policy / LayerStore and call it)")
+            elif engine and PROBED.search(obj) and name is not None and name.startswith("_"):
+                out.append(f"{line} (another object's private field)")
+            elif fn == "hasattr" and re.search(r"store", obj):
+                out.append(f"{line} (declare it on LayerStore and call it)")
+    return out
+
+
+def test_probe_finder_finds_planted_probes():
+    src = (
+        "isinstance(st, OffloadStore)\nisinstance(s, (kvdex.storage.DeviceStore, int))\ntype(st) is DeviceStore\n"
+        "getattr(store, 'static', False)\nhasattr(p, 'graph_key')\ngetattr(c.policy, 'positions', None)\n"
+        "getattr(layer, '_pads', None)\n"
+    )
+    assert len(probes(src, "kvdex/integration/x.py")) == 7
+    assert len(probes("hasattr(store, '_slot')\nisinstance(x, DeviceStore)", "kvdex/policies/x.py")) == 2
+    assert probes("isinstance(x, DeviceStore)\ngetattr(cfg, 'head_dim', None)", "kvdex/storage/x.py") == []
+    assert probes("getattr(model.config, 'x', None)\nhasattr(self, 'y')", "kvdex/bench/x.py") == []
+
+
+def test_no_store_or_policy_probes():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel not in PROBE_ALLOWED:
+            found += probes(path.read_text(), rel)
+    assert not found, "probes instead of the LayerStore / Policy contract:\n" + "\n".join(found)

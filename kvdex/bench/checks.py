@@ -96,7 +96,7 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
         eager = make_cache(model, method, cfg)
         nxt = prefill(model, eager, ids).argmax(-1, keepdim=True)
         for layer in eager.layers:  # the same static sizing as graph decoding: same kernels, same shapes
-            layer.store.static = True
+            layer.store.use_static_sizing()
         forced, ref = [nxt], []
         for _ in range(steps):
             nxt, lg = decode_step(model, eager, nxt)

@@ -109,7 +109,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         eager0 = None if stepper is None else stepper.counts["eager"]
         ms, wall = timed_steps(step, nxt, cfg.steps, device)
         pc1 = page_cache_counts(cache)
-        if pc1 != pc0 or getattr(cache, "page_cache", 0):  # hits / misses over the timed steps
+        if pc1 != pc0 or (isinstance(cache, kvdex.Cache) and cache.page_cache):  # hits / misses over the timed steps
             hits, misses = pc1[0] - pc0[0], pc1[1] - pc0[1]
             rec["page_cache"] = cache.page_cache
             rec["page_cache_hits"], rec["page_cache_misses"] = hits, misses

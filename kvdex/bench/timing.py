@@ -21,9 +21,11 @@ def percentile(xs: list[float], q: float) -> float:
 def page_cache_counts(cache) -> tuple[int, int, int]:
     """(hits, misses, bytes moved) of every offloaded store's device page cache so far (a sync)."""
     h = m = by = 0
-    for lay in getattr(cache, "layers", []):
-        st = getattr(lay, "store", None)
-        if getattr(st, "page_cache", 0):
+    if not isinstance(cache, kvdex.Cache):
+        return 0, 0, 0
+    for lay in cache.layers:
+        st = lay.store
+        if st is not None and st.page_cache:
             s = st.page_cache_stats()
             h, m, by = h + s["hits"], m + s["misses"], by + s["bytes_moved"]
     return h, m, by

@@ -193,7 +193,8 @@ class NeedleTask(Task):
         needle = torch.zeros(1, ctx.prompt_len + 64, dtype=torch.bool)
         needle[0, sample.meta["positions"]] = True
         # a policy that reorders its store's slots says where each slot's token sits (PRKV's relocation)
-        obs = NeedleObserver(needle, getattr(ctx.cache.policy, "positions", None))
+        pol = ctx.cache.policy
+        obs = NeedleObserver(needle, pol.positions if pol.relocates else None)
         ctx.cache.observer = obs
         tokens = sample.meta["answer"]
         nll = teacher_forced(ctx, tokens) if len(tokens) > 1 else []

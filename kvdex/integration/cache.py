@@ -99,7 +99,7 @@ class Cache(HFCache):
         self.step = -1
         self._timing: dict[str, float] = {}
         self._attended = None
-        self._attended_calls = 0
+        self.attended_calls = 0  # counts added into the attended tokens: one per sparse layer and step
         self._attended_inplace = False  # CUDA-graph decoding: one counter, added to in place (GraphDecoder)
         # CUDA-graph decoding (kvdex.integration.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
@@ -204,11 +204,25 @@ class Cache(HFCache):
         # the other layers' counts move there explicitly)
         if self._attended is not None and total.device != self._attended.device:
             total = total.to(self._attended.device)
-        if self._attended is not None and getattr(self, "_attended_inplace", False):
+        if self._attended is not None and self._attended_inplace:
             self._attended.add_(total)  # CUDA-graph decode: one buffer that replayed steps accumulate into
         else:
             self._attended = total if self._attended is None else self._attended + total
-        self._attended_calls += 1
+        self.attended_calls += 1
+
+    def count_attended_in_place(self, device: torch.device) -> None:
+        """From now on the attended-token count is one persistent device counter (long, on ``device``
+        unless one exists) that every step adds into in place: CUDA-graph decoding, whose captured steps
+        add into it by address. Made once; later calls do nothing (a counter replaced would be freed under
+        the graphs that add into it, whose replays would then add into whatever tensor lands there)."""
+        if self._attended_inplace:
+            return
+        self._attended = (
+            torch.zeros((), dtype=torch.long, device=device)
+            if self._attended is None
+            else self._attended.to(torch.long).clone()
+        )
+        self._attended_inplace = True
 
     # ---- prefill once, decode many ----------------------------------------------------------------
     def fork(self, policy=None, budget: int | None = None, **overrides) -> Cache:
@@ -240,7 +254,7 @@ class Cache(HFCache):
             k, v = src.store.dense()
             dst.lazy_initialization(k, v)
             dst.seen = src.seen
-            dst._adopt(k, v, src.store.lengths_host, src._pads, src._obs_q)
+            dst._adopt(k, v, src.store.lengths_host, src.pads, src._obs_q)
         new.step = 0
         return new
 
@@ -271,7 +285,7 @@ class Cache(HFCache):
         lengths = layers[0].store.lengths_host.tolist() if layers else []
         sparse = [lay for lay in layers if not lay.dense]
         t = self.transfer
-        pcs = [lay.store.page_cache_stats() for lay in sparse if getattr(lay.store, "page_cache", 0)]
+        pcs = [lay.store.page_cache_stats() for lay in sparse if lay.store.page_cache]
         pc = [sum(p[k] for p in pcs) for k in ("hits", "misses", "bytes_moved")]
         attended = float(self._attended) if self._attended is not None else 0.0
         counts = self.tp.sum_values(dev, host, t.h2d_bytes, t.d2h_bytes, t.h2d_calls, attended, *pc)
@@ -279,7 +293,7 @@ class Cache(HFCache):
         per_head = None
         if self._attended is not None and sparse:
             b, h = sparse[0].store.batch, sparse[0].store.kv_heads * self.tp.size
-            per_head = counts[5] / (self._attended_calls * b * h)
+            per_head = counts[5] / (self.attended_calls * b * h)
         c = self.config
         out = {
             "policy": self.policy.name,

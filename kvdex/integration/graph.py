@@ -10,7 +10,8 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
   second graph when the policy declares ``capturable_index`` (*page joins*, below), else it runs
   eagerly; a step in which a policy does data-dependent work in ``select`` (PRKV's restructuring
   every ``refresh`` steps, SnapKV's first step and refreshes, H2O's prefill scores) runs eagerly;
-* stores and policies are switched to *static sizing* (``store.static = True``): the dense layers
+* stores and policies are switched to *static sizing* (``LayerStore.static``, switched on by
+  ``use_static_sizing``): the dense layers
   read the whole slot buffer (rows past each length are masked by the kernel using the device
   lengths), Quest / ArkVale / PRKV score their whole index capacity (pages past the middle masked),
   H2O its whole score buffer, and every selection has a width fixed by the budget (``-1`` padding)
@@ -18,13 +19,18 @@ launch. A kvdex step is replayable when nothing in it depends on values the CPU 
 * positions are fed from a device buffer (``position_ids``, per row: left padding is honoured);
 * offloaded stores are replayable only with the UVA gather (page ids never leave the device).
 
-**The policy protocol.** A policy takes part by defining (duck-typed, no base-class change):
+**The store contract.** The decoder asks each store (``LayerStore``) instead of testing its class:
+``graph_unsupported()`` (why it cannot be captured: no graph support, or an offloaded store without
+the UVA gather), ``graph_buffers()`` (the buffers a captured step reads by address: part of the graph
+key) and ``grows_on_append(1)`` (a device buffer re-allocates: that step runs eagerly).
+
+**The policy protocol.** A ``capturable`` policy overrides (``Policy`` declares the defaults):
 
 * ``graph_unsupported(stores) -> str | None``: why its decode step cannot be captured with these
   stores (e.g. ``oracle`` with ``offload=True``: it copies the whole middle through host memory);
-* ``graph_key(stores) -> tuple | None`` before each step: ``None`` when this step must run eagerly,
-  else the identity and shape of every tensor its ``select`` / ``observe`` read plus every host
-  value they bake into the step. A changed key captures again (after one eager step, so every
+* ``graph_key(stores) -> tuple | None`` before each step (default ``()``): ``None`` when this step
+  must run eagerly, else the identity and shape of every tensor its ``select`` / ``observe`` read plus
+  every host value they bake into the step. A changed key captures again (after one eager step, so every
   kernel is loaded before capturing);
 * ``graph_replayed()`` after each replay: the Python-side effects of ``select`` / ``observe`` that
   the replay skipped (step counters, lookup counts). Device-side effects (H2O's score accumulation,
@@ -49,8 +55,8 @@ warmed up and captured on the first steps after the plain one and never at a bou
 decoding runs no eager step.
 ``joined`` + ``index_join`` leave the index exactly as ``index`` would (tests/test_graph_joins.py).
 
-A policy without ``graph_key`` (``icecache``: its tree search runs on CPU threads) is decoded
-eagerly, with a warning that says so once. ``full`` is built in. :data:`GRAPH_POLICIES` lists them.
+A policy that is not ``capturable`` (``icecache`` with a tree search: it runs on CPU threads) is
+decoded eagerly, with a warning that says so once. :data:`GRAPH_POLICIES` lists the capturable ones.
 
 **CPU bookkeeping after a replay** (what the eager step's Python would have done): the step counter,
 every layer's sequence length and host lengths (``advance_host``; ``count_join`` in a join step), the

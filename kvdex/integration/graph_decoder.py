@@ -14,11 +14,7 @@ import torch
 from kvdex.integration.cache import Cache
 from kvdex.integration.compat import cache_kwargs
 from kvdex.integration.compiled_layers import CompiledLayers, _compile_mode
-from kvdex.storage import DeviceStore, OffloadStore, host_joins
-
-# Policies with built-in graph support that do not define the protocol themselves.
-_BUILTIN = {"full"}
-
+from kvdex.storage import host_joins
 
 # Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of
 # the longest sequence (half of it used up -> grown again), so that a re-allocation (a new graph key, an
@@ -31,7 +27,7 @@ def graph_policies() -> list[str]:
     """Registered policies whose decode step can be captured (with a suitable store)."""
     from kvdex.policies.base import _REGISTRY
 
-    return sorted(n for n, cls in _REGISTRY.items() if n in _BUILTIN or hasattr(cls, "graph_key"))
+    return sorted(n for n, cls in _REGISTRY.items() if cls.capturable)
 
 
 class GraphDecoder:
@@ -148,16 +144,10 @@ class GraphDecoder:
             return "an observer runs Python inside the step"
         stores = self._stores()
         for st in stores:
-            if type(st) not in (DeviceStore, OffloadStore):
-                return f"the store {type(st).__name__} has no graph support"
-            if isinstance(st, OffloadStore) and st.host._uva is None:
-                return "an offloaded store needs the UVA gather (triton, KVDEX_UVA != 0)"
-        p = c.policy
-        if hasattr(p, "graph_unsupported"):
-            return p.graph_unsupported(stores)
-        if p.name in _BUILTIN:
-            return None
-        return f"policy {p.name!r} does not support graph capture (its selection touches the CPU)"
+            why = st.graph_unsupported()
+            if why is not None:
+                return why
+        return c.policy.graph_unsupported(stores)
 
     def _prepare(self) -> None:
         if self._checked:
@@ -174,7 +164,7 @@ class GraphDecoder:
         dev = stores[0].device
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        pads = getattr(self.cache.layers[0], "_pads", None)
+        pads = self.cache.layers[0].pads
         pads = torch.zeros(b, dtype=torch.long) if pads is None else pads.to(torch.long).cpu()
         self._neg_pads = (-pads).to(dev)[:, None]
         if self.reason is not None:
@@ -182,7 +172,7 @@ class GraphDecoder:
                 warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=4)
             return
         for st in stores:
-            st.static = True
+            st.use_static_sizing()
         self._joins = bool(self.cache.policy.capturable_index)
 
     def _join_host(self) -> bool:
@@ -216,27 +206,19 @@ class GraphDecoder:
         g, L = st.grid, st.lengths_host
         if not self._joins and bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
             return True  # a page joins the middle: store/policy index work with data-dependent shapes
-        for s in self._stores():
-            if not isinstance(s, OffloadStore) and int(s.lengths_host.max()) + 1 > s.k.shape[2]:
-                return True  # the resident buffer grows
+        if any(s.grows_on_append(1) for s in self._stores()):
+            return True  # a device buffer grows
         return False
 
     def _key(self):
         stores = self._stores()
         key = []
         for s in stores:
-            key.append((id(s.k), tuple(s.k.shape)))
-            if isinstance(s, OffloadStore):  # the UVA gather reads the host buffer by address
-                key.append((id(s.host.data), tuple(s.host.data.shape)))
-        p = self.cache.policy
-        if hasattr(p, "graph_key"):
-            pk = p.graph_key(stores)
-            if pk is None:
-                return None
-            key.append(pk)
-        elif any(isinstance(s, OffloadStore) for s in stores):  # offloaded "full" fetches range(nmid)
-            st = stores[-1]
-            key.append(int(st.grid.num_middle_pages(st.lengths_host).max()))
+            key.extend(s.graph_buffers())  # an offloaded store: also the host buffer the UVA gather reads
+        pk = self.cache.policy.graph_key(stores)
+        if pk is None:
+            return None
+        key.append(pk)
         return tuple(key)
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -286,8 +268,7 @@ class GraphDecoder:
         self._bookkeeping()
         graph.replay()
         self.counts["replays"] += 1
-        if hasattr(c.policy, "graph_replayed"):
-            c.policy.graph_replayed()
+        c.policy.graph_replayed()
         c.policy.on_step(c.step, self.logits)
         return self.logits
 
@@ -303,7 +284,7 @@ class GraphDecoder:
                 lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
-        c._attended_calls += self._delta[2]
+        c.attended_calls += self._delta[2]
         c.warn_if_long(c.layers[0].seen, stacklevel=3)
 
     def _base(self, key):
@@ -315,27 +296,19 @@ class GraphDecoder:
         for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
             del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
         # attended tokens: a persistent device counter that the replays accumulate into (in place), made at
-        # the first capture only: the graphs kept (both page-join variants of a key) add into it by address,
-        # and a counter replaced here would be freed under them (their replays then add into whatever
-        # tensor the allocator puts there next: a sampled token, the caller's logits)
-        if not c._attended_inplace:
-            c._attended = (
-                torch.zeros((), dtype=torch.long, device=self.device)
-                if c._attended is None
-                else c._attended.to(torch.long).clone()
-            )
-            c._attended_inplace = True
+        # the first capture only: the graphs kept (both page-join variants of a key) add into it by address
+        c.count_attended_in_place(self.device)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         t = c.transfer
-        before = (t.h2d_bytes, t.h2d_calls, c._attended_calls)
+        before = (t.h2d_bytes, t.h2d_calls, c.attended_calls)
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
         with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
-        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c._attended_calls - before[2])
+        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.attended_calls - before[2])
         self.graphs[key] = (g, self.logits, self._delta)
         self.counts["captures"] += 1
 

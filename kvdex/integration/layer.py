@@ -19,7 +19,7 @@ from kvdex.integration.attention import TAG
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.storage import DeviceStore, host_joins, left_padding, strip_left_padding
+from kvdex.storage import host_joins, left_padding, strip_left_padding
 
 # Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
 OBS_KEEP = 128
@@ -39,6 +39,7 @@ class KVDexLayer(CacheLayerMixin):
         self.dense = dense
         self.store = None
         self.seen = 0  # columns seen, padding included (transformers' sequence length)
+        self.pads: torch.Tensor | None = None  # [B] (CPU) left padding of the prompt (set at prefill)
 
     @property
     def parent(self) -> HFCache:
@@ -85,7 +86,7 @@ class KVDexLayer(CacheLayerMixin):
         token, a policy with ``capturable_index``) -- on a step that the decoder marks as a join step, or,
         without a decoder (``Cache.join_step`` None), on a step in which a page joins the middle."""
         parent = self.parent
-        if key_states.shape[2] != 1 or not getattr(self.store, "static", False) or not parent.policy.capturable_index:
+        if key_states.shape[2] != 1 or not self.store.static or not parent.policy.capturable_index:
             return False
         if parent.join_step is None:
             return bool((host_joins(self.store.grid, self.store.lengths_host)[1] > 0).any())
@@ -161,7 +162,7 @@ class KVDexLayer(CacheLayerMixin):
         update.store = self.store
         # kept for fork(): policies with an observation window (a copy: a view would keep the whole prompt's q)
         self._obs_q = q[:, :, -OBS_KEEP:].clone()
-        self._pads = pads
+        self.pads = pads
         if self.dense:
             return
         w = min(parent.policy.obs_window, q.shape[2])
@@ -177,9 +178,9 @@ class KVDexLayer(CacheLayerMixin):
             return self._dense_decode(q, scale)
         with parent._timed("selection"):
             sel = _on_device(parent.policy.select(self.layer_idx, q, store, scale), store.device)
-        if sel.everything and isinstance(store, DeviceStore) and parent.observer is None:
+        if sel.everything and store.positional_slots and parent.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
-        fused = type(store) is DeviceStore and parent.observer is None and not getattr(parent.policy, "observes", False)
+        fused = store.positional_slots and parent.observer is None and not parent.policy.observes
         if fused and sel.pages is not None and sel.tokens is None:
             out = self._paged_decode(q, sel.pages, scale)  # CUDA: slot list built inside the kernel
             if out is not None:
@@ -205,11 +206,11 @@ class KVDexLayer(CacheLayerMixin):
                 q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale
             )
         if out is not None:  # attended tokens: sink + window rows below each length, plus the pages
-            static = getattr(store, "static", False)  # CUDA-graph decode: device lengths (no host value baked in)
-            fast = _fast_paged_count() if static and getattr(parent, "_attended_inplace", False) else None
+            static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
+            fast = _fast_paged_count() if static and parent._attended_inplace else None
             if fast is not None and parent._attended is not None:  # the same count in one launch, in place
                 fast(parent._attended, pages, store.lengths, g.sink, g.page_size, g.window_pages)
-                parent._attended_calls += 1
+                parent.attended_calls += 1
                 return out
             L = store.lengths if static else store.lengths_host
             fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
@@ -221,7 +222,7 @@ class KVDexLayer(CacheLayerMixin):
         with parent._timed("attention"):
             k, v = store.dense()
             # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
-            n = None if getattr(store, "static", False) else int(store.lengths_host.max())  # static: graph capture
+            n = None if store.static else int(store.lengths_host.max())  # static: graph capture
             out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=n)
         if not self.dense:
             parent._count_attended(store.lengths.sum() * store.kv_heads)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.integration.cache import Cache
 from kvdex.integration.compat import cache_kwargs
 
 
@@ -45,8 +46,8 @@ def chunked_prefill(
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, length] with length >= 1, got {tuple(input_ids.shape)}")
     b, n = input_ids.shape
-    policy = getattr(cache, "policy", None)
-    if getattr(policy, "obs_window", 0) and n > chunk:
+    policy = cache.policy if isinstance(cache, Cache) else None
+    if policy is not None and policy.obs_window and n > chunk:
         # such a policy scores the prompt with its last queries at ingest, which a first chunk does not have
         raise ValueError(
             f"policy {policy.name!r} reads an observation window of the prompt's last {policy.obs_window} queries "
@@ -80,7 +81,7 @@ def chunked_prefill(
         if not reserved and start < n:
             _reserve(cache, n)
             reserved = True
-    if hasattr(cache, "policy") and hasattr(cache, "step"):  # a kvdex.Cache: the whole prompt is its step 0
+    if isinstance(cache, Cache):  # the whole prompt is its step 0
         cache.step = 0
     return out.logits
 
@@ -89,12 +90,7 @@ def _reserve(cache, n: int) -> None:
     """Size a kvdex cache's buffers for the whole prompt (plus decode slack) after its first chunk, so
     they do not grow by copying chunk after chunk (a growth needs old + new at once: near the host
     memory limit at 512k, and slow for pinned memory)."""
-    from kvdex.storage import DeviceStore, OffloadStore
-    from kvdex.storage.host import _GROW_PAGES
-
-    for lay in getattr(cache, "layers", []):
-        st = getattr(lay, "store", None)
-        if isinstance(st, OffloadStore):
-            st.host.reserve(int(st.grid.num_middle_pages(torch.tensor([n]))[0]) + _GROW_PAGES)
-        elif isinstance(st, DeviceStore):
-            st._reserve(n + 1024)
+    if isinstance(cache, Cache):
+        for lay in cache.layers:
+            if lay.store is not None:
+                lay.store.reserve_prompt(n)

@@ -155,7 +155,7 @@ class LayerScope:
         ids = self.pages.get(layer)
         if ids is None:
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
-        if getattr(store, "static", False):
+        if store.static:
             buf = self.static.get(layer)
             if buf is None:  # allocated in an eager step (the graph key changes)
                 w = ids.shape[2]

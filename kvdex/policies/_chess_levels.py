@@ -92,12 +92,12 @@ def window_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys of the recent window: [B, H, window, D] and valid [B, window] (rows past a length are invalid).
 
     Reads the store's device buffer in place: slot == position on the GPU-resident store; the
-    offloaded store keeps the window in a ring of pages (``OffloadStore._slot``).
+    offloaded store keeps the window in a ring of pages (``LayerStore.window_slots``).
     """
     g = store.grid
     pos = g.window_start(store.lengths)[:, None] + torch.arange(g.window, device=store.device)[None, :]
     valid = pos < store.lengths[:, None]
-    slots = store._slot(pos) if hasattr(store, "_slot") else pos
+    slots = store.window_slots(pos)
     slots = torch.where(valid, slots, 0)
     b, h, d = store.batch, store.kv_heads, store.head_dim
     k = store.k.gather(2, slots[:, None, :, None].expand(b, h, g.window, d))

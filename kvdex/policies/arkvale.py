@@ -51,7 +51,7 @@ def static_pages(index: DigestIndex, layer: int, store, *others: torch.Tensor) -
     capacity (and no more than the capacity of ``others`` [B, H, cap] that are sliced alike): a value
     that changes only when a buffer is re-allocated, never with the lengths. Pages past each
     sequence's middle are masked with the device lengths either way."""
-    if getattr(store, "static", False):
+    if store.static:
         return min([index.centre[layer].shape[2], *(t.shape[2] for t in others)])
     return int(store.grid.num_middle_pages(store.lengths_host).max())
 

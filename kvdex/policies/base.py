@@ -86,6 +86,8 @@ class Policy:
     capturable: ClassVar[bool] = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
     # True: a page joining the middle is indexed inside a captured step (reserve_index / joined / index_join)
     capturable_index: ClassVar[bool] = False
+    # True: it reorders its store's middle slots (``LayerStore.permute_middle``); ``positions`` undoes that
+    relocates: ClassVar[bool] = False
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -140,6 +142,22 @@ class Policy:
         if self.capturable:
             return None
         return f"policy {self.name!r} does not support graph capture (its selection touches the CPU)"
+
+    def graph_key(self, stores) -> tuple | None:
+        """Before each step of a captured decode: what the step's captured work depends on beyond the
+        stores' buffers (ids and shapes of the policy's device buffers, widths baked into the step), or
+        None when this step must run eagerly (``kvdex.integration.graph``). Asked only where
+        :meth:`graph_unsupported` is None. Default: ``()``, a step that reads no policy buffer."""
+        return ()
+
+    def graph_replayed(self) -> None:
+        """After a replayed step (which runs no Python): the host-side bookkeeping the captured step's
+        ``select`` did (counters). Default: nothing."""
+
+    def positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Token positions of the store slots ``slots`` of ``layer`` (a ``relocates`` policy undoes its
+        reordering; -1 stays). Default: slot == position."""
+        return slots
 
     def make_store(self, layer: int, offload: bool, args: tuple, work_tokens: int) -> LayerStore | None:
         """A policy-specific store for sparse ``layer`` (IceCache keeps its offloaded middle in

@@ -318,7 +318,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             self._record_query(layer, q, store.kv_heads)
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
-        if getattr(store, "static", False):  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
+        if store.static:  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
             return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, store.kv_heads, -1))
         if self._sel.pages.device != store.device:  # device_map: the layer's copy, moved once per build
             return self._sel_on.setdefault(store.device, Selection(pages=self._sel.pages.to(store.device)))

@@ -15,5 +15,12 @@ class FullPolicy(IndexFreePolicy):
     uses_budget = False
     capturable = True
 
+    def graph_key(self, stores) -> tuple:
+        """An offloaded store fetches the whole middle (its page count is baked into the step)."""
+        if any(s.offloaded for s in stores):
+            st = stores[-1]
+            return (int(st.grid.num_middle_pages(st.lengths_host).max()),)
+        return ()
+
     def select(self, layer, q, store, scale) -> Selection:
         return Selection(everything=True)

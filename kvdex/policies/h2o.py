@@ -62,6 +62,7 @@ class H2OPolicy(Policy):
         self.score: dict[int, torch.Tensor] = {}  # layer -> [B, H, cap] accumulated attention per position
         self.evicted: dict[int, torch.Tensor] = {}  # layer -> [B, H, cap] bool
         self.pending: dict[int, object] = {}
+        self._static = False  # the last select's store.static (observe sizes its tables the same way)
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
@@ -100,7 +101,7 @@ class H2OPolicy(Policy):
 
     def select(self, layer, q, store, scale) -> Selection:
         g = store.grid
-        static = getattr(store, "static", False)
+        static = store.static
         self._static = static
         k = None
         if layer in self.pending:
@@ -138,6 +139,6 @@ class H2OPolicy(Policy):
         p = torch.softmax(s.masked_fill(~a.valid[:, :, None, :], float("-inf")), dim=-1).sum(2)  # [B, H, N]
         pos = torch.where(a.valid, a.positions.long(), 0)  # padding adds 0 to position 0
         p = torch.where(a.valid, p, 0.0)
-        if not getattr(self, "_static", False):  # static: select reserved lengths + 1 > every position
+        if not self._static:  # static: select reserved lengths + 1 > every position
             self._reserve(layer, int(pos.max()) + 1, self.score[layer])
         self.score[layer].scatter_add_(2, pos.to(self.score[layer].device), p)

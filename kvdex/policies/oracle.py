@@ -37,9 +37,7 @@ class OraclePolicy(IndexFreePolicy):
     # CUDA-graph decoding (kvdex.integration.graph). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).
     def graph_unsupported(self, stores) -> str | None:
-        from kvdex.storage import OffloadStore
-
-        if any(isinstance(s, OffloadStore) for s in stores):
+        if any(s.offloaded for s in stores):
             return "oracle with offload=True copies the whole middle through host memory every step"
         return None
 

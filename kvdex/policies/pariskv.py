@@ -235,7 +235,7 @@ class ParisKVPolicy(IndexMixin, Policy):
     def select(self, layer, q, store, scale) -> Selection:
         k = self.cfg.retrieval_tokens
         b, h = store.batch, store.kv_heads
-        static = getattr(store, "static", False)
+        static = store.static
         nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size  # [B] CPU
         n = int(nmid.max())
         if layer not in self.index_ or n == 0:

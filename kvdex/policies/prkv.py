@@ -61,6 +61,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 class PRKVPolicy(Policy):
     name = "prkv"
     capturable = True
+    relocates = True
     capturable_index = True
 
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
@@ -228,7 +229,7 @@ class PRKVPolicy(Policy):
         dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None)
         if not n_static:
             return Selection(pages=dynamic)  # S = 0: ArkVale
-        static = getattr(store, "static", False)  # CUDA-graph decoding: widths from the split, not the counts
+        static = store.static  # CUDA-graph decoding: widths from the split, not the counts
         f = n_static // ps if static else int(full.max())
         sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
         sp = torch.where(sp < full[:, None], sp, -1)[:, None, :].expand(b, h, -1)

@@ -84,7 +84,7 @@ class QuestPolicy(Policy):
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         p = int(store.grid.num_middle_pages(store.lengths_host).max())
-        if getattr(store, "static", False):  # CUDA-graph decode: score the whole index (masked past nmid)
+        if store.static:  # CUDA-graph decode: score the whole index (masked past nmid)
             p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
         fast = triton_kernel("quest_triton", "page_scores", on=q)

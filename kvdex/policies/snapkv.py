@@ -155,7 +155,7 @@ class SnapKVPolicy(Policy):
         """Middle positions past the prefill's middle (SnapKV keeps them all): [B, H, n], -1 padded."""
         start = self.kept_from[layer]
         end = store.grid.window_start(store.lengths)
-        if getattr(store, "static", False):  # CUDA-graph decoding: a width from host values, grown in steps
+        if store.static:  # CUDA-graph decoding: a width from host values, grown in steps
             n = self._kept_width(layer, store)
         else:
             n = int((end - start).clamp(min=0).max())

@@ -109,7 +109,22 @@ class TransferStats:
 
 
 class LayerStore(ABC):
-    """KV of one layer for a batch, in HND layout: per (sequence, kv head) a run of pages."""
+    """KV of one layer for a batch, in HND layout: per (sequence, kv head) a run of pages.
+
+    What the engine (``kvdex.integration``) and the policies may ask a store, instead of testing its
+    class: :attr:`static`, :attr:`offloaded`, :attr:`positional_slots`, :attr:`page_cache`,
+    :meth:`graph_unsupported`, :meth:`graph_buffers`, :meth:`grows_on_append`, :meth:`reserve_prompt`
+    and :meth:`window_slots`.
+    """
+
+    #: Static sizing (CUDA-graph decoding, :mod:`kvdex.integration.graph`): reads of the store and the
+    #: selections made over it keep shapes that no host value decides (``dense`` returns the whole slot
+    #: buffer, policies score their whole reserved index), so one captured step replays on every step.
+    #: Off by default; switched on by :meth:`use_static_sizing` (never off again for this store).
+    static: bool = False
+    #: Page slots per (sequence, kv head) of a device page cache over host-held pages (0: none;
+    #: :meth:`page_cache_stats` counts its hits and misses).
+    page_cache: int = 0
 
     def __init__(self, grid: Grid, batch: int, kv_heads: int, head_dim: int, dtype, device, stats: TransferStats):
         self.grid = grid
@@ -205,6 +220,49 @@ class LayerStore(ABC):
         g = self.grid
         before = g.num_middle_pages(lengths)
         return g.num_middle_pages(lengths + 1) > before, before
+
+    # ---- capabilities (what the engine asks instead of the store's class) -------------------------
+    def use_static_sizing(self) -> None:
+        """Switch :attr:`static` on (the CUDA-graph decoder, and tests that run its kernels eagerly)."""
+        self.static = True
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the middle lives in host memory (a dense read copies it to the device)."""
+        return False
+
+    @property
+    def positional_slots(self) -> bool:
+        """True when the device buffers ``k`` / ``v`` hold every token at slot == its position (the fused
+        paged decode kernel and the dense decode read them directly)."""
+        return False
+
+    def graph_unsupported(self) -> str | None:
+        """Why a decode step over this store cannot be captured in a CUDA graph, or None."""
+        return f"the store {type(self).__name__} has no graph support"
+
+    def graph_buffers(self) -> tuple:
+        """(id, shape) of every buffer a captured step reads by address: a re-allocated one means a new
+        CUDA graph (part of the decoder's graph key)."""
+        return ((id(self.k), tuple(self.k.shape)),)
+
+    def grows_on_append(self, t: int = 1) -> bool:
+        """Whether appending ``t`` tokens per sequence re-allocates a device buffer (such a step is not
+        capturable). Default: never."""
+        return False
+
+    def reserve_prompt(self, tokens: int) -> None:
+        """Size the buffers for a prompt of ``tokens`` tokens (plus decode slack) before it is all
+        appended (chunked prefill), so they do not grow chunk after chunk. Default: nothing."""
+        return None
+
+    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slots in the device buffers ``k`` / ``v`` of sink or window ``pos`` (any shape, device)."""
+        raise NotImplementedError(f"{type(self).__name__} does not map window positions to device slots")
+
+    def page_cache_stats(self) -> dict:
+        """Hits, misses and bytes moved by the device page cache (:attr:`page_cache`); {} without one."""
+        return {}
 
     @abstractmethod
     def device_bytes(self) -> int: ...

@@ -42,6 +42,23 @@ class DeviceStore(LayerStore):
             v[:, :, :n] = self.v[:, :, :n]
         self.k, self.v = k, v
 
+    # ---- capabilities ---------------------------------------------------------------------------
+    @property
+    def positional_slots(self) -> bool:
+        return True
+
+    def graph_unsupported(self) -> str | None:
+        return None
+
+    def grows_on_append(self, t: int = 1) -> bool:
+        return int(self.lengths_host.max()) + t > self.k.shape[2]
+
+    def reserve_prompt(self, tokens: int) -> None:
+        self._reserve(tokens + _GROW_TOKENS)
+
+    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos
+
     def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
         self.lengths_host = lengths.clone()
         self._reserve(k.shape[2])
@@ -132,7 +149,7 @@ class DeviceStore(LayerStore):
     def dense(self):
         # static (set by a CUDA-graph decode, kvdex.bench.graph): the whole buffer, so no length is
         # baked into a captured step; rows past each length are masked by the kernels.
-        n = self.k.shape[2] if getattr(self, "static", False) else int(self.lengths_host.max())
+        n = self.k.shape[2] if self.static else int(self.lengths_host.max())
         return self.k[:, :, :n], self.v[:, :, :n]
 
     def device_bytes(self) -> int:

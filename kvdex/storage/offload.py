@@ -36,7 +36,7 @@ import torch
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
-from kvdex.storage.host import HostPages
+from kvdex.storage.host import _GROW_PAGES, HostPages
 
 
 def _fast_slot_list():
@@ -143,6 +143,26 @@ class OffloadStore(LayerStore):
     def _slot(self, pos: torch.Tensor) -> torch.Tensor:
         g = self.grid
         return torch.where(pos < g.sink, pos, g.sink + (pos - g.sink).clamp(min=0) % g.window)
+
+    # ---- capabilities ---------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return True
+
+    def graph_unsupported(self) -> str | None:
+        if self.host._uva is None:
+            return "an offloaded store needs the UVA gather (triton, KVDEX_UVA != 0)"
+        return None
+
+    def graph_buffers(self) -> tuple:
+        # the ring and working set on the device, and the host pages the UVA gather reads by address
+        return ((id(self.k), tuple(self.k.shape)), (id(self.host.data), tuple(self.host.data.shape)))
+
+    def reserve_prompt(self, tokens: int) -> None:
+        self.host.reserve(self.grid.middle_pages_of(tokens) + _GROW_PAGES)
+
+    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        return self._slot(pos)
 
     # ---- writes -------------------------------------------------------------------------
     def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:

@@ -48,6 +48,9 @@ class SemanticOffloadStore(OffloadStore):
         self._staging, self._copied = None, None
         self._layout(max(1, page_slots), max(work_tokens, ps))
 
+    def graph_unsupported(self) -> str | None:
+        return f"the store {type(self).__name__} has no graph support"
+
     # ---- device layout -------------------------------------------------------------------------
     def _layout(self, slots: int, rows: int) -> None:
         self.page_slots, self.row_cap = slots, rows
