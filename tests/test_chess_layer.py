@@ -208,7 +208,10 @@ def test_no_all_reduce_and_heads_select_independently():
     [
         (dict(scope="per-head"), "scope must be one of shared, layer"),
         (dict(group="min", scope="layer", anchor_from="query"), "group must be one of max, sum, mean"),
-        (dict(group="sum", scope="layer", anchor_from="window"), "group='sum' .* needs scope='layer' and anchor_from='query'"),
+        (
+            dict(group="sum", scope="layer", anchor_from="window"),
+            "group='sum' .* needs scope='layer' and anchor_from='query'",
+        ),
         (dict(group="sum", anchor_from="query", scope="shared"), "needs scope='layer'"),
     ],
 )
