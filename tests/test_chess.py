@@ -15,11 +15,14 @@ from kvdex.policies import chess as chess_mod
 from kvdex.policies.chess import ChessPolicy, entropy_varentropy, level_mask
 
 ALL_ONE = dict(rho_g=1.0, rho_c=1.0, rho_p=1.0)
+# the paper's mode (the window's key-key anchor, one selection shared by every layer and head): what
+# these tests hold to the paper; kvdex's default (query anchor, a selection per layer) is tests/test_chess_layer.py's
+PAPER = "chess:anchor_from=window:scope=shared"
 
 
 def _prefill(model, ids, mask=None, **kw):
     kw.setdefault("dense_layers", 0)
-    cache = kvdex.Cache(model, "chess", kw.pop("budget", 96), **kw)
+    cache = kvdex.Cache(model, PAPER, kw.pop("budget", 96), **kw)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache), use_cache=True)
     return cache
@@ -60,7 +63,7 @@ def test_hierarchy_vectors_equal_direct_means(llama, offload):
     two sequences of different lengths; again after decoding moves pages into the middle."""
     model, _ = llama
     ids, mask, _ = left_padded([247, 200], seed=3)
-    cache = kvdex.Cache(model, "chess", 96, dense_layers=1, offload=offload, chunk_pages=3, grid_chunks=2)
+    cache = kvdex.Cache(model, PAPER, 96, dense_layers=1, offload=offload, chunk_pages=3, grid_chunks=2)
     assert cache.policy.dim == 2 * 2 * 16  # sparse layers x kv heads x head dim
     greedy(model, ids, mask, cache, new=40)
     _check_hierarchy(cache, 3, 2)
@@ -143,7 +146,7 @@ def test_masks_respect_parents(preset):
 
     g = torch.Generator().manual_seed(7)
     budget = 16 + 32 + 16 * 9
-    pol = ChessPolicy(preset=preset or "", chunk_pages=3, grid_chunks=4)
+    pol = ChessPolicy(anchor_from="window", scope="shared", preset=preset or "", chunk_pages=3, grid_chunks=4)
     pol.bind(PolicyInfo(CacheConfig(budget=budget), 3, (1, 2), 4, 2, 16))
     npages = torch.tensor([200, 137, 40, 5])
     p = int(npages.max())
@@ -186,7 +189,7 @@ def test_all_ratios_one_is_dense(family, mode, offload):
     ids = prompt(300, 5)
     tok_ref, logit_ref = greedy(ref, ids, new=40)
     opts = ALL_ONE if mode == "ratios" else {}
-    cache = kvdex.Cache(model, "chess", 4096, offload=offload, dense_layers=1, trigger="always", **opts)
+    cache = kvdex.Cache(model, PAPER, 4096, offload=offload, dense_layers=1, trigger="always", **opts)
     tok, logit = greedy(model, ids, cache=cache, new=40)
     torch.testing.assert_close(logit, logit_ref, atol=1e-4, rtol=0)
     assert torch.equal(tok, tok_ref)
@@ -200,7 +203,7 @@ def test_dense_across_page_boundaries(llama, window):
     model, ref = llama
     ids = prompt(16 + 16 * 11 + 3, 15)
     tok_ref, logit_ref = greedy(ref, ids, new=80)
-    cache = kvdex.Cache(model, "chess", 4096, window=window, dense_layers=1, trigger="always", chunk_pages=4, **ALL_ONE)
+    cache = kvdex.Cache(model, PAPER, 4096, window=window, dense_layers=1, trigger="always", chunk_pages=4, **ALL_ONE)
     tok, logit = greedy(model, ids, cache=cache, new=80)
     torch.testing.assert_close(logit, logit_ref, atol=1e-4, rtol=0)
     _check_hierarchy(cache, 4, 4)
@@ -233,13 +236,13 @@ def test_zero_copy_on_device_store(llama):
 
 def test_fixed_interval_rebuilds_exactly_every_n_steps(llama):
     model, _ = llama
-    cache = kvdex.Cache(model, "chess:trigger=interval:interval=8", 96, dense_layers=1)
+    cache = kvdex.Cache(model, PAPER + ":trigger=interval:interval=8", 96, dense_layers=1)
     greedy(model, prompt(260, 9), cache=cache, new=40)
     assert [s for s, _ in cache.policy.rebuild_log] == [8, 16, 24, 32]
     st = cache.stats()["policy_stats"]
     assert st["rebuilds"] == 4 and st["builds"] == 1 and st["decode_steps"] == 39
     # the default interval is Appendix C's 6 pages of generated tokens
-    cache = kvdex.Cache(model, "chess", 96, dense_layers=1, trigger="interval")
+    cache = kvdex.Cache(model, PAPER, 96, dense_layers=1, trigger="interval")
     greedy(model, prompt(260, 9), cache=cache, new=6 * PAGE + 2)
     assert [s for s, _ in cache.policy.rebuild_log] == [6 * PAGE]
 
@@ -251,7 +254,7 @@ def test_fork_path_counts_steps_like_generate(llama):
     base = kvdex.Cache(model, "full", 96, dense_layers=1)
     with torch.no_grad():
         out = model(input_ids=ids, **cache_kwargs(base), use_cache=True)
-        cache = base.fork("chess:trigger=interval:interval=8")
+        cache = base.fork(PAPER + ":trigger=interval:interval=8")
         tok = out.logits[0, -1].argmax()
         for _ in range(17):
             out = model(input_ids=tok.view(1, 1), **cache_kwargs(cache), use_cache=True)
@@ -345,11 +348,11 @@ def test_trigger_never_and_thresholds_file(llama, tmp_path):
 def test_batch_each_sequence_selects_for_itself(opts):
     model, _ = shared_pair("llama_gqa")
     ids, mask, prompts = left_padded([300, 180, 240], seed=12)
-    cache = kvdex.Cache(model, "chess", 112, dense_layers=1, **opts)
+    cache = kvdex.Cache(model, PAPER, 112, dense_layers=1, **opts)
     tokens, logits = greedy(model, ids, mask, cache, new=30)
     width = ids.shape[1]
     for i, p in enumerate(prompts):
-        alone = kvdex.Cache(model, "chess", 112, dense_layers=1, **opts)
+        alone = kvdex.Cache(model, PAPER, 112, dense_layers=1, **opts)
         t1, l1 = greedy(model, p[None], None, alone, new=30)
         assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
@@ -359,7 +362,7 @@ def test_batch_each_sequence_selects_for_itself(opts):
 
 def test_budget_mode_attends_the_budget(llama):
     model, _ = llama
-    cache = kvdex.Cache(model, "chess", 96, dense_layers=1)
+    cache = kvdex.Cache(model, PAPER, 96, dense_layers=1)
     greedy(model, prompt(400, 13), cache=cache, new=20)
     assert cache.policy.stats()["mode"] == "budget"
     k = (96 - 16 - 32) // 16
@@ -445,7 +448,7 @@ def test_page_size_32_with_sink_16(llama):
     reach past a tight device buffer (1050 tokens -> capacity 1056, window up to 1072). Regression:
     the attend set once pointed masked window rows out of bounds."""
     model, _ = llama
-    cache = kvdex.Cache(model, "chess:preset=moderate", 4096, page_size=32, window=32, dense_layers=1)
+    cache = kvdex.Cache(model, PAPER + ":preset=moderate", 4096, page_size=32, window=32, dense_layers=1)
     tok, _ = greedy(model, prompt(1050, 16), cache=cache, new=4)
     assert tok.shape[1] == 1054
     assert cache.layers[1].store.k.shape[2] == 1056

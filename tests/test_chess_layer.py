@@ -64,7 +64,7 @@ def test_window_anchor_in_layer_scope_is_dense_at_full_budget(llama):
     model, ref = llama
     ids = prompt(260, 4)
     tok_ref, logit_ref = greedy(ref, ids, new=30)
-    cache = kvdex.Cache(model, "chess:scope=layer", 4096, dense_layers=1)
+    cache = kvdex.Cache(model, "chess:anchor_from=window:scope=layer", 4096, dense_layers=1)
     tok, logit = greedy(model, ids, cache=cache, new=30)
     torch.testing.assert_close(logit, logit_ref, atol=1e-4, rtol=0)
     assert cache.stats()["policy_stats"]["query_builds"] == 0
@@ -198,7 +198,7 @@ def test_no_all_reduce_and_heads_select_independently():
             got = rank.select(lay, q[:, 3 * h : 3 * h + 3], rank._stores[lay], 1.0).pages
             assert torch.equal(got[0, 0], want[lay][0, h])
     # the shared scope all-reduces its scores (the check above would catch a layer-scope call)
-    shared = _bind(keys, tp=NoReduce(), spec="chess:trigger=never:scope=shared")
+    shared = _bind(keys, tp=NoReduce(), spec="chess:anchor_from=window:trigger=never:scope=shared")
     with pytest.raises(AssertionError, match="must not all-reduce"):
         shared.scores(torch.zeros(1, shared.dim), 48)
 
@@ -208,8 +208,11 @@ def test_no_all_reduce_and_heads_select_independently():
     [
         (dict(scope="per-head"), "scope must be one of shared, layer"),
         (dict(group="min", scope="layer", anchor_from="query"), "group must be one of max, sum, mean"),
-        (dict(group="sum", scope="layer"), "group='sum' .* needs scope='layer' and anchor_from='query'"),
-        (dict(group="sum", anchor_from="query"), "needs scope='layer'"),
+        (
+            dict(group="sum", scope="layer", anchor_from="window"),
+            "group='sum' .* needs scope='layer' and anchor_from='query'",
+        ),
+        (dict(group="sum", anchor_from="query", scope="shared"), "needs scope='layer'"),
     ],
 )
 def test_bad_layer_options(opts, pattern):
@@ -224,7 +227,7 @@ GRAPH_SPECS = [
     f"{LAYER_Q}:trigger=uncertainty:check_every=4:entropy_threshold=0.0:varentropy_threshold=0.0",
     f"{LAYER_Q}:trigger=always",
     f"{LAYER_Q}:preset=moderate:trigger=interval:interval=7",
-    "chess:scope=layer:trigger=interval:interval=5",
+    "chess:anchor_from=window:scope=layer:trigger=interval:interval=5",
 ]
 
 

@@ -35,7 +35,8 @@ SPECS = [
     "streaming",
     "oracle",
     "chess:trigger=interval:interval=5",
-    "chess:trigger=always",
+    "chess:anchor_from=window:scope=shared:trigger=interval:interval=5",  # the paper's mode
+    "chess:anchor_from=window:scope=shared:trigger=always",
     "chess:preset=moderate:trigger=interval:interval=7",
     "arkvale",
     "arkvale:cache_pages=3",

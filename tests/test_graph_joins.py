@@ -43,6 +43,7 @@ SPECS = [
     "chess:trigger=interval:interval=5",
     "chess:preset=moderate:trigger=interval:interval=7",
     "chess:trigger=never",
+    "chess:anchor_from=window:scope=shared:trigger=interval:interval=5",  # the paper's mode
     "arkvale",
     "arkvale:cache_pages=4",
     "prkv:refresh=8",

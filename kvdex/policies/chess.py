@@ -25,10 +25,12 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
 
-Beyond the paper (named options, the paper's mode is the default): ``anchor_from="query"`` scores
-the hierarchy with the decode step's queries instead of the window's keys; ``scope="layer"``
-(``_chess_layer.py``) gives every sparse layer its own selection per kv head, scored on its own
-slice of the page / chunk / grid vectors and built inside ``select`` from that step's queries.
+kvdex's default goes beyond the paper in two named options, chosen by the scorecard and the
+benchmark (docs/policies/chess.md): ``anchor_from="query"`` scores the hierarchy with the decode
+step's queries instead of the window's keys, and ``scope="layer"`` (``_chess_layer.py``) gives every
+sparse layer its own selection per kv head, scored on its own slice of the page / chunk / grid
+vectors and built inside ``select`` from that step's queries. The paper's mode, exactly as above:
+``chess:anchor_from=window:scope=shared``.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
     varentropy_threshold: float | None = None
     varentropy: str = "output"  # output: mean per-step varentropy | temporal: variance of the entropy
     combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
-    anchor_from: str = "window"  # window (the paper) | query: the decode step's queries (ANCHORS)
-    scope: str = "shared"  # shared (the paper): one selection for all layers and heads | layer (SCOPES)
+    anchor_from: str = "query"  # query: the decode step's queries (kvdex) | window: the paper's anchor (ANCHORS)
+    scope: str = "layer"  # layer: a selection per sparse layer (kvdex) | shared: the paper's one for all (SCOPES)
     group: str = "max"  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
 
     def __post_init__(self) -> None:
@@ -229,7 +231,11 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
         self._npages[slot] = torch.where(
             count > 0, torch.maximum(self._npages[slot], start + count), self._npages[slot]
         )
-        self._cover(MiddleUpdate(start, count, torch.empty(0)))
+        update = MiddleUpdate(start, count, torch.empty(0))
+        if self._layers is None:
+            self._cover(update)
+        else:  # the layer scope covers per layer, as in index
+            self._layers.cover(layer, update)
 
     # ---- selection ------------------------------------------------------------------------------------
     def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
