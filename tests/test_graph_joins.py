@@ -38,6 +38,7 @@ from kvdex.storage import host_joins
 SPECS = [
     "quest",
     "pariskv",
+    "pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None",  # the paper's configuration
     "pariskv-kmeans",
     "pariskv:center=True",
     "chess:trigger=interval:interval=5",

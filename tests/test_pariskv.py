@@ -6,6 +6,9 @@ exact top-k of the integer scores; collision votes equal a brute-force count; th
 tracks the true inner product (on real keys too); a covering budget reproduces dense attention;
 the selection is a valid set of middle tokens; bad options raise ``ValueError``; every Triton
 kernel equals its PyTorch twin (under the interpreter on CPU, compiled on a GPU with ``-m gpu``).
+Tests of a property of the paper's algorithm (tier votes, the mean query, the adaptive beta / rho table)
+build the paper's configuration (``PAPER_OPTIONS`` / ``PAPER_SPEC``); the policy-level invariants run
+with both it and kvdex's default.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvdex import cache_kwargs
 from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
-from kvdex.policies.pariskv import adaptive_ratios, kmeans, nearest, recall_at_k
+from kvdex.policies.pariskv import PAPER_OPTIONS, PAPER_SPEC, adaptive_ratios, kmeans, nearest, recall_at_k
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -336,10 +339,28 @@ def test_adaptive_ratios_table():
     assert adaptive_ratios(7000) == (0.25, 0.3)
     assert adaptive_ratios(20_000) == (0.2, 0.25)
     assert adaptive_ratios(10**6) == (0.1, 0.2)
+    paper, default = make_policy(PAPER_SPEC), make_policy("pariskv")
+    for n in (1000, 7000, 20_000, 10**6):  # the paper's configuration follows the table; the default fixes beta
+        assert paper.ratios(n) == adaptive_ratios(n)
+        assert default.ratios(n) == (0.2, adaptive_ratios(n)[1])
+
+
+def test_defaults_and_the_paper_configuration():
+    """kvdex's defaults; the paper's configuration as a spec string (``None`` / ``none`` as text) and as
+    options, the same policy either way; pariskv-kmeans (the paper's ablation baseline) keeps the paper's."""
+    d = make_policy("pariskv")
+    assert (d.group, d.coarse, d.pool_factor, d.candidate_ratio) == ("heads", "scores", 8, 0.2)
+    assert PAPER_SPEC == "pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None"
+    assert PAPER_OPTIONS == {"group": "mean", "coarse": "tiers", "pool_factor": None, "candidate_ratio": None}
+    paper = make_policy("pariskv", **PAPER_OPTIONS)
+    for spec in (PAPER_SPEC, PAPER_SPEC.replace("None", "none"), PAPER_SPEC.replace("None", "null")):
+        assert make_policy(spec) == paper
+    assert make_policy("pariskv-kmeans", **PAPER_OPTIONS) == make_policy("pariskv-kmeans")
+    assert make_policy(PAPER_SPEC.replace("pariskv", "pariskv-kmeans", 1)) == make_policy("pariskv-kmeans")
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("policy", ["pariskv", "pariskv-kmeans"])
+@pytest.mark.parametrize("policy", ["pariskv", PAPER_SPEC, "pariskv-kmeans"])
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen3"])
 def test_covering_budget_matches_sdpa(family, policy, offload):
     model, ref = _own_pair(family)  # not the session-shared pair: other files' tests may round its weights
@@ -375,7 +396,7 @@ def _decode_with_selections(policy, n=400, new=24, budget=96, offload=False, **o
     return cache, seen
 
 
-@pytest.mark.parametrize("policy", ["pariskv", "pariskv-kmeans"])
+@pytest.mark.parametrize("policy", ["pariskv", PAPER_SPEC, "pariskv-kmeans"])
 def test_selection_is_a_valid_set_of_middle_tokens(policy):
     budget = 96
     k = budget - SINK - WINDOW
@@ -394,8 +415,9 @@ def test_selection_is_a_valid_set_of_middle_tokens(policy):
     assert cache.stats()["attended_tokens_per_step"] <= budget
 
 
+@pytest.mark.parametrize("spec", ["pariskv", PAPER_SPEC], ids=["default", "paper"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_ragged_batch_equals_each_sequence_alone(offload):
+def test_ragged_batch_equals_each_sequence_alone(offload, spec):
     """Votes, quotas, pool sizes and ratios are per sequence: a left-padded batch decodes each
     sequence as if it were alone (padding never reaches the index or the selection)."""
     from conftest import left_padded
@@ -403,11 +425,11 @@ def test_ragged_batch_equals_each_sequence_alone(offload):
     model, _ = shared_pair("llama_gqa")
     lengths, new = [200, 130, 300], 30
     ids, mask, prompts = left_padded(lengths, seed=10)
-    cache = kvdex.Cache(model, "pariskv", budget=96, offload=offload, dense_layers=1)
+    cache = kvdex.Cache(model, spec, budget=96, offload=offload, dense_layers=1)
     tokens, logits = greedy(model, ids, mask, cache, new=new)
     assert cache.stats()["attended_tokens_per_step"] <= 96
     for i, p in enumerate(prompts):
-        alone = kvdex.Cache(model, "pariskv", budget=96, offload=offload, dense_layers=1)
+        alone = kvdex.Cache(model, spec, budget=96, offload=offload, dense_layers=1)
         t1, l1 = greedy(model, p[None], None, alone, new=new)
         assert torch.equal(tokens[i, ids.shape[1] :], t1[0, len(p) :])
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
@@ -503,8 +525,9 @@ def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
     from kvdex.storage.base import MiddleUpdate
 
     out = {}
-    for center in (False, True):
-        p = make_policy("pariskv", center=center, candidate_ratio=0.1, collision_ratio=0.2, kernels="torch")
+    for center in (False, True):  # the paper's mean query and tier votes, with a fixed beta / rho
+        opts = {**PAPER_OPTIONS, "candidate_ratio": 0.1, "collision_ratio": 0.2}
+        p = make_policy("pariskv", center=center, kernels="torch", **opts)
         p.bind(info)
         p.index(2, MiddleUpdate(torch.tensor([0]), torch.tensor([n // PAGE]), keys.view(1, h, n // PAGE, PAGE, d)))
         ids = p.index_[2].ids[0, :, :n].long()  # [H, n, nsub]
@@ -518,7 +541,7 @@ def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
 
 
 def test_pool_sizes_follow_beta_and_the_pool_factor():
-    p = make_policy("pariskv", candidate_ratio=0.1)
+    p = make_policy("pariskv", candidate_ratio=0.1, pool_factor=None)  # the paper's pool: ceil(beta n)
     p.bind(_info())
     nmid = torch.tensor([20_000, 3_000, 500])
     assert p.pool_sizes(nmid, 100) == [2000, 300, 100]  # ceil(beta n), at least k
@@ -527,6 +550,13 @@ def test_pool_sizes_follow_beta_and_the_pool_factor():
     q.bind(_info())
     assert q.pool_sizes(nmid, 100) == [2000, 1000, 500]  # at least 10 k
     assert q.pool_sizes(nmid, 1000) == [10_000, 3000, 500]
+    paper = make_policy(PAPER_SPEC)  # adaptive beta: 0.2 below 30k, 0.5 below 5k
+    paper.bind(_info())
+    assert paper.pool_sizes(torch.tensor([40_000, 20_000, 3_000]), 100) == [4000, 4000, 1500]
+    default = make_policy("pariskv")  # max(0.2 n, 8 k), at most n
+    default.bind(_info())
+    assert default.pool_sizes(nmid, 100) == [4000, 800, 500]
+    assert default.pool_sizes(nmid, 1000) == [8000, 3000, 500]
     # a larger pool only adds candidates: the bucket top-c of the votes are nested in c
     scores = torch.randint(-1, 49, (3, 5000), generator=gen(31)).int()
     small, big = K.bucket_topk(scores, 500, 48), K.bucket_topk(scores, 2000, 48)
@@ -534,7 +564,9 @@ def test_pool_sizes_follow_beta_and_the_pool_factor():
         assert set(a[a >= 0].tolist()) <= set(b[b >= 0].tolist())
 
 
-@pytest.mark.parametrize("opts", [{}, {"center": True, "pool_factor": 4}], ids=["paper", "center+pool_factor"])
+@pytest.mark.parametrize(
+    "opts", [PAPER_OPTIONS, {}, {"center": True, "pool_factor": 4}], ids=["paper", "default", "center+pool_factor"]
+)
 def test_offload_selects_the_same_tokens_as_device(opts):
     _, dev = _decode_with_selections("pariskv", offload=False, **opts)
     _, off = _decode_with_selections("pariskv", offload=True, **opts)
@@ -545,9 +577,11 @@ def test_offload_selects_the_same_tokens_as_device(opts):
 
 def test_recall_at_k_is_one_when_every_candidate_is_reranked():
     """With the whole middle as candidate pool the 4-bit rerank alone decides; with 1.0/1.0 the
-    coarse stage is exhaustive too. Recall@k is then the quality of the estimator (high)."""
+    coarse stage is exhaustive too. Recall@k is then the quality of the estimator (high). The paper's
+    configuration (mean query, tier votes); the heads mode: tests/test_pariskv_gqa.py."""
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "pariskv", budget=96, candidate_ratio=1.0, collision_ratio=1.0)
+    opts = {**PAPER_OPTIONS, "candidate_ratio": 1.0, "collision_ratio": 1.0}
+    cache = kvdex.Cache(model, "pariskv", budget=96, **opts)
     out = {}
 
     def observer(layer, q, store, aset, scale):
@@ -798,7 +832,9 @@ def test_triton_gather_rows(d, ps, t):
 
 
 @kernel_test
-@pytest.mark.parametrize("opts", [{}, {"group": "heads", "coarse": "scores"}, {"group": "heads"}])
+@pytest.mark.parametrize(
+    "opts", [PAPER_OPTIONS, {}, {**PAPER_OPTIONS, "group": "heads"}], ids=["paper", "default", "heads+tiers"]
+)
 def test_triton_policy_selects_like_the_twins(opts):
     """The policy with kernels='triton' picks the same tokens as with the PyTorch twins."""
     model, _ = shared_pair("llama_gqa")
@@ -812,8 +848,9 @@ def test_triton_policy_selects_like_the_twins(opts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("spec", ["pariskv", PAPER_SPEC], ids=["default", "paper"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offload):
+def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offload, spec):
     """On CUDA ('auto' picks the Triton kernels): a covering budget equals sdpa; at a small budget the
     Triton pipeline selects the tokens the twin pipeline selects (float summation order may swap a
     near-tie, so >= 99% overlap)."""
@@ -821,14 +858,14 @@ def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offlo
     model, ref = model.cuda(), ref.cuda()
     ids = prompt(70, seed=70).cuda()
     ref_tokens, ref_logits = greedy(ref, ids, new=40)
-    cache = kvdex.Cache(model, "pariskv", budget=256, offload=offload)
+    cache = kvdex.Cache(model, spec, budget=256, offload=offload)
     tokens, logits = greedy(model, ids, cache=cache, new=40)
     torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=0)
     assert torch.equal(tokens, ref_tokens)
 
     picks = {}
     for kern in ("triton", "torch"):
-        cache = kvdex.Cache(model, "pariskv", budget=96, offload=offload, kernels=kern)
+        cache = kvdex.Cache(model, spec, budget=96, offload=offload, kernels=kern)
         got = picks[kern] = []
         cache.observer = lambda layer, q, store, aset, scale, c=cache, g=got: g.append(
             c.policy.select(layer, q, store, scale).tokens

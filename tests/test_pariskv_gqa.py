@@ -1,4 +1,5 @@
-"""``pariskv`` options ``group="heads"`` and ``coarse="scores"`` (kvdex extensions, off by default).
+"""``pariskv`` options ``group="heads"`` and ``coarse="scores"`` (kvdex extensions, the defaults; the paper's
+configuration is ``group="mean"`` and ``coarse="tiers"``).
 
 The vote table of quantised centroid scores is an order-preserving quantisation on one scale per row;
 a key's vote with G tables is its best head's sum; the per-head rerank equals G single-head reranks;
@@ -19,7 +20,7 @@ import kvdex
 from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
-from kvdex.policies.pariskv import recall_at_k
+from kvdex.policies.pariskv import PAPER_SPEC, recall_at_k
 from kvdex.storage.base import MiddleUpdate
 
 PAGE = 16
@@ -43,9 +44,10 @@ def test_bad_values_raise(opts, match):
 
 
 def test_text_options():
-    p = make_policy("pariskv:group=heads:coarse=scores:pool_factor=4")
-    assert (p.group, p.coarse, p.pool_factor) == ("heads", "scores", 4)
-    assert (make_policy("pariskv").group, make_policy("pariskv").coarse) == ("mean", "tiers")  # the paper's
+    p = make_policy("pariskv:group=mean:coarse=tiers:pool_factor=4")
+    assert (p.group, p.coarse, p.pool_factor) == ("mean", "tiers", 4)
+    assert (make_policy("pariskv").group, make_policy("pariskv").coarse) == ("heads", "scores")  # kvdex's default
+    assert (make_policy(PAPER_SPEC).group, make_policy(PAPER_SPEC).coarse) == ("mean", "tiers")  # the paper's
 
 
 def test_score_votes_quantise_on_one_scale_per_row():
@@ -170,15 +172,15 @@ def test_a_needle_one_head_looks_at_is_not_averaged_away(coarse):
     keys[0, 0, needle] = 4 * u
     q = torch.cat([6 * u[None], 12 * torch.nn.functional.normalize(torch.randn(3, d, generator=g), dim=-1)])[None]
     found = {}
-    for group in ("mean", "heads"):
-        opts = {"group": group, "coarse": coarse, "candidate_ratio": 0.05, "collision_ratio": 0.2}
+    for group in ("mean", "heads"):  # the paper's beta pool (no pool_factor floor), so the pool is 5 %
+        opts = {"group": group, "coarse": coarse, "candidate_ratio": 0.05, "collision_ratio": 0.2, "pool_factor": None}
         p, _ = _indexed(opts, h=1, group=4, n=n, k=k, keys=keys)
         final, pool = p.search(2, q, n, torch.tensor([n]), k, scale=0.125)
         found[group] = (needle in pool.flatten().tolist(), needle in final.flatten().tolist())
     assert found["heads"] == (True, True) and found["mean"] == (False, False), found
 
 
-@pytest.mark.parametrize("spec", ["pariskv:group=heads:coarse=scores:pool_factor=2", "pariskv-kmeans:group=heads"])
+@pytest.mark.parametrize("spec", ["pariskv:pool_factor=2", "pariskv:coarse=tiers", "pariskv-kmeans:group=heads"])
 def test_ragged_batch_equals_each_sequence_alone(spec):
 
     model, _ = shared_pair("llama_gqa")
@@ -196,7 +198,7 @@ def test_ragged_batch_equals_each_sequence_alone(spec):
 def test_recall_at_k_of_the_heads_mode_with_the_whole_pool():
 
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "pariskv", budget=96, candidate_ratio=1.0, group="heads", coarse="scores")
+    cache = kvdex.Cache(model, "pariskv", budget=96, candidate_ratio=1.0)  # the default: group="heads", scores
     out = {}
 
     def observer(layer, q, store, aset, scale):

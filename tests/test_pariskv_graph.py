@@ -17,15 +17,16 @@ import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
 from kvdex.integration.graph import graph_policies
-from kvdex.policies.pariskv import ADAPTIVE_RATIOS, ParisKVPolicy
+from kvdex.policies.pariskv import ADAPTIVE_RATIOS, PAPER_OPTIONS, PAPER_SPEC, ParisKVPolicy
 
 SPECS = [
-    "pariskv",
-    "pariskv-kmeans",
+    "pariskv",  # kvdex's default: group=heads, coarse=scores, pool_factor=8, candidate_ratio=0.2
+    PAPER_SPEC,  # the paper's configuration
+    "pariskv-kmeans",  # the paper's configuration, learned centroids
     "pariskv:center=True",
-    "pariskv:pool_factor=3",
-    "pariskv:candidate_ratio=0.3",
-    "pariskv:group=heads:coarse=scores:pool_factor=3",
+    PAPER_SPEC.replace("pool_factor=None", "pool_factor=3"),  # the paper's adaptive beta with a pool floor
+    "pariskv:candidate_ratio=None:pool_factor=3",  # the default's votes, the adaptive beta
+    "pariskv:coarse=tiers:candidate_ratio=0.3",
     "pariskv-kmeans:group=heads",
 ]
 tiny = G.tiny
@@ -53,7 +54,7 @@ def test_static_selection_equals_dynamic(tiny, spec, budget, monkeypatch):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["pariskv", "pariskv-kmeans", "pariskv:group=heads:coarse=scores"])
+@pytest.mark.parametrize("spec", ["pariskv", PAPER_SPEC, "pariskv-kmeans"])
 def test_static_selection_equals_dynamic_on_a_ragged_batch(spec):
     """Left-padded prompts of 200, 130 and 300 tokens: every sequence has its own middle length, pool
     size and vote quotas (device buffers under static sizing); 40 steps cross page boundaries."""
@@ -104,10 +105,9 @@ def test_contract_check_catches_dynamic_sizing(tiny):
 
 
 def test_pool_width_bounds_every_pool_from_the_shortest_middle_to_the_capacity():
-    pol = ParisKVPolicy()
-    for opts in ({}, {"pool_factor": 3.0}, {"candidate_ratio": 0.3}):
-        for name, v in opts.items():
-            setattr(pol, name, v)
+    paper = dict(PAPER_OPTIONS)  # the adaptive beta table: the pool width has a maximum inside [lo, cap]
+    for opts in (paper, {**paper, "pool_factor": 3.0}, {**paper, "candidate_ratio": 0.3}, {}):
+        pol = ParisKVPolicy(**opts)
         for k in (32, 2048):
             pools = pol.pool_sizes(torch.arange(40_961), k)  # brute force: the pool of every length
             for cap in (1, 50, 4096, 4999, 5000, 9999, 12_000, 31_000, 40_960):
@@ -117,7 +117,7 @@ def test_pool_width_bounds_every_pool_from_the_shortest_middle_to_the_capacity()
     assert ADAPTIVE_RATIOS[-1][0] == float("inf")
 
 
-GPU_SPECS = ["pariskv", "pariskv-kmeans", "pariskv:center=True"]
+GPU_SPECS = ["pariskv", PAPER_SPEC, "pariskv-kmeans", "pariskv:center=True"]
 
 
 @pytest.mark.parametrize("storage", ["device", "offload"])

@@ -10,11 +10,14 @@ that is meant to alter a policy's selections regenerates that policy's entry on 
     KVDEX_REGEN_GOLDEN=chess python -m pytest tests/test_selection_golden.py        # only these (comma list)
 
 A policy registered after the file was written has no entry: the test is skipped for it until the
-entry is generated. Every selection is also held to the policy's declared ``granularity``.
+entry is generated. Every selection is also held to the policy's declared ``granularity``. Besides each
+registered policy at its defaults, ``EXTRA`` specs are recorded under their spec string: configurations
+kept beside a default (pariskv's paper configuration); regenerate one with its full spec in the list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -32,6 +35,9 @@ LENGTHS = [150, 97]  # ragged: row 1 is left-padded
 BUDGET = 96  # sink 16 + window 32 + 3 retrieved pages: selection is real at both lengths
 NEW = 7  # generated tokens: 6 decode steps after the prefill
 OFFLOADS = (False, True)
+# configurations recorded beside the registered defaults (the paper's, where a policy's default is kvdex's)
+EXTRA = ["pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None"]
+CASES = [*kvdex.policies(), *EXTRA]
 
 
 def _rows(t: torch.Tensor | None) -> list[list[int]] | None:
@@ -45,7 +51,8 @@ def _rows(t: torch.Tensor | None) -> list[list[int]] | None:
 def record(policy: str, offload: bool) -> list[dict]:
     """The selections ``policy`` returns while decoding, in call order."""
     calls: list[dict] = []
-    base = type(make_policy(policy))
+    pol = make_policy(policy)  # a name or a spec with options
+    base = type(pol)
 
     class Recorder(base):  # a subclass that keeps what select returns; same fields, same behaviour
         def select(self, *args, **kwargs):
@@ -57,7 +64,8 @@ def record(policy: str, offload: bool) -> list[dict]:
     model, _ = shared_pair(FAMILY)
     ids, mask, _ = left_padded(LENGTHS, seed=11)
     torch.manual_seed(0)
-    cache = kvdex.Cache(model, Recorder(), BUDGET, offload=offload, dense_layers=1)
+    options = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.init}
+    cache = kvdex.Cache(model, Recorder(**options), BUDGET, offload=offload, dense_layers=1)
     greedy(model, ids, mask, cache, new=NEW)
     return calls
 
@@ -70,7 +78,7 @@ def _regen() -> set[str]:
     flag = os.environ.get("KVDEX_REGEN_GOLDEN", "")
     if flag in ("", "0"):
         return set()
-    return set(kvdex.policies()) if flag == "1" else set(flag.split(","))
+    return set(CASES) if flag == "1" else set(flag.split(","))
 
 
 def _dumps(data: dict) -> str:
@@ -89,7 +97,7 @@ def _load() -> dict:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-@pytest.mark.parametrize("policy", kvdex.policies())
+@pytest.mark.parametrize("policy", CASES)
 def test_selections_match_golden(policy):
     regen = _regen()
     if policy in regen:

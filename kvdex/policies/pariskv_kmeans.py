@@ -1,7 +1,9 @@
 """``pariskv-kmeans``: the drift baseline of the ParisKV paper's ablation ("no normalise+rotate, learned
 centroids"), on :class:`~kvdex.policies.pariskv.ParisKVPolicy`: identical except that the centroids of each
 subspace are learned by k-means on the prefill keys (raw key space) and then frozen; later keys are
-assigned to the nearest of them. Documented in docs/policies/pariskv.md.
+assigned to the nearest of them. Its defaults are the paper's configuration
+(``kvdex.policies.pariskv.PAPER_OPTIONS``), the baseline of the paper's ablation; ``pariskv``'s defaults are
+kvdex's. Documented in docs/policies/pariskv.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
 
     name = "pariskv-kmeans"
     kmeans_iters: int = 10
+    # the paper's configuration (pariskv.PAPER_OPTIONS), not pariskv's defaults: the ablation's baseline
+    candidate_ratio: float | None = None
+    pool_factor: float | None = None
+    group: str = "mean"
+    coarse: str = "tiers"
 
     def bind(self, info) -> None:
         super().bind(info)
