@@ -65,7 +65,7 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
     for j in range(n // ps):  # consecutive positions, one page each (an empty table spills every page)
         pages.insert(
-            keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]), True
+            keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True])
         )
     pages.bound = int(pages.npages.max())
     q = torch.randn(B, H * G, D, generator=g)
@@ -164,9 +164,9 @@ def test_a_joining_key_goes_to_its_nearest_page_if_it_has_room_else_one_new_page
     e = torch.eye(D)
     one = torch.tensor([True])
     fresh = SemanticPages(1, 1, D, ps, 4, "centroid", torch.float32, "cpu")
-    fresh.insert(torch.stack([e[0], e[0], e[1], e[1]])[None, None], torch.tensor([[20, 21, 22, 23]]), one, True)
+    fresh.insert(torch.stack([e[0], e[0], e[1], e[1]])[None, None], torch.tensor([[20, 21, 22, 23]]), one)
     assert fresh.pos[0, 0, 0].tolist() == [20, 21, 22, 23] and int(fresh.npages) == 1  # no page yet: one new page
-    fresh.insert(torch.zeros(1, 1, ps, D), torch.tensor([[40, 41, 42, 43]]), torch.tensor([False]), False)
+    fresh.insert(torch.zeros(1, 1, ps, D), torch.tensor([[40, 41, 42, 43]]), torch.tensor([False]))
     assert int(fresh.npages) == 1  # a sequence that got no page: nothing changes
 
     pages = SemanticPages(1, 1, D, ps, 4, "minmax", torch.float32, "cpu")
@@ -175,9 +175,9 @@ def test_a_joining_key_goes_to_its_nearest_page_if_it_has_room_else_one_new_page
     pages.a[0, 0, 0] = pages.b[0, 0, 0] = e[0]
     pages.a[0, 0, 1] = pages.b[0, 0, 1] = e[1]
     pages.npages.fill_(2)
-    pages.bound = 2
+    pages.rows.fill_(2)
     keys = torch.stack([e[1], e[0], e[0], e[0] * 0.9 + e[2] * 0.1])
-    pages.insert(keys[None, None], torch.tensor([[5, 6, 7, 8]]), one, True)
+    pages.insert(keys[None, None], torch.tensor([[5, 6, 7, 8]]), one)
     assert pages.pos[0, 0, 0].tolist() == [0, 1, 6, 7]  # the first two keys near e0 fill page 0's room
     assert pages.pos[0, 0, 1].tolist() == [2, 5, -1, -1]  # the key near e1 joins page 1
     assert pages.pos[0, 0, 2].tolist() == [8, -1, -1, -1]  # the one that did not fit: a new page

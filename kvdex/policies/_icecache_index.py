@@ -118,12 +118,43 @@ class IndexJobsMixin:
         return pages
 
     def _summary_insert(self, layer, update) -> None:
+        """A window page joins the middle (eager path: ``index``)."""
         t0 = time.perf_counter()
         pages = self._pages_of(layer, update.store)
         ps, dev = self.cfg.page_size, pages.device
         for j in range(update.keys.shape[2]):  # one page per step while decoding
             ok = update.count > j
+            if not bool(ok.any()):
+                continue
             pos = self.cfg.sink + (update.start + j)[:, None] * ps + torch.arange(ps)[None, :]
-            pages.insert(update.keys[:, :, j], pos.to(dev), ok.to(dev), bool(ok.any()))
+            pages.insert(update.keys[:, :, j], pos.to(dev, non_blocking=True), ok)
             self._stats["inserts"] += 1
         self._stats["insert_s"] += time.perf_counter() - t0
+
+    # ---- search="summary": page joins inside a captured decode step (Policy.capturable_index) -------------
+    def reserve_index(self, layer, pages, store) -> None:
+        """The layer's semantic pages (the prefill build joined here, outside any captured step) with room
+        for the joins until every sequence holds ``pages`` middle pages (one semantic page per row and join
+        at most). Called with the current count (``pages`` not ahead of the store) it reserves nothing
+        beyond :meth:`joined`'s growth, as the eager ``index`` path."""
+        if self.anchor_of.get(layer) != layer:
+            return
+        sp = self._pages_of(layer, store)
+        nmid = store.grid.num_middle_pages(store.lengths_host).to(torch.long)
+        if pages > int(nmid.max()):
+            sp.ensure(int((sp.rows + (pages - nmid).clamp(min=0)).max()))
+
+    def joined(self, layer, start, count) -> None:
+        sp = self._pages.get(layer)
+        if sp is None or self.anchor_of.get(layer) != layer:
+            return
+        sp.joined(count > 0)
+        self._stats["inserts"] += 1
+
+    def index_join(self, layer, join) -> None:
+        sp = self._pages.get(layer)
+        if sp is None or self.anchor_of.get(layer) != layer:
+            return
+        ps = self.cfg.page_size
+        pos = self.cfg.sink + join.start[:, None] * ps + torch.arange(ps, device=join.start.device)[None, :]
+        sp.insert_device(join.keys[:, :, 0], pos, join.joins)

@@ -131,6 +131,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         # CUDA-graph decoding (kvdex.integration.graph) only without tree searches: the protocol's graph_key /
         # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
         self.capturable = self.search == "summary"
+        # search="summary": a window page joining the middle is placed inside the captured step too
+        # (reserve_index / joined / index_join, _icecache_index.py); the class says no (the tree searches)
+        self.capturable_index = self.capturable
         if self.capturable:
             self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
         if not isinstance(self.graphs, bool):
