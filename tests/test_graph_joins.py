@@ -257,7 +257,14 @@ tiny = G.tiny
 
 # ---- GPU: the decoder replays the join steps -------------------------------------------------------------
 
-GPU_SPECS = ["quest", "pariskv", "chess:trigger=interval:interval=5", "arkvale", "prkv:static_ratio=0.5"]
+GPU_SPECS = [
+    "quest",
+    "pariskv",
+    "chess:trigger=interval:interval=5",
+    "arkvale",
+    "prkv:static_ratio=0.5",
+    "icecache:search=summary",
+]
 
 
 @pytest.mark.parametrize("storage", ["device", "offload"])

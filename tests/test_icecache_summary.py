@@ -64,9 +64,7 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     keys = torch.randn(B, H, n, D, generator=g)
     pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
     for j in range(n // ps):  # consecutive positions, one page each (an empty table spills every page)
-        pages.insert(
-            keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True])
-        )
+        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
     pages.bound = int(pages.npages.max())
     q = torch.randn(B, H * G, D, generator=g)
     got = pages.select(q, pages.bound, 2 * ps, 2, "max", 1.0, keys, rerank=8)

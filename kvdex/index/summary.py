@@ -212,7 +212,7 @@ class SemanticPages:
             self.a.view(R * C, D).copy_(mu1)
             r.copy_(r1)
         self.fill.view(R, C).copy_(fill_new)
-        self.fill.view(R, C)[:, -1] = 0  # the trash page is never a page
+        self.fill.view(R, C)[:, -1].fill_(0)  # the trash page is never a page
 
     # ---- a decode step (device, fixed shapes) -----------------------------------------------------
     def scores(self, q: torch.Tensor, P: int) -> torch.Tensor:

@@ -30,7 +30,8 @@ at the most recent anchor layer. Choices the paper leaves open are listed in doc
 with one summary per page (``summary="minmax"``: per-channel min/max keys, Quest's bound;
 ``"centroid"``: mean key + radius) and scores every page of every (sequence, kv head) from them at
 each step (:mod:`kvdex.index.summary`): no tree search and no host sync, so the step can be replayed
-from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page.
+from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page, inside
+the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``index_join``).
 """
 
 from __future__ import annotations
