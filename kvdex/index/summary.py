@@ -103,6 +103,12 @@ class SemanticPages:
     def from_trees(cls, trees, keys, first, kind, ps, dtype, device, B, H):
         """The pages of ``trees`` (row ``b * H + h``, None: no pages) with their summaries from the keys
         [B, H, Pn, ps, D] (host) of the pages starting at token position ``first[b]``."""
+        return cls.from_table(cls.host_table(trees, keys, first, kind, ps, dtype, H), kind, ps, dtype, device, B, H)
+
+    @staticmethod
+    def host_table(trees, keys, first, kind, ps, dtype, H) -> dict:
+        """:meth:`from_trees`' table on the host: pos, fill, a, b [B * H, C + 1, ...], npages [B * H] and
+        ``used`` (the most pages of a row). Forks of one prefill share it (read only)."""
         D = keys.shape[-1]
         rows = []
         for t, tree in enumerate(trees):
@@ -114,12 +120,14 @@ class SemanticPages:
             k = keys[b, h].reshape(-1, D)[(pos - first[b]).clamp(min=0)].float()  # [P, ps, D]
             rows.append((t, pos, k, pos >= 0))
         used = max((r[1].shape[0] for r in rows if r is not None), default=0)
-        self = cls(B, H, D, ps, used + max(16, used // 16), kind, dtype, device)
-        pos_all = torch.full((B * H, self.capacity + 1, ps), -1, dtype=torch.int32)
-        fill = torch.zeros(B * H, self.capacity + 1, dtype=torch.int32)
-        a = self.a.view(B * H, -1, *self.a.shape[3:]).cpu().clone()
-        b_ = self.b.view(B * H, -1, *self.b.shape[3:]).cpu().clone()
-        npages = torch.zeros(B * H, dtype=torch.long)
+        R, C = len(trees), used + max(16, used // 16) + 1  # with the trash page
+        pos_all = torch.full((R, C, ps), -1, dtype=torch.int32)
+        fill = torch.zeros(R, C, dtype=torch.int32)
+        if kind == "minmax":
+            a, b_ = torch.full((R, C, D), _INF, dtype=dtype), torch.full((R, C, D), -_INF, dtype=dtype)
+        else:
+            a, b_ = torch.zeros(R, C, D, dtype=dtype), torch.zeros(R, C, dtype=torch.float32)
+        npages = torch.zeros(R, dtype=torch.long)
         for r in rows:
             if r is None:
                 continue
@@ -134,14 +142,20 @@ class SemanticPages:
                 mu = ((k * m).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)).to(dtype)
                 a[t, :P] = mu
                 b_[t, :P] = ((k - mu.float()[:, None]).norm(dim=-1) * ok).amax(1)
-        nb = device.type == "cuda"
-        self.pos.copy_(pos_all.view_as(self.pos), non_blocking=nb)
-        self.fill.copy_(fill.view_as(self.fill), non_blocking=nb)
-        self.a.copy_(a.view_as(self.a), non_blocking=nb)
-        self.b.copy_(b_.view_as(self.b), non_blocking=nb)
-        self.npages.copy_(npages.view(B, H), non_blocking=nb)
-        self.rows = npages.view(B, H).amax(1)
-        self.bound = used
+        return dict(pos=pos_all, fill=fill, a=a, b=b_, npages=npages, used=used)
+
+    @classmethod
+    def from_table(cls, table: dict, kind, ps, dtype, device, B, H):
+        """The pages of a :meth:`host_table` on ``device`` (copies: the table is not changed)."""
+        D, C = table["a"].shape[2], table["pos"].shape[1]
+        self = cls(B, H, D, ps, C - 1, kind, dtype, device)
+        nb = self.device.type == "cuda"
+        for name in ("pos", "fill", "a", "b"):
+            dst = getattr(self, name)
+            dst.copy_(table[name].view_as(dst), non_blocking=nb)
+        self.npages.copy_(table["npages"].view(B, H), non_blocking=nb)
+        self.rows = table["npages"].view(B, H).amax(1)
+        self.bound = table["used"]
         return self
 
     # ---- a window page joins (device, fixed shapes) -----------------------------------------------

@@ -103,19 +103,29 @@ class IndexJobsMixin:
             return pages
         for fut, _, _ in self._jobs.pop(layer, ()):
             self._apply(layer, fut, None)
-        keys, ready, first = self._prefill_keys.pop(layer, (None, None, {}))
+        memo_key, keys, ready, first = self._prefill_keys.pop(layer, (None, None, None, {}))
         trees = self._trees.pop(layer, None)
         B, H, g = store.batch, store.kv_heads, self.cfg
-        if keys is None or trees is None:
-            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
-        else:
+        # the table made from the shared prefill trees by a fork of the same prefill (host tensors, read only)
+        key = self._table_key(memo_key, store.dtype)
+        table = self._memo.get(key) if self._memo is not None and memo_key is not None else None
+        if table is None and keys is not None and trees is not None:
             if ready is not None:
                 ready.synchronize()
             firsts = [first.get(b, 0) for b in range(B)]
-            pages = SemanticPages.from_trees(trees, keys, firsts, self.summary, g.page_size, store.dtype,
-                                             store.device, B, H)  # fmt: skip
+            table = SemanticPages.host_table(trees, keys, firsts, self.summary, g.page_size, store.dtype, H)
+            if self._memo is not None and memo_key is not None:
+                self._memo[key] = table
+        if table is None:
+            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
+        else:
+            pages = SemanticPages.from_table(table, self.summary, g.page_size, store.dtype, store.device, B, H)
         self._pages[layer] = pages
         return pages
+
+    def _table_key(self, memo_key, dtype) -> tuple:
+        """The memo key of the semantic page table made from the prefill build ``memo_key`` (keys of ``dtype``)."""
+        return ("icecache-summary", memo_key, self.summary, str(dtype))
 
     def _summary_insert(self, layer, update) -> None:
         """A window page joins the middle (eager path: ``index``)."""
