@@ -52,6 +52,9 @@ SPECS = [
     "full",  # IndexFreePolicy: nothing to index, the join steps are captured too
     "oracle",
     "streaming",
+    "icecache:search=summary",  # the semantic page insertion inside the step (SemanticPages.insert_device)
+    "icecache:search=summary:rerank=4",
+    "icecache:search=summary:summary=centroid:group_merge=max",
 ]
 LENGTHS = [200, 133, 40]  # rows join at steps 8, 11 and 8 (+16 each); the last starts with no middle
 STEPS = 40
@@ -63,6 +66,9 @@ def test_opted_in_policies_are_graph_policies():
     assert all(policy_class(n).capturable_index for n in names)
     assert names <= set(graph_policies())
     assert not any(policy_class(n).capturable_index for n in ("snapkv", "h2o", "icecache"))
+    # icecache: only search="summary" (no tree search) indexes its joins inside the step (an instance attribute)
+    assert kvdex.make_policy("icecache", search="summary").capturable_index
+    assert not any(kvdex.make_policy("icecache", search=s).capturable_index for s in ("auto", "device", "host"))
 
 
 def _tensors(obj, prefix="", out=None, depth=0) -> dict[str, torch.Tensor]:
@@ -119,6 +125,7 @@ def _ragged_decode(model, spec, offload, join, feed=None, lengths=LENGTHS, steps
 @pytest.mark.parametrize("storage", ["device", "offload"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_join_path_equals_eager_index(spec, storage):
+    _skip_resident_only(spec, storage)
     model, _ = shared_pair("llama_gqa")
     off = storage == "offload"
     fed, ref, sel_ref, c_ref, calls_ref = _ragged_decode(model, spec, off, join=False)
@@ -141,7 +148,21 @@ def test_join_path_equals_eager_index(spec, storage):
             assert torch.equal(l1.store.host.data, l2.store.host.data)
     s1, s2 = c_ref.stats(), c.stats()
     for key in ("bytes_device_to_host", "bytes_host_to_device", "policy_stats", "attended_tokens_per_step"):
-        assert s1[key] == s2[key], key
+        assert _untimed(s1[key]) == _untimed(s2[key]), key
+
+
+def _skip_resident_only(spec, storage):
+    if "rerank" in spec and storage == "offload":
+        pytest.skip("icecache rerank > 0 reads the keys in place: the GPU-resident store only (ValueError)")
+
+
+def _untimed(v):
+    """Stats without their wall-clock timings (IceCache's ``build_s``, ``query_ms_per_layer_step``,
+    ``build_hidden_fraction``, ...), which differ from run to run."""
+    if not isinstance(v, dict):
+        return v
+    timed = ("_s", "_s_per_", "_ms_", "hidden_fraction")
+    return {k: x for k, x in v.items() if not (k.endswith("_s") or any(t in k for t in timed[1:]))}
 
 
 @pytest.mark.parametrize("spec", ["quest", "pariskv", "chess:trigger=interval:interval=5", "arkvale", "prkv:refresh=8"])
@@ -226,6 +247,7 @@ def _join_contract(model, spec, offload=False, steps=48):
 def test_join_steps_issue_identical_device_work(tiny, spec, storage):
     if spec == "oracle" and storage == "offload":
         pytest.skip("oracle offloaded copies the whole middle each step: not graph-capturable")
+    _skip_resident_only(spec, storage)
     joins, keys, problems = _join_contract(tiny, spec, offload=storage == "offload")
     assert not problems, problems[:5]
     assert joins >= 4, f"only {joins} join steps traced"
@@ -237,7 +259,14 @@ tiny = G.tiny
 
 # ---- GPU: the decoder replays the join steps -------------------------------------------------------------
 
-GPU_SPECS = ["quest", "pariskv", "chess:trigger=interval:interval=5", "arkvale", "prkv:static_ratio=0.5"]
+GPU_SPECS = [
+    "quest",
+    "pariskv",
+    "chess:trigger=interval:interval=5",
+    "arkvale",
+    "prkv:static_ratio=0.5",
+    "icecache:search=summary",
+]
 
 
 @pytest.mark.parametrize("storage", ["device", "offload"])
@@ -283,7 +312,7 @@ def test_graph_decoding_replays_page_joins_on_gpu(spec, storage):
     assert counts["replays"] >= steps - 4, counts
     s0, s1 = c0.stats(), c1.stats()
     for k in ("decode_steps", "context_tokens", "bytes_device_to_host", "bytes_host_to_device", "policy_stats"):
-        assert s0[k] == s1[k], k
+        assert _untimed(s0[k]) == _untimed(s1[k]), k
     for a, b in zip(c0.layers, c1.layers, strict=True):
         if storage == "offload" and not a.dense:  # the pages that left the window, written by the graph
             n = int(a.store.grid.num_middle_pages(a.store.lengths_host).max())

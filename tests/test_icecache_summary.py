@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, positions, prompt, reference_greedy, shared_pair
 
 import kvdex
 from kvdex import cache_kwargs
@@ -64,9 +64,7 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     keys = torch.randn(B, H, n, D, generator=g)
     pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
     for j in range(n // ps):  # consecutive positions, one page each (an empty table spills every page)
-        pages.insert(
-            keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]), True
-        )
+        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
     pages.bound = int(pages.npages.max())
     q = torch.randn(B, H * G, D, generator=g)
     got = pages.select(q, pages.bound, 2 * ps, 2, "max", 1.0, keys, rerank=8)
@@ -164,9 +162,9 @@ def test_a_joining_key_goes_to_its_nearest_page_if_it_has_room_else_one_new_page
     e = torch.eye(D)
     one = torch.tensor([True])
     fresh = SemanticPages(1, 1, D, ps, 4, "centroid", torch.float32, "cpu")
-    fresh.insert(torch.stack([e[0], e[0], e[1], e[1]])[None, None], torch.tensor([[20, 21, 22, 23]]), one, True)
+    fresh.insert(torch.stack([e[0], e[0], e[1], e[1]])[None, None], torch.tensor([[20, 21, 22, 23]]), one)
     assert fresh.pos[0, 0, 0].tolist() == [20, 21, 22, 23] and int(fresh.npages) == 1  # no page yet: one new page
-    fresh.insert(torch.zeros(1, 1, ps, D), torch.tensor([[40, 41, 42, 43]]), torch.tensor([False]), False)
+    fresh.insert(torch.zeros(1, 1, ps, D), torch.tensor([[40, 41, 42, 43]]), torch.tensor([False]))
     assert int(fresh.npages) == 1  # a sequence that got no page: nothing changes
 
     pages = SemanticPages(1, 1, D, ps, 4, "minmax", torch.float32, "cpu")
@@ -175,9 +173,9 @@ def test_a_joining_key_goes_to_its_nearest_page_if_it_has_room_else_one_new_page
     pages.a[0, 0, 0] = pages.b[0, 0, 0] = e[0]
     pages.a[0, 0, 1] = pages.b[0, 0, 1] = e[1]
     pages.npages.fill_(2)
-    pages.bound = 2
+    pages.rows.fill_(2)
     keys = torch.stack([e[1], e[0], e[0], e[0] * 0.9 + e[2] * 0.1])
-    pages.insert(keys[None, None], torch.tensor([[5, 6, 7, 8]]), one, True)
+    pages.insert(keys[None, None], torch.tensor([[5, 6, 7, 8]]), one)
     assert pages.pos[0, 0, 0].tolist() == [0, 1, 6, 7]  # the first two keys near e0 fill page 0's room
     assert pages.pos[0, 0, 1].tolist() == [2, 5, -1, -1]  # the key near e1 joins page 1
     assert pages.pos[0, 0, 2].tolist() == [8, -1, -1, -1]  # the one that did not fit: a new page
@@ -218,3 +216,36 @@ def test_bad_options_raise():
     ):
         with pytest.raises(ValueError):
             kvdex.make_policy("icecache", **bad)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
+    """A fork of a prefill whose table another fork made (Cache.fork's memo) copies that table instead of the
+    prefill keys and trees, and decodes what a fresh cache decodes; the first fork's insertions never reach it."""
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([260, 150], seed=7)
+    base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
+    with torch.no_grad():
+        last = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(base)).logits[:, -1]
+    first = last.argmax(-1, keepdim=True)
+    ids2, mask2 = torch.cat([ids, first], 1), torch.cat([mask, torch.ones_like(first)], 1)
+    a = base.fork(policy=spec, budget=96)
+    assert all(k is not None for _, k, _, _ in a.policy._prefill_keys.values())
+    greedy(model, ids2, mask2, a, new=30)  # makes the table (memo) and inserts into its own copy
+    b = base.fork(policy=spec, budget=96)
+    assert b.policy._prefill_keys and all(k is None for _, k, _, _ in b.policy._prefill_keys.values())
+    fresh = kvdex.Cache(model, spec, budget=96, dense_layers=1)
+    log_b, log_fresh = [], []
+    _observe(b, log_b)
+    _observe(fresh, log_fresh)
+    t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=31)
+    t_b, l_b = greedy(model, ids2, mask2, b, new=30)
+    assert torch.equal(t_b, t_fresh)
+    torch.testing.assert_close(l_b, l_fresh[1:], atol=1e-5, rtol=0)
+    assert len(log_b) == len(log_fresh) > 0
+    for (l1, p1, v1), (l2, p2, v2) in zip(log_b, log_fresh, strict=True):
+        assert l1 == l2
+        assert torch.equal(p1.masked_fill(~v1, -1).sort(-1).values, p2.masked_fill(~v2, -1).sort(-1).values)
+    for lay, pages in b.policy._pages.items():
+        ref = fresh.policy._pages[lay]
+        assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay

@@ -17,11 +17,13 @@ Summaries (``q`` one query head, ``k`` the keys of a page):
 Layout per layer: ``pos`` [B, H, C + 1, ps] token positions (int32, -1 empty), ``fill`` [B, H, C + 1],
 the summaries [B, H, C + 1, D] (key dtype; the centroid's radius fp32 [B, H, C + 1]); page ``C`` of
 every row is a trash page that masked writes go to (its fill stays 0, so it is never scored).
-``npages`` [B, H] (device) counts the pages used; ``bound`` (host) is an upper bound on it, so the
-capacity grows outside any captured step (at the boundary step where a page joins the middle).
+``npages`` [B, H] (device) counts the pages used; ``rows`` [B] (host) bounds it per sequence (a join adds
+at most one page to each of a sequence's rows) and ``bound`` is its max, so the capacity grows on the host,
+without reading the device, outside any captured step (:meth:`SemanticPages.joined` / ``ensure``).
 
 Pages come from the prefill's trees (built on the host, :meth:`SemanticPages.from_trees`). A window
-page that joins the middle is placed on the device (:meth:`SemanticPages.insert`, fixed shapes): each
+page that joins the middle is placed on the device (:meth:`SemanticPages.insert_device`, fixed shapes,
+capturable; masked to the sequences it joins): each
 key goes to the nearest page (distance to the page's box centre / centroid); it joins that page if
 it has room (keys of the same page in the order they come), else it spills into one new page per
 (sequence, kv head) that holds every key of this window page that did not fit, like a leaf node that
@@ -49,6 +51,9 @@ class SemanticPages:
         self.kind, self.ps, self.dtype, self.device = kind, ps, dtype, torch.device(device)
         self.B, self.H, self.D = B, H, D
         self.bound = 0
+        # host, per sequence: an upper bound on its rows' page counts (max over its heads at the build, + 1
+        # per page that joined since: a join adds at most one page to each of the sequence's rows)
+        self.rows = torch.zeros(B, dtype=torch.long)
         self.npages = torch.zeros(B, H, dtype=torch.long, device=device)
         self.counts = torch.zeros(2, dtype=torch.long, device=device)  # pages, tokens selected (in place)
         self._alloc(cap)
@@ -75,18 +80,21 @@ class SemanticPages:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.pos, self.fill, self.a, self.b, self.npages))
 
-    def reserve_one(self) -> None:
-        """Room for one more page in every row before a window page is placed: grows the table (a copy)
-        when the host bound reaches the capacity, after tightening the bound (one sync). Runs outside any
-        captured step (at the step where a page joins the middle)."""
+    def joined(self, ok: torch.Tensor) -> None:
+        """Host side of a page joining the rows of the sequences ``ok`` [B] (CPU bool): the host bound
+        and, where it reaches the capacity, a larger table (a copy, outside any captured step). No
+        device value is read."""
+        self.rows += ok.to(self.rows.dtype)
+        self.bound = int(self.rows.max())
+        self.ensure(self.bound)
+
+    def ensure(self, pages: int) -> None:
+        """Capacity for ``pages`` pages in every row: grows the table (a copy) if it has fewer."""
         cap = self.capacity
-        if self.bound < cap:
-            return
-        self.bound = int(self.npages.max())
-        if self.bound < cap:
+        if pages <= cap:
             return
         old = (self.pos, self.fill, self.a, self.b)
-        self._alloc(cap + max(16, cap // 16))
+        self._alloc(max(pages, cap + max(16, cap // 16)))
         for new, o in zip((self.pos, self.fill, self.a, self.b), old, strict=True):
             new[:, :, :cap] = o[:, :, :cap]
 
@@ -95,6 +103,12 @@ class SemanticPages:
     def from_trees(cls, trees, keys, first, kind, ps, dtype, device, B, H):
         """The pages of ``trees`` (row ``b * H + h``, None: no pages) with their summaries from the keys
         [B, H, Pn, ps, D] (host) of the pages starting at token position ``first[b]``."""
+        return cls.from_table(cls.host_table(trees, keys, first, kind, ps, dtype, H), kind, ps, dtype, device, B, H)
+
+    @staticmethod
+    def host_table(trees, keys, first, kind, ps, dtype, H) -> dict:
+        """:meth:`from_trees`' table on the host: pos, fill, a, b [B * H, C + 1, ...], npages [B * H] and
+        ``used`` (the most pages of a row). Forks of one prefill share it (read only)."""
         D = keys.shape[-1]
         rows = []
         for t, tree in enumerate(trees):
@@ -106,12 +120,14 @@ class SemanticPages:
             k = keys[b, h].reshape(-1, D)[(pos - first[b]).clamp(min=0)].float()  # [P, ps, D]
             rows.append((t, pos, k, pos >= 0))
         used = max((r[1].shape[0] for r in rows if r is not None), default=0)
-        self = cls(B, H, D, ps, used + max(16, used // 16), kind, dtype, device)
-        pos_all = torch.full((B * H, self.capacity + 1, ps), -1, dtype=torch.int32)
-        fill = torch.zeros(B * H, self.capacity + 1, dtype=torch.int32)
-        a = self.a.view(B * H, -1, *self.a.shape[3:]).cpu().clone()
-        b_ = self.b.view(B * H, -1, *self.b.shape[3:]).cpu().clone()
-        npages = torch.zeros(B * H, dtype=torch.long)
+        R, C = len(trees), used + max(16, used // 16) + 1  # with the trash page
+        pos_all = torch.full((R, C, ps), -1, dtype=torch.int32)
+        fill = torch.zeros(R, C, dtype=torch.int32)
+        if kind == "minmax":
+            a, b_ = torch.full((R, C, D), _INF, dtype=dtype), torch.full((R, C, D), -_INF, dtype=dtype)
+        else:
+            a, b_ = torch.zeros(R, C, D, dtype=dtype), torch.zeros(R, C, dtype=torch.float32)
+        npages = torch.zeros(R, dtype=torch.long)
         for r in rows:
             if r is None:
                 continue
@@ -126,23 +142,35 @@ class SemanticPages:
                 mu = ((k * m).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)).to(dtype)
                 a[t, :P] = mu
                 b_[t, :P] = ((k - mu.float()[:, None]).norm(dim=-1) * ok).amax(1)
-        nb = device.type == "cuda"
-        self.pos.copy_(pos_all.view_as(self.pos), non_blocking=nb)
-        self.fill.copy_(fill.view_as(self.fill), non_blocking=nb)
-        self.a.copy_(a.view_as(self.a), non_blocking=nb)
-        self.b.copy_(b_.view_as(self.b), non_blocking=nb)
-        self.npages.copy_(npages.view(B, H), non_blocking=nb)
-        self.bound = used
+        return dict(pos=pos_all, fill=fill, a=a, b=b_, npages=npages, used=used)
+
+    @classmethod
+    def from_table(cls, table: dict, kind, ps, dtype, device, B, H):
+        """The pages of a :meth:`host_table` on ``device`` (copies: the table is not changed)."""
+        D, C = table["a"].shape[2], table["pos"].shape[1]
+        self = cls(B, H, D, ps, C - 1, kind, dtype, device)
+        nb = self.device.type == "cuda"
+        for name in ("pos", "fill", "a", "b"):
+            dst = getattr(self, name)
+            dst.copy_(table[name].view_as(dst), non_blocking=nb)
+        self.npages.copy_(table["npages"].view(B, H), non_blocking=nb)
+        self.rows = table["npages"].view(B, H).amax(1)
+        self.bound = table["used"]
         return self
 
     # ---- a window page joins (device, fixed shapes) -----------------------------------------------
-    def insert(self, keys: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor, any_ok: bool) -> None:
+    def insert(self, keys: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> None:
         """Place one page of keys [B, H, ps, D] (device) at token positions [B, ps] into the rows of the
-        sequences ``ok`` [B] (device bool; ``any_ok``: whether any is set, host)."""
-        if not any_ok:
+        sequences ``ok`` [B] (CPU bool): :meth:`joined` (host), then :meth:`insert_device`."""
+        if not bool(ok.any()):
             return
-        self.reserve_one()
-        self.bound += 1
+        self.joined(ok)
+        self.insert_device(keys, positions, ok)
+
+    def insert_device(self, keys: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> None:
+        """The device side of :meth:`insert` (after :meth:`joined` made room): fixed shapes, no host read of
+        a device value, in place (CUDA-graph capturable); ``ok`` [B] bool on any device, positions
+        [B, ps]. The rows of the other sequences are not changed (their keys go to the trash page)."""
         B, H, D, ps = self.B, self.H, self.D, self.ps
         C = self.capacity + 1  # with the trash page
         R, dev = B * H, self.device
@@ -169,7 +197,8 @@ class SemanticPages:
         slot = torch.where(join, f_t + rank, torch.where(spill, spill.cumsum(1) - 1, 0))
         flat = torch.arange(R, device=dev)[:, None] * C + page  # [R, ps] row-major page ids
         pos_v = self.pos.view(R * C, ps)
-        pos_v[flat.flatten(), slot.flatten()] = positions.to(dev).int().repeat_interleave(H, 0).flatten()
+        pos_in = torch.where(rok, positions.to(dev).int().repeat_interleave(H, 0), -1)  # the trash page keeps -1
+        pos_v[flat.flatten(), slot.flatten()] = pos_in.flatten()
         put = (join | spill).int()
         fill_new = fill.flatten().index_add(0, flat.flatten(), put.flatten().long()).view(R, C)
         self.npages.view(R).add_(spill.any(1).long())
@@ -197,7 +226,7 @@ class SemanticPages:
             self.a.view(R * C, D).copy_(mu1)
             r.copy_(r1)
         self.fill.view(R, C).copy_(fill_new)
-        self.fill.view(R, C)[:, -1] = 0  # the trash page is never a page
+        self.fill.view(R, C)[:, -1].fill_(0)  # the trash page is never a page
 
     # ---- a decode step (device, fixed shapes) -----------------------------------------------------
     def scores(self, q: torch.Tensor, P: int) -> torch.Tensor:

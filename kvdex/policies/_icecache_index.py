@@ -103,27 +103,68 @@ class IndexJobsMixin:
             return pages
         for fut, _, _ in self._jobs.pop(layer, ()):
             self._apply(layer, fut, None)
-        keys, ready, first = self._prefill_keys.pop(layer, (None, None, {}))
+        memo_key, keys, ready, first = self._prefill_keys.pop(layer, (None, None, None, {}))
         trees = self._trees.pop(layer, None)
         B, H, g = store.batch, store.kv_heads, self.cfg
-        if keys is None or trees is None:
-            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
-        else:
+        # the table made from the shared prefill trees by a fork of the same prefill (host tensors, read only)
+        key = self._table_key(memo_key, store.dtype)
+        table = self._memo.get(key) if self._memo is not None and memo_key is not None else None
+        if table is None and keys is not None and trees is not None:
             if ready is not None:
                 ready.synchronize()
             firsts = [first.get(b, 0) for b in range(B)]
-            pages = SemanticPages.from_trees(trees, keys, firsts, self.summary, g.page_size, store.dtype,
-                                             store.device, B, H)  # fmt: skip
+            table = SemanticPages.host_table(trees, keys, firsts, self.summary, g.page_size, store.dtype, H)
+            if self._memo is not None and memo_key is not None:
+                self._memo[key] = table
+        if table is None:
+            pages = SemanticPages(B, H, store.head_dim, g.page_size, 64, self.summary, store.dtype, store.device)
+        else:
+            pages = SemanticPages.from_table(table, self.summary, g.page_size, store.dtype, store.device, B, H)
         self._pages[layer] = pages
         return pages
 
+    def _table_key(self, memo_key, dtype) -> tuple:
+        """The memo key of the semantic page table made from the prefill build ``memo_key`` (keys of ``dtype``)."""
+        return ("icecache-summary", memo_key, self.summary, str(dtype))
+
     def _summary_insert(self, layer, update) -> None:
+        """A window page joins the middle (eager path: ``index``)."""
         t0 = time.perf_counter()
         pages = self._pages_of(layer, update.store)
         ps, dev = self.cfg.page_size, pages.device
         for j in range(update.keys.shape[2]):  # one page per step while decoding
             ok = update.count > j
+            if not bool(ok.any()):
+                continue
             pos = self.cfg.sink + (update.start + j)[:, None] * ps + torch.arange(ps)[None, :]
-            pages.insert(update.keys[:, :, j], pos.to(dev), ok.to(dev), bool(ok.any()))
+            pages.insert(update.keys[:, :, j], pos.to(dev, non_blocking=True), ok)
             self._stats["inserts"] += 1
         self._stats["insert_s"] += time.perf_counter() - t0
+
+    # ---- search="summary": page joins inside a captured decode step (Policy.capturable_index) -------------
+    def reserve_index(self, layer, pages, store) -> None:
+        """The layer's semantic pages (the prefill build joined here, outside any captured step) with room
+        for the joins until every sequence holds ``pages`` middle pages (one semantic page per row and join
+        at most). Called with the current count (``pages`` not ahead of the store) it reserves nothing
+        beyond :meth:`joined`'s growth, as the eager ``index`` path."""
+        if self.anchor_of.get(layer) != layer:
+            return
+        sp = self._pages_of(layer, store)
+        nmid = store.grid.num_middle_pages(store.lengths_host).to(torch.long)
+        if pages > int(nmid.max()):
+            sp.ensure(int((sp.rows + (pages - nmid).clamp(min=0)).max()))
+
+    def joined(self, layer, start, count) -> None:
+        sp = self._pages.get(layer)
+        if sp is None or self.anchor_of.get(layer) != layer:
+            return
+        sp.joined(count > 0)
+        self._stats["inserts"] += 1
+
+    def index_join(self, layer, join) -> None:
+        sp = self._pages.get(layer)
+        if sp is None or self.anchor_of.get(layer) != layer:
+            return
+        ps = self.cfg.page_size
+        pos = self.cfg.sink + join.start[:, None] * ps + torch.arange(ps, device=join.start.device)[None, :]
+        sp.insert_device(join.keys[:, :, 0], pos, join.joins)

@@ -16,7 +16,8 @@ keys in the transformed space of eq. 2/3; its leaf nodes are the pages. Algorith
   best-ranked key while they fit the retrieval budget (tokens) and ``max_pages``.
 
 Forks (``Cache.fork``) of one prefill share its trees through :meth:`IceCachePolicy.share_index`:
-the trees are immutable snapshots, so sharing them is a zero-copy, fully isolated fork.
+the trees are immutable snapshots, so sharing them is a zero-copy, fully isolated fork (``search="summary"``:
+and the host copy of the page table made from them, which each fork copies to the device).
 
 With ``offload=True`` the layer store is a :class:`~kvdex.storage.semantic.SemanticOffloadStore`:
 the host keeps every leaf page contiguous, and each step only the selected pages that are not
@@ -30,7 +31,8 @@ at the most recent anchor layer. Choices the paper leaves open are listed in doc
 with one summary per page (``summary="minmax"``: per-channel min/max keys, Quest's bound;
 ``"centroid"``: mean key + radius) and scores every page of every (sequence, kv head) from them at
 each step (:mod:`kvdex.index.summary`): no tree search and no host sync, so the step can be replayed
-from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page.
+from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page, inside
+the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``index_join``).
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         # CUDA-graph decoding (kvdex.integration.graph) only without tree searches: the protocol's graph_key /
         # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
         self.capturable = self.search == "summary"
+        # search="summary": a window page joining the middle is placed inside the captured step too
+        # (reserve_index / joined / index_join, _icecache_index.py); the class says no (the tree searches)
+        self.capturable_index = self.capturable
         if self.capturable:
             self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
         if not isinstance(self.graphs, bool):
@@ -180,27 +185,34 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             return self._summary_insert(layer, update)  # a window page joins, on the device
         if getattr(update, "store", None) is not None:
             self._stores[layer] = update.store
-        keys, ready = to_host(update.keys)
         start, count = update.start.clone(), update.count.clone()
         g = self.cfg
         per_b = {}
         for b in torch.nonzero(count).flatten().tolist():
             first = g.sink + int(start[b]) * g.page_size
             per_b[b] = torch.arange(first, first + int(count[b]) * g.page_size)
-        if self.search == "summary":  # the page summaries are made from these keys with the trees
-            self._prefill_keys[layer] = (keys, ready, {b: int(p[0]) for b, p in per_b.items()})
         q = self._jobs.setdefault(layer, deque())
         prev = q[-1][0] if q else None
         step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
         base = None if prev is not None else self._trees.get(layer)
-        memo_key = None
+        memo_key = fut = None
         if prev is None and base is None:  # the prefill build: a fork of the same prefill may have it
             memo_key = self._memo_key(layer, per_b, tuple(update.keys.shape[:2]))
             fut = self._memo.get(memo_key) if self._memo is not None else None
-            if fut is not None:
-                self._stats["builds_reused"] += 1
-                q.append((fut, per_b, step))
-                return
+        # search="summary": the page summaries are made from the prefill keys with the trees (no copy of the
+        # keys when a fork of the same prefill made the table already: _pages_of)
+        if self.search == "summary":
+            key = self._table_key(memo_key, update.keys.dtype)
+            need = memo_key is None or self._memo is None or key not in self._memo
+        else:
+            need = fut is None  # a reused build needs no keys
+        keys, ready = to_host(update.keys) if need else (None, None)
+        if self.search == "summary":
+            self._prefill_keys[layer] = (memo_key, keys, ready, {b: int(p[0]) for b, p in per_b.items()})
+        if fut is not None:
+            self._stats["builds_reused"] += 1
+            q.append((fut, per_b, step))
+            return
         fut = pool(self.threads or cpu_threads()).submit(
             self._index_job, layer, keys, ready, per_b, prev, base, update.keys.shape[1]
         )
