@@ -142,13 +142,12 @@ def test_kernels_import_no_policy_store_or_adapter():
 
 # ---- the typed contract instead of probes -------------------------------------------------------------
 # Outside kvdex/storage/ a store is asked (LayerStore: static, offloaded, positional_slots, graph_unsupported,
-# graph_buffers, grows_on_append, reserve_prompt, window_slots, page_cache), never tested for its class; a
+# graph_buffers, grows_on_append, reserve_prompt, window_slots, page_cache, places_pages), never tested for its class; a
 # policy's optional behaviour is a method or ClassVar of Policy, never a hasattr.
 PROBE_DIRS = ("kvdex/integration/", "kvdex/bench/", "kvdex/eval/")  # hasattr / getattr probes: the engine
 # expressions that name a policy, a store, a cache layer or the cache (not transformers' model or config)
 PROBED = re.compile(r"polic|store|layer|cache|\b(p|st|s|pol|lay)\b")
-# Being reworked on their own (the IceCache index and its summary search): remove once they ask the contract.
-PROBE_ALLOWED = {"kvdex/policies/icecache.py", "kvdex/policies/_icecache_index.py", "kvdex/index/summary.py"}
+PROBE_ALLOWED: set[str] = set()  # files exempt from the probe check (none)
 
 
 def _class_names(node: ast.AST) -> list[str]:

@@ -15,7 +15,6 @@ import torch
 
 from kvdex.index.summary import SemanticPages
 from kvdex.index.trees import update_trees
-from kvdex.storage.semantic import SemanticOffloadStore
 
 
 class IndexJobsMixin:
@@ -71,7 +70,7 @@ class IndexJobsMixin:
         trees = list(trees)  # the list may be shared with forks (share_index); the trees are immutable
         self._trees[layer] = trees
         self._clamped[layer] = sum(t.clamped for t in trees if t is not None)
-        if isinstance(store, SemanticOffloadStore):
+        if store is not None and store.places_pages:
             for b, h, pages, slots, pos in placements:
                 store.place(b, h, pages, slots, pos)
 

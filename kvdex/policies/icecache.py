@@ -54,7 +54,6 @@ from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
-from kvdex.storage import DeviceStore
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 
 # tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) to run
@@ -242,9 +241,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         t0 = time.perf_counter()
         if self.search == "summary":  # every page scored from its summary on q's device: no host sync
             pages = self._pages_of(layer, store)
-            P = pages.capacity if getattr(store, "static", False) else min(pages.bound, pages.capacity)
+            P = pages.capacity if store.static else min(pages.bound, pages.capacity)
             room, cap = self.cfg.retrieval_tokens, self._max_pages()
-            if self.rerank and not isinstance(store, DeviceStore):
+            if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
             tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank)

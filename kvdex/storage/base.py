@@ -122,6 +122,9 @@ class LayerStore(ABC):
     #: buffer, policies score their whole reserved index), so one captured step replays on every step.
     #: Off by default; switched on by :meth:`use_static_sizing` (never off again for this store).
     static: bool = False
+    #: True for a store whose tokens the policy lays out by semantic pages (IceCache's offloaded store:
+    #: ``place`` puts each indexed token in its page), False for stores laid out by position.
+    places_pages: bool = False
     #: Page slots per (sequence, kv head) of a device page cache over host-held pages (0: none;
     #: :meth:`page_cache_stats` counts its hits and misses).
     page_cache: int = 0

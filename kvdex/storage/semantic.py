@@ -36,6 +36,8 @@ HOST_TOKENS = "_host_tokens"  # attribute of a Selection: its tokens already on 
 
 
 class SemanticOffloadStore(OffloadStore):
+    places_pages = True
+
     def __init__(self, *args, work_tokens: int, page_slots: int, **kwargs):
         super().__init__(*args, work_tokens=work_tokens, **kwargs)
         b, h, ps, d = self.batch, self.kv_heads, self.grid.page_size, self.head_dim
