@@ -97,12 +97,12 @@ class QuestPolicy(Policy):
         if getattr(store, "static", False):  # CUDA-graph decode: score the whole index (masked past nmid)
             p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
-        nmid = store.grid.num_middle_pages(store.lengths)
         if self.group != "max":  # per query head bounds, combined by group_topk (PyTorch)
-            bounds = mask_pages(page_bounds(q, kmin, kmax), nmid)
+            bounds = mask_pages(page_bounds(q, kmin, kmax), store.grid.num_middle_pages(store.lengths))
             return Selection(pages=group_topk(bounds, store.kv_heads, k, self.group))
         fast = triton_kernel("quest_triton", "page_scores", on=q)
         if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton); it derives
             # each sequence's middle page count from the device lengths itself
             return Selection(pages=topk_ids(fast(q, kmin, kmax, lengths=store.lengths, grid=store.grid), k))
+        nmid = store.grid.num_middle_pages(store.lengths)
         return Selection(pages=topk_ids(quest_page_scores(q, kmin, kmax, nmid), k))
