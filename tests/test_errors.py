@@ -71,7 +71,7 @@ def test_valid_config_boundaries_accepted():
 
 def test_unknown_policy_option_lists_options(llama, monkeypatch):
     model, _ = llama
-    with pytest.raises(TypeError, match=r"policy 'quest' has no option\(s\) foo.*its options are: \(none\)"):
+    with pytest.raises(TypeError, match=r"policy 'quest' has no option\(s\) foo.*its options are: group"):
         kvdex.Cache(model, "quest", 96, foo=1)
 
     # a policy with options lists them

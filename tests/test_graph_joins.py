@@ -37,6 +37,7 @@ from kvdex.storage import host_joins
 
 SPECS = [
     "quest",
+    "quest:group=heads",
     "pariskv",
     "pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None",  # the paper's configuration
     "pariskv-kmeans",
@@ -49,6 +50,7 @@ SPECS = [
     "arkvale:cache_pages=4",
     "prkv:refresh=8",
     "prkv:static_ratio=0",
+    "prkv:refresh=8:group=heads:static_group=heads",
     "full",  # IndexFreePolicy: nothing to index, the join steps are captured too
     "oracle",
     "streaming",

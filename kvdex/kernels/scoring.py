@@ -1,5 +1,6 @@
 """Selection arithmetic shared by the policies and the kernels (PyTorch; the references of the Triton
-scoring and top-k kernels): the GQA reduction, page masks, top-k ids and Quest's page bounds.
+scoring and top-k kernels): the GQA reduction, page masks, top-k ids, the choice of a kv head's pages
+from its query heads' scores (``group_topk``) and Quest's page bounds.
 
 ``kvdex.policies`` re-exports ``group_reduce``, ``mask_pages`` and ``topk_ids``; ``kvdex.policies.quest``
 re-exports ``page_bounds``.
@@ -25,6 +26,41 @@ def group_reduce(x: torch.Tensor, kv_heads: int, mode: str = "max") -> torch.Ten
     if mode == "mean":
         return xg.mean(dim=2)
     raise ValueError(f"unknown group reduction {mode!r}; use 'max', 'sum' or 'mean'")
+
+
+GROUPS = ("max", "sum", "heads")  # how a kv head's query heads combine when ranking pages (group_topk)
+
+
+def check_group(group: str, option: str = "group") -> None:
+    if group not in GROUPS:
+        raise ValueError(f"{option} must be one of {', '.join(GROUPS)}, got {group!r}")
+
+
+def group_topk(score: torch.Tensor, kv_heads: int, k: int, group: str = "max") -> torch.Tensor:
+    """A kv head's ``k`` pages (or tokens) from its query heads' scores: score [B, Hq, N] (``-inf``:
+    not a candidate) -> [B, H, min(k, N)] ids, ``-1`` padded.
+
+    ``"max"`` / ``"sum"``: the top-k of the group's max / sum of scores. ``"heads"``: every query head
+    ranks the candidates by its own score (top-k of its row, ties as :func:`topk_ids`) and the kv head
+    takes the union in round-robin order -- every head's best, then every head's second, ... (head g
+    before head g + 1 within a rank) -- skipping candidates already taken, until ``k`` are taken or the
+    heads' finite candidates run out. So with ``k >= G * j`` every query head's top ``j`` are in the set.
+    Fixed shapes, no host read: a candidate's priority is ``min over heads of rank * G + g`` (scattered
+    into [B, H, N]), and the k smallest priorities win, in that order.
+    """
+    if group != "heads":
+        check_group(group)
+        return topk_ids(group_reduce(score, kv_heads, group), k)
+    b, hq, n = score.shape
+    g = hq // kv_heads
+    k = min(k, n)
+    ids = topk_ids(score, k).view(b, kv_heads, g, k)  # [B, H, G, k] per head by rank, -1 padded
+    rank = torch.arange(k, device=score.device)[None, :] * g + torch.arange(g, device=score.device)[:, None]
+    prio = rank.to(torch.float32).expand_as(ids).masked_fill(ids < 0, float("inf"))  # [B, H, G, k]
+    best = torch.full((b, kv_heads, n + 1), float("inf"), device=score.device)  # column n: the -1 entries
+    best.scatter_reduce_(2, torch.where(ids >= 0, ids, n).reshape(b, kv_heads, g * k), prio.reshape(b, kv_heads, -1),
+                         "amin")  # fmt: skip
+    return topk_ids(-best[..., :n], k)
 
 
 def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:

@@ -23,27 +23,33 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.kernels.scoring import group_topk
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies.base import Policy, group_reduce, mask_pages, register_policy, topk_ids
 from kvdex.selection import Selection
 
 
-def page_scores(
+def head_scores(
     index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None, p: int | None = None
 ):
-    """Digest estimate per kv head (group max) of every middle page: [B, H, P], ``-inf`` past the middle.
+    """Digest estimate per query head of every middle page: [B, Hq, P], ``-inf`` past the middle.
 
     ``first`` [B] (optional): pages before it are not candidates (PRKV's static region).
     ``p``: pages to score (default :func:`static_pages`).
     """
-    h = store.kv_heads
     p = static_pages(index, layer, store) if p is None else p
-    score = group_reduce(index.scores(layer, q, p), h, "max")
-    score = mask_pages(score, store.grid.num_middle_pages(store.lengths))
+    score = mask_pages(index.scores(layer, q, p), store.grid.num_middle_pages(store.lengths))
     if first is not None:
         ids = torch.arange(p, device=score.device)
         score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
     return score
+
+
+def page_scores(
+    index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None, p: int | None = None
+):
+    """Digest estimate per kv head (group max) of every middle page: [B, H, P] (:func:`head_scores`)."""
+    return group_reduce(head_scores(index, layer, q, store, first, p), store.kv_heads, "max")
 
 
 def static_pages(index: DigestIndex, layer: int, store, *others: torch.Tensor) -> int:
@@ -57,12 +63,19 @@ def static_pages(index: DigestIndex, layer: int, store, *others: torch.Tensor) -
 
 
 def top_pages(
-    index: DigestIndex, layer: int, q: torch.Tensor, store, k: int, first: torch.Tensor | None = None
+    index: DigestIndex,
+    layer: int,
+    q: torch.Tensor,
+    store,
+    k: int,
+    first: torch.Tensor | None = None,
+    group: str = "max",
 ) -> torch.Tensor:
-    """Top-k middle pages per kv head by digest estimate (group max): [B, H, k], ``-1`` padded."""
+    """Top-k middle pages per kv head by digest estimate: [B, H, k], ``-1`` padded. ``group``: how the
+    query heads' estimates combine (:func:`kvdex.kernels.scoring.group_topk`; ArkVale: ``"max"``)."""
     if layer not in index or k <= 0:
         return torch.full((store.batch, store.kv_heads, 0), -1, dtype=torch.long, device=q.device)
-    return topk_ids(page_scores(index, layer, q, store, first), k)
+    return group_topk(head_scores(index, layer, q, store, first), store.kv_heads, k, group)
 
 
 @register_policy

@@ -33,7 +33,9 @@ sequence) does not call ``index``; instead, per sparse layer:
 
 Sink and window are always attended and are never part of a selection. GQA: ``select`` gets the
 queries of all heads, ``q`` [B, Hq, D]; it returns one selection per kv head. ``group_reduce`` is
-the one place where query-head scores become kv-head scores.
+the one place where query-head scores become kv-head scores, and ``kvdex.kernels.scoring.group_topk``
+the one place where query heads choose a kv head's pages (``"max"`` / ``"sum"`` of the scores, or
+``"heads"``: the union of every head's own ranking).
 """
 
 from __future__ import annotations

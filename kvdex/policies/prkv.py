@@ -26,6 +26,13 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
   the prefill's static set is computed at the layer's first decode step (when the store is there);
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
   its position), so the static choice never depends on a previous relocation;
+* GQA, dynamic pages: ArkVale's rule, a page's estimate for a kv head is the max over its query heads
+  (``group="max"``); ``group="heads"`` (kvdex option) lets every query head rank the pages by its own
+  estimate and takes the union round-robin over the heads' rankings until the dynamic pages are filled
+  (:func:`kvdex.kernels.scoring.group_topk`; ``"sum"`` sums the estimates);
+* GQA, static tokens: Algorithm 1 averages the heads' scores over the group (``static_group="mean"``);
+  ``static_group="heads"`` (kvdex option) takes the union of the heads' own top tokens round-robin, as
+  ``group="heads"`` does for pages;
 * ``static_ratio="auto"`` is Appendix G's online rule, per layer at prefill: ``C_h`` = overlap of
   the top-r tokens of the first and the last observation query of query head h (r = the retrieval
   budget), ``k_s = page_size * floor(mean_h C_h / page_size)`` (eq. 5), averaged over the batch.
@@ -38,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.kernels.scoring import check_group, group_topk
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.arkvale import _ids, top_pages
@@ -46,6 +54,7 @@ from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
 
 OBS_TOKENS = ("score", "last")
+STATIC_GROUPS = ("mean", "heads")  # static tokens: the group's mean score (Algorithm 1) or every head's own top
 
 
 def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
@@ -73,6 +82,11 @@ class PRKVPolicy(Policy):
     # the observation window's own middle tokens (when obs > the cache's window): "score" -- they compete
     # with the others; "last" -- chosen only after every earlier token (Algorithm 1 scores K[:-n_local])
     obs_tokens: str = "score"
+    # GQA (kvdex options): how a kv head's query heads combine when ranking the dynamic pages -- "max"
+    # (ArkVale's rule), "sum", or "heads" (each head ranks; union round-robin, kernels.scoring.group_topk);
+    # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
+    group: str = "max"
+    static_group: str = "mean"
 
     def __post_init__(self) -> None:
         s = self.static_ratio
@@ -85,6 +99,9 @@ class PRKVPolicy(Policy):
         check_pooling(self.kernel, self.pooling)
         if self.obs_tokens not in OBS_TOKENS:
             raise ValueError(f"obs_tokens must be one of {', '.join(OBS_TOKENS)}, got {self.obs_tokens!r}")
+        check_group(self.group)
+        if self.static_group not in STATIC_GROUPS:
+            raise ValueError(f"static_group must be one of {', '.join(STATIC_GROUPS)}, got {self.static_group!r}")
         self.obs_window = self.obs
 
     def bind(self, info) -> None:
@@ -150,10 +167,13 @@ class PRKVPolicy(Policy):
         n_static = self.layer_split(layer)[0]
         if not n_static:
             return
-        score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling)
+        heads = self.static_group == "heads"
+        score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling,
+                              per_query_head=heads)  # fmt: skip
         if self.obs_tokens == "last":
             score = _demote_observed(score, ring, g.sink)
-        top = topk_ids(score, n_static)  # [B, H, n] positions - sink, -1 padded
+        # [B, H, n] positions - sink, -1 padded
+        top = group_topk(score, store.kv_heads, n_static, "heads") if heads else topk_ids(score, n_static)
         is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
         is_static.scatter_(2, torch.where(top >= 0, top, m), True)
         is_static = is_static[:, :, :m].gather(2, origin)  # per slot
@@ -226,7 +246,7 @@ class PRKVPolicy(Policy):
         n = self.static.get(layer, torch.zeros(b, dtype=torch.long, device=q.device))  # [B]
         full, tail = n // ps, n % ps
         first = (n + ps - 1) // ps  # dynamic candidates: the pages after the static region
-        dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None)
+        dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None, self.group)
         if not n_static:
             return Selection(pages=dynamic)  # S = 0: ArkVale
         static = store.static  # CUDA-graph decoding: widths from the split, not the counts

@@ -5,6 +5,11 @@ For every middle page and channel the index keeps the min and max key. For a que
 ``relu(q) . max + min(q, 0) . min`` (two matrix products). Quest scores per head; with GQA a page's
 score for a kv head is the max of its group's bounds (still an upper bound for every query head
 of the group), and the top ``(budget - sink - window) / page_size`` pages are attended.
+
+``group`` (kvdex option, :func:`kvdex.kernels.scoring.group_topk`): how the query heads of a kv head's
+group combine when ranking pages -- ``"max"`` (default, as above), ``"sum"`` of the bounds, or
+``"heads"``: every query head ranks the pages by its own bound and the kv head attends the union,
+taken round-robin over the heads' rankings (every head's best page first) until the budget is filled.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import page_bounds, quest_page_scores
+from kvdex.kernels.scoring import check_group, group_topk, mask_pages, page_bounds, quest_page_scores
 from kvdex.policies.base import Policy, register_policy, topk_ids
 from kvdex.selection import Selection
 
@@ -29,6 +34,11 @@ class QuestPolicy(Policy):
     name = "quest"
     capturable = True
     capturable_index = True
+
+    group: str = "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
+
+    def __post_init__(self) -> None:
+        check_group(self.group)
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -87,6 +97,9 @@ class QuestPolicy(Policy):
         if store.static:  # CUDA-graph decode: score the whole index (masked past nmid)
             p = self.kmin[layer].shape[2]
         kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
+        if self.group != "max":  # per query head bounds, combined by group_topk (PyTorch)
+            bounds = mask_pages(page_bounds(q, kmin, kmax), store.grid.num_middle_pages(store.lengths))
+            return Selection(pages=group_topk(bounds, store.kv_heads, k, self.group))
         fast = triton_kernel("quest_triton", "page_scores", on=q)
         if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton); it derives
             # each sequence's middle page count from the device lengths itself
