@@ -262,9 +262,13 @@ tiny = G.tiny
 # ---- GPU: the decoder replays the join steps -------------------------------------------------------------
 
 GPU_SPECS = [
+    "full",
     "quest",
     "pariskv",
-    "chess:trigger=interval:interval=5",
+    # the paper's mode rebuilds between steps (replayed); the default layer scope rebuilds inside select, so
+    # its rebuild steps run eagerly by design: it is held to the page joins here without rebuilds
+    "chess:anchor_from=window:scope=shared:trigger=interval:interval=5",
+    "chess:trigger=never",
     "arkvale",
     "prkv:static_ratio=0.5",
     "icecache:search=summary",
