@@ -296,7 +296,7 @@ def test_arkvale_keeps_each_layer_state_on_its_device():
         for _ in range(2):  # two decode steps: the second adds to what the first left
             for layer, dev in devices.items():
                 store = SimpleNamespace(
-                    kv_heads=2, batch=1, grid=Grid(8, 8, 2), lengths=length.to(dev), lengths_host=length
+                    kv_heads=2, batch=1, grid=Grid(8, 8, 2), lengths=length.to(dev), lengths_host=length, static=False
                 )
                 sel = pol.select(layer, torch.randn(1, 4, 16).to(dev), store, 0.25)
                 assert sel.pages.device == dev and sel.pages.shape == (1, 2, 5)
