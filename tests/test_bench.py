@@ -83,16 +83,16 @@ def test_report_table_json_png(result, tmp_path):
 def test_check_refuses_to_time_a_wrong_kernel(monkeypatch):
     """Fault injection: a decode kernel that drops the last attended slot must fail the check,
     and nothing is timed."""
-    import kvdex.integration.layer as layer_mod
+    import kvdex.engine.step as step_mod
 
-    real = layer_mod.sparse_decode_attention
+    real = step_mod.sparse_decode_attention
 
     def broken(q, k, v, idx, valid, scale):
         valid = valid.clone()
         valid[..., -1] = False
         return real(q, k, v, idx, valid, scale)
 
-    monkeypatch.setattr(layer_mod, "sparse_decode_attention", broken)
+    monkeypatch.setattr(step_mod, "sparse_decode_attention", broken)
     res = runner.run(_cfg(storages=("offload",), batches=(1,)), log=lambda s: None)
     assert not res["check"][0]["ok"]
     assert [r["method"] for r in res["results"]] == ["hf/dynamic"] and "full-budget check failed" in res["error"]

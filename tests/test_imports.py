@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,14 @@ def modules() -> dict[str, Path]:
 def imported(path: Path, name: str, known: set[str]) -> set[str]:
     """The kvdex modules that the file ``path`` (module ``name``) imports, at any depth."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return import_targets(ast.walk(tree), name, path.name == "__init__.py", known)
+
+
+def import_targets(nodes, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The kvdex modules that the statements ``nodes`` of module ``name`` import."""
+    package = name if is_package else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -109,7 +115,7 @@ def describe(g: dict[str, set[str]], comp: list[str]) -> str:
 def test_graph_sees_imports():
     """The walker finds top-level, function-level, relative and 'from package import module' imports."""
     g = graph()
-    assert "kvdex.kernels.attention" in g["kvdex.integration.layer"]
+    assert "kvdex.kernels.attention" in g["kvdex.engine.step"]
     assert "kvdex.policies.base" in g["kvdex.policies.quest"]
     assert "kvdex.kernels.pariskv" in g["kvdex.kernels.pariskv_triton"]  # from kvdex.kernels import pariskv
     assert len(g) > 40
@@ -140,11 +146,94 @@ def test_kernels_import_no_policy_store_or_adapter():
     assert not bad, "kvdex.kernels must not import policies, stores or the adapter:\n" + "\n".join(bad)
 
 
+# ---- the engine runs without transformers ------------------------------------------------------------
+ENGINE = "kvdex.engine"
+FRAMEWORK = "transformers"
+
+
+def load_time_imports(tree: ast.Module) -> list[ast.AST]:
+    """The import statements that run when the module is imported: module and class level, inside
+    if / try / with, not in functions and not under ``if TYPE_CHECKING``."""
+    out: list[ast.AST] = []
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+            todo += [h for h in getattr(node, "handlers", ())]  # try: except handlers hold statements
+    return out
+
+
+def framework_imports(sources: dict[str, str], start: str) -> list[str]:
+    """The chains ``start -> ... -> transformers`` through kvdex modules (``sources``: module -> text) that
+    importing the modules under ``start`` runs. Importing ``kvdex.a.b`` also runs ``kvdex.a``'s ``__init__``;
+    the root package ``kvdex`` is left out (its ``__init__`` is the transformers adapter's public API)."""
+    known = set(sources)
+    packages = {m.rpartition(".")[0] for m in known}
+    edges: dict[str, set[str]] = {}
+    direct: set[str] = set()
+    for name, text in sources.items():
+        tree = ast.parse(text)
+        nodes = load_time_imports(tree)
+        for node in nodes:
+            roots = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if not getattr(node, "level", 0) and any(r.split(".")[0] == FRAMEWORK for r in roots):
+                direct.add(name)
+        targets = import_targets(nodes, name, name in packages, known)
+        parents = {".".join(t.split(".")[:i]) for t in targets for i in range(2, t.count(".") + 1)}
+        edges[name] = (targets | parents) & known
+    chains, seen = [], set()
+    todo = deque((m, [m]) for m in sorted(known) if m == start or m.startswith(start + "."))
+    while todo:  # breadth first: the shortest chain to each module
+        mod, chain = todo.popleft()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        if mod in direct:
+            chains.append(" -> ".join([*chain, FRAMEWORK]))
+        todo += [(n, [*chain, n]) for n in sorted(edges[mod]) if n != "kvdex"]
+    return chains
+
+
+def test_framework_walker_finds_planted_imports():
+    src = {
+        "kvdex": "import transformers",
+        "kvdex.engine": "from kvdex.engine import step",
+        "kvdex.engine.step": "import torch\nfrom kvdex.storage.device import X\ndef f():\n    import transformers",
+        "kvdex.storage": "from kvdex.storage.device import X",
+        "kvdex.storage.device": "try:\n    from kvdex.hf import y\nexcept ImportError:\n    pass",
+        "kvdex.hf": "from transformers.cache_utils import Cache",
+    }
+    assert framework_imports(src, ENGINE) == ["kvdex.engine.step -> kvdex.storage.device -> kvdex.hf -> transformers"]
+    src["kvdex.storage.device"] = "X = 1"
+    assert framework_imports(src, ENGINE) == []  # the root package and function-level imports do not count
+    src["kvdex.storage"] = "import transformers.utils"  # a parent package's __init__ runs too
+    assert framework_imports(src, ENGINE) == ["kvdex.engine.step -> kvdex.storage -> transformers"]
+
+
+def test_engine_imports_no_transformers():
+    """kvdex/engine/ runs without transformers: none of its modules, nor any kvdex module they import
+    (transitively, at load time), imports transformers."""
+    sources = {name: path.read_text() for name, path in modules().items()}
+    assert any(m.startswith(ENGINE + ".") for m in sources)
+    bad = framework_imports(sources, ENGINE)
+    assert not bad, "kvdex.engine must not import transformers:\n" + "\n".join(bad)
+
+
 # ---- the typed contract instead of probes -------------------------------------------------------------
 # Outside kvdex/storage/ a store is asked (LayerStore: static, offloaded, positional_slots, graph_unsupported,
 # graph_buffers, grows_on_append, reserve_prompt, window_slots, page_cache, places_pages), never tested for its class; a
 # policy's optional behaviour is a method or ClassVar of Policy, never a hasattr.
-PROBE_DIRS = ("kvdex/integration/", "kvdex/bench/", "kvdex/eval/")  # hasattr / getattr probes: the engine
+PROBE_DIRS = (
+    "kvdex/engine/",
+    "kvdex/integration/",
+    "kvdex/bench/",
+    "kvdex/eval/",
+)  # hasattr / getattr probes: the engine
 # expressions that name a policy, a store, a cache layer or the cache (not transformers' model or config)
 PROBED = re.compile(r"polic|store|layer|cache|\b(p|st|s|pol|lay)\b")
 PROBE_ALLOWED: set[str] = set()  # files exempt from the probe check (none)

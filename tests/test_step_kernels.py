@@ -166,14 +166,14 @@ def test_gpu_graph_decode_attended_count_identical(monkeypatch):
     """CUDA-graph decode of quest on a device store: the fused counter gives the eager expression's count."""
     import kvdex
     from kvdex.bench import runner, shapes
-    from kvdex.integration import layer as layer_mod
+    from kvdex.engine import step as step_mod
 
     model = shapes.build_model("tiny", torch.bfloat16, "cuda")
     ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
     stats = []
     for use in (True, False):
         if not use:
-            monkeypatch.setattr(layer_mod, "_fast_paged_count", lambda: None)
+            monkeypatch.setattr(step_mod, "_fast_paged_count", lambda: None)
         cache = kvdex.Cache(model, "quest", 128, dense_layers=1)
         out = kvdex.generate(model, cache, ids, max_new_tokens=40, cuda_graph=True)
         stats.append((out, cache.stats()["attended_tokens_per_step"]))

@@ -3,22 +3,21 @@
 Data flow of one decoding step through one sparse layer (docs/architecture.md draws it):
 
 1. the model computes q, k, v and calls ``cache.update(k, v, layer)`` ->
-   :meth:`KVDexLayer.update` appends k/v to the layer's store; pages leaving the window join the
-   middle and the policy indexes them (``policy.index``);
+   :meth:`KVDexLayer.update` -> :meth:`LayerEngine.append` appends k/v to the layer's store; pages
+   leaving the window join the middle and the policy indexes them (``policy.index``);
 2. the model calls the attention function registered as ``"kvdex"``, which finds this layer
-   through the tag on ``k`` and calls :meth:`KVDexLayer.attention` ->
+   through the tag on ``k`` and calls :meth:`KVDexLayer.attention` -> :meth:`LayerEngine.attention`:
    ``policy.select`` -> ``store.attend`` (fetching offloaded pages) -> the decode kernel;
 3. after the forward, the logits hook calls ``policy.on_step`` (CHESS's trigger, PRKV's refresh).
 
-:class:`KVDexLayer` (steps 1-2) lives in :mod:`kvdex.integration.layer`, re-exported here.
+:class:`KVDexLayer` lives in :mod:`kvdex.integration.layer` (re-exported here); steps 1-2 themselves
+in :mod:`kvdex.engine.step` and the choice of store in :mod:`kvdex.engine.stores`, without transformers.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
-from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache as HFCache
@@ -31,10 +30,11 @@ from kvdex.config import (
     DEFAULT_WINDOW,
     CacheConfig,
 )
+from kvdex.engine import StepCounters, make_store
 from kvdex.integration.distributed import tensor_parallel
 from kvdex.integration.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
 from kvdex.policies import PolicyInfo, make_policy
-from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats
+from kvdex.storage import Grid, TransferStats
 
 
 class Cache(HFCache):
@@ -97,10 +97,7 @@ class Cache(HFCache):
         self.grid = Grid(sink, page_size, self.config.window_pages)
         self.transfer = TransferStats()
         self.step = -1
-        self._timing: dict[str, float] = {}
-        self._attended = None
-        self.attended_calls = 0  # counts added into the attended tokens: one per sparse layer and step
-        self._attended_inplace = False  # CUDA-graph decoding: one counter, added to in place (GraphDecoder)
+        self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
         # CUDA-graph decoding (kvdex.integration.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
@@ -118,24 +115,17 @@ class Cache(HFCache):
         self._install_logits_hook(model)
 
     # ---- construction helpers --------------------------------------------------------------------
-    def _new_store(self, layer: KVDexLayer, k: torch.Tensor):
+    def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor):
+        """The store of a layer whose prompt keys are ``k`` [B, H, L, D] (:func:`kvdex.engine.make_store`)."""
         b, h, _, d = k.shape
         if h != self.policy.info.kv_heads:  # the store is sized from the keys; the policy was bound to the config
             raise ValueError(
-                f"layer {layer.layer_idx} received keys with {h} kv heads, but the model's config gives "
+                f"layer {layer_idx} received keys with {h} kv heads, but the model's config gives "
                 f"{self.policy.info.kv_heads} per process ({self.tp.size} tensor-parallel rank(s)); kvdex supports "
                 "transformers' own tensor parallelism (tp_plan) and models whose config matches their weights"
             )
         args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
-        if not layer.dense:  # a policy may bring its own store (IceCache's semantic pages)
-            work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
-            custom = self.policy.make_store(layer.layer_idx, self.config.offload, args, work)
-            if custom is not None:
-                return custom
-        if self.config.offload and not layer.dense:
-            work = self.config.retrieval_tokens if self.policy.uses_budget else self.grid.page_size
-            return OffloadStore(*args, work_tokens=work, page_cache=self.page_cache)
-        return DeviceStore(*args)
+        return make_store(self.config, self.policy, layer_idx, dense, args, self.page_cache)
 
     def _install_logits_hook(self, model) -> None:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -186,43 +176,44 @@ class Cache(HFCache):
                 stacklevel=stacklevel + 1,
             )
 
-    # ---- bookkeeping ------------------------------------------------------------------------------
-    @contextmanager
+    # ---- bookkeeping (kvdex.engine.StepCounters; these names are kept for the decoder and the tests) ----
     def _timed(self, name: str):
-        if not self.config.timing:
-            yield
-            return
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        yield
-        sync()
-        self._timing[name] = self._timing.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return self.counters.timed(name, self.config.timing)
 
     def _count_attended(self, total: torch.Tensor) -> None:
-        # one counter for all layers, on the device of the first sparse layer that counts (device_map:
-        # the other layers' counts move there explicitly)
-        if self._attended is not None and total.device != self._attended.device:
-            total = total.to(self._attended.device)
-        if self._attended is not None and self._attended_inplace:
-            self._attended.add_(total)  # CUDA-graph decode: one buffer that replayed steps accumulate into
-        else:
-            self._attended = total if self._attended is None else self._attended + total
-        self.attended_calls += 1
+        self.counters.count(total)
 
     def count_attended_in_place(self, device: torch.device) -> None:
-        """From now on the attended-token count is one persistent device counter (long, on ``device``
-        unless one exists) that every step adds into in place: CUDA-graph decoding, whose captured steps
-        add into it by address. Made once; later calls do nothing (a counter replaced would be freed under
-        the graphs that add into it, whose replays would then add into whatever tensor lands there)."""
-        if self._attended_inplace:
-            return
-        self._attended = (
-            torch.zeros((), dtype=torch.long, device=device)
-            if self._attended is None
-            else self._attended.to(torch.long).clone()
-        )
-        self._attended_inplace = True
+        """See :meth:`kvdex.engine.StepCounters.count_in_place` (CUDA-graph decoding)."""
+        self.counters.count_in_place(device)
+
+    @property
+    def _timing(self) -> dict[str, float]:
+        return self.counters.timing
+
+    @property
+    def _attended(self) -> torch.Tensor | None:
+        return self.counters.attended
+
+    @_attended.setter
+    def _attended(self, value: torch.Tensor | None) -> None:
+        self.counters.attended = value
+
+    @property
+    def _attended_inplace(self) -> bool:
+        return self.counters.inplace
+
+    @_attended_inplace.setter
+    def _attended_inplace(self, value: bool) -> None:
+        self.counters.inplace = value
+
+    @property
+    def attended_calls(self) -> int:
+        return self.counters.calls
+
+    @attended_calls.setter
+    def attended_calls(self, value: int) -> None:
+        self.counters.calls = value
 
     # ---- prefill once, decode many ----------------------------------------------------------------
     def fork(self, policy=None, budget: int | None = None, **overrides) -> Cache:
@@ -254,7 +245,7 @@ class Cache(HFCache):
             k, v = src.store.dense()
             dst.lazy_initialization(k, v)
             dst.seen = src.seen
-            dst._adopt(k, v, src.store.lengths_host, src.pads, src._obs_q)
+            dst.engine.adopt(k, v, src.store.lengths_host, src.pads, src.engine.obs_q)
         new.step = 0
         return new
 

@@ -161,7 +161,8 @@ def paged_attended_count_(
 
 
 def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages):
-    """The twin: the expression of ``KVDexLayer._paged_decode`` (static sizing), a 0-dim int64 tensor."""
+    """The twin: the expression of ``LayerEngine._paged_decode`` (kvdex.engine.step; static sizing), a 0-dim
+    int64 tensor."""
     L = lengths
     fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
     return (pages >= 0).sum() * page_size + fixed * pages.shape[1]

@@ -1,0 +1,228 @@
+"""``LayerEngine``: one transformer layer's cache and its step, without a model framework.
+
+A sparse layer's decoding step, top to bottom:
+
+1. :meth:`LayerEngine.append` stores the new token's k/v; a window page that leaves joins the middle and
+   the policy indexes it (``policy.index``; graph decoding with ``capturable_index``: ``append_join`` +
+   ``policy.index_join``);
+2. :meth:`LayerEngine.attention` -> :meth:`LayerEngine.decode`: **select** (``policy.select``) ->
+   **fetch** (``store.attend``: slot ids, or offloaded pages copied from host) -> **attend**
+   (``kernels.sparse_decode_attention``; on CUDA a page selection of a device store runs in one paged
+   kernel). A dense layer, or a selection of everything, attends densely.
+
+At prefill :meth:`LayerEngine.attention` attends densely and :meth:`LayerEngine.ingest` stores and
+indexes the prompt. The engine reads the policy, the configuration and the counters from its
+:class:`EngineHost` (``kvdex.Cache`` for transformers), held by a weak reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Protocol
+
+import torch
+
+from kvdex.config import CacheConfig
+from kvdex.engine.counters import StepCounters
+from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
+from kvdex.kernels.attention import causal_chunk_attention
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.policies.base import Policy
+from kvdex.storage import host_joins, left_padding, strip_left_padding
+
+# Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
+OBS_KEEP = 128
+
+
+class EngineHost(Protocol):
+    """What a layer's engine reads from the cache that owns it (shared by all its layers)."""
+
+    policy: Policy
+    config: CacheConfig
+    counters: StepCounters
+    # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode attention
+    observer: object
+    # CUDA-graph decoding: whether this step appends through the page-join path (None: where a page
+    # joins); joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
+    join_step: bool | None
+    joins_external: bool
+
+    def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor): ...
+
+
+class LayerEngine:
+    """One layer's store and its step: prefill ingest, append, decode attention."""
+
+    def __init__(self, host: EngineHost, layer_idx: int, dense: bool):
+        self._host = weakref.ref(host)
+        self.layer_idx = layer_idx
+        self.dense = dense
+        self.store = None
+        self.pads: torch.Tensor | None = None  # [B] (CPU) left padding of the prompt (set at prefill)
+        self.obs_q: torch.Tensor | None = None  # the prompt's last OBS_KEEP queries (for fork)
+        self._lengths_before: torch.Tensor | None = None
+
+    @property
+    def host(self) -> EngineHost:
+        h = self._host()
+        if h is None:
+            raise RuntimeError("the kvdex.Cache owning this layer was garbage-collected")
+        return h
+
+    # ---- append ----------------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new k/v [B, H, T, D] after the prompt; pages joining the middle are indexed."""
+        if k.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
+            self._lengths_before = self.store.lengths.clone()
+        if self._joins_static(k):
+            self._append_join(k, v)
+            return
+        update = self.store.append(k, v)
+        update.store = self.store
+        if not self.dense and not update.empty:
+            self.host.policy.index(self.layer_idx, update)
+
+    def _joins_static(self, k: torch.Tensor) -> bool:
+        """Whether this append takes the capturable page-join path (CUDA-graph decoding: static sizing, one
+        token, a policy with ``capturable_index``) -- on a step that the decoder marks as a join step, or,
+        without a decoder (``join_step`` None), on a step in which a page joins the middle."""
+        host, store = self.host, self.store
+        if k.shape[2] != 1 or not store.static or not host.policy.capturable_index:
+            return False
+        if host.join_step is None:
+            return bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
+        if not host.join_step and bool((host_joins(store.grid, store.lengths_host)[1] > 0).any()):
+            raise RuntimeError("a page joins the middle in a step the decoder did not mark as a join step")
+        return host.join_step
+
+    def _append_join(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token through ``store.append_join`` and, for a sparse layer, ``policy.index_join`` (device work
+        with fixed shapes). The policy's host side (``joined``) runs here unless a decoder runs it before
+        the step (``joins_external``: a replay skips this Python)."""
+        host, store = self.host, self.store
+        join = store.append_join(k, v)
+        if self.dense:
+            return
+        policy = host.policy
+        policy.reserve_index(self.layer_idx, int(store.grid.num_middle_pages(store.lengths_host).max()), store)
+        if not host.joins_external and bool((join.host_count > 0).any()):
+            policy.joined(self.layer_idx, join.host_start, join.host_count)
+        policy.index_join(self.layer_idx, join)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def ingest(self, k, v, pads, q) -> None:
+        """The prompt: k/v [B, H, L, D] left-padded by ``pads`` [B]; q: its queries."""
+        self.adopt(strip_left_padding(k, pads), strip_left_padding(v, pads), k.shape[2] - pads, pads, q)
+
+    def adopt(self, k, v, lengths, pads, q) -> None:
+        """Store left-aligned prompt k/v [B, H, L, D] and index it; q: the prompt's last queries."""
+        host = self.host
+        self.store = host.new_store(self.layer_idx, self.dense, k)
+        update = self.store.ingest(k, v, lengths)
+        update.store = self.store
+        # kept for fork(): policies with an observation window (a copy: a view would keep the whole prompt's q)
+        self.obs_q = q[:, :, -OBS_KEEP:].clone()
+        self.pads = pads
+        if self.dense:
+            return
+        w = min(host.policy.obs_window, q.shape[2])
+        if w:
+            update.obs_queries = q[:, :, -w:]  # left padding: the last rows are the newest real tokens
+            j = torch.arange(w)
+            update.obs_valid = (j[None, :] >= (w - lengths)[:, None]).to(q.device)
+        host.policy.index(self.layer_idx, update)
+
+    # ---- attention -------------------------------------------------------------------------------
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """q [B, Hq, T, D]; k/v the new keys/values [B, H, T, D]; key_mask [B, L] (prefill). Returns [B, T, Hq, D]."""
+        b, t = q.shape[0], q.shape[2]
+        chunk = self.host.config.prefill_chunk
+        if self.store is None:  # prefill: dense attention, then ingest the prompt
+            L = k.shape[2]
+            q_pos = None if key_mask is None else torch.arange(L, device=q.device).expand(b, L)
+            out = dense_attention(q, k, v, q_pos, key_mask, scale, chunk)
+            self.ingest(k, v, left_padding(key_mask, b, L), q)
+            return out
+        if t == 1:
+            return self.decode(q[:, :, 0], scale).unsqueeze(1)
+        # several new tokens on top of a filled cache (e.g. a second turn): dense over everything
+        kd, vd = self.store.dense()
+        if bool((self.store.lengths_host == kd.shape[2]).all()):  # no ragged lengths: fused lower-right causal
+            return causal_chunk_attention(q, kd, vd, scale)
+        q_pos = self._lengths_before[:, None] + torch.arange(t, device=q.device)[None, :]
+        key_mask = torch.arange(kd.shape[2], device=q.device)[None, :] < self.store.lengths[:, None]
+        return dense_attention(q, kd, vd, q_pos, key_mask, scale, chunk)
+
+    def decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """One token's attention, q [B, Hq, D] -> [B, Hq, D]: select -> fetch -> attend."""
+        host, store = self.host, self.store
+        if self.dense:
+            return self._dense_decode(q, scale)
+        policy, counters, timing = host.policy, host.counters, host.config.timing
+        with counters.timed("selection", timing):
+            sel = on_device(policy.select(self.layer_idx, q, store, scale), store.device)
+        if sel.everything and store.positional_slots and host.observer is None:
+            return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
+        fused = store.positional_slots and host.observer is None and not policy.observes
+        if fused and sel.pages is not None and sel.tokens is None:
+            out = self._paged_decode(q, sel.pages, scale)  # CUDA: slot list built inside the kernel
+            if out is not None:
+                return out
+        with counters.timed("transfer", timing):
+            aset = store.attend(sel)
+        with counters.timed("attention", timing):
+            out = sparse_decode_attention(q, aset.k, aset.v, aset.idx, aset.valid, scale)
+        counters.count(aset.valid.sum())
+        if policy.observes:  # e.g. H2O accumulates the attention of the attended tokens
+            with counters.timed("selection", timing):
+                policy.observe(self.layer_idx, q, aset, scale)
+        if host.observer is not None:
+            host.observer(self.layer_idx, q, store, aset, scale)
+        return out
+
+    def _paged_decode(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """DeviceStore + page selection on CUDA: one kernel instead of attend() + the slot kernel."""
+        host, store = self.host, self.store
+        counters, timing, g = host.counters, host.config.timing, store.grid
+        with counters.timed("attention", timing):
+            out = paged_decode_attention(
+                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale
+            )
+        if out is not None:  # attended tokens: sink + window rows below each length, plus the pages
+            static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
+            fast = _fast_paged_count() if static and counters.inplace else None
+            if fast is not None and counters.attended is not None:  # the same count in one launch, in place
+                fast(counters.attended, pages, store.lengths, g.sink, g.page_size, g.window_pages)
+                counters.calls += 1
+                return out
+            L = store.lengths if static else store.lengths_host
+            fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
+            counters.count((pages >= 0).sum() * g.page_size + (fixed if static else int(fixed)))
+        return out
+
+    def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        host, store = self.host, self.store
+        counters, timing = host.counters, host.config.timing
+        with counters.timed("attention", timing):
+            k, v = store.dense()
+            # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
+            n = None if store.static else int(store.lengths_host.max())  # static: graph capture
+            out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=n)
+        if not self.dense:
+            counters.count(store.lengths.sum() * store.kv_heads)
+        return out
+
+
+def on_device(sel, device: torch.device):
+    """``sel`` with its indices on ``device`` (device_map: a selection shared across layers on other devices)."""
+    moved = {n: t.to(device) for n in ("pages", "tokens") if (t := getattr(sel, n)) is not None and t.device != device}
+    return dataclasses.replace(sel, **moved) if moved else sel
+
+
+def _fast_paged_count():
+    """kvdex.kernels.step_triton.paged_attended_count_ (the attended-token counter of a CUDA-graph paged
+    decode: one launch instead of ~19 elementwise kernels) when triton imports, else None."""
+    return triton_kernel("step_triton", "paged_attended_count_")
