@@ -278,8 +278,10 @@ def _replay_contract(model, spec, static=True, steps=60, whole=False):
         lay.store.static = static
     dec = GraphDecoder(model, cache)  # used for its decisions only (no CUDA: nothing is captured)
     if whole:  # as GraphDecoder._capture: the attended-token counter is one buffer, added to in place
-        cache._attended = torch.zeros((), dtype=torch.long) if cache._attended is None else cache._attended.clone()
-        cache._attended_inplace = True
+        cache.counters.attended = (
+            torch.zeros((), dtype=torch.long) if cache.counters.attended is None else cache.counters.attended.clone()
+        )
+        cache.counters.inplace = True
     tracer = _Tracer(cache, whole)
     by_key: dict = {}
     replayable, problems = 0, []

@@ -203,8 +203,10 @@ def _join_contract(model, spec, offload=False, steps=48):
         lay.store.static = True
     dec = GraphDecoder(model, cache)  # its decisions only (no CUDA: nothing is captured)
     dec._joins, cache.joins_external = True, True
-    cache._attended = torch.zeros((), dtype=torch.long) if cache._attended is None else cache._attended.clone()
-    cache._attended_inplace = True
+    cache.counters.attended = (
+        torch.zeros((), dtype=torch.long) if cache.counters.attended is None else cache.counters.attended.clone()
+    )
+    cache.counters.inplace = True
     # the whole cache side on the GPU-resident store; offloaded (whose CPU fetch path syncs, unlike its
     # UVA path on a GPU): the store's join append, the policy's select and its index_join
     tracer = G._Tracer(cache, whole=not offload)

@@ -109,7 +109,7 @@ class ReuseMeter:
 def phase_split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
     """Selection / transfer / attention / rest per step, from the cache's own phase timing."""
     cache.config = dataclasses.replace(cache.config, timing=True)
-    before = dict(cache._timing)
+    before = dict(cache.counters.timing)
     reuse = ReuseMeter(cache.policy)
     sync_device(device)
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def phase_split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
     out = {"step_ms_timed": total, "page_reuse": reuse.rate()}
     known = 0.0
     for name in ("selection", "transfer", "attention"):
-        v = (cache._timing.get(name, 0.0) - before.get(name, 0.0)) / steps
+        v = (cache.counters.timing.get(name, 0.0) - before.get(name, 0.0)) / steps
         out[f"{name}_ms"] = v
         known += v
     out["rest_ms"] = max(total - known, 0.0)

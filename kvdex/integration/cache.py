@@ -176,45 +176,6 @@ class Cache(HFCache):
                 stacklevel=stacklevel + 1,
             )
 
-    # ---- bookkeeping (kvdex.engine.StepCounters; these names are kept for the decoder and the tests) ----
-    def _timed(self, name: str):
-        return self.counters.timed(name, self.config.timing)
-
-    def _count_attended(self, total: torch.Tensor) -> None:
-        self.counters.count(total)
-
-    def count_attended_in_place(self, device: torch.device) -> None:
-        """See :meth:`kvdex.engine.StepCounters.count_in_place` (CUDA-graph decoding)."""
-        self.counters.count_in_place(device)
-
-    @property
-    def _timing(self) -> dict[str, float]:
-        return self.counters.timing
-
-    @property
-    def _attended(self) -> torch.Tensor | None:
-        return self.counters.attended
-
-    @_attended.setter
-    def _attended(self, value: torch.Tensor | None) -> None:
-        self.counters.attended = value
-
-    @property
-    def _attended_inplace(self) -> bool:
-        return self.counters.inplace
-
-    @_attended_inplace.setter
-    def _attended_inplace(self, value: bool) -> None:
-        self.counters.inplace = value
-
-    @property
-    def attended_calls(self) -> int:
-        return self.counters.calls
-
-    @attended_calls.setter
-    def attended_calls(self, value: int) -> None:
-        self.counters.calls = value
-
     # ---- prefill once, decode many ----------------------------------------------------------------
     def fork(self, policy=None, budget: int | None = None, **overrides) -> Cache:
         """A new cache holding this cache's prefill, for another policy / budget / storage.
@@ -278,13 +239,14 @@ class Cache(HFCache):
         t = self.transfer
         pcs = [lay.store.page_cache_stats() for lay in sparse if lay.store.page_cache]
         pc = [sum(p[k] for p in pcs) for k in ("hits", "misses", "bytes_moved")]
-        attended = float(self._attended) if self._attended is not None else 0.0
+        cnt = self.counters
+        attended = float(cnt.attended) if cnt.attended is not None else 0.0
         counts = self.tp.sum_values(dev, host, t.h2d_bytes, t.d2h_bytes, t.h2d_calls, attended, *pc)
         dev, host, h2d, d2h, calls, hits, misses, moved = (int(v) for v in counts[:5] + counts[6:])
         per_head = None
-        if self._attended is not None and sparse:
+        if cnt.attended is not None and sparse:
             b, h = sparse[0].store.batch, sparse[0].store.kv_heads * self.tp.size
-            per_head = counts[5] / (self.attended_calls * b * h)
+            per_head = counts[5] / (cnt.calls * b * h)
         c = self.config
         out = {
             "policy": self.policy.name,
@@ -318,5 +280,5 @@ class Cache(HFCache):
             }
         if c.timing:
             steps = max(self.step, 1)
-            out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self._timing.items())}
+            out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self.counters.timing.items())}
         return out

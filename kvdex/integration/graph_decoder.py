@@ -284,7 +284,7 @@ class GraphDecoder:
                 lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
         c.transfer.h2d_bytes += self._delta[0]
         c.transfer.h2d_calls += self._delta[1]
-        c.attended_calls += self._delta[2]
+        c.counters.calls += self._delta[2]
         c.warn_if_long(c.layers[0].seen, stacklevel=3)
 
     def _base(self, key):
@@ -297,18 +297,18 @@ class GraphDecoder:
             del self.graphs[k]  # captured over buffers that were re-allocated since: never replayed again
         # attended tokens: a persistent device counter that the replays accumulate into (in place), made at
         # the first capture only: the graphs kept (both page-join variants of a key) add into it by address
-        c.count_attended_in_place(self.device)
+        c.counters.count_in_place(self.device)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         t = c.transfer
-        before = (t.h2d_bytes, t.h2d_calls, c.attended_calls)
+        before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
         with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
             self.logits = out.logits[:, -1]
-        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.attended_calls - before[2])
+        self._delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.counters.calls - before[2])
         self.graphs[key] = (g, self.logits, self._delta)
         self.counts["captures"] += 1
 
