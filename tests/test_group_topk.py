@@ -137,7 +137,7 @@ def test_heads_attends_every_query_heads_best_page(spec):
 def test_prkv_static_heads_holds_every_heads_top_tokens():
     """static_group="heads": after a refresh (Algorithm 1), the static front holds every query head's
     top ``k_s // G`` tokens by its own window score (keys in position order)."""
-    from kvdex.policies._obs import middle_scores
+    from test_prkv import _window_scores
 
     model, _ = shared_pair("llama_gqa")
     cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, static_ratio=0.5, refresh=5, obs=8,
@@ -149,14 +149,7 @@ def test_prkv_static_heads_holds_every_heads_top_tokens():
         step = pol.steps[layer] - 1
         if step == 0 or step % 5:
             return
-        k, _ = store.dense()
-        org = pol.origin[layer]
-        m = org.shape[2]
-        kpos = k.clone()
-        for h in range(store.kv_heads):
-            kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
-        ring = pol.rings[layer]
-        s = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale, per_query_head=True)
+        s, org = _window_scores(pol, layer, store, scale, per_query_head=True)
         ns = int(pol.static[layer][0])
         g = q.shape[1] // store.kv_heads
         assert ns >= g

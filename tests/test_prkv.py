@@ -259,9 +259,10 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     assert pol.static[1].tolist() == [n_static, n_static]
 
 
-def _window_scores(pol, layer, store, scale):
+def _window_scores(pol, layer, store, scale, per_query_head=False):
     """The observation scores of PRKV's ring over the middle with the keys put back in position order
-    (sequence 0), computed here from the store; returns (scores [1, H, L], origin of each middle slot)."""
+    (sequence 0), computed here from the store; returns (scores [1, H, L] or, ``per_query_head``,
+    [1, Hq, L], origin of each middle slot)."""
     ring = pol.rings[layer]
     k, _ = store.dense()
     org = pol.origin[layer]
@@ -269,7 +270,10 @@ def _window_scores(pol, layer, store, scale):
     kpos = k.clone()
     for h in range(store.kv_heads):
         kpos[0, h, SINK + org[0, h, :m]] = k[0, h, SINK : SINK + m]
-    return middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale), org
+    s = middle_scores(
+        ring.q, ring.pos, ring.valid, kpos, store.lengths, store.grid, scale, per_query_head=per_query_head
+    )
+    return s, org
 
 
 def test_static_set_is_topk_of_window_scores():
