@@ -331,6 +331,18 @@ def _same_tree(a, b) -> bool:
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def _dense_prefill(model):
+    """A ragged batch of two prompts prefilled densely once (the prefill its forks share) and the first
+    greedy token: (ids, mask, the ``full`` cache, first token [B, 1])."""
+    from conftest import positions
+
+    ids, mask, _ = left_padded([260, 150], seed=7)
+    base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
+    with torch.no_grad():
+        last = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(base)).logits[:, -1]
+    return ids, mask, base, last.argmax(-1, keepdim=True)
+
+
 def _decode_from_fork(model, ids, mask, fork, first, new):
     ids2 = torch.cat([ids, first], dim=1)
     mask2 = torch.cat([mask, torch.ones_like(first)], dim=1)
@@ -341,14 +353,8 @@ def _decode_from_fork(model, ids, mask, fork, first, new):
 def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
     """Forks of one prefill reuse its trees (no rebuild) and select exactly what a freshly built
     cache selects; a fork's insertions never reach the shared trees, the original or a sibling."""
-    from conftest import positions
-
     model, _ = shared_pair("llama_gqa")
-    ids, mask, _ = left_padded([260, 150], seed=7)
-    base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
-    with torch.no_grad():
-        last = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(base)).logits[:, -1]
-    first = last.argmax(-1, keepdim=True)
+    ids, mask, base, first = _dense_prefill(model)
     a = base.fork(policy="icecache", budget=96, offload=offload)
     b = base.fork(policy="icecache", budget=64, offload=offload)  # another budget: the trees do not depend on it
     a.policy.flush()

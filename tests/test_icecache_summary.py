@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, left_padded, positions, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair
 
 import kvdex
 from kvdex import cache_kwargs
@@ -221,16 +221,13 @@ def test_bad_options_raise():
 def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
     """A fork of a prefill whose table another fork made (Cache.fork's memo) copies that table instead of the
     prefill keys and trees, and decodes what a fresh cache decodes; the first fork's insertions never reach it."""
+    from test_icecache import _decode_from_fork, _dense_prefill
+
     model, _ = shared_pair("llama_gqa")
-    ids, mask, _ = left_padded([260, 150], seed=7)
-    base = kvdex.Cache(model, "full", budget=64, dense_layers=1)
-    with torch.no_grad():
-        last = model(ids, attention_mask=mask, position_ids=positions(mask), **cache_kwargs(base)).logits[:, -1]
-    first = last.argmax(-1, keepdim=True)
-    ids2, mask2 = torch.cat([ids, first], 1), torch.cat([mask, torch.ones_like(first)], 1)
+    ids, mask, base, first = _dense_prefill(model)
     a = base.fork(policy=spec, budget=96)
     assert all(k is not None for _, k, _, _ in a.policy._prefill_keys.values())
-    greedy(model, ids2, mask2, a, new=30)  # makes the table (memo) and inserts into its own copy
+    _decode_from_fork(model, ids, mask, a, first, 30)  # makes the table (memo) and inserts into its own copy
     b = base.fork(policy=spec, budget=96)
     assert b.policy._prefill_keys and all(k is None for _, k, _, _ in b.policy._prefill_keys.values())
     fresh = kvdex.Cache(model, spec, budget=96, dense_layers=1)
@@ -238,7 +235,7 @@ def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
     _observe(b, log_b)
     _observe(fresh, log_fresh)
     t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=31)
-    t_b, l_b = greedy(model, ids2, mask2, b, new=30)
+    t_b, l_b = _decode_from_fork(model, ids, mask, b, first, 30)
     assert torch.equal(t_b, t_fresh)
     torch.testing.assert_close(l_b, l_fresh[1:], atol=1e-5, rtol=0)
     assert len(log_b) == len(log_fresh) > 0
