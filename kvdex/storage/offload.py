@@ -28,7 +28,6 @@ the window go to host memory in one write per sequence, not token by token.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -37,6 +36,7 @@ from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.host import _GROW_PAGES, HostPages
+from kvdex.storage.page_cache import PageCacheMixin
 
 
 def _fast_slot_list():
@@ -49,7 +49,7 @@ def _fast_append():
     return triton_kernel("step_triton", "append_rows")
 
 
-class OffloadStore(LayerStore):
+class OffloadStore(PageCacheMixin, LayerStore):
     def __init__(self, *args, work_tokens: int, page_cache: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         g = self.grid
@@ -64,11 +64,7 @@ class OffloadStore(LayerStore):
         work = page_cache * g.page_size if page_cache else max(work_tokens, g.page_size)
         self._alloc_device(work)
         if page_cache:
-            dev, shape = self.device, (self.batch, self.kv_heads, page_cache + 1)  # column C: a write sink
-            self.pc_page = torch.full(shape, -1, dtype=torch.long, device=dev)  # page held by each slot
-            self.pc_stamp = torch.full(shape, -1, dtype=torch.long, device=dev)  # step it was last used
-            self.pc_tick = torch.zeros((), dtype=torch.long, device=dev)
-            self.pc_count = torch.zeros((self.batch, self.kv_heads, 2), dtype=torch.long, device=dev)  # hits, misses
+            self._page_cache_alloc()
 
     def _alloc_device(self, work: int) -> None:
         shape = (self.batch, self.kv_heads, self.fixed + work, self.head_dim)
@@ -80,67 +76,11 @@ class OffloadStore(LayerStore):
             v[:, :, :n] = self.v[:, :, :n]
         self.k, self.v = k, v
 
-    # ---- device page cache ----------------------------------------------------------------
-    def _page_cache_flush(self) -> None:
-        if self.page_cache:
-            self.pc_page.fill_(-1)
-            self.pc_stamp.fill_(-1)
-
-    def page_cache_stats(self) -> dict:
-        """Hits, misses (selected pages, summed over sequences and kv heads) and bytes moved host ->
-        device through the page cache since the store was made (reads the device counters: a sync)."""
-        if not self.page_cache:
-            return {}
-        hits, misses = (int(x) for x in self.pc_count.sum((0, 1)))
-        page = 2 * self.grid.page_size * self.head_dim * self.k.element_size()
-        return {"hits": hits, "misses": misses, "bytes_moved": misses * page}
-
-    def _pc_fused(self):
-        """kvdex.kernels.uva when the bookkeeping runs as one Triton kernel (UVA stores, at most 512 slots;
-        ``KVDEX_PC_FUSED=0`` turns it off), else None (the PyTorch ops below, the kernel's twin). On by
-        default: one kernel instead of a dozen small ones per layer and step; its GPU test decodes
-        bit-identically to the PyTorch bookkeeping."""
-        if self.host._uva is None or os.environ.get("KVDEX_PC_FUSED", "1") != "1" or self.page_cache > 512:
-            return None
-        return self.host._uva
-
-    def _cached_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """Make every selected page resident in the pool; returns the rows of the selected pages' tokens in
-        the store's buffers, [B, H, P * page_size] (entries that are padding point at slot 0)."""
-        c, ps = self.page_cache, self.grid.page_size
-        pages = pages.long()
-        fused = self._pc_fused()
-        if fused is not None:
-            self.pc_tick.add_(1)
-            rows, dst = fused.page_cache_step(
-                pages.contiguous(), self.pc_page, self.pc_stamp, self.pc_tick, self.pc_count, self.fixed, ps
-            )
-            self.host.fill_slots(pages, dst, self.k, self.v, self.fixed)
-            return rows
-        live = pages >= 0
-        eq = (pages[..., :, None] == self.pc_page[..., None, :c]) & live[..., None]  # [B, H, P, C]
-        hit = eq.any(-1)
-        hit_slot = eq.to(torch.uint8).argmax(-1)
-        miss = live & ~hit
-        used = eq.any(-2)  # slots a hit of this step keeps
-        key = torch.where(used, torch.iinfo(torch.long).max, self.pc_stamp[..., :c])
-        order = torch.sort(key, dim=-1, stable=True).indices  # free slots, least recently used first
-        rank = (miss.long().cumsum(-1) - 1).clamp(min=0)  # the r-th miss takes the r-th free slot (C >= P)
-        miss_slot = order.gather(-1, rank)
-        slot = torch.where(hit, hit_slot, torch.where(miss, miss_slot, 0))
-        self.pc_tick.add_(1)
-        self.pc_page.scatter_(-1, torch.where(miss, miss_slot, c), pages)
-        self.pc_stamp.scatter_(-1, torch.where(live, slot, c), self.pc_tick.expand(pages.shape))
-        self.pc_count.add_(torch.stack([hit.sum(-1), miss.sum(-1)], dim=-1))
-        self.host.fill_slots(pages, torch.where(miss, miss_slot, -1), self.k, self.v, self.fixed)
-        offs = torch.arange(ps, device=self.device)
-        return (self.fixed + slot[..., None] * ps + offs).flatten(2)
-
     @property
     def work_capacity(self) -> int:
         return self.k.shape[2] - self.fixed
 
-    def _slot(self, pos: torch.Tensor) -> torch.Tensor:
+    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
         g = self.grid
         return torch.where(pos < g.sink, pos, g.sink + (pos - g.sink).clamp(min=0) % g.window)
 
@@ -161,9 +101,6 @@ class OffloadStore(LayerStore):
     def reserve_prompt(self, tokens: int) -> None:
         self.host.reserve(self.grid.middle_pages_of(tokens) + _GROW_PAGES)
 
-    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
-        return self._slot(pos)
-
     # ---- writes -------------------------------------------------------------------------
     def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
         g = self.grid
@@ -183,7 +120,7 @@ class OffloadStore(LayerStore):
         pos = self._window_slots_positions()  # [B, W]
         ok = pos < self.lengths[:, None]
         src = pos.clamp(max=k.shape[2] - 1)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
-        slot = torch.where(ok, self._slot(pos), self.k.shape[2])  # invalid rows -> dropped below
+        slot = torch.where(ok, self.window_slots(pos), self.k.shape[2])  # invalid rows -> dropped below
         for buf, x in ((self.k, k), (self.v, v)):
             rows = x.gather(2, src)
             keep = ok[:, None, :, None]
@@ -214,7 +151,7 @@ class OffloadStore(LayerStore):
             if fast is not None:  # one Triton launch instead of ~9 kernels (kvdex.kernels.step_triton)
                 fast(self.k, self.v, k[:, :, j : j + 1], v[:, :, j : j + 1], self.lengths, ring=(g.sink, g.window))
             else:
-                slot = self._slot(self.lengths)
+                slot = self.window_slots(self.lengths)
                 bi = torch.arange(self.batch, device=self.device)
                 self.k[bi, :, slot] = k[:, :, j]
                 self.v[bi, :, slot] = v[:, :, j]
@@ -242,7 +179,7 @@ class OffloadStore(LayerStore):
         if fast is not None:
             fast(self.k, self.v, k, v, self.lengths, ring=(g.sink, g.window))
         else:
-            slot = self._slot(self.lengths)
+            slot = self.window_slots(self.lengths)
             bi = torch.arange(self.batch, device=self.device)
             self.k[bi, :, slot] = k[:, :, 0]
             self.v[bi, :, slot] = v[:, :, 0]
@@ -275,7 +212,7 @@ class OffloadStore(LayerStore):
                 self.v[b, :, a : a + ns] = v[b, :, :ns]
             w0 = g.sink + int(m0[b]) * ps  # first position of the current window
             old = torch.arange(w0, max(w0, a), device=self.device)  # window rows already in the ring
-            slots = self._slot(old)
+            slots = self.window_slots(old)
             tail_k = torch.cat([self.k[b][:, slots], k[b, :, ns:]], dim=1)  # positions w0 ... e-1
             tail_v = torch.cat([self.v[b][:, slots], v[b, :, ns:]], dim=1)
             n = int(m1[b] - m0[b])
@@ -287,8 +224,8 @@ class OffloadStore(LayerStore):
             keep = min(g.window, tail_k.shape[1])  # the newest rows, each in its ring slot
             if keep:
                 pos = torch.arange(e - keep, e, device=self.device)
-                self.k[b][:, self._slot(pos)] = tail_k[:, -keep:]
-                self.v[b][:, self._slot(pos)] = tail_v[:, -keep:]
+                self.k[b][:, self.window_slots(pos)] = tail_k[:, -keep:]
+                self.v[b][:, self.window_slots(pos)] = tail_v[:, -keep:]
         self._advance(t)
         return MiddleUpdate(torch.where(count > 0, m0, 0), count, keys, vals)
 
@@ -311,7 +248,7 @@ class OffloadStore(LayerStore):
         win = self._window_slots_positions()
         pos = torch.cat([sink, win], dim=1)
         valid = pos < self.lengths[:, None]
-        slots = self._slot(pos)
+        slots = self.window_slots(pos)
         ex = lambda x: x[:, None, :].expand(b, h, -1)  # noqa: E731
         return ex(slots), ex(valid), ex(pos)
 
@@ -405,7 +342,7 @@ class OffloadStore(LayerStore):
             del blocks
         pos = self._window_slots_positions()
         ok = pos < self.lengths[:, None]
-        slots = self._slot(pos)
+        slots = self.window_slots(pos)
         tgt = torch.where(ok, pos, n)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         ix = slots[:, None, :, None].expand_as(tgt)
         for dst, buf in ((k, self.k), (v, self.v)):
