@@ -8,9 +8,9 @@ print(cache.stats())
 """
 
 from kvdex.config import CacheConfig
-from kvdex.integration import Cache, enable, load
-from kvdex.integration.compat import cache_kwargs
-from kvdex.integration.graph import GraphDecoder, generate
+from kvdex.hf import Cache, enable, load
+from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.graph import GraphDecoder, generate
 from kvdex.policies import Policy, make_policy, policies, register_policy
 from kvdex.selection import Selection
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from kvdex.config import DEFAULT_BUDGET, DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.compat import cache_kwargs
 
 # ---- policies ------------------------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ def describe_policy(name: str) -> tuple[str, str]:
 
 def cmd_policies(args: argparse.Namespace) -> int:
     import kvdex
-    from kvdex.integration.graph import graph_policies
+    from kvdex.hf.graph import graph_policies
 
     capturable = set(graph_policies())
     names = kvdex.policies()

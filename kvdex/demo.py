@@ -40,7 +40,7 @@ import kvdex
 from kvdex import models
 from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.eval import passkey
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.compat import cache_kwargs
 
 DEFAULT_POLICIES = ("full", "oracle", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
 DEFAULT_LENGTH = 6000  # SmolLM2-135M's trained context is 8k

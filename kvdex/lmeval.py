@@ -3,10 +3,10 @@
     python -m kvdex.lmeval --model kvdex --model_args pretrained=smollm2,policy=quest,budget=256 --tasks ...
 
 ``import kvdex.lmeval`` registers the model for ``lm_eval.simple_evaluate(model="kvdex", ...)``.
-The model is :class:`kvdex.integration.lmeval.KVDexLM` (needs ``pip install "kvdex[lmeval]"``).
+The model is :class:`kvdex.hf.lmeval.KVDexLM` (needs ``pip install "kvdex[lmeval]"``).
 """
 
-from kvdex.integration.lmeval import KVDexLM, main
+from kvdex.hf.lmeval import KVDexLM, main
 
 __all__ = ["KVDexLM", "main"]
 

@@ -1,4 +1,4 @@
-"""Chunked prefill (``kvdex.integration.prefill.chunked_prefill``) == one forward over the prompt:
+"""Chunked prefill (``kvdex.hf.prefill.chunked_prefill``) == one forward over the prompt:
 same last logits, same stored K/V (device and host), same decode afterwards; and the bulk
 multi-token append of the offloaded store == token-by-token appends, exactly."""
 
@@ -10,7 +10,7 @@ from conftest import left_padded, prompt
 
 import kvdex
 from kvdex import cache_kwargs
-from kvdex.integration.prefill import chunked_prefill
+from kvdex.hf.prefill import chunked_prefill
 from kvdex.selection import Selection
 from kvdex.storage import Grid, OffloadStore, TransferStats
 

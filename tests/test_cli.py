@@ -79,7 +79,7 @@ LONG_PROMPT = " ".join([passkey.FILLER] * 12)  # ~280 tokens: sink, a middle of 
 
 
 def test_policies_lists_registered_names(capsys):
-    from kvdex.integration.graph import graph_policies
+    from kvdex.hf.graph import graph_policies
 
     assert cli.main(["policies"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

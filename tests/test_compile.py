@@ -20,7 +20,7 @@ from conftest import PAGE, build_pair, left_padded, prompt, shared_pair
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench.compile import step_kernels
-from kvdex.integration.graph import GraphDecoder, decoder_layers
+from kvdex.hf.graph import GraphDecoder, decoder_layers
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 

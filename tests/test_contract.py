@@ -167,7 +167,7 @@ def test_fork_independence_and_offload_at_small_budget(policy):
 
 
 def _capturable() -> list[str]:
-    from kvdex.integration.graph import graph_policies
+    from kvdex.hf.graph import graph_policies
 
     return [p for p in POLICIES if p in graph_policies()]
 

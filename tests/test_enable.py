@@ -9,7 +9,7 @@ from conftest import FAMILY_NAMES, build_pair, greedy, left_padded, positions, p
 from transformers import AttentionInterface, DynamicCache
 
 import kvdex
-from kvdex.integration.attention import kvdex_attention, padding_mask
+from kvdex.hf.attention import kvdex_attention, padding_mask
 
 
 @pytest.fixture(params=FAMILY_NAMES)

@@ -1,4 +1,4 @@
-"""CUDA-graph decoding (kvdex.integration.graph): the capture-safety contract of every graph policy,
+"""CUDA-graph decoding (kvdex.hf.graph): the capture-safety contract of every graph policy,
 checked on CPU, plus graph == eager on a GPU.
 
 A CUDA graph replays the kernels of one captured step. A policy may be replayed when, under static
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
-from kvdex.integration.graph import GraphDecoder, generate, graph_policies
+from kvdex.hf.graph import GraphDecoder, generate, graph_policies
 
 BUDGET = 80  # sink 16 + window 32 + 32 retrieved tokens (2 pages of 16)
 

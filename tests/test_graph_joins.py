@@ -1,4 +1,4 @@
-"""Page joins inside a captured decode step (``Policy.capturable_index``, kvdex.integration.graph).
+"""Page joins inside a captured decode step (``Policy.capturable_index``, kvdex.hf.graph).
 
 Under static sizing a policy that declares ``capturable_index`` indexes the page that joins the middle
 (at most one per sequence and step) through ``LayerStore.append_join`` -> ``Policy.joined`` (host) ->
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import shapes
-from kvdex.integration.graph import GraphDecoder, graph_policies
+from kvdex.hf.graph import GraphDecoder, graph_policies
 from kvdex.policies import policy_class
 from kvdex.storage import host_joins
 

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvdex"
 # kvdex.kernels sits under the policies, the stores and the transformers adapter
-KERNEL_FORBIDDEN = ("kvdex.policies", "kvdex.storage", "kvdex.integration", "kvdex.engine", "kvdex.hf")
+KERNEL_FORBIDDEN = ("kvdex.policies", "kvdex.storage", "kvdex.hf", "kvdex.engine", "kvdex.hf")
 
 
 def module_name(path: Path) -> str:
@@ -230,7 +230,7 @@ def test_engine_imports_no_transformers():
 # policy's optional behaviour is a method or ClassVar of Policy, never a hasattr.
 PROBE_DIRS = (
     "kvdex/engine/",
-    "kvdex/integration/",
+    "kvdex/hf/",
     "kvdex/bench/",
     "kvdex/eval/",
 )  # hasattr / getattr probes: the engine
@@ -280,7 +280,7 @@ def test_probe_finder_finds_planted_probes():
         "getattr(store, 'static', False)\nhasattr(p, 'graph_key')\ngetattr(c.policy, 'positions', None)\n"
         "getattr(layer, '_pads', None)\n"
     )
-    assert len(probes(src, "kvdex/integration/x.py")) == 7
+    assert len(probes(src, "kvdex/hf/x.py")) == 7
     assert len(probes("hasattr(store, '_slot')\nisinstance(x, DeviceStore)", "kvdex/policies/x.py")) == 2
     assert probes("isinstance(x, DeviceStore)\ngetattr(cfg, 'head_dim', None)", "kvdex/storage/x.py") == []
     assert probes("getattr(model.config, 'x', None)\nhasattr(self, 'y')", "kvdex/bench/x.py") == []

@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import kvdex.lmeval  # noqa: E402  (registers the "kvdex" model)
 from kvdex import models  # noqa: E402
-from kvdex.integration.lmeval import KVDexLM, split_model_args, validate  # noqa: E402
+from kvdex.hf.lmeval import KVDexLM, split_model_args, validate  # noqa: E402
 
 TASKS = Path(__file__).parent / "data" / "lmeval"
 TASK = "kvdex_passkey"

@@ -236,7 +236,7 @@ def test_device_map_cpu_and_disk(disk_mapped, policy):
 
 
 def test_selection_moves_to_the_layer_device():
-    from kvdex.integration.cache import _on_device
+    from kvdex.hf.cache import _on_device
 
     sel = Selection(pages=torch.zeros(1, 2, 3, dtype=torch.long))
     assert _on_device(sel, torch.device("cpu")) is sel  # already there: no copy

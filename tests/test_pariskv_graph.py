@@ -16,7 +16,7 @@ from conftest import left_padded, shared_pair
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
-from kvdex.integration.graph import graph_policies
+from kvdex.hf.graph import graph_policies
 from kvdex.policies.pariskv import ADAPTIVE_RATIOS, PAPER_OPTIONS, PAPER_SPEC, ParisKVPolicy
 
 SPECS = [

@@ -68,8 +68,8 @@ def _marked():
     torch.compile), restored afterwards."""
     from transformers import AttentionInterface
 
-    from kvdex.integration import attention as att
-    from kvdex.integration.cache import Cache
+    from kvdex.hf import attention as att
+    from kvdex.hf.cache import Cache
 
     upd = Cache.__dict__["update"]
     mapping = AttentionInterface._global_mapping

@@ -36,13 +36,13 @@ class BenchConfig:
     # "only": just the graph variants
     graph: bool | str = False
     # True: also the graph variants with the model's decoder layers through torch.compile (inductor, no
-    # inductor cudagraphs), as "POLICY/STORAGE+graph+compile" (kvdex.integration.graph.CompiledLayers)
+    # inductor cudagraphs), as "POLICY/STORAGE+graph+compile" (kvdex.hf.graph.CompiledLayers)
     compile: bool = False
     seed: int = 0
     policy_options: dict = field(default_factory=dict)
     # offloaded kvdex methods: device page-cache slots per (sequence, kv head); 0 = off
     page_cache: int = 0
-    # prefill in forwards of this many tokens (kvdex.integration.prefill.chunked_prefill); 0 = one forward
+    # prefill in forwards of this many tokens (kvdex.hf.prefill.chunked_prefill); 0 = one forward
     prefill_chunk: int = 0
     # a real model (path or .gguf, loaded by kvdex.load) instead of random weights of ``shape``
     model: str | None = None

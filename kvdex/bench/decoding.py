@@ -6,7 +6,7 @@ import torch
 
 import kvdex
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.compat import cache_kwargs
 
 
 def sync_device(device: torch.device) -> None:
@@ -57,7 +57,7 @@ def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
 @torch.no_grad()
 def prefill(model, cache, ids, chunk: int = 0):
     if chunk and ids.shape[1] > chunk:
-        from kvdex.integration.prefill import chunked_prefill
+        from kvdex.hf.prefill import chunked_prefill
 
         return chunked_prefill(model, cache, ids, chunk)[:, -1]
     out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)

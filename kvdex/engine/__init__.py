@@ -2,7 +2,7 @@
 the choice of store (:mod:`kvdex.engine.stores`) and the step counters (:mod:`kvdex.engine.counters`).
 
 It imports torch and kvdex's storage, policies, kernels, selection and config, never transformers:
-the transformers adapter (:mod:`kvdex.integration`) and any other backend drive it.
+the transformers adapter (:mod:`kvdex.hf`) and any other backend drive it.
 """
 
 from kvdex.engine.counters import StepCounters

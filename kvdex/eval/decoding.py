@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.compat import cache_kwargs
 
 
 @dataclass
@@ -33,7 +33,7 @@ class DecodeContext:
     def step(self, token: int) -> torch.Tensor:
         """Feed one token through the fork; returns the next-token logits [vocab] (fp32, a fresh tensor).
 
-        ``decode == "graph"``: through the fork's :class:`~kvdex.integration.graph.GraphDecoder` (which
+        ``decode == "graph"``: through the fork's :class:`~kvdex.hf.graph.GraphDecoder` (which
         replays CUDA graphs where it can and runs the other steps eagerly, e.g. page boundaries, or all
         of them where the policy / store cannot be captured or there is no CUDA device). While an
         observer is attached to the cache, or after :meth:`force_eager`, steps run eagerly here.
@@ -44,7 +44,7 @@ class DecodeContext:
             self._counts["eager"] += 1
             return forward_token(self.model, self.cache, token)
         if self._decoder is None:
-            from kvdex.integration.graph import GraphDecoder
+            from kvdex.hf.graph import GraphDecoder
 
             self._decoder = GraphDecoder(self.model, self.cache, 1, warn=False)
         dec = self._decoder

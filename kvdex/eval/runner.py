@@ -11,7 +11,7 @@ sample gets ``cache.fork(policy, budget)`` -- a fresh policy re-indexing the sam
 task decodes from it. ``full`` is always run: every metric is reported with its ratio to ``full``.
 
 Decode steps run eagerly or through CUDA graphs (``EvalConfig.decode``: ``auto`` = graphs on CUDA,
-eager elsewhere): each fork gets its own :class:`kvdex.integration.graph.GraphDecoder`, dropped with
+eager elsewhere): each fork gets its own :class:`kvdex.hf.graph.GraphDecoder`, dropped with
 the fork. Graph replay runs the same kernels as an eager step under static sizing, which equals the
 eager (dynamic) result up to float rounding, so the mode is not part of a run's identity; every
 prediction record says how it was decoded (``decode``, ``decode_steps``, ``decode_reason``).
@@ -38,7 +38,7 @@ import torch
 
 from kvdex.eval.decoding import DecodeContext, forward_token, greedy, stop_token_ids, teacher_forced
 from kvdex.eval.runs import DECODE_MODES, FULL, EvalConfig, RunResult, environment, read_predictions, resolve_decode
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.compat import cache_kwargs
 
 __all__ = [
     "DECODE_MODES", "FULL", "DecodeContext", "EvalConfig", "Run", "RunResult", "Sample", "Task", "environment",

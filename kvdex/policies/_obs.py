@@ -134,7 +134,7 @@ class QueryRing:
         if self.q is None:
             b, hq, d = q.shape
             self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
-        # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.integration.graph)
+        # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.hf.graph)
         # that pushes reads and writes the same ring on every replay
         self.q.copy_(torch.cat([self.q[:, :, 1:], q[:, :, None]], dim=2))
         self.pos.copy_(torch.cat([self.pos[:, 1:], pos.to(self.pos.device)[:, None]], dim=1))

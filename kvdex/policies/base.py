@@ -15,7 +15,7 @@ Life cycle, driven by :class:`kvdex.Cache`:
 * ``select(layer, q, store, scale)`` every decode step, per sparse layer -> :class:`Selection`;
 * ``on_step(step, logits)``          after every decode step, with the last-position logits.
 
-**Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.integration.graph).
+**Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.hf.graph).
 Under static sizing, a single-token decode step in which pages join the middle (at most one per
 sequence) does not call ``index``; instead, per sparse layer:
 
@@ -59,7 +59,7 @@ _REGISTRY: dict[str, type[Policy]] = {}
 class PolicyInfo:
     """What a policy knows about its cache. ``q_heads`` / ``kv_heads``: the heads this process holds
     (under tensor parallelism a rank's share); its kv head ``h`` is the model's head ``head_offset + h``;
-    ``tp``: the tensor-parallel group (:class:`kvdex.integration.distributed.TensorParallel`, None: one process)."""
+    ``tp``: the tensor-parallel group (:class:`kvdex.hf.distributed.TensorParallel`, None: one process)."""
 
     config: CacheConfig
     num_layers: int
@@ -140,7 +140,7 @@ class Policy:
 
     def graph_unsupported(self, stores) -> str | None:
         """Why this policy's decode step cannot be captured in a CUDA graph with these ``stores``, or None
-        (``kvdex.integration.graph``). Default: None for a ``capturable`` policy."""
+        (``kvdex.hf.graph``). Default: None for a ``capturable`` policy."""
         if self.capturable:
             return None
         return f"policy {self.name!r} does not support graph capture (its selection touches the CPU)"
@@ -148,7 +148,7 @@ class Policy:
     def graph_key(self, stores) -> tuple | None:
         """Before each step of a captured decode: what the step's captured work depends on beyond the
         stores' buffers (ids and shapes of the policy's device buffers, widths baked into the step), or
-        None when this step must run eagerly (``kvdex.integration.graph``). Asked only where
+        None when this step must run eagerly (``kvdex.hf.graph``). Asked only where
         :meth:`graph_unsupported` is None. Default: ``()``, a step that reads no policy buffer."""
         return ()
 

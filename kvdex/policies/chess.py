@@ -331,7 +331,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             return self._sel_on.setdefault(store.device, Selection(pages=self._sel.pages.to(store.device)))
         return self._sel
 
-    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # The selection only changes in _build, which runs in on_step (after the step, outside a captured
     # graph) or before a page-boundary step (joined: the budget cover). Under static sizing select returns
     # one persistent [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured

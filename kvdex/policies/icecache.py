@@ -129,7 +129,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             raise ValueError("search='summary' retrieves no keys: use budget_rule='tokens' (or another search)")
         if self.search != "summary" and self.group_merge == "max":
             raise ValueError("group_merge='max' (max of the group's page bounds) needs search='summary'")
-        # CUDA-graph decoding (kvdex.integration.graph) only without tree searches: the protocol's graph_key /
+        # CUDA-graph decoding (kvdex.hf.graph) only without tree searches: the protocol's graph_key /
         # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
         self.capturable = self.search == "summary"
         # search="summary": a window page joining the middle is placed inside the captured step too
@@ -311,7 +311,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         self._stats["queries"] += 1
         return sel
 
-    # ---- search="summary": CUDA-graph decoding (kvdex.integration.graph; pages: _icecache_index.py) ----
+    # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: _icecache_index.py) ----
     def graph_unsupported(self, stores) -> str | None:
         if self.search == "summary":
             return None

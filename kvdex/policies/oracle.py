@@ -34,7 +34,7 @@ class OraclePolicy(IndexFreePolicy):
     granularity = "token"
     capturable = True
 
-    # CUDA-graph decoding (kvdex.integration.graph). On the resident store with static sizing,
+    # CUDA-graph decoding (kvdex.hf.graph). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).
     def graph_unsupported(self, stores) -> str | None:
         if any(s.offloaded for s in stores):

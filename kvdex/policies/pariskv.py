@@ -222,7 +222,7 @@ class ParisKVPolicy(IndexMixin, Policy):
             idx.counts[bi] += K.cluster_counts(ids[bi, :, :c], valid, 1 << self.m)
             idx.n[bi] = max(int(idx.n[bi]), s + c)
 
-    # ---- CUDA-graph decoding (kvdex.integration.graph) -----------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.hf.graph) -----------------------------------------------
     # Under static sizing (``store.static``, set by the graph decoder) select issues the same device work
     # on every step between two page boundaries and reads no device value on the host: it votes over the
     # whole index capacity (slots past each row's middle length masked on the device), keeps the pool in a

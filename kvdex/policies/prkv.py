@@ -262,7 +262,7 @@ class PRKVPolicy(Policy):
             tokens = tokens[:, None, :].expand(b, h, -1)
         return Selection(pages=pages, tokens=tokens)
 
-    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # A step replays when it does not restructure (the first decode step and every refresh-th step
     # run eagerly: Algorithm 1 permutes the store with data-dependent shapes). Otherwise select pushes
     # the query into the ring (in place) and scores the digests over the index capacity; the static

@@ -83,7 +83,7 @@ class QuestPolicy(Policy):
             self.kmin[layer], self.kmax[layer] = kmin, kmax
         return self.kmin[layer], self.kmax[layer]
 
-    # CUDA-graph decoding (kvdex.integration.graph): static select reads only device tensors
+    # CUDA-graph decoding (kvdex.hf.graph): static select reads only device tensors
     def graph_key(self, stores) -> tuple:
         return tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items())) + tuple(
             (lay, id(t)) for lay, t in sorted(self.kmax.items())

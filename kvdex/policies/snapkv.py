@@ -76,7 +76,7 @@ class SnapKVPolicy(Policy):
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
-    # ---- CUDA-graph decoding (kvdex.integration.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # The first decode step (the prompt's votes) and every refresh-th step (SnapKV+) run eagerly; the
     # others only push the query into the ring (in place) and read the chosen tokens (a buffer that a
     # refresh rewrites in place) and, with refresh=0, the tokens kept since the prefill: a -1-padded

@@ -23,7 +23,7 @@ class StreamingPolicy(IndexFreePolicy):
     capturable = True
     granularity = "token"
 
-    # CUDA-graph decoding (kvdex.integration.graph): select is device arithmetic on the lengths only
+    # CUDA-graph decoding (kvdex.hf.graph): select is device arithmetic on the lengths only
     def graph_key(self, stores) -> tuple:
         return ()
 

@@ -111,13 +111,13 @@ class TransferStats:
 class LayerStore(ABC):
     """KV of one layer for a batch, in HND layout: per (sequence, kv head) a run of pages.
 
-    What the engine (``kvdex.integration``) and the policies may ask a store, instead of testing its
+    What the engine (``kvdex.hf``) and the policies may ask a store, instead of testing its
     class: :attr:`static`, :attr:`offloaded`, :attr:`positional_slots`, :attr:`page_cache`,
     :meth:`graph_unsupported`, :meth:`graph_buffers`, :meth:`grows_on_append`, :meth:`reserve_prompt`
     and :meth:`window_slots`.
     """
 
-    #: Static sizing (CUDA-graph decoding, :mod:`kvdex.integration.graph`): reads of the store and the
+    #: Static sizing (CUDA-graph decoding, :mod:`kvdex.hf.graph`): reads of the store and the
     #: selections made over it keep shapes that no host value decides (``dense`` returns the whole slot
     #: buffer, policies score their whole reserved index), so one captured step replays on every step.
     #: Off by default; switched on by :meth:`use_static_sizing` (never off again for this store).
@@ -190,7 +190,7 @@ class LayerStore(ABC):
             raise ValueError("order must leave the slots past a sequence's own middle in place")
         return m
 
-    # ---- capturable page joins (CUDA-graph decoding, kvdex.integration.graph) ------------------
+    # ---- capturable page joins (CUDA-graph decoding, kvdex.hf.graph) ------------------
     def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
         """One new token per sequence (k/v [B, H, 1, D]) with static shapes: every device op is the same
         whichever sequences' oldest window page joins the middle (a device mask), so a CUDA graph can

@@ -19,8 +19,8 @@ import torch
 import kvdex
 from kvdex.eval.recall import attention_metrics
 from kvdex.eval.runner import FULL
-from kvdex.integration.compat import cache_kwargs
-from kvdex.integration.graph import GraphDecoder
+from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.graph import GraphDecoder
 
 
 def _pad_id(tokenizer) -> int:

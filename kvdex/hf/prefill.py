@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kvdex.integration.cache import Cache
-from kvdex.integration.compat import cache_kwargs
+from kvdex.hf.cache import Cache
+from kvdex.hf.compat import cache_kwargs
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.integration.model_parts import attention_modules, text_config
+from kvdex.hf.model_parts import attention_modules, text_config
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvdex.integration.cache import Cache
-from kvdex.integration.compat import cache_kwargs
-from kvdex.integration.compiled_layers import _compile_mode
-from kvdex.integration.graph_decoder import GraphDecoder
+from kvdex.hf.cache import Cache
+from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.compiled_layers import _compile_mode
+from kvdex.hf.graph_decoder import GraphDecoder
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
@@ -54,7 +54,7 @@ def generate(
     with ``temperature`` / ``top_k`` / ``top_p``. ``eos_token_id`` (default: the model's generation
     config) ends a row; finished rows get ``pad_token_id``. The next ids never leave the device
     inside the loop; whether every row has finished is looked at every ``check_every`` steps.
-    ``prefill_chunk``: prefill in forwards of that many tokens (``kvdex.integration.prefill``).
+    ``prefill_chunk``: prefill in forwards of that many tokens (``kvdex.hf.prefill``).
     ``generator``: a ``torch.Generator`` on the model's device, for reproducible sampling.
     ``compile``: decode steps run the model's decoder layers through ``torch.compile`` (inductor fuses
     the elementwise work; the prefill stays uncompiled), see :class:`GraphDecoder`. Compiling happens on
@@ -90,7 +90,7 @@ def generate(
     if prefill_chunk and input_ids.shape[1] > prefill_chunk:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("prefill_chunk needs prompts without padding")
-        from kvdex.integration.prefill import chunked_prefill
+        from kvdex.hf.prefill import chunked_prefill
 
         logits = chunked_prefill(model, cache, input_ids, prefill_chunk)[:, -1]
     else:

@@ -10,7 +10,7 @@ Data flow of one decoding step through one sparse layer (docs/architecture.md dr
    ``policy.select`` -> ``store.attend`` (fetching offloaded pages) -> the decode kernel;
 3. after the forward, the logits hook calls ``policy.on_step`` (CHESS's trigger, PRKV's refresh).
 
-:class:`KVDexLayer` lives in :mod:`kvdex.integration.layer` (re-exported here); steps 1-2 themselves
+:class:`KVDexLayer` lives in :mod:`kvdex.hf.layer` (re-exported here); steps 1-2 themselves
 in :mod:`kvdex.engine.step` and the choice of store in :mod:`kvdex.engine.stores`, without transformers.
 """
 
@@ -31,8 +31,8 @@ from kvdex.config import (
     CacheConfig,
 )
 from kvdex.engine import StepCounters, make_store
-from kvdex.integration.distributed import tensor_parallel
-from kvdex.integration.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
+from kvdex.hf.distributed import tensor_parallel
+from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import Grid, TransferStats
 
@@ -45,7 +45,7 @@ class Cache(HFCache):
     are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
     ``page_cache``: with ``offload=True``, page slots per sequence and kv head that keep recently
     selected pages on the device, so a step transfers only the others (>= the pages selected per
-    step; 0 = off). See ``kvdex.storage.offload``. Long prompts: ``kvdex.integration.prefill``.
+    step; 0 = off). See ``kvdex.storage.offload``. Long prompts: ``kvdex.hf.prefill``.
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class Cache(HFCache):
         page_cache: int = 0,
         **policy_options,
     ):
-        from kvdex.integration.loading import attention_modules, enable, text_config
+        from kvdex.hf.loading import attention_modules, enable, text_config
 
         self.config = CacheConfig(
             budget=budget,
@@ -98,7 +98,7 @@ class Cache(HFCache):
         self.transfer = TransferStats()
         self.step = -1
         self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
-        # CUDA-graph decoding (kvdex.integration.graph) of a policy with capturable_index: join_step says
+        # CUDA-graph decoding (kvdex.hf.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
         self.join_step: bool | None = None

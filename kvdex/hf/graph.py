@@ -69,18 +69,18 @@ A capture runs the step's Python once (its CPU-side effects are those of the cap
 ``on_step`` hook is held back and called after the first replay, when the logits exist).
 
 **torch.compile of the model's own work** (``compile=True``, opt-in): see
-:mod:`kvdex.integration.compiled_layers`.
+:mod:`kvdex.hf.compiled_layers`.
 
-The code lives in three modules, re-exported here: :mod:`~kvdex.integration.graph_decoder`
-(:class:`GraphDecoder`, :func:`graph_policies`), :mod:`~kvdex.integration.compiled_layers`
-(:class:`CompiledLayers`, :func:`decoder_layers`) and :mod:`~kvdex.integration.generate` (:func:`generate`).
+The code lives in three modules, re-exported here: :mod:`~kvdex.hf.graph_decoder`
+(:class:`GraphDecoder`, :func:`graph_policies`), :mod:`~kvdex.hf.compiled_layers`
+(:class:`CompiledLayers`, :func:`decoder_layers`) and :mod:`~kvdex.hf.generate` (:func:`generate`).
 """
 
 from __future__ import annotations
 
-from kvdex.integration.compiled_layers import COMPILE_MODES, CompiledLayers, decoder_layers
-from kvdex.integration.generate import generate
-from kvdex.integration.graph_decoder import JOIN_HEADROOM_PAGES, GraphDecoder, graph_policies
+from kvdex.hf.compiled_layers import COMPILE_MODES, CompiledLayers, decoder_layers
+from kvdex.hf.generate import generate
+from kvdex.hf.graph_decoder import JOIN_HEADROOM_PAGES, GraphDecoder, graph_policies
 
 __all__ = [
     "COMPILE_MODES",

@@ -10,9 +10,9 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvdex.integration.attention import ATTN_NAME, kvdex_attention, padding_mask
-from kvdex.integration.distributed import tensor_parallel
-from kvdex.integration.model_parts import attention_modules, text_config  # noqa: F401  (kvdex.integration.loading's names)
+from kvdex.hf.attention import ATTN_NAME, kvdex_attention, padding_mask
+from kvdex.hf.distributed import tensor_parallel
+from kvdex.hf.model_parts import attention_modules, text_config  # noqa: F401  (kvdex.hf.loading's names)
 
 
 def _check_supported(model) -> None:

@@ -13,9 +13,9 @@ from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import CacheLayerMixin
 
 from kvdex.engine.step import OBS_KEEP, LayerEngine, on_device
-from kvdex.integration.attention import TAG
+from kvdex.hf.attention import TAG
 
-_on_device = on_device  # the former name (kvdex.integration.cache re-exports it)
+_on_device = on_device  # the former name (kvdex.hf.cache re-exports it)
 __all__ = ["OBS_KEEP", "KVDexLayer"]
 
 

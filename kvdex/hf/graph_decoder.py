@@ -1,7 +1,7 @@
 """The CUDA-graph decoder: :class:`GraphDecoder` (capture, replay, the CPU bookkeeping after a replay).
 
 What a step must satisfy to be captured, the policy protocol (``graph_unsupported`` / ``graph_key`` /
-``graph_replayed``) and page joins are described in :mod:`kvdex.integration.graph`.
+``graph_replayed``) and page joins are described in :mod:`kvdex.hf.graph`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from contextlib import contextmanager
 
 import torch
 
-from kvdex.integration.cache import Cache
-from kvdex.integration.compat import cache_kwargs
-from kvdex.integration.compiled_layers import CompiledLayers, _compile_mode
+from kvdex.hf.cache import Cache
+from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.compiled_layers import CompiledLayers, _compile_mode
 from kvdex.storage import host_joins
 
 # Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of

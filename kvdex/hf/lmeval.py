@@ -35,9 +35,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 import torch
 
 from kvdex.config import CacheConfig
-from kvdex.integration.cache import Cache
-from kvdex.integration.compat import cache_kwargs
-from kvdex.integration.loading import enable
+from kvdex.hf.cache import Cache
+from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.loading import enable
 from kvdex.models import resolve_model
 from kvdex.policies import make_policy, policies
 from kvdex.policies.base import parse_policy_spec, policy_class
