@@ -173,3 +173,21 @@ def test_chunked_prefill_holds_one_layers_dense_kv_at_a_time(llama, monkeypatch)
     chunked_prefill(model, cache, torch.cat([prompt(300, 11), prompt(300, 12)]), 64)
     assert len(calls) == 4 * 2  # 300 tokens in chunks of 64: every later chunk, both offloaded layers
     assert max(calls) == 0
+
+
+def test_full_graph_key_counts_the_pages_its_offloaded_step_attends():
+    """``full``'s graph key (taken before a step) is the middle page count the step's ``attend`` fetches after its
+    token joins: in a ragged batch a join of the shortest row and a join of the longest row start from the same
+    count, and a graph keyed by the count before the step would replay the first one for the second (H200)."""
+    from kvdex.policies.full import FullPolicy
+
+    grid = Grid(sink=4, page_size=4, window_pages=2)
+    b, h, d = 2, 1, 4
+    k, v = torch.randn(b, h, 24, d), torch.randn(b, h, 24, d)
+    st = OffloadStore(grid, b, h, d, torch.float32, "cpu", TransferStats(), work_tokens=64)
+    st.ingest(k, v, torch.tensor([24, 19]))  # row 0's next token joins a page, and the batch's page count grows
+    key = FullPolicy().graph_key([st])
+    st.append_join(torch.randn(b, h, 1, d), torch.randn(b, h, 1, d))
+    attended = st.attend(Selection(everything=True))
+    middle = attended.idx.shape[-1] - grid.sink - grid.window
+    assert key == (middle // grid.page_size,)

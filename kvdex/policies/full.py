@@ -16,10 +16,13 @@ class FullPolicy(IndexFreePolicy):
     capturable = True
 
     def graph_key(self, stores) -> tuple:
-        """An offloaded store fetches the whole middle (its page count is baked into the step)."""
+        """An offloaded store fetches the whole middle: the step's page count (after its token is appended, as
+        ``attend`` sees it) is baked into the step. Keyed before the step, so it counts ``lengths + 1``: in a ragged
+        batch a join step of a shorter row and one of the longest row start from the same count but attend
+        different numbers of pages."""
         if any(s.offloaded for s in stores):
             st = stores[-1]
-            return (int(st.grid.num_middle_pages(st.lengths_host).max()),)
+            return (int(st.grid.num_middle_pages(st.lengths_host + 1).max()),)
         return ()
 
     def select(self, layer, q, store, scale) -> Selection:
