@@ -107,7 +107,7 @@ def test_full_budget_decodes_like_full_after_the_same_fill(model):
     # static region's last page unattended when the retrieval budget is not a multiple of the page size)
     budget = cfg.sink + cfg.window + cfg.page_size * -(-(CTX + 64) // cfg.page_size)
     ref_toks, ref_logits = _greedy_after_fill(model, "full/device", cfg, budget)
-    for method in ["hf/dynamic", *(f"{p}/{s}" for p in POLICIES for s in ("device", "offload"))]:
+    for method in ["hf/dynamic", *(f"{p}/{s}" for p in (*POLICIES, "h2o") for s in ("device", "offload"))]:
         toks, logits = _greedy_after_fill(model, method, cfg, budget)
         assert torch.equal(toks, ref_toks), method
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4, msg=method)
