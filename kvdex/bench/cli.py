@@ -16,6 +16,8 @@ method at a budget covering the context gives the dense step's logits, then meas
 and batch: prefill time, ms/token (median, p90 over --steps after --warmup, CUDA events),
 throughput, peak device / host memory, host->device bytes, and the split of a step into
 selection / transfer / attention / rest. Writes bench.json, bench.png and a table.
+--kv random fills each method's cache with random keys/values instead of prefilling a prompt:
+decode timings only (prefill time and peak come from --kv prompt runs).
 
 example (H200): kvdex bench --shape llama3-8b --contexts 32k,128k --batches 1 --budget 2048 --graph
 """
@@ -99,6 +101,13 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="prefill in forwards of N tokens (KV goes to host as chunks finish; device memory stays flat); "
         "0 = one forward (default)",
     )
+    p.add_argument(
+        "--kv",
+        default="prompt",
+        help="prompt: each method prefills a prompt through the model (default); random: each method's cache "
+        "is filled with seeded N(0,1) keys/values (and observation queries) of the context length per layer, "
+        "through the same ingest as a prefill; decode timings only (its fill time is fill_s, not prefill)",
+    )
     p.add_argument("--model", default=None, help="a real model (HF dir/id or .gguf via kvdex.load) instead of --shape")
     p.add_argument("--text", default=None, help="with --model: prompt text file (.txt, or .json with a 'text' field)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench/<shape>-<time>)")
@@ -160,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         prefill_chunk=args.prefill_chunk,
         model=args.model,
         text=args.text,
+        kv=args.kv,
     )
 
 

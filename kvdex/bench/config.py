@@ -10,6 +10,9 @@ import torch
 from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 
 HF_METHODS = ("hf/dynamic", "hf/offloaded")
+# where the cache's prompt comes from: "prompt" = a prefill forward over the prompt's token ids;
+# "random" = random keys / values put straight into the cache (decode timings only)
+KV_SOURCES = ("prompt", "random")
 
 
 @dataclass
@@ -48,6 +51,22 @@ class BenchConfig:
     model: str | None = None
     # prompt text for a real model (a .txt file, or .json with a "text" field); else random token ids
     text: str | None = None
+    # "prompt": each method prefills its prompt through the model (timed: prefill_s); "random": each
+    # method's cache is filled with N(0, 1) keys / values of the context length per layer, seeded, through
+    # the ingest of a prefill (kvdex.bench.decoding.fill_random; timed: fill_s). Decode is the same either way.
+    kv: str = "prompt"
+
+    def __post_init__(self):
+        if self.kv not in KV_SOURCES:
+            raise ValueError(
+                f"--kv {self.kv!r}: use 'prompt' (prefill a prompt through the model) or 'random' (fill the cache "
+                "with random keys/values; decode timings only)"
+            )
+        if self.kv == "random" and (self.text or self.prefill_chunk):
+            raise ValueError(
+                "--kv random fills the cache without a prompt: drop --text and --prefill-chunk (they shape the "
+                "prefill of --kv prompt)"
+            )
 
     def methods(self) -> list[str]:
         out = [f"{p}/{s}" for p in self.policies for s in self.storages]

@@ -1,4 +1,5 @@
-"""The pieces of one benchmark decode: a method's cache, the prompt, the prefill and one greedy step."""
+"""The pieces of one benchmark decode: a method's cache, the prompt, the prefill (or a random fill of the
+cache) and one greedy step."""
 
 from __future__ import annotations
 
@@ -62,6 +63,47 @@ def prefill(model, cache, ids, chunk: int = 0):
         return chunked_prefill(model, cache, ids, chunk)[:, -1]
     out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
+
+
+@torch.no_grad()
+def fill_random(model, cache, context: int, batch: int, seed: int) -> None:
+    """Fill ``cache`` as a prefill of ``context`` tokens would, with random keys and values instead of a forward.
+
+    Every layer gets keys and values [batch, kv heads, context, head dim], N(0, 1) in the model's dtype,
+    made on the model's device one layer at a time from a generator seeded by ``seed`` and the layer
+    (every method sees the same numbers). A :class:`kvdex.Cache` adopts each layer through the ingest
+    of a prefill (:meth:`kvdex.Cache.adopt_prefill`: store, offloaded host copy, page cache, the
+    policy's index) with random observation queries; a transformers cache takes each layer through its
+    ``update``. The next step decodes at position ``context``. Decode time does not depend on what the
+    keys hold, so this times decoding at long contexts without the prefill's compute."""
+    from kvdex.hf.cache import OBS_KEEP
+    from kvdex.hf.distributed import tensor_parallel
+    from kvdex.hf.model_parts import text_config
+
+    p = next(model.parameters())
+    cfg = text_config(model)
+    ranks = tensor_parallel(model).size  # tensor parallelism: this rank's share of the heads
+    q_heads = cfg.num_attention_heads // ranks
+    kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator(device=p.device)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=p.device, dtype=p.dtype)
+
+    def layer(i):  # k, v [B, H, L, D] and the last min(L, OBS_KEEP) queries [B, Hq, W, D]
+        g.manual_seed(seed * 4096 + i)
+        kv = (batch, kv_heads, context, head_dim)
+        return randn(*kv), randn(*kv), randn(batch, q_heads, min(context, OBS_KEEP), head_dim)
+
+    n = cfg.num_hidden_layers
+    if isinstance(cache, kvdex.Cache):
+        cache.adopt_prefill((layer(i) for i in range(n)), torch.full((batch,), context))
+        return
+    for i in range(n):
+        k, v, _ = layer(i)
+        cache.update(k, v, i)
+        del k, v
 
 
 @torch.no_grad()

@@ -33,7 +33,10 @@ def table(result: dict) -> str:
     The headline is tokens per second over every timed step (index updates included) and its ratio
     to dense ``full`` at the same context, batch and storage; the median, p90 and mean ms per token
     stand beside it (a mean far above the median means some steps are much slower than the rest).
-    ``eager``: CUDA-graph methods, the timed steps that ran eagerly instead of replaying a graph."""
+    ``eager``: CUDA-graph methods, the timed steps that ran eagerly instead of replaying a graph.
+    Rows of ``--kv random`` runs (a cache filled with random keys / values, no prefill) give decode
+    figures only: their ``prefill s`` and ``peak GB`` are ``-`` (those come from ``--kv prompt`` runs)
+    and a note under the table says so."""
     head = (
         f"{'method':<26} {'ctx':>5} {'b':>2} {'tok/s':>9} {'x full':>6} {'ms med':>8} {'p90':>8} {'mean':>8} "
         f"{'prefill s':>9} "
@@ -41,6 +44,7 @@ def table(result: dict) -> str:
         f"{'reuse':>5} {'pc hit':>6} {'eager':>5}"
     )
     lines = [head, "-" * len(head)]
+    filled = False
     for r in result.get("results", []):
         lead = f"{r['method']:<26} {_ctx(r['context']):>5} {r['batch']:>2}"
         if r["status"] != "ok":
@@ -54,13 +58,21 @@ def table(result: dict) -> str:
                 for k in ("selection", "transfer", "attention", "rest")
             )
         host = r.get("kv_host_gb")
+        random_kv = r.get("kv") == "random"  # no prefill ran: no prefill time, no whole-method peak
+        filled = filled or random_kv
         lines.append(
             f"{lead} {r['tokens_per_s']:>9.1f} {_fmt(_vs_full(result, r), '.2f'):>6} {r['ms_median']:>8.2f} "
-            f"{r['ms_p90']:>8.2f} {_fmt(r.get('ms_mean'), '.2f'):>8} {r['prefill_s']:>9.2f} "
-            f"{_fmt(r.get('peak_device_gb'), '.1f'):>7} {_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
+            f"{r['ms_p90']:>8.2f} {_fmt(r.get('ms_mean'), '.2f'):>8} {_fmt(r.get('prefill_s'), '.2f'):>9} "
+            f"{_fmt(None if random_kv else r.get('peak_device_gb'), '.1f'):>7} "
+            f"{_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
             f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
             f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6} "
             f"{_fmt(r.get('eager_steps'), 'd'):>5}"
+        )
+    if filled:
+        lines.append(
+            "--kv random: caches filled with random keys/values of the context (no prefill; fill_s and "
+            "fill_peak_device_gb in bench.json); decode figures only, prefill time and peak come from --kv prompt runs"
         )
     return "\n".join(lines)
 
@@ -93,7 +105,8 @@ def plot(result: dict, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("ms / token (median)")
-        ax.set_title(f"{result['config']['shape']}, batch {b}, budget {result['config']['budget']}")
+        kv = ", random KV" if result["config"].get("kv") == "random" else ""
+        ax.set_title(f"{result['config']['shape']}, batch {b}, budget {result['config']['budget']}{kv}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -4,11 +4,13 @@ For one model shape, every (context length, batch size) and every method -- each
 a GPU-resident store (``policy/device``) and offloaded (``policy/offload``), transformers'
 ``DynamicCache`` (``hf/dynamic``) and its offloaded variant (``hf/offloaded``) -- one run:
 
-1. builds the cache and prefills random token ids (timed);
+1. builds the cache and prefills random token ids (timed), or with ``kv="random"`` fills it with
+   random keys / values of the context length through the ingest of a prefill (timed as ``fill_s``;
+   decode timings only, see :func:`~kvdex.bench.decoding.fill_random`);
 2. decodes ``warmup`` steps, then ``steps`` timed steps, greedy, the next ids never leaving the
    device (no host synchronisation added by the harness). On CUDA every step is bracketed by CUDA
    events; ms/token is their median and p90; throughput = batch * steps / wall time;
-3. peak device memory over prefill + decode and during decode alone, host RSS, KV bytes on host,
+3. peak device memory over prefill (or fill) + decode and during decode alone, host RSS, KV bytes on host,
    host->device bytes per step;
 4. for kvdex methods, ``split_steps`` more steps with the cache's phase timing switched on (it
    synchronises around selection / transfer / attention, so these steps are slower and only give
@@ -38,7 +40,7 @@ import kvdex
 from kvdex.bench import shapes
 from kvdex.bench.checks import COMPILE_TOL, check_full_budget, check_graph, compile_info
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method, is_compiled, is_graph, parse_dtype
-from kvdex.bench.decoding import decode_step, load_text_ids, make_cache, make_prompt, prefill, sync_device
+from kvdex.bench.decoding import decode_step, fill_random, load_text_ids, make_cache, make_prompt, prefill, sync_device
 from kvdex.bench.timing import h2d_bytes, make_stepper, page_cache_counts, percentile, phase_split, timed_steps
 
 # the names these helpers had here before they moved (tests and scripts use them)
@@ -68,7 +70,6 @@ def _host_rss() -> int:
 def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text_ids=None) -> dict:
     device = next(model.parameters()).device
     rec = dict(method=method, context=context, batch=batch, status="ok")
-    vocab = model.config.vocab_size
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -81,18 +82,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         return rec
     try:
         cache = make_cache(model, method, cfg)
-        ids = make_prompt(batch, context, vocab, cfg.seed + context + batch, device, text_ids)
-        sync_device(device)
-        t0 = time.perf_counter()
-        logits = prefill(model, cache, ids, cfg.prefill_chunk)
-        sync_device(device)
-        rec["prefill_s"] = time.perf_counter() - t0
-        if cfg.prefill_chunk:
-            rec["prefill_chunk"] = cfg.prefill_chunk
-        if device.type == "cuda":
-            rec["prefill_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        del ids
-        nxt = logits.argmax(-1, keepdim=True)
+        nxt = _start(model, cache, rec, cfg, text_ids, device)
         stepper = None
         if is_graph(method):
             from kvdex.bench.graph import GraphDecoder
@@ -139,9 +129,8 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
                 rec["h2d_gbps_during_transfer"] = rec["h2d_bytes_per_step"] / (t * 1e-3) / 1e9 if t > 0 else None
         if device.type == "cuda":
             # whole method: the prefill's peak and the peak since the reset after warm-up
-            rec["peak_device_gb"] = max(
-                torch.cuda.max_memory_allocated(device) / 1e9, rec.get("prefill_peak_device_gb", 0.0)
-            )
+            start_peak = rec.get("prefill_peak_device_gb", rec.get("fill_peak_device_gb", 0.0))
+            rec["peak_device_gb"] = max(torch.cuda.max_memory_allocated(device) / 1e9, start_peak)
         rec["host_rss_gb"] = _host_rss() / 1e9
     except torch.OutOfMemoryError as e:
         rec["status"] = "OOM"
@@ -155,6 +144,35 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rec
+
+
+def _start(model, cache, rec: dict, cfg: BenchConfig, text_ids, device) -> torch.Tensor:
+    """Put the context into ``cache`` (``cfg.kv``: a timed prefill of the prompt, or a timed random fill)
+    and return the first ids to decode [B, 1]. ``kv: "random"`` records the fill's time and device
+    peak as ``fill_s`` / ``fill_peak_device_gb``, never as prefill figures."""
+    context, batch, vocab = rec["context"], rec["batch"], model.config.vocab_size
+    seed = cfg.seed + context + batch
+    rec["kv"] = cfg.kv
+    if cfg.kv == "random":
+        sync_device(device)
+        t0 = time.perf_counter()
+        fill_random(model, cache, context, batch, seed)
+        sync_device(device)
+        rec["fill_s"] = time.perf_counter() - t0
+        if device.type == "cuda":
+            rec["fill_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        return make_prompt(batch, 1, vocab, seed + 1, device)
+    ids = make_prompt(batch, context, vocab, seed, device, text_ids)
+    sync_device(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, ids, cfg.prefill_chunk)
+    sync_device(device)
+    rec["prefill_s"] = time.perf_counter() - t0
+    if cfg.prefill_chunk:
+        rec["prefill_chunk"] = cfg.prefill_chunk
+    if device.type == "cuda":
+        rec["prefill_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return logits.argmax(-1, keepdim=True)
 
 
 def _host_need(model, method: str, context: int, batch: int, cfg: BenchConfig) -> int:
@@ -282,7 +300,8 @@ def _line(r: dict) -> str:
     hit = r.get("page_cache_hit_rate")
     return (
         f"{head}  {r['ms_median']:8.2f} ms/token (p90 {r['ms_p90']:.2f})  {r['tokens_per_s']:9.1f} tok/s  "
-        f"prefill {r['prefill_s']:.2f} s  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
+        + (f"prefill {r['prefill_s']:.2f} s" if "prefill_s" in r else f"random fill {r['fill_s']:.2f} s")
+        + f"  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
         + ("" if hit is None else f"  page-cache hits {hit:.3f}")
         + ("" if r.get("eager_steps") is None else f"  eager {r['eager_steps']}/{r['steps']} steps")
     )

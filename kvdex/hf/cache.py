@@ -202,13 +202,44 @@ class Cache(HFCache):
         new._index_memo = memo
         self.policy.share_index(memo)
         new.policy.share_index(memo)
-        for src, dst in zip(self.layers, new.layers, strict=True):
-            k, v = src.store.dense()
-            dst.lazy_initialization(k, v)
-            dst.seen = src.seen
-            dst.engine.adopt(k, v, src.store.lengths_host, src.pads, src.engine.obs_q)
-        new.step = 0
+        first = self.layers[0]
+        new.adopt_prefill(
+            ((*src.store.dense(), src.engine.obs_q) for src in self.layers), first.store.lengths_host, first.pads
+        )
         return new
+
+    def adopt_prefill(self, layers, lengths: torch.Tensor, pads: torch.Tensor | None = None) -> None:
+        """Take a prefilled prompt's keys and values without running the model, as a prefill leaves them.
+
+        ``layers`` yields, for every layer in order, ``(k, v, obs_q)``: the prompt's keys and values
+        [B, H, L, D] left-aligned (row ``b`` holds ``lengths[b]`` tokens), and its last queries
+        [B, Hq, W, D] (W >= the policy's ``obs_window``; up to :data:`OBS_KEEP` are kept for ``fork``).
+        Each layer goes through the ingest of a prefill (:meth:`kvdex.engine.LayerEngine.adopt`): the
+        store (offloaded host copy, page cache), the policy's index and observation queries are built
+        as after ``model(prompt, past_key_values=cache)``, and the cache is at step 0 (positions
+        continue at the prompt's length). ``layers`` may be a generator making one layer at a time:
+        only that layer's tensors are alive besides the cache. ``lengths`` [B] and ``pads`` [B] (the
+        prompt's left padding, default none) are CPU integer tensors. :meth:`fork` and ``kvdex bench
+        --kv random`` adopt their prompts through here.
+        """
+        if self.step != -1 or any(lay.store is not None or lay.seen for lay in self.layers):
+            raise ValueError("adopt_prefill() needs a new cache (no prompt, no decoded token)")
+        lengths = torch.as_tensor(lengths).cpu()
+        pads = torch.zeros_like(lengths) if pads is None else torch.as_tensor(pads).cpu()
+        seen = int((lengths + pads).max())  # columns of the padded prompt (transformers' sequence length)
+        layers = iter(layers)  # not zip(): its reused result tuple would keep a layer alive into the next
+        for dst in self.layers:
+            k, v, obs_q = next(layers, (None,) * 3)
+            if k is None:
+                n = len(self.layers)
+                raise ValueError(f"adopt_prefill(): layers gave {dst.layer_idx} layers, the model has {n}")
+            dst.lazy_initialization(k, v)
+            dst.seen = seen
+            dst.engine.adopt(k, v, lengths, pads, obs_q)
+            del k, v, obs_q  # before the next layer is made: one layer's prompt alive at a time
+        if next(layers, None) is not None:
+            raise ValueError(f"adopt_prefill(): layers gave more than the model's {len(self.layers)} layers")
+        self.step = 0
 
     # ---- transformers' cache protocol that kvdex does not support --------------------------------
     def reorder_cache(self, beam_idx):
