@@ -106,12 +106,19 @@ def load(
     if dtype == "auto":
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model, **kw)
+    tok = load_tokenizer(model, gguf_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kw)
     lm = lm.to(device).eval()
+    return enable(lm), tok
+
+
+def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
+    """The tokenizer of the model in ``path`` (a hub id or a directory; ``gguf_file``: a GGUF file in it),
+    padding on the left with the eos token where it has no pad token, as :func:`load` returns it."""
+    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return enable(lm), tok
+    return tok
