@@ -28,19 +28,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
-import transformers
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 import kvdex
 from kvdex import models
 from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
 from kvdex.eval import passkey
-from kvdex.hf.compat import cache_kwargs
+from kvdex.hf.compat import TRANSFORMERS_VERSION, cache_kwargs
+from kvdex.hf.generate import timed_generate
 
 DEFAULT_POLICIES = ("full", "oracle", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
 DEFAULT_LENGTH = 6000  # SmolLM2-135M's trained context is 8k
@@ -56,21 +54,6 @@ class Row:
     ms_per_token: float | None
     tokens: list[int] = field(default_factory=list)
     peak_bytes: int | None = None  # peak device memory during the decode (CUDA only)
-
-
-class StepTimes(StoppingCriteria):
-    """Stamps ``time.perf_counter()`` after every generated token; never stops generation."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.stamps.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def median_gap_ms(self) -> float | None:
-        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
-        return statistics.median(gaps) * 1e3 if gaps else None
 
 
 @torch.no_grad()
@@ -89,24 +72,6 @@ def prefill(model, input_ids: torch.Tensor, cache: kvdex.Cache) -> torch.Tensor:
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def _generate(model, tokenizer, input_ids, cache, max_new_tokens: int) -> tuple[list[int], float | None]:
-    """Greedy ``generate`` into ``cache``; returns (new token ids, median ms per decode step)."""
-    times = StepTimes()
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        **cache_kwargs(cache),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        stopping_criteria=StoppingCriteriaList([times]),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return out[0, input_ids.shape[1] :].tolist(), times.median_gap_ms()
-
-
 def decode_forked(
     model, tokenizer, input_ids, first, base: kvdex.Cache, policy: str, budget: int, max_new_tokens: int, **overrides
 ) -> tuple[list[int], float | None, kvdex.Cache]:
@@ -114,7 +79,7 @@ def decode_forked(
     cache = base.fork(policy=policy, budget=budget, **overrides)
     if max_new_tokens <= 1 or first.item() == tokenizer.eos_token_id:
         return first[0].tolist(), None, cache
-    new, ms = _generate(model, tokenizer, torch.cat([input_ids, first], 1), cache, max_new_tokens - 1)
+    new, ms = timed_generate(model, torch.cat([input_ids, first], 1), cache, max_new_tokens - 1, tokenizer.pad_token_id)
     return first[0].tolist() + new, ms, cache
 
 
@@ -123,7 +88,7 @@ def decode_fresh(
 ) -> tuple[list[int], float | None, kvdex.Cache]:
     """Prefill and decode with a new cache (the path ``fork`` saves)."""
     cache = kvdex.Cache(model, policy=policy, budget=budget, **cache_args)
-    new, ms = _generate(model, tokenizer, input_ids, cache, max_new_tokens)
+    new, ms = timed_generate(model, input_ids, cache, max_new_tokens, tokenizer.pad_token_id)
     return new, ms, cache
 
 
@@ -170,7 +135,7 @@ def dense_baseline(model, tokenizer, input_ids, answer: str, max_new_tokens: int
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    new, ms = _generate(model, tokenizer, input_ids, None, max_new_tokens)
+    new, ms = timed_generate(model, input_ids, None, max_new_tokens, tokenizer.pad_token_id)
     peak = torch.cuda.max_memory_allocated() if input_ids.device.type == "cuda" else None
     text = tokenizer.decode(new, skip_special_tokens=True)
     stats = {"attended_tokens_per_step": float(input_ids.shape[1]), "kv_bytes_device": None, "kv_bytes_host": 0}
@@ -284,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
     )
     print(
         f"device:   {model.device} ({_device_name(model.device)}); torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, python {platform.python_version()}"
+        f"transformers {TRANSFORMERS_VERSION}, python {platform.python_version()}"
     )
     print(f"prompt:   {ids.shape[1]} tokens, needle at depth {args.depth:.2f}, key {answer} (seed {args.seed})")
     mode = "one prefill, a fork per policy" if args.fork else "a prefill per policy"

@@ -15,7 +15,7 @@ import pytest
 
 from kvdex.eval import data, prompting
 from kvdex.eval.runner import EvalConfig, run_task
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 HERE = Path(__file__).parent / "data"
 TEXT = HERE / "text.txt"

@@ -15,7 +15,7 @@ import torch
 
 from kvdex.eval import cli
 from kvdex.eval.runner import DecodeContext, EvalConfig, greedy, prefill, resolve_decode, run_task, teacher_forced
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 CACHE = dict(page_size=16, sink=16, window=32, dense_layers=2, offload=False)
 HOW = ("decode", "decode_steps", "decode_reason", "decode_s", "prefill_s")  # differ between modes by design

@@ -11,7 +11,7 @@ import torch
 from kvdex.eval import data
 from kvdex.eval.recall import Probe, RecallObserver, RecallTask, SelectAll
 from kvdex.eval.runner import DecodeContext, EvalConfig, prefill, run_task, teacher_forced
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 ROOT = data.data_root(required=False)
 needs_data = pytest.mark.skipif(ROOT is None, reason="evaluation data not found (set KVDEX_DATA)")

@@ -11,7 +11,7 @@ import pytest
 from kvdex.eval import data
 from kvdex.eval.runner import EvalConfig, run_task
 from kvdex.eval.summary import format_table, summary_rows, write_summary
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 ROOT = data.data_root(required=False)
 needs_data = pytest.mark.skipif(ROOT is None, reason="evaluation data not found (set KVDEX_DATA)")

@@ -446,7 +446,7 @@ def test_eval_harness_runs_icecache_by_name_in_both_storage_modes(tmp_path):
     from kvdex.eval import data
     from kvdex.eval.recall import RecallTask
     from kvdex.eval.runner import EvalConfig, run_task
-    from kvdex.eval.testing import byte_tokenizer, tiny_llama
+    from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
     if data.data_root(required=False) is None:
         pytest.skip("evaluation data not found (set KVDEX_DATA)")

@@ -1,5 +1,6 @@
-"""The package's import graph has no cycle, the kernels import no policy, store or adapter, and no
-module probes a store or a policy instead of asking the typed contract (``LayerStore`` / ``Policy``).
+"""The package's import graph has no cycle, the kernels import no policy, store or adapter, only the
+adapter (kvdex/hf/) imports transformers or lm_eval, and no module probes a store or a policy instead of
+asking the typed contract (``LayerStore`` / ``Policy``).
 
 Every ``import`` / ``from ... import`` statement of every ``kvdex/**/*.py`` counts, at any depth
 (function-level imports too): ``A -> B`` when module A names module B (``from kvdex.kernels import
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvdex"
 # kvdex.kernels sits under the policies, the stores and the transformers adapter
-KERNEL_FORBIDDEN = ("kvdex.policies", "kvdex.storage", "kvdex.hf", "kvdex.engine", "kvdex.hf")
+KERNEL_FORBIDDEN = ("kvdex.policies", "kvdex.storage", "kvdex.hf", "kvdex.engine")
 
 
 def module_name(path: Path) -> str:
@@ -293,3 +294,47 @@ def test_no_store_or_policy_probes():
         if rel not in PROBE_ALLOWED:
             found += probes(path.read_text(), rel)
     assert not found, "probes instead of the LayerStore / Policy contract:\n" + "\n".join(found)
+
+
+# ---- transformers and lm-eval are imported in kvdex/hf/ only ------------------------------------------
+ADAPTER = "kvdex/hf/"
+ADAPTED = ("transformers", "lm_eval")  # the frameworks only the adapter package may import
+
+
+def adapted_imports(source: str, rel: str) -> list[str]:
+    """The ``import`` / ``from ... import`` statements of ``source`` (path ``rel``) that name transformers or
+    lm_eval, at any depth (inside functions, classes, ``try`` and ``if`` too)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots = [node.module or ""]
+        else:
+            continue
+        if any(r.split(".")[0] in ADAPTED for r in roots):
+            out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_adapted_import_finder_finds_planted_imports():
+    src = (
+        "import torch, transformers\nfrom transformers.cache_utils import Cache\n"
+        "def f():\n    try:\n        from lm_eval.api.registry import register_model\n    except ImportError:\n"
+        "        pass\nclass C:\n    def g(self):\n        import lm_eval.models as m\n"
+    )
+    assert [line.split(":")[1] for line in adapted_imports(src, "kvdex/x.py")] == ["1", "2", "5", "10"]
+    clean = "import transformers_stream\nfrom .transformers import x\nfrom kvdex.hf import transformers\n"
+    assert adapted_imports(clean + "'''import transformers'''\n", "kvdex/x.py") == []
+
+
+def test_only_the_adapter_imports_transformers():
+    """kvdex/hf/ is the one package that imports transformers or lm_eval; everything else calls it."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(ADAPTER):
+            found += adapted_imports(path.read_text(), rel)
+    assert not found, "transformers / lm_eval imported outside kvdex/hf/ (move the code into kvdex.hf):\n" + "\n".join(
+        found
+    )

@@ -7,7 +7,7 @@ import pytest
 
 from kvdex.eval.needle import NeedleTask, find_positions
 from kvdex.eval.runner import EvalConfig, run_task
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 
 def test_find_positions_covers_every_occurrence():

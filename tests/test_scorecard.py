@@ -16,7 +16,7 @@ import torch
 from kvdex.eval.card import ScorecardConfig, smoke
 from kvdex.eval.card.report import table
 from kvdex.eval.card.stats import Interval, mcnemar_p, paired_ratio
-from kvdex.eval.testing import byte_tokenizer, tiny_llama
+from kvdex.hf.testing import byte_tokenizer, tiny_llama
 
 # ---- the interval code, on answers computable by hand -------------------------------------------------
 

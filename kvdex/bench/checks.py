@@ -8,6 +8,7 @@ import torch
 
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method, is_compiled, is_graph
 from kvdex.bench.decoding import decode_step, make_cache, make_prompt, prefill, set_attention
+from kvdex.hf.cache import dynamic_cache
 
 
 def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]:
@@ -23,8 +24,6 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     vocab = model.config.vocab_size
     ids = make_prompt(1, ctx, vocab, cfg.seed + 7, device)
     nxt = make_prompt(1, 1, vocab, cfg.seed + 8, device)
-    from transformers import DynamicCache
-
     ref_cache = make_cache(model, "hf/dynamic", cfg)
     prefill(model, ref_cache, ids)
     _, ref = decode_step(model, ref_cache, nxt)
@@ -32,7 +31,7 @@ def check_full_budget(model, cfg: BenchConfig, methods: list[str]) -> list[dict]
     del ref_cache
     # noise floor: two dense implementations of transformers (eager attention vs SDPA) on the same step
     set_attention(model, "eager")
-    floor_cache = DynamicCache(config=model.config)
+    floor_cache = dynamic_cache(model)
     prefill(model, floor_cache, ids)
     _, alt = decode_step(model, floor_cache, nxt)
     del floor_cache

@@ -17,9 +17,10 @@ work and kvdex's (the cache update and the attention function, marked while coun
 from __future__ import annotations
 
 import collections
-from contextlib import contextmanager
 
 import torch
+
+from kvdex.hf.compiled_layers import marked_entry_points
 
 # ATen ops that launch no kernel on a GPU (views, metadata, allocation without fill).
 NO_KERNEL = {
@@ -62,38 +63,6 @@ NO_KERNEL = {
 MARK = "kvdex::"  # record_function names of the kvdex entry points while counting
 
 
-@contextmanager
-def _marked():
-    """Wrap kvdex's cache update and attention function in record_function markers (still opaque to
-    torch.compile), restored afterwards."""
-    from transformers import AttentionInterface
-
-    from kvdex.hf import attention as att
-    from kvdex.hf.cache import Cache
-
-    upd = Cache.__dict__["update"]
-    mapping = AttentionInterface._global_mapping
-    fn = mapping.get(att.ATTN_NAME)
-
-    @torch.compiler.disable
-    def update(self, *a, **kw):
-        with torch.profiler.record_function(MARK + "update"):
-            return upd(self, *a, **kw)
-
-    @torch.compiler.disable
-    def attention(*a, **kw):
-        with torch.profiler.record_function(MARK + "attention"):
-            return fn(*a, **kw)
-
-    Cache.update = update
-    mapping[att.ATTN_NAME] = attention
-    try:
-        yield
-    finally:
-        Cache.update = upd
-        mapping[att.ATTN_NAME] = fn
-
-
 def _kernel_name(e) -> bool:
     return "cpp_fused" in e.name or "cpp_kernel" in e.name
 
@@ -130,7 +99,7 @@ def step_kernels(decoder, ids: torch.Tensor) -> dict:
     decoder._prepare()
     decoder.reason = decoder.reason or "counting kernels"  # run this step eagerly
     try:
-        with _marked(), profile(activities=acts) as prof:
+        with marked_entry_points(MARK), profile(activities=acts) as prof:
             decoder.step(ids)
             if cuda:
                 torch.cuda.synchronize(decoder.device)

@@ -7,6 +7,7 @@ import torch
 
 import kvdex
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method
+from kvdex.hf.cache import dynamic_cache
 from kvdex.hf.compat import cache_kwargs
 
 
@@ -27,17 +28,13 @@ def set_attention(model, name: str) -> None:
 def make_cache(model, method: str, cfg: BenchConfig, budget: int | None = None):
     """The cache object of ``method`` for ``model`` (kvdex methods switch the model to kvdex attention)."""
     if method == "hf/dynamic":
-        from transformers import DynamicCache
-
         set_attention(model, "sdpa")
-        return DynamicCache(config=model.config)
+        return dynamic_cache(model)
     if method == "hf/offloaded":
-        from transformers import DynamicCache
-
         if next(model.parameters()).device.type != "cuda":
             raise RuntimeError("transformers' offloaded cache needs a CUDA device")
         set_attention(model, "sdpa")
-        return DynamicCache(config=model.config, offloading=True)
+        return dynamic_cache(model, offloading=True)
     policy, _, storage = base_method(method).partition("/")
     if storage not in ("device", "offload"):
         raise ValueError(f"method {method!r}: expected POLICY/device, POLICY/offload or one of {HF_METHODS}")

@@ -204,9 +204,9 @@ def _host_available() -> int:
 def versions() -> dict:
     import platform
 
-    import transformers
+    from kvdex.hf.compat import TRANSFORMERS_VERSION
 
-    v = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__)
+    v = dict(python=platform.python_version(), torch=torch.__version__, transformers=TRANSFORMERS_VERSION)
     try:
         import triton
 

@@ -10,7 +10,7 @@ run so the cache does not warn about positions past the trained length.
 
 from __future__ import annotations
 
-from transformers import AutoConfig
+from kvdex.hf.loading import model_config, random_model
 
 # name -> (model_type, config fields)
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -115,7 +115,7 @@ def make_config(name: str, max_positions: int = 0):
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known shapes: {', '.join(shape_names())}")
     model_type, fields = SHAPES[name]
-    cfg = AutoConfig.for_model(model_type, **fields)
+    cfg = model_config(model_type, **fields)
     cfg.max_position_embeddings = max(getattr(cfg, "max_position_embeddings", 0) or 0, max_positions, 8192)
     cfg.bos_token_id = cfg.eos_token_id = None
     cfg.pad_token_id = 0
@@ -125,14 +125,11 @@ def make_config(name: str, max_positions: int = 0):
 def build_model(name: str, dtype, device, max_positions: int = 0, seed: int = 0):
     """A random-weight model of shape ``name``, created directly on ``device`` in ``dtype``, eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     cfg = make_config(name, max_positions)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.eval()
+    model = random_model(cfg, dtype, device)
     model.generation_config.eos_token_id = None
     return model
 

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,28 +30,17 @@ import torch
 import kvdex
 from kvdex.bench import cli, report, runner, shapes
 from kvdex.bench.config import parse_dtype
+from kvdex.hf.loading import random_model
 
 
 def build_tp_model(cfg: runner.BenchConfig, layers: int = 0):
     """A random-weight model of ``cfg.shape`` sharded over the torchrun ranks (``layers`` > 0: that many layers)."""
-    from transformers.distributed import DistributedConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     conf = shapes.make_config(cfg.shape, max(cfg.contexts) + cfg.steps + cfg.warmup + 1024)
     if layers:
         conf.num_hidden_layers = layers
     conf._attn_implementation = "sdpa"
     torch.manual_seed(cfg.seed)
-    with warnings.catch_warnings():  # every weight is "missing" (random init): transformers reports each
-        warnings.simplefilter("ignore")
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(conf)].from_pretrained(
-            None,
-            config=conf,
-            state_dict={},
-            dtype=parse_dtype(cfg.dtype),
-            distributed_config=DistributedConfig(tp_plan="auto"),
-        )
-    model.eval()
+    model = random_model(conf, parse_dtype(cfg.dtype), tp_plan="auto")
     model.generation_config.eos_token_id = None
     return model
 

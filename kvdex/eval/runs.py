@@ -101,14 +101,13 @@ def read_predictions(path: Path) -> list[dict]:
 
 def environment() -> dict:
     """Machine and versions, recorded in every config.json."""
-    import transformers
-
     import kvdex
+    from kvdex.hf.compat import TRANSFORMERS_VERSION
 
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": TRANSFORMERS_VERSION,
         "kvdex": kvdex.__version__,
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),

@@ -12,6 +12,7 @@ Data flow of one decoding step through one sparse layer (docs/architecture.md dr
 
 :class:`KVDexLayer` lives in :mod:`kvdex.hf.layer` (re-exported here); steps 1-2 themselves
 in :mod:`kvdex.engine.step` and the choice of store in :mod:`kvdex.engine.stores`, without transformers.
+:func:`dynamic_cache` builds transformers' own dense cache, the reference kvdex is measured against.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import warnings
 import weakref
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache as HFCache
 
 from kvdex.config import (
@@ -313,3 +315,9 @@ class Cache(HFCache):
             steps = max(self.step, 1)
             out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self.counters.timing.items())}
         return out
+
+
+def dynamic_cache(model, offloading: bool = False) -> DynamicCache:
+    """transformers' own dense ``DynamicCache`` for ``model`` (``offloading=True``: its variant that keeps
+    the KV of all but the current layer on the host): the baseline of ``kvdex bench`` and its checks."""
+    return DynamicCache(config=model.config, offloading=offloading)

@@ -1,4 +1,4 @@
-"""The one place that knows how the installed transformers spells its arguments.
+"""The one place that knows which transformers is installed: its version and how it spells its arguments.
 
 transformers 5.24 renamed the cache argument of ``forward`` and ``generate`` from
 ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40 / 6.0). kvdex supports the
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
+
+import transformers
+
+TRANSFORMERS_VERSION: str = transformers.__version__  # recorded with every evaluation and benchmark result
 
 
 @lru_cache(maxsize=1)

@@ -20,6 +20,10 @@ import time
 from contextlib import contextmanager
 
 import torch
+from transformers import AttentionInterface
+
+from kvdex.hf.attention import ATTN_NAME
+from kvdex.hf.cache import Cache
 
 # torch.compile modes that keep inductor's own CUDA graphs off (kvdex captures the whole step itself).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -111,3 +115,31 @@ class CompiledLayers:
             if new:
                 self.graphs += new
                 self.compile_s += time.perf_counter() - t0
+
+
+@contextmanager
+def marked_entry_points(prefix: str):
+    """kvdex's two entry points from the model (``Cache.update`` and the ``"kvdex"`` attention function)
+    wrapped in ``torch.profiler.record_function`` markers ``prefix + "update"`` / ``prefix + "attention"``
+    (still ``torch.compiler.disable``d), restored afterwards: a profile tells kvdex's work from the model's."""
+    upd = Cache.__dict__["update"]
+    mapping = AttentionInterface._global_mapping
+    fn = mapping.get(ATTN_NAME)
+
+    @torch.compiler.disable
+    def update(self, *a, **kw):
+        with torch.profiler.record_function(prefix + "update"):
+            return upd(self, *a, **kw)
+
+    @torch.compiler.disable
+    def attention(*a, **kw):
+        with torch.profiler.record_function(prefix + "attention"):
+            return fn(*a, **kw)
+
+    Cache.update = update
+    mapping[ATTN_NAME] = attention
+    try:
+        yield
+    finally:
+        Cache.update = upd
+        mapping[ATTN_NAME] = fn

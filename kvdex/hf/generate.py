@@ -1,8 +1,13 @@
-"""A decode loop for users: :func:`generate` (prefill, then CUDA-graph decoding with :class:`GraphDecoder`)."""
+"""A decode loop for users: :func:`generate` (prefill, then CUDA-graph decoding with :class:`GraphDecoder`);
+and :func:`timed_generate`, transformers' own greedy ``model.generate`` timed per token (``kvdex demo``)."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
@@ -117,3 +122,40 @@ def generate(
     if dec.compile_mode is not None:
         cache.compile_reason = dec.compile_reason
     return torch.cat([input_ids, new], dim=1)
+
+
+class StepTimes(StoppingCriteria):
+    """Stamps ``time.perf_counter()`` after every generated token; never stops generation."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def median_gap_ms(self) -> float | None:
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        return statistics.median(gaps) * 1e3 if gaps else None
+
+
+def timed_generate(
+    model, input_ids: torch.Tensor, cache: Cache | None, max_new_tokens: int, pad_token_id: int | None
+) -> tuple[list[int], float | None]:
+    """Greedy ``model.generate`` of row 0 of ``input_ids`` (no padding) into ``cache`` (``None``:
+    transformers' own dense cache); returns (new token ids, median ms between consecutive tokens:
+    one decode forward plus generate's per-token work, ``None`` for fewer than two tokens)."""
+    times = StepTimes()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **cache_kwargs(cache),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        stopping_criteria=StoppingCriteriaList([times]),
+        pad_token_id=pad_token_id,
+    )
+    return out[0, input_ids.shape[1] :].tolist(), times.median_gap_ms()

@@ -1,4 +1,5 @@
-"""``kvdex.load`` and ``kvdex.enable``: get a transformers model ready for kvdex caches."""
+"""``kvdex.load`` and ``kvdex.enable``: get a transformers model ready for kvdex caches; and models of a given
+shape with random weights (:func:`model_config`, :func:`random_model`: ``kvdex bench`` needs no download)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvdex.hf.attention import ATTN_NAME, kvdex_attention, padding_mask
@@ -106,12 +107,42 @@ def load(
     if dtype == "auto":
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model, **kw)
+    tok = load_tokenizer(model, gguf_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kw)
     lm = lm.to(device).eval()
+    return enable(lm), tok
+
+
+def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
+    """The tokenizer of the model in ``path`` (a hub id or a directory; ``gguf_file``: a GGUF file in it),
+    padding on the left with the eos token where it has no pad token, as :func:`load` returns it."""
+    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return enable(lm), tok
+    return tok
+
+
+def model_config(model_type: str, **fields):
+    """The transformers config of architecture ``model_type`` (``"llama"``, ``"qwen2"``, ...) with ``fields``."""
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def random_model(config, dtype: torch.dtype, device: str | torch.device | None = None, tp_plan: str | None = None):
+    """A causal LM of ``config`` with random weights (seed torch first), in eval mode: created directly on
+    ``device``; or, with ``tp_plan`` (``"auto"``, under ``torchrun``), sharded over the ranks by
+    transformers' tensor parallelism (``DistributedConfig(tp_plan=...)``), each rank on its own device."""
+    if tp_plan is None:
+        with torch.device(device or "cpu"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    from transformers.distributed import DistributedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with warnings.catch_warnings():  # every weight is "missing" (random init): transformers reports each
+        warnings.simplefilter("ignore")
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict={}, dtype=dtype, distributed_config=DistributedConfig(tp_plan=tp_plan)
+        )
+    return model.eval()

@@ -69,10 +69,9 @@ def _prepare(cfg: ScorecardConfig, tokenizer) -> dict:
     from kvdex.eval import models
 
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from kvdex.hf.loading import load_tokenizer
 
-        path, gguf = models.resolve(cfg.model, cfg.gguf)
-        tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+        tokenizer = load_tokenizer(*models.resolve(cfg.model, cfg.gguf))
     tag = models.tag(cfg.model, cfg.gguf)
     plan = Plan(cfg, tag, "-", data.data_root(cfg.data, required=False), "-")
     for note in plan.notes:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kvdex.hf.loading import enable
 
 
 def byte_tokenizer():
     """A byte-level tokenizer (one token per byte, 256 + eos/pad) as a PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -26,10 +27,6 @@ def tiny_llama(vocab_size: int = 260, layers: int = 4, seed: int = 0, qk_scale: 
     ``qk_scale`` enlarges the q/k projections so attention is peaked rather than uniform, which
     makes recall differences between policies visible.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import kvdex
-
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -49,4 +46,4 @@ def tiny_llama(vocab_size: int = 260, layers: int = 4, seed: int = 0, qk_scale: 
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(qk_scale)
             layer.self_attn.k_proj.weight.mul_(qk_scale)
-    return kvdex.enable(model)
+    return enable(model)
