@@ -25,8 +25,10 @@ from kvdex.policies.base import (
     register_policy,
     topk_ids,
 )
+from kvdex.view import LayerView
 
 __all__ = [
+    "LayerView",
     "Policy",
     "PolicyInfo",
     "group_reduce",

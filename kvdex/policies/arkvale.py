@@ -159,8 +159,8 @@ class ArkValePolicy(Policy):
             self.cached[layer] = cur = new
         return cur
 
-    def select(self, layer, q, store, scale) -> Selection:
-        k = self.cfg.retrieval_pages
+    def select(self, q, view) -> Selection:
+        layer, store, k = view.layer, view.store, view.retrieval_pages
         if layer not in self.digests or k <= 0:
             return Selection(pages=top_pages(self.digests, layer, q, store, k))
         p = static_pages(self.digests, layer, store, self.cached[layer])

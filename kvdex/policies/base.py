@@ -12,7 +12,9 @@ Life cycle, driven by :class:`kvdex.Cache`:
                                      then one page at a time as the window moves on;
                                      A ``capturable_index`` policy indexes decode-time joins
                                      through ``index_join`` instead (below);
-* ``select(layer, q, store, scale)`` every decode step, per sparse layer -> :class:`Selection`;
+* ``select(q, view)``                every decode step, per sparse layer -> :class:`Selection`; ``view``:
+                                     the layer at this step (:class:`kvdex.view.LayerView`: layer index,
+                                     store, scale, lengths, page grid, budget, the engine's graph service);
 * ``on_step(step, logits)``          after every decode step, with the last-position logits.
 
 **Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.hf.graph).
@@ -51,6 +53,7 @@ from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -98,7 +101,8 @@ class Policy:
     def index(self, layer: int, update: MiddleUpdate) -> None:
         """Pages joined the middle region of ``layer``. Default: nothing to index."""
 
-    def select(self, layer: int, q: torch.Tensor, store: LayerStore, scale: float) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
+        """The middle tokens each kv head of ``view.layer`` attends this step; q [B, Hq, D]."""
         raise NotImplementedError
 
     # ---- capturable page joins (capturable_index = True; see the module docstring) ----------------

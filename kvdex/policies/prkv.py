@@ -223,7 +223,8 @@ class PRKVPolicy(Policy):
         return static, (r - static) // ps
 
     # ---- per step ----------------------------------------------------------------------------------
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
+        layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
         if self.n_static or self.auto:

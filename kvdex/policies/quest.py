@@ -89,8 +89,8 @@ class QuestPolicy(Policy):
             (lay, id(t)) for lay, t in sorted(self.kmax.items())
         )
 
-    def select(self, layer, q, store, scale) -> Selection:
-        k = self.cfg.retrieval_pages
+    def select(self, q, view) -> Selection:
+        layer, store, k = view.layer, view.store, view.retrieval_pages
         if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
             return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
         p = int(store.grid.num_middle_pages(store.lengths_host).max())
