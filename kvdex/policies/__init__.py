@@ -15,6 +15,7 @@ from kvdex.policies import (  # noqa: F401  (importing a policy module registers
     streaming,
 )
 from kvdex.policies.base import (
+    PageScoringPolicy,
     Policy,
     PolicyInfo,
     group_reduce,
@@ -29,6 +30,7 @@ from kvdex.view import LayerView
 
 __all__ = [
     "LayerView",
+    "PageScoringPolicy",
     "Policy",
     "PolicyInfo",
     "group_reduce",
