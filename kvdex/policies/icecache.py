@@ -291,9 +291,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         return self._selected(layer, sel, t1)  # query_s: tree searches + page choice, on the CPU
 
     def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
-        """The searches of every tree of the layer as one batched search on q's device (:class:`DeviceSearch`):
-        the same M-DCI / P-DCI and page choice as the host path, no host sync; with ``graphs``, replayed
-        through the engine's graph service (``view.graphs``)."""
+        """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
+        replayed through ``view.graphs``): the host path's M-DCI / P-DCI and page choice, no host sync."""
         k = self.topk or view.budget  # Alg. 3's k (see _search)
         cap = (self.max_pages or 1 << 40) if self.budget_rule == "keys" else self._max_pages()
         service = view.graphs if self.graphs and view.graphs is not None and view.graphs.usable(q.device) else None
