@@ -18,6 +18,7 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.policies._digest import DIGESTS, digest_scores, summarize
+from kvdex.view import LayerView
 
 BUDGET = 96
 NEW = 40
@@ -279,7 +280,7 @@ def test_h2o_heavy_hitters_are_top_accumulated_scores():
         evicted = pol.evicted[layer][0].clone()
         score = pol.score[layer][0].clone()
         q = torch.randn(1, model.config.num_attention_heads, 16, generator=g)
-        sel = pol.select(layer, q, store, 0.25)
+        sel = pol.select(q, LayerView.of(layer, store, 0.25, pol.cfg))
         for h in range(store.kv_heads):
             toks = [x for x in sel.tokens[0, h].tolist() if x >= 0]
             hh = [x for x in toks if x < length - recent]

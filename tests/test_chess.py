@@ -13,6 +13,7 @@ import kvdex
 from kvdex import cache_kwargs
 from kvdex.policies import chess as chess_mod
 from kvdex.policies.chess import ChessPolicy, entropy_varentropy, level_mask
+from kvdex.view import LayerView
 
 ALL_ONE = dict(rho_g=1.0, rho_c=1.0, rho_p=1.0)
 # the paper's mode (the window's key-key anchor, one selection shared by every layer and head): what
@@ -213,7 +214,8 @@ def test_one_selection_for_every_layer_and_head(llama):
     model, _ = llama
     cache = _prefill(model, prompt(300, 6), preset="aggressive")
     pol = cache.policy
-    sels = [pol.select(layer, None, cache.layers[layer].store, 1.0) for layer in pol.info.sparse_layers]
+    views = [LayerView.of(lay, cache.layers[lay].store, 1.0, pol.cfg) for lay in pol.info.sparse_layers]
+    sels = [pol.select(None, view) for view in views]
     assert all(s is sels[0] for s in sels)
     pages = sels[0].pages
     assert pages.shape[1] == 2 and torch.equal(pages[:, 0], pages[:, 1])
@@ -226,7 +228,7 @@ def test_zero_copy_on_device_store(llama):
     model, _ = llama
     cache = _prefill(model, prompt(300, 8), preset="moderate")
     store = cache.layers[1].store
-    sel = cache.policy.select(1, None, store, 1.0)
+    sel = cache.policy.select(None, LayerView.of(1, store, 1.0, cache.config))
     aset = store.attend(sel)
     assert aset.k is store.k and aset.v is store.v
     want = sel.token_positions(SINK, PAGE)[0, 0]

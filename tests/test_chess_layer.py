@@ -16,7 +16,8 @@ import kvdex
 from kvdex import cache_kwargs
 from kvdex.policies._chess_layer import unit_scores
 from kvdex.policies.base import PolicyInfo
-from kvdex.storage import MiddleUpdate
+from kvdex.storage import Grid, MiddleUpdate
+from kvdex.view import LayerView
 
 LAYER_Q = "chess:anchor_from=query:scope=layer"
 
@@ -94,7 +95,9 @@ def _bind(keys, heads=slice(None), group=3, tp=None, spec=LAYER_Q + ":trigger=ne
     pol.bind(PolicyInfo(cfg, 3, (1, 2), kv * group, kv, d, tp=tp))
     for layer, k in keys.items():
         pol.index(layer, MiddleUpdate(torch.zeros(1, dtype=torch.long), torch.tensor([pages]), k[:, heads]))
-        pol._stores[layer] = SimpleNamespace(batch=1, kv_heads=kv, device=torch.device("cpu"), static=False)
+        grid, length = Grid(cfg.sink, page, cfg.window_pages), torch.tensor([cfg.sink + pages * page + cfg.window])
+        pol._stores[layer] = SimpleNamespace(batch=1, kv_heads=kv, device=torch.device("cpu"), static=False,
+                                             grid=grid, lengths=length, lengths_host=length)  # fmt: skip
     pol._batch = 1
     if pol._layers is not None:
         pol._layers.request(torch.ones(1, dtype=torch.bool))
@@ -106,7 +109,7 @@ def test_planted_page_is_selected_by_its_layer_and_head(group):
     q, keys, plant = _planted_keys()
     pol = _bind(keys, spec=f"{LAYER_Q}:trigger=never:group={group}")
     for layer, (h, j) in plant.items():
-        sel = pol.select(layer, q, pol._stores[layer], 1.0).pages  # [1, H, K]
+        sel = pol.select(q, LayerView.of(layer, pol._stores[layer], 1.0, pol.cfg)).pages  # [1, H, K]
         assert sel.shape[1] == 2 and int((sel[0, h] >= 0).sum()) == pol.cfg.retrieval_pages == 2
         assert j in sel[0, h].tolist(), f"layer {layer} head {h} misses its planted page {j}"
         assert j not in sel[0, 1 - h].tolist()  # the other head scores its own (noise) keys
@@ -139,10 +142,10 @@ def test_first_decode_step_builds_from_its_own_queries(llama):
     seen = {}
     real = pol.select
 
-    def spy(layer, q, store, scale):
+    def spy(q, view):
         vp = pol._views()[2]  # before the build: the index is what the build reads
-        seen[layer] = (q.clone(), vp.clone(), int(pol._npages[pol._slot[layer]][0]))
-        return real(layer, q, store, scale)
+        seen[view.layer] = (q.clone(), vp.clone(), int(pol._npages[pol._slot[view.layer]][0]))
+        return real(q, view)
 
     pol.select = spy
     with torch.no_grad():
@@ -191,11 +194,11 @@ def test_no_all_reduce_and_heads_select_independently():
 
     q, keys, plant = _planted_keys()
     whole = _bind(keys)
-    want = {lay: whole.select(lay, q, whole._stores[lay], 1.0).pages for lay in plant}
+    want = {lay: whole.select(q, LayerView.of(lay, whole._stores[lay], 1.0, whole.cfg)).pages for lay in plant}
     for h in range(2):  # "rank" h holds kv head h and its 3 query heads
         rank = _bind(keys, heads=slice(h, h + 1), tp=NoReduce())
         for lay in plant:
-            got = rank.select(lay, q[:, 3 * h : 3 * h + 3], rank._stores[lay], 1.0).pages
+            got = rank.select(q[:, 3 * h : 3 * h + 3], LayerView.of(lay, rank._stores[lay], 1.0, rank.cfg)).pages
             assert torch.equal(got[0, 0], want[lay][0, h])
     # the shared scope all-reduces its scores (the check above would catch a layer-scope call)
     shared = _bind(keys, tp=NoReduce(), spec="chess:anchor_from=window:trigger=never:scope=shared")

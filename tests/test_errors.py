@@ -84,7 +84,7 @@ def test_unknown_policy_option_lists_options(llama, monkeypatch):
         alpha: float = 0.5
         beta: int = 2
 
-        def select(self, layer, q, store, scale):
+        def select(self, q, view):
             return kvdex.Selection(everything=True)
 
     with pytest.raises(TypeError, match=re.escape("no option(s) bogus, gamma; its options are: alpha, beta")):

@@ -71,8 +71,9 @@ class _SelectionLog:
         self._select = policy.select
         policy.select = self._wrapped
 
-    def _wrapped(self, layer, q, store, scale):
-        sel = self._select(layer, q, store, scale)
+    def _wrapped(self, q, view):
+        layer, store = view.layer, view.store
+        sel = self._select(q, view)
         if sel.everything or sel.empty:
             self.log.append((layer, "everything" if sel.everything else "empty"))
             return sel
@@ -262,8 +263,8 @@ class _Tracer:
         self.steps[-1].append(tr)
         return out
 
-    def _sel(self, layer, q, store, scale):
-        return self._run(self._select, [q], layer, q, store, scale)
+    def _sel(self, q, view):
+        return self._run(self._select, [q], q, view)
 
     def _obs(self, layer, q, aset, scale):
         return self._run(self._observe, [q, aset.idx, aset.valid, aset.positions], layer, q, aset, scale)
@@ -516,8 +517,8 @@ def test_snapkv_never_attends_a_token_twice(tiny, length):
     sel = cache.policy.select
     seen = []
 
-    def counting(layer, q, store, scale):
-        out = sel(layer, q, store, scale)
+    def counting(q, view):
+        out = sel(q, view)
         for row in out.tokens.flatten(0, 1):  # every (sequence, kv head)
             t = row[row >= 0]
             seen.append((t.numel(), t.unique().numel()))

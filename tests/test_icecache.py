@@ -56,9 +56,9 @@ def test_selection_is_whole_semantic_pages_within_budget(offload):
     snaps = []
     select = pol.select
 
-    def spy(layer, q, store, scale):  # the tree snapshots each selection was made from
-        sel = select(layer, q, store, scale)
-        snaps.append((layer, list(pol._trees[layer]), sel.tokens.cpu()))
+    def spy(q, view):  # the tree snapshots each selection was made from
+        sel = select(q, view)
+        snaps.append((view.layer, list(pol._trees[view.layer]), sel.tokens.cpu()))
         return sel
 
     pol.select = spy

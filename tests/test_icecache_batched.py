@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import kvdex
+from kvdex.engine import graphs as graphs_mod
 from kvdex.index import DCIParams, DCITree, transform_queries
 from kvdex.index import forest as forest_mod
 from kvdex.index.forest import DCIForest
 from kvdex.index.pages import greedy_fit as _greedy_fit
-from kvdex.policies import icecache as icecache_mod
 from kvdex.policies import make_policy
 
 G = 7  # query heads per kv head (Qwen2.5-0.5B)
@@ -317,9 +317,10 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     assert pol.search == "auto"
     orig = pol.select
 
-    def both(layer, q, store, scale):
-        sel = orig(layer, q, store, scale)
-        tok, qc, H = sel.tokens.cpu(), q.float().cpu(), store.kv_heads
+    def both(q, view):
+        layer, scale = view.layer, view.scale
+        sel = orig(q, view)
+        tok, qc, H = sel.tokens.cpu(), q.float().cpu(), view.kv_heads
         G, saved = q.shape[1] // H, dict(pol._stats)
         for h in range(H):
             tree = pol._trees[layer][h]
@@ -467,7 +468,7 @@ def test_graphs_replay_only_tensors_the_policy_keeps(offload, monkeypatch):
     session-5 H200 crash: a per-step index tensor read by the graph was freed after the capture),
     insertions force re-captures, and the selections equal the eager device search's."""
     monkeypatch.setattr(forest_mod, "STATIC_ON_CPU", True)
-    monkeypatch.setattr(icecache_mod, "GRAPHS_ON_CPU", GraphStandIn)
+    monkeypatch.setattr(graphs_mod, "STAND_IN", GraphStandIn)
     model, _ = shared_pair("qwen2")
     ids, mask, _ = left_padded([420, 260], seed=5)
     logs, stats = [], []
@@ -497,7 +498,7 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
     mirror of the layer equals a fresh mirror of its trees. The static variant also captures the
     search as a (stand-in) CUDA graph, as on the H200 (static shapes, graphs=True)."""
     if static:
-        monkeypatch.setattr(icecache_mod, "GRAPHS_ON_CPU", GraphStandIn)
+        monkeypatch.setattr(graphs_mod, "STAND_IN", GraphStandIn)
     model, _ = shared_pair("llama_gqa")
     lengths = [150, 97, 40]  # the H200 test's batch; 40 < sink + window + 1 page: no middle page at prefill
     ids, mask, prompts = left_padded(lengths, seed=2)

@@ -338,3 +338,23 @@ def test_only_the_adapter_imports_transformers():
     assert not found, "transformers / lm_eval imported outside kvdex/hf/ (move the code into kvdex.hf):\n" + "\n".join(
         found
     )
+
+
+# ---- the engine owns the CUDA graphs -----------------------------------------------------------------
+# A policy declares what is capturable (graph_key) and hands work to the engine's graph service
+# (view.graphs, kvdex.engine.graphs); no policy or index module captures a graph itself.
+GRAPH_CAPTURE = re.compile(r"CUDAGraph|torch\.cuda\.graph|capture_begin")
+NO_CAPTURE_DIRS = ("kvdex/policies", "kvdex/index")
+
+
+def test_no_policy_or_index_captures_graphs():
+    assert GRAPH_CAPTURE.search("g = torch.cuda.CUDAGraph()") and GRAPH_CAPTURE.search("g.capture_begin()")
+    files = [p for d in NO_CAPTURE_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 10
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{i}: {line.strip()}"
+        for path in files
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if GRAPH_CAPTURE.search(line)
+    ]
+    assert not found, "graph capture outside the engine (use view.graphs, kvdex.engine.graphs):\n" + "\n".join(found)

@@ -28,6 +28,7 @@ from kvdex import cache_kwargs
 from kvdex.policies import make_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
+from kvdex.view import LayerView
 
 POLICIES = kvdex.policies()
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {}), "qwen3": (Qwen3Config, Qwen3ForCausalLM, {})}
@@ -298,7 +299,7 @@ def test_arkvale_keeps_each_layer_state_on_its_device():
                 store = SimpleNamespace(
                     kv_heads=2, batch=1, grid=Grid(8, 8, 2), lengths=length.to(dev), lengths_host=length, static=False
                 )
-                sel = pol.select(layer, torch.randn(1, 4, 16).to(dev), store, 0.25)
+                sel = pol.select(torch.randn(1, 4, 16).to(dev), LayerView.of(layer, store, 0.25, pol.cfg))
                 assert sel.pages.device == dev and sel.pages.shape == (1, 2, 5)
 
     def tensors(x, path):

@@ -15,6 +15,7 @@ from conftest import SINK, WINDOW, left_padded, positions, shared_pair, window_s
 
 import kvdex
 from kvdex import cache_kwargs
+from kvdex.view import LayerView
 
 BUDGET = 96
 RETRIEVAL = BUDGET - SINK - WINDOW
@@ -117,7 +118,7 @@ def test_oracle_select_on_prefilled_store(offload):
         k, _ = store.dense()
         for trial in range(4):
             q = 2.0 * torch.randn(len(lengths), hq, d, generator=g)
-            sel = cache.policy.select(layer, q, store, d**-0.5)
+            sel = cache.policy.select(q, LayerView.of(layer, store, d**-0.5, cache.config))
             assert sel.tokens is not None and sel.pages is None and not sel.everything
             assert sel.tokens.shape[:2] == (len(lengths), model.config.num_key_value_heads)
             for b, length in enumerate(lengths):

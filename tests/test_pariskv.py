@@ -29,6 +29,7 @@ from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.policies.pariskv import PAPER_OPTIONS, PAPER_SPEC, adaptive_ratios, kmeans, nearest, recall_at_k
+from kvdex.view import LayerView
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -388,7 +389,7 @@ def _decode_with_selections(policy, n=400, new=24, budget=96, offload=False, **o
     seen = []
 
     def observer(layer, q, store, aset, scale):
-        sel = cache.policy.select(layer, q, store, scale)
+        sel = cache.policy.select(q, LayerView.of(layer, store, scale, cache.config))
         seen.append((layer, int(store.lengths_host[0]), sel.tokens.clone(), aset.positions.clone()))
 
     cache.observer = observer
@@ -868,7 +869,7 @@ def test_gpu_policy_dense_at_covering_budget_and_triton_selects_like_twins(offlo
         cache = kvdex.Cache(model, spec, budget=96, offload=offload, kernels=kern)
         got = picks[kern] = []
         cache.observer = lambda layer, q, store, aset, scale, c=cache, g=got: g.append(
-            c.policy.select(layer, q, store, scale).tokens
+            c.policy.select(q, LayerView.of(layer, store, scale, c.config)).tokens
         )
         greedy(model, prompt(600, seed=3).cuda(), cache=cache, new=12)
     same = total = 0

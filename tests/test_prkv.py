@@ -21,6 +21,7 @@ from kvdex.policies._obs import middle_scores
 from kvdex.policies.prkv import split_budget
 from kvdex.selection import Selection
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats
+from kvdex.view import LayerView
 
 BUDGET = 96
 R = BUDGET - SINK - WINDOW  # 48 retrieval tokens
@@ -168,7 +169,7 @@ def test_s1_is_snapkv_plus(kernel):
             upd = st.append(kn, vn)
             if not upd.empty:
                 pol.index(1, upd)
-            sel = pol.select(1, q, st, 0.3)
+            sel = pol.select(q, LayerView.of(1, st, 0.3, pol.cfg))
             a = st.attend(sel)
             outs.append(sparse_decode_attention(q, a.k, a.v, a.idx, a.valid, 0.3))
             pos = a.positions if pol.name == "snapkv" else pol.positions(1, a.positions)

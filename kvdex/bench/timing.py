@@ -81,19 +81,19 @@ class ReuseMeter:
         self._select = policy.select
         policy.select = self._wrapped
 
-    def _wrapped(self, layer, q, store, scale):
-        sel = self._select(layer, q, store, scale)
+    def _wrapped(self, q, view):
+        sel = self._select(q, view)
         ids = sel.pages if sel.pages is not None else sel.tokens
         if ids is not None and not sel.everything:
             b, h, n = ids.shape
             row = torch.arange(b * h, device=ids.device).view(b, h, 1) * (1 << 40)
             cur = torch.where(ids >= 0, ids.long() + row, -1).flatten()
-            prev = self.prev.get(layer)
+            prev = self.prev.get(view.layer)
             if prev is not None and prev.numel() == cur.numel():
                 live = cur >= 0
                 self.hit += int((torch.isin(cur, prev) & live).sum())
                 self.total += int(live.sum())
-            self.prev[layer] = cur
+            self.prev[view.layer] = cur
         return sel
 
     def detach(self):

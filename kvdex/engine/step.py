@@ -5,13 +5,15 @@ A sparse layer's decoding step, top to bottom:
 1. :meth:`LayerEngine.append` stores the new token's k/v; a window page that leaves joins the middle and
    the policy indexes it (``policy.index``; graph decoding with ``capturable_index``: ``append_join`` +
    ``policy.index_join``);
-2. :meth:`LayerEngine.attention` -> :meth:`LayerEngine.decode`: **select** (``policy.select``) ->
+2. :meth:`LayerEngine.attention` -> :meth:`LayerEngine.decode`: **select** (``policy.select(q, view)``, the
+   layer's :class:`~kvdex.view.LayerView` built here) ->
    **fetch** (``store.attend``: slot ids, or offloaded pages copied from host) -> **attend**
    (``kernels.sparse_decode_attention``; on CUDA a page selection of a device store runs in one paged
    kernel). A dense layer, or a selection of everything, attends densely.
 
 At prefill :meth:`LayerEngine.attention` attends densely and :meth:`LayerEngine.ingest` stores and
-indexes the prompt. The engine reads the policy, the configuration and the counters from its
+indexes the prompt. The engine reads the policy, the configuration, the counters and the graph service
+(:class:`~kvdex.engine.graphs.GraphService`, handed to the policy as ``view.graphs``) from its
 :class:`EngineHost` (``kvdex.Cache`` for transformers), held by a weak reference.
 """
 
@@ -25,11 +27,13 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.engine.counters import StepCounters
+from kvdex.engine.graphs import GraphService
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.policies.base import Policy
 from kvdex.storage import host_joins, left_padding, strip_left_padding
+from kvdex.view import LayerView
 
 # Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
 OBS_KEEP = 128
@@ -41,6 +45,7 @@ class EngineHost(Protocol):
     policy: Policy
     config: CacheConfig
     counters: StepCounters
+    graphs: GraphService  # CUDA graphs of work inside a policy's selection (one service per cache)
     # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode attention
     observer: object
     # CUDA-graph decoding: whether this step appends through the page-join path (None: where a page
@@ -163,7 +168,8 @@ class LayerEngine:
             return self._dense_decode(q, scale)
         policy, counters, timing = host.policy, host.counters, host.config.timing
         with counters.timed("selection", timing):
-            sel = on_device(policy.select(self.layer_idx, q, store, scale), store.device)
+            view = LayerView.of(self.layer_idx, store, scale, host.config, host.graphs)
+            sel = on_device(policy.select(q, view), store.device)
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = store.positional_slots and host.observer is None and not policy.observes

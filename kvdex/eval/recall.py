@@ -33,6 +33,7 @@ from kvdex.kernels import sparse_decode_attention
 from kvdex.policies import make_policy
 from kvdex.policies.full import FullPolicy
 from kvdex.selection import Selection
+from kvdex.view import LayerView
 
 METRICS = ("recall", "topk_hit", "ceiling", "rel_l2")
 
@@ -98,7 +99,8 @@ class RecallObserver:
 
     def __call__(self, layer, q, store, aset, scale) -> None:
         if self.probe is not None:  # score the probed policy's choice, not the (dense) set decoded with
-            sel = self.probe.target_policy.select(layer, q, store, scale)  # every step: policies keep state
+            target = self.probe.target_policy  # asked every step: policies keep state
+            sel = target.select(q, LayerView.of(layer, store, scale, target.cfg))
             if not self.measuring(layer):
                 return
             aset = store.attend(sel)
@@ -129,11 +131,11 @@ class SelectAll(FullPolicy):
     decode kernel, so ``full`` is measured like every other policy (recall 1, rel-L2 ~0).
     """
 
-    def select(self, layer, q, store, scale) -> Selection:
-        end = store.grid.window_start(store.lengths)  # [B]
-        pos = torch.arange(store.grid.sink, int(end.max()), device=end.device)
+    def select(self, q, view) -> Selection:
+        end = view.window_start  # [B]
+        pos = torch.arange(view.sink, int(end.max()), device=end.device)
         pos = torch.where(pos[None, :] < end[:, None], pos[None, :], -1)
-        return Selection(tokens=pos[:, None, :].expand(-1, store.kv_heads, -1).contiguous())
+        return Selection(tokens=pos[:, None, :].expand(-1, view.kv_heads, -1).contiguous())
 
 
 @dataclass

@@ -32,7 +32,7 @@ from kvdex.config import (
     DEFAULT_WINDOW,
     CacheConfig,
 )
-from kvdex.engine import StepCounters, make_store
+from kvdex.engine import GraphService, StepCounters, make_store
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
 from kvdex.policies import PolicyInfo, make_policy
@@ -100,6 +100,7 @@ class Cache(HFCache):
         self.transfer = TransferStats()
         self.step = -1
         self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
+        self.graphs = GraphService()  # CUDA graphs a policy's selection replays (view.graphs; IceCache's search)
         # CUDA-graph decoding (kvdex.hf.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself

@@ -1,7 +1,8 @@
 """The per-step tree searches of an IceCache layer as one batched search on the model's device
 (``search="device"``): the layer's :class:`~kvdex.index.forest.DCIForest` mirror, kept up to date with
 the snapshots the index jobs produce, then the forest's search and page choice, optionally replayed
-as a CUDA graph. No host sync (docs/policies/icecache.md, "Batched device search")."""
+through the engine's graph service (``graph_run``). No host sync (docs/policies/icecache.md, "Batched
+device search")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 
 from kvdex.index.dci import transform_queries
 from kvdex.index.forest import DCIForest
-from kvdex.index.graphs import SearchGraphs
 from kvdex.index.pages import pad_rows
 
 
@@ -20,7 +20,6 @@ class DeviceSearch:
         self.forests: dict[int, DCIForest] = {}  # layer -> device mirror of its trees
         self.staged: dict = {}  # layer -> {tree index: DCIForest.stage(...)} not mirrored yet
         self.row_idx: dict = {}  # (device, searched rows, G) -> (row index, tree of each query row) on the device
-        self.graphs = SearchGraphs()  # per layer: the CUDA graph of its search (graphs=True)
         # pages / tokens selected, summed on each layer's device (no sync; a device_map may spread the layers)
         self.counts: dict[torch.device, torch.Tensor] = {}
 
@@ -61,7 +60,8 @@ class DeviceSearch:
         """Token positions [R, T] (-1 padded) for the layer's R = batch x kv heads trees and the queries
         q [B, Hq, 1, D]: rows ``searched`` from the batched search and page choice, the others from
         ``work`` (positions chosen on the host: a budget covering every key, or no tree).
-        ``graph_run(layer, sig, run, qd, keep)`` runs the search through a CUDA graph (None: eagerly)."""
+        ``graph_run(layer, sig, run, qd, keep)`` runs the search through the engine's graph service
+        (:meth:`kvdex.engine.graphs.GraphService.run`; None: eagerly)."""
         dev = q.device
         parts = []
         if searched:

@@ -15,6 +15,7 @@ from kvdex.policies import (  # noqa: F401  (importing a policy module registers
     streaming,
 )
 from kvdex.policies.base import (
+    PageScoringPolicy,
     Policy,
     PolicyInfo,
     group_reduce,
@@ -25,8 +26,11 @@ from kvdex.policies.base import (
     register_policy,
     topk_ids,
 )
+from kvdex.view import LayerView
 
 __all__ = [
+    "LayerView",
+    "PageScoringPolicy",
     "Policy",
     "PolicyInfo",
     "group_reduce",

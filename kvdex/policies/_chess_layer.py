@@ -149,13 +149,14 @@ class LayerScope:
             self._publish(layer, out.to(self.pages[layer].device))
 
     # ---- select / CUDA graphs ------------------------------------------------------------------------
-    def select(self, layer: int, q: torch.Tensor, store) -> Selection:
+    def select(self, q: torch.Tensor, view) -> Selection:
+        layer, store = view.layer, view.store
         if self.pending is not None and layer in self.todo:
             self.build(layer, q, store)
         ids = self.pages.get(layer)
         if ids is None:
-            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
-        if store.static:
+            return Selection(pages=view.no_ids(q.device))
+        if view.static:
             buf = self.static.get(layer)
             if buf is None:  # allocated in an eager step (the graph key changes)
                 w = ids.shape[2]

@@ -23,64 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.kernels.scoring import group_topk
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies.base import Policy, group_reduce, mask_pages, register_policy, topk_ids
+from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
 from kvdex.selection import Selection
-
-
-def head_scores(
-    index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None, p: int | None = None
-):
-    """Digest estimate per query head of every middle page: [B, Hq, P], ``-inf`` past the middle.
-
-    ``first`` [B] (optional): pages before it are not candidates (PRKV's static region).
-    ``p``: pages to score (default :func:`static_pages`).
-    """
-    p = static_pages(index, layer, store) if p is None else p
-    score = mask_pages(index.scores(layer, q, p), store.grid.num_middle_pages(store.lengths))
-    if first is not None:
-        ids = torch.arange(p, device=score.device)
-        score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
-    return score
-
-
-def page_scores(
-    index: DigestIndex, layer: int, q: torch.Tensor, store, first: torch.Tensor | None = None, p: int | None = None
-):
-    """Digest estimate per kv head (group max) of every middle page: [B, H, P] (:func:`head_scores`)."""
-    return group_reduce(head_scores(index, layer, q, store, first, p), store.kv_heads, "max")
-
-
-def static_pages(index: DigestIndex, layer: int, store, *others: torch.Tensor) -> int:
-    """Pages to score: the longest middle, or under static sizing (CUDA-graph decoding) the index
-    capacity (and no more than the capacity of ``others`` [B, H, cap] that are sliced alike): a value
-    that changes only when a buffer is re-allocated, never with the lengths. Pages past each
-    sequence's middle are masked with the device lengths either way."""
-    if store.static:
-        return min([index.centre[layer].shape[2], *(t.shape[2] for t in others)])
-    return int(store.grid.num_middle_pages(store.lengths_host).max())
-
-
-def top_pages(
-    index: DigestIndex,
-    layer: int,
-    q: torch.Tensor,
-    store,
-    k: int,
-    first: torch.Tensor | None = None,
-    group: str = "max",
-) -> torch.Tensor:
-    """Top-k middle pages per kv head by digest estimate: [B, H, k], ``-1`` padded. ``group``: how the
-    query heads' estimates combine (:func:`kvdex.kernels.scoring.group_topk`; ArkVale: ``"max"``)."""
-    if layer not in index or k <= 0:
-        return torch.full((store.batch, store.kv_heads, 0), -1, dtype=torch.long, device=q.device)
-    return group_topk(head_scores(index, layer, q, store, first), store.kv_heads, k, group)
 
 
 @register_policy
 @dataclass
-class ArkValePolicy(Policy):
+class ArkValePolicy(PageScoringPolicy):
     name = "arkvale"
     capturable = True
     capturable_index = True
@@ -159,14 +109,16 @@ class ArkValePolicy(Policy):
             self.cached[layer] = cur = new
         return cur
 
-    def select(self, layer, q, store, scale) -> Selection:
-        k = self.cfg.retrieval_pages
-        if layer not in self.digests or k <= 0:
-            return Selection(pages=top_pages(self.digests, layer, q, store, k))
-        p = static_pages(self.digests, layer, store, self.cached[layer])
-        score = page_scores(self.digests, layer, q, store, p=p)
-        pages = topk_ids(score, k)
-        self._recall(layer, pages, score)
+    def page_scores(self, q, view):
+        """The digest estimate of every indexed page per query head (the base takes the group's max)."""
+        if view.layer not in self.digests:
+            return None
+        p = view.score_width(self.digests.centre[view.layer].shape[2], self.cached[view.layer].shape[2])
+        return self.digests.scores(view.layer, q, p)
+
+    def chosen(self, q, view, pages, score) -> Selection:
+        if score is not None:
+            self._recall(view.layer, pages, score)
         return Selection(pages=pages)
 
     def _recall(self, layer: int, pages: torch.Tensor, score: torch.Tensor) -> None:

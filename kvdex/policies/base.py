@@ -12,7 +12,9 @@ Life cycle, driven by :class:`kvdex.Cache`:
                                      then one page at a time as the window moves on;
                                      A ``capturable_index`` policy indexes decode-time joins
                                      through ``index_join`` instead (below);
-* ``select(layer, q, store, scale)`` every decode step, per sparse layer -> :class:`Selection`;
+* ``select(q, view)``                every decode step, per sparse layer -> :class:`Selection`; ``view``:
+                                     the layer at this step (:class:`kvdex.view.LayerView`: layer index,
+                                     store, scale, lengths, page grid, budget, the engine's graph service);
 * ``on_step(step, logits)``          after every decode step, with the last-position logits.
 
 **Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.hf.graph).
@@ -48,9 +50,10 @@ from typing import ClassVar
 import torch
 
 from kvdex.config import CacheConfig
-from kvdex.kernels.scoring import group_reduce, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
+from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -98,7 +101,8 @@ class Policy:
     def index(self, layer: int, update: MiddleUpdate) -> None:
         """Pages joined the middle region of ``layer``. Default: nothing to index."""
 
-    def select(self, layer: int, q: torch.Tensor, store: LayerStore, scale: float) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
+        """The middle tokens each kv head of ``view.layer`` attends this step; q [B, Hq, D]."""
         raise NotImplementedError
 
     # ---- capturable page joins (capturable_index = True; see the module docstring) ----------------
@@ -186,6 +190,55 @@ class IndexFreePolicy(Policy):
 
     def index_join(self, layer: int, join: PageJoin) -> None:
         """Nothing to index."""
+
+
+class PageScoringPolicy(Policy):
+    """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
+    :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
+    ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages
+    per kv head, the :class:`Selection` (:meth:`chosen`).
+
+    ``group`` (a dataclass field in a subclass that offers the choice): how a kv head's query heads
+    combine (:func:`kvdex.kernels.scoring.group_topk`): ``"max"`` / ``"sum"`` of the scores, or
+    ``"heads"``, the union of every head's own ranking. ``scores_masked``: True where
+    :meth:`page_scores` already sets the pages past each middle to ``-inf`` (a fused kernel)."""
+
+    group: ClassVar[str] = "max"
+    scores_masked: ClassVar[bool] = False
+
+    def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
+        """Scores of the first P middle pages of ``view.layer`` (P: e.g. ``view.score_width(capacity)``):
+        [B, Hq, P] per query head or [B, H, P] per kv head, higher first, ``-inf`` never chosen; None
+        while nothing of the layer is indexed (sink + window only)."""
+        raise NotImplementedError
+
+    def page_budget(self, view: LayerView) -> int:
+        """Pages per kv head this step. Default: the retrieval budget."""
+        return view.retrieval_pages
+
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
+        pages, score = self.top_pages(q, view)
+        return self.chosen(q, view, pages, score)
+
+    def top_pages(self, q: torch.Tensor, view: LayerView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The top pages [B, H, k] (``-1`` padded) and the masked scores they were chosen from (per kv
+        head; per query head with ``group="heads"``), or no pages and None."""
+        k = self.page_budget(view)
+        score = self.page_scores(q, view) if k > 0 else None
+        if score is None:
+            return view.no_ids(q.device), None
+        if not self.scores_masked:
+            score = mask_pages(score, view.middle_pages)
+        if self.group == "heads":
+            return group_topk(score, view.kv_heads, k, "heads"), score
+        if score.shape[1] != view.kv_heads:
+            score = group_reduce(score, view.kv_heads, self.group)
+        return topk_ids(score, k), score
+
+    def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
+        """The selection of ``pages`` (:meth:`top_pages`; ``score`` None: nothing was scored). Default:
+        those pages."""
+        return Selection(pages=pages)
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

@@ -317,16 +317,17 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             out = torch.stack([pad(r[None], width)[0] for r in rows])
             self._publish(out.to(self._pages.device))
 
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
+        layer, store = view.layer, view.store
         self._stores[layer] = store
         if self._layers is not None:
-            return self._layers.select(layer, q, store)
+            return self._layers.select(q, view)
         if self.anchor_from == "query":
-            self._record_query(layer, q, store.kv_heads)
+            self._record_query(layer, q, view.kv_heads)
         if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
-            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
-        if store.static:  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
-            return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, store.kv_heads, -1))
+            return Selection(pages=view.no_ids(q.device))
+        if view.static:  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
+            return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, view.kv_heads, -1))
         if self._sel.pages.device != store.device:  # device_map: the layer's copy, moved once per build
             return self._sel_on.setdefault(store.device, Selection(pages=self._sel.pages.to(store.device)))
         return self._sel

@@ -25,5 +25,5 @@ class FullPolicy(IndexFreePolicy):
             return (int(st.grid.num_middle_pages(st.lengths_host + 1).max()),)
         return ()
 
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
         return Selection(everything=True)

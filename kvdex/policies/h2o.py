@@ -99,25 +99,25 @@ class H2OPolicy(Policy):
         ids = tuple((i, lay, id(t), tuple(t.shape)) for i, tab in enumerate(tabs) for lay, t in sorted(tab.items()))
         return ("h2o", *ids)
 
-    def select(self, layer, q, store, scale) -> Selection:
-        g = store.grid
-        static = store.static
+    def select(self, q, view) -> Selection:
+        layer, store, h = view.layer, view.store, view.kv_heads
+        static = view.static
         self._static = static
         k = None
         if layer in self.pending:
             k = store.dense()[0]
-        self._reserve(layer, int(store.lengths_host.max()) + 1, q.new_zeros(store.batch, store.kv_heads))
+        self._reserve(layer, int(view.lengths_host.max()) + 1, q.new_zeros(view.batch, h))
         if k is not None:  # prefill scores from the prompt's last queries (the prompt is lengths - 1 tokens)
-            qo, pos, valid = prompt_rows(self.pending.pop(layer), store.lengths - 1)
-            mass = group_reduce(attention_mass(qo, pos, valid, k, store.lengths, scale), store.kv_heads, "sum")
+            qo, pos, valid = prompt_rows(self.pending.pop(layer), view.lengths - 1)
+            mass = group_reduce(attention_mass(qo, pos, valid, k, view.lengths, view.scale), h, "sum")
             m = min(mass.shape[2], self.score[layer].shape[2])  # static: mass spans the store's whole buffer,
             self.score[layer][:, :, :m] += mass[:, :, :m]  # zero past the lengths (< the score capacity)
-        ws = g.window_start(store.lengths)  # [B]
-        recent_mid = (self.recent - (store.lengths - ws)).clamp(min=0)  # middle tokens that are recent
-        heavy_end = (ws - recent_mid).clamp(min=g.sink)  # [B]: middle positions before it compete
+        ws = view.window_start  # [B]
+        recent_mid = (self.recent - (view.lengths - ws)).clamp(min=0)  # middle tokens that are recent
+        heavy_end = (ws - recent_mid).clamp(min=view.sink)  # [B]: middle positions before it compete
         n = self.score[layer].shape[2] if static else int(ws.max())  # static: the whole buffer, masked
         pos = torch.arange(n, device=q.device)
-        cand = (pos[None, :] >= g.sink) & (pos[None, :] < heavy_end[:, None])  # [B, n]
+        cand = (pos[None, :] >= view.sink) & (pos[None, :] < heavy_end[:, None])  # [B, n]
         cand = cand[:, None, :] & ~self.evicted[layer][:, :, :n]
         score = self.score[layer][:, :, :n].masked_fill(~cand, float("-inf"))
         heavy = topk_ids(score, self.heavy)  # [B, H, heavy]
@@ -126,7 +126,7 @@ class H2OPolicy(Policy):
         self.evicted[layer][:, :, :n] |= cand & ~keep  # H2O evicts for good
         width = self.recent if static else int(recent_mid.max())  # recent_mid <= recent
         rec = heavy_end[:, None] + torch.arange(width, device=q.device)[None, :]
-        rec = torch.where(rec < ws[:, None], rec, -1)[:, None, :].expand(-1, store.kv_heads, -1)
+        rec = torch.where(rec < ws[:, None], rec, -1)[:, None, :].expand(-1, h, -1)
         return Selection(tokens=torch.cat([heavy, rec], dim=-1))
 
     def observe(self, layer, q, attend_set, scale) -> None:

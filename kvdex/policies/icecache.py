@@ -42,12 +42,12 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvdex.index.dci import DCIParams, DCITree, transform_queries
 from kvdex.index.device_search import DeviceSearch
-from kvdex.index.graphs import CaptureError
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
@@ -55,10 +55,7 @@ from kvdex.policies._icecache_index import IndexJobsMixin
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
-
-# tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) to run
-# the graphs=True path on the CPU (tests/test_icecache_batched.py checks what a capture reads)
-GRAPHS_ON_CPU = None
+from kvdex.view import CaptureError
 
 
 @register_policy
@@ -164,7 +161,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
-        self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees, their CUDA graphs
+        self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees
+        self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
         self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
         self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
 
@@ -234,15 +232,16 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             memo.setdefault(key, fut)
 
     # ---- page selection (Algorithms 3-4) -----------------------------------------------------------
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
+        layer, store, scale = view.layer, view.store, view.scale
         anchor = self.anchor_of[layer]
         if anchor != layer and anchor in self._last:
             return self._last[anchor]  # IceCache (reuse): the indices of the most recent anchor layer
         t0 = time.perf_counter()
         if self.search == "summary":  # every page scored from its summary on q's device: no host sync
             pages = self._pages_of(layer, store)
-            P = pages.capacity if store.static else min(pages.bound, pages.capacity)
-            room, cap = self.cfg.retrieval_tokens, self._max_pages()
+            P = pages.capacity if view.static else min(pages.bound, pages.capacity)
+            room, cap = view.retrieval_tokens, self._max_pages()
             if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
@@ -250,8 +249,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
-        B, H, G = store.batch, store.kv_heads, q.shape[1] // store.kv_heads
-        budget = self.cfg.retrieval_tokens
+        B, H, G = view.batch, view.kv_heads, q.shape[1] // view.kv_heads
+        budget = view.retrieval_tokens
         on_device = self.search == "device" or (self.search == "auto" and q.device.type == "cuda")
         qc = None if on_device else q.detach().float().cpu()  # the host search needs q on the CPU (a sync)
         t1 = time.perf_counter()
@@ -269,7 +268,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
                     work.append(tree)
                     searches.append((len(work) - 1, tree, None if qc is None else qc[b, h * G : (h + 1) * G]))
         if on_device:
-            return self._select_device(layer, q, trees, work, searches, scale, t1)
+            return self._select_device(view, q, trees, work, searches, t1)
         threads = self.threads or cpu_threads()
         chunks = self.query_chunks or max(1, threads // max(1, len(searches)))
         chunks = min(chunks, G)
@@ -291,19 +290,19 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
         return self._selected(layer, sel, t1)  # query_s: tree searches + page choice, on the CPU
 
-    def _select_device(self, layer, q, trees, work, searches, scale, t1) -> Selection:
-        """The searches of every tree of the layer as one batched search on q's device (:class:`DeviceSearch`):
-        the same M-DCI / P-DCI and page choice as the host path, no host sync."""
-        k = self.topk or self.cfg.budget  # Alg. 3's k (see _search)
+    def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
+        """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
+        replayed through ``view.graphs``): the host path's M-DCI / P-DCI and page choice, no host sync."""
+        k = self.topk or view.budget  # Alg. 3's k (see _search)
         cap = (self.max_pages or 1 << 40) if self.budget_rule == "keys" else self._max_pages()
-        graphs = self.graphs and (q.device.type == "cuda" or GRAPHS_ON_CPU is not None)
+        service = view.graphs if self.graphs and view.graphs is not None and view.graphs.usable(q.device) else None
         tokens = self._device.select(
-            layer, trees, q, work, [i for i, _, _ in searches], k, self.query_fov or k, self.query_prop,
-            self.cfg.retrieval_tokens, cap, self.budget_rule, self.group_merge, scale,
-            self._graph_run if graphs else None,
+            view.layer, trees, q, work, [i for i, _, _ in searches], k, self.query_fov or k, self.query_prop,
+            view.retrieval_tokens, cap, self.budget_rule, self.group_merge, view.scale,
+            None if service is None else partial(self._graph_run, service),
         )  # fmt: skip
         sel = Selection(tokens=tokens.view(q.shape[0], len(work) // q.shape[0], -1))
-        return self._selected(layer, sel, t1)  # query_s: host time to issue the search (device: asynchronous)
+        return self._selected(view.layer, sel, t1)  # query_s: host time to issue the search (device: asynchronous)
 
     def _selected(self, layer, sel: Selection, t1: float) -> Selection:
         self._last[layer] = sel
@@ -328,10 +327,11 @@ class IceCachePolicy(IndexJobsMixin, Policy):
     def _graph_replayed(self) -> None:
         self._stats["queries"] += len(self._pages)
 
-    def _graph_run(self, layer, sig, run, qd, keep=()):
-        """``run(qd)`` through the layer's CUDA graph (:meth:`~kvdex.index.graphs.SearchGraphs.run`)."""
+    def _graph_run(self, service, layer, sig, run, qd, keep=()):
+        """``run(qd)`` through the layer's graph in the engine's graph ``service`` (``GraphService.run``)."""
+        self._services[id(service)] = service  # stats: its captures and replays
         try:
-            return self._device.graphs.run(layer, sig, run, qd, keep, GRAPHS_ON_CPU)
+            return service.run(layer, sig, run, qd, keep)
         except CaptureError as err:  # not capturable here: eager from now on, said in stats and a warning
             e = err.__cause__
             self.graphs = False
@@ -380,8 +380,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             for k, v in summary_stats(self._pages.values()).items():
                 s[k] = s.get(k, 0) + v
         s["clamped_keys"] = sum(self._clamped.values())
-        g = self._device.graphs
-        s["graph_captures"], s["graph_replays"] = g.captures, g.replays
+        services = self._services.values()
+        s["graph_captures"] = sum(g.captures for g in services)
+        s["graph_replays"] = sum(g.replays for g in services)
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
         if s["build_s"]:

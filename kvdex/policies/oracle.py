@@ -44,10 +44,10 @@ class OraclePolicy(IndexFreePolicy):
     def graph_key(self, stores) -> tuple:
         return ()
 
-    def select(self, layer, q, store, scale) -> Selection:
-        k, _ = store.dense()
-        p = group_reduce(true_attention(q, k, store.lengths, scale), store.kv_heads, "sum")  # [B, H, L]
+    def select(self, q, view) -> Selection:
+        k, _ = view.store.dense()
+        p = group_reduce(true_attention(q, k, view.lengths, view.scale), view.kv_heads, "sum")  # [B, H, L]
         pos = torch.arange(k.shape[2], device=k.device)
-        middle = (pos[None, :] >= store.grid.sink) & (pos[None, :] < store.grid.window_start(store.lengths)[:, None])
+        middle = (pos[None, :] >= view.sink) & (pos[None, :] < view.window_start[:, None])
         score = p.masked_fill(~middle[:, None, :], float("-inf"))
-        return Selection(tokens=topk_ids(score, self.cfg.retrieval_tokens))
+        return Selection(tokens=topk_ids(score, view.retrieval_tokens))

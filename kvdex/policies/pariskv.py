@@ -252,21 +252,21 @@ class ParisKVPolicy(IndexMixin, Policy):
         return idx, rows
 
     # ---- select ------------------------------------------------------------------------------
-    def select(self, layer, q, store, scale) -> Selection:
-        k = self.cfg.retrieval_tokens
-        b, h = store.batch, store.kv_heads
-        static = store.static
-        nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size  # [B] CPU
+    def select(self, q, view) -> Selection:
+        layer, k = view.layer, view.retrieval_tokens
+        b, h = view.batch, view.kv_heads
+        static = view.static
+        nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU
         n = int(nmid.max())
         if layer not in self.index_ or n == 0:
-            return Selection(tokens=torch.full((b, h, 0), -1, dtype=torch.long, device=q.device))
+            return Selection(tokens=view.no_ids(q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
             w = k if static else n  # static: a fixed width, -1 past each sequence's middle
             j = torch.arange(w, device=q.device)
-            pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], store.grid.sink + j, -1)
+            pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], view.sink + j, -1)
             return Selection(tokens=pos[:, None, :].expand(b, h, w).contiguous())
-        cand, _ = self.search(layer, q, n, nmid, k, static=static, scale=scale)
-        return Selection(tokens=torch.where(cand >= 0, cand + store.grid.sink, -1))
+        cand, _ = self.search(layer, q, n, nmid, k, static=static, scale=view.scale)
+        return Selection(tokens=torch.where(cand >= 0, cand + view.sink, -1))
 
     def votes(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
         """Coarse stage: collision scores of the first n middle tokens.

@@ -48,8 +48,8 @@ import torch
 from kvdex.kernels.scoring import check_group, group_topk
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
-from kvdex.policies.arkvale import _ids, top_pages
-from kvdex.policies.base import Policy, register_policy, topk_ids
+from kvdex.policies.arkvale import _ids
+from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
 
@@ -67,7 +67,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 
 @register_policy
 @dataclass
-class PRKVPolicy(Policy):
+class PRKVPolicy(PageScoringPolicy):
     name = "prkv"
     capturable = True
     relocates = True
@@ -223,41 +223,59 @@ class PRKVPolicy(Policy):
         return static, (r - static) // ps
 
     # ---- per step ----------------------------------------------------------------------------------
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
+        layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
         if self.n_static or self.auto:
             if layer in self.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
                 self.rings[layer] = QueryRing(self.obs)
-                self.rings[layer].load(*prompt_rows(self.pending.pop(layer), store.lengths - 1))
+                self.rings[layer].load(*prompt_rows(self.pending.pop(layer), view.lengths - 1))
                 self._restructure(layer, store, scale)
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
-            ring.push(q, store.lengths - 1)
+            ring.push(q, view.lengths - 1)
             if step and step % self.refresh == 0:
                 self._restructure(layer, store, scale)
                 self.refreshes.setdefault(layer, []).append(step)
         self.pending.pop(layer, None)
-        return self._selection(layer, q, store)
+        return super().select(q, view)  # the dynamic pages (PageScoringPolicy), then chosen: the static part
 
-    def _selection(self, layer, q, store) -> Selection:
-        ps = store.grid.page_size
-        b, h = store.batch, store.kv_heads
-        n_static, n_dynamic = self.layer_split(layer)
-        n = self.static.get(layer, torch.zeros(b, dtype=torch.long, device=q.device))  # [B]
-        full, tail = n // ps, n % ps
-        first = (n + ps - 1) // ps  # dynamic candidates: the pages after the static region
-        dynamic = top_pages(self.digests, layer, q, store, n_dynamic, first if n_static else None, self.group)
+    def page_budget(self, view) -> int:
+        return self.layer_split(view.layer)[1]
+
+    def page_scores(self, q, view):
+        """ArkVale's digest estimate per query head of the pages after the static region (the dynamic part)."""
+        if view.layer not in self.digests:
+            return None
+        p = view.score_width(self.digests.centre[view.layer].shape[2])
+        score = self.digests.scores(view.layer, q, p)
+        if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region
+            first = (self._static_count(view, q.device) + view.page_size - 1) // view.page_size  # [B]
+            ids = torch.arange(p, device=score.device)
+            score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
+        return score
+
+    def _static_count(self, view, device) -> torch.Tensor:
+        """[B] static tokens of the layer (at the front of its middle)."""
+        return self.static.get(view.layer, torch.zeros(view.batch, dtype=torch.long, device=device))
+
+    def chosen(self, q, view, pages, score) -> Selection:
+        """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``."""
+        n_static = self.layer_split(view.layer)[0]
         if not n_static:
-            return Selection(pages=dynamic)  # S = 0: ArkVale
-        static = store.static  # CUDA-graph decoding: widths from the split, not the counts
+            return Selection(pages=pages)  # S = 0: ArkVale
+        ps, b, h = view.page_size, view.batch, view.kv_heads
+        n = self._static_count(view, q.device)  # [B]
+        full, tail = n // ps, n % ps
+        static = view.static  # CUDA-graph decoding: widths from the split, not the counts
         f = n_static // ps if static else int(full.max())
         sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
         sp = torch.where(sp < full[:, None], sp, -1)[:, None, :].expand(b, h, -1)
-        pages = torch.cat([sp, dynamic], dim=-1)
+        pages = torch.cat([sp, pages], dim=-1)
         t = min(ps - 1, n_static) if static else int(tail.max())
         tokens = None
         if t:
-            tk = store.grid.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
+            tk = view.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
             tokens = torch.where(torch.arange(t, device=q.device)[None, :] < tail[:, None], tk, -1)
             tokens = tokens[:, None, :].expand(b, h, -1)
         return Selection(pages=pages, tokens=tokens)

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import check_group, group_topk, mask_pages, page_bounds, quest_page_scores
-from kvdex.policies.base import Policy, register_policy, topk_ids
-from kvdex.selection import Selection
+from kvdex.kernels.scoring import check_group, mask_pages, page_bounds, quest_page_scores
+from kvdex.policies.base import PageScoringPolicy, register_policy
 
 __all__ = ["QuestPolicy", "page_bounds"]
 
@@ -30,10 +29,11 @@ _GROW = 256  # pages of index capacity added at a time
 
 @register_policy
 @dataclass
-class QuestPolicy(Policy):
+class QuestPolicy(PageScoringPolicy):
     name = "quest"
     capturable = True
     capturable_index = True
+    scores_masked = True  # every path of page_scores masks (the Triton kernel inside itself)
 
     group: str = "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
 
@@ -89,20 +89,17 @@ class QuestPolicy(Policy):
             (lay, id(t)) for lay, t in sorted(self.kmax.items())
         )
 
-    def select(self, layer, q, store, scale) -> Selection:
-        k = self.cfg.retrieval_pages
-        if layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
-            return Selection(pages=torch.full((store.batch, store.kv_heads, 0), -1, device=q.device))
-        p = int(store.grid.num_middle_pages(store.lengths_host).max())
-        if store.static:  # CUDA-graph decode: score the whole index (masked past nmid)
-            p = self.kmin[layer].shape[2]
-        kmin, kmax = self.kmin[layer][:, :, :p], self.kmax[layer][:, :, :p]
-        if self.group != "max":  # per query head bounds, combined by group_topk (PyTorch)
-            bounds = mask_pages(page_bounds(q, kmin, kmax), store.grid.num_middle_pages(store.lengths))
-            return Selection(pages=group_topk(bounds, store.kv_heads, k, self.group))
+    def page_scores(self, q, view):
+        """Quest's bounds of the indexed pages, -inf past each middle: per kv head (the group's max) or,
+        with ``group`` "sum" / "heads", per query head."""
+        if view.layer not in self.kmin:  # nothing indexed yet: the context is all sink + window
+            return None
+        p = view.score_width(self.kmin[view.layer].shape[2])  # static (CUDA-graph decode): the whole index
+        kmin, kmax = self.kmin[view.layer][:, :, :p], self.kmax[view.layer][:, :, :p]
+        if self.group != "max":  # per query head bounds, combined by the base (group_topk)
+            return mask_pages(page_bounds(q, kmin, kmax), view.middle_pages)
         fast = triton_kernel("quest_triton", "page_scores", on=q)
         if fast is not None:  # one Triton kernel, same scores (kvdex.kernels.quest_triton); it derives
             # each sequence's middle page count from the device lengths itself
-            return Selection(pages=topk_ids(fast(q, kmin, kmax, lengths=store.lengths, grid=store.grid), k))
-        nmid = store.grid.num_middle_pages(store.lengths)
-        return Selection(pages=topk_ids(quest_page_scores(q, kmin, kmax, nmid), k))
+            return fast(q, kmin, kmax, lengths=view.lengths, grid=view.grid)
+        return quest_page_scores(q, kmin, kmax, view.middle_pages)

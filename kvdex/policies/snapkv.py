@@ -129,36 +129,36 @@ class SnapKVPolicy(Policy):
         else:
             self.chosen[layer] = chosen
 
-    def select(self, layer, q, store, scale) -> Selection:
+    def select(self, q, view) -> Selection:
+        layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
         if layer in self.pending:  # first decode step: the prompt is lengths - 1 tokens
-            prompt = store.lengths - 1
-            self.kept_from[layer] = store.grid.window_start(prompt)
-            self._kept_host[layer] = store.grid.window_start(store.lengths_host - 1).tolist()  # the same, host ints
+            prompt = view.lengths - 1
+            self.kept_from[layer] = view.grid.window_start(prompt)
+            self._kept_host[layer] = view.grid.window_start(view.lengths_host - 1).tolist()  # the same, host ints
             self.rings[layer] = ring = QueryRing(self.obs)
             ring.load(*prompt_rows(self.pending.pop(layer), prompt))
             self._choose(layer, store, scale)
         if self.refresh:
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
-            ring.push(q, store.lengths - 1)
+            ring.push(q, view.lengths - 1)
             if step and step % self.refresh == 0:
                 self._choose(layer, store, scale)
                 self.refreshes.setdefault(layer, []).append(step)
-        b, h = store.batch, store.kv_heads
-        chosen = self.chosen.get(layer, torch.full((b, h, 0), -1, dtype=torch.long, device=q.device))
+        chosen = self.chosen.get(layer, view.no_ids(q.device))
         if self.refresh == 0 and layer in self.kept_from:
-            chosen = torch.cat([chosen, self._kept(layer, store)], dim=-1)
+            chosen = torch.cat([chosen, self._kept(view)], dim=-1)
         return Selection(tokens=chosen)
 
-    def _kept(self, layer, store) -> torch.Tensor:
+    def _kept(self, view) -> torch.Tensor:
         """Middle positions past the prefill's middle (SnapKV keeps them all): [B, H, n], -1 padded."""
-        start = self.kept_from[layer]
-        end = store.grid.window_start(store.lengths)
-        if store.static:  # CUDA-graph decoding: a width from host values, grown in steps
-            n = self._kept_width(layer, store)
+        start = self.kept_from[view.layer]
+        end = view.window_start
+        if view.static:  # CUDA-graph decoding: a width from host values, grown in steps
+            n = self._kept_width(view.layer, view.store)
         else:
             n = int((end - start).clamp(min=0).max())
         pos = start[:, None] + torch.arange(n, device=start.device)[None, :]
         pos = torch.where(pos < end[:, None], pos, -1)
-        return pos[:, None, :].expand(-1, store.kv_heads, -1)
+        return pos[:, None, :].expand(-1, view.kv_heads, -1)

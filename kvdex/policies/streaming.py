@@ -27,12 +27,11 @@ class StreamingPolicy(IndexFreePolicy):
     def graph_key(self, stores) -> tuple:
         return ()
 
-    def select(self, layer, q, store, scale) -> Selection:
-        g = store.grid
-        start = g.window_start(store.lengths)  # [B]
-        want = self.cfg.budget - g.sink - (store.lengths - start)  # [B], in [r, r + page_size - 1]
-        width = self.cfg.retrieval_tokens + g.page_size - 1
+    def select(self, q, view) -> Selection:
+        start = view.window_start  # [B]
+        want = view.budget - view.sink - (view.lengths - start)  # [B], in [r, r + page_size - 1]
+        width = view.retrieval_tokens + view.page_size - 1
         pos = start[:, None] - width + torch.arange(width, device=start.device)[None, :]
-        keep = (pos >= g.sink) & (pos >= start[:, None] - want[:, None])
+        keep = (pos >= view.sink) & (pos >= start[:, None] - want[:, None])
         pos = torch.where(keep, pos, -1)
-        return Selection(tokens=pos[:, None, :].expand(-1, store.kv_heads, -1))
+        return Selection(tokens=pos[:, None, :].expand(-1, view.kv_heads, -1))
