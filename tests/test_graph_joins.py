@@ -316,8 +316,15 @@ def test_graph_decoding_replays_page_joins_on_gpu(spec, storage):
     (t0, l0, c0, _, _), (t1, l1, c1, counts, eager_at) = runs
     assert torch.equal(t1, t0)
     torch.testing.assert_close(l1, l0, atol=5e-4 * float(l0.abs().max()), rtol=0)
-    assert counts["eager"] <= 4 and all(i < 6 for i, _ in eager_at), eager_at
-    assert counts["replays"] >= steps - 4, counts
+    if spec == "full" and storage == "offload":
+        # full's offloaded step fetches the whole middle: its graph key is the page count, so every page that
+        # joins starts a new key (one eager warm-up of its plain and join variants, a few steps after the join)
+        joined = [i for i, b in eager_at if b]
+        assert joined and all(i < 6 or any(j <= i <= j + 4 for j in joined) for i, _ in eager_at), eager_at
+        assert counts["replays"] >= steps - 4 * (len(joined) + 1), counts
+    else:
+        assert counts["eager"] <= 4 and all(i < 6 for i, _ in eager_at), eager_at
+        assert counts["replays"] >= steps - 4, counts
     s0, s1 = c0.stats(), c1.stats()
     for k in ("decode_steps", "context_tokens", "bytes_device_to_host", "bytes_host_to_device", "policy_stats"):
         assert _untimed(s0[k]) == _untimed(s1[k]), k

@@ -75,14 +75,11 @@ class ReuseMeter:
     also selected at the previous step: the hit rate a device-resident cache holding the previous
     step's selection would get (the per-step transfer of an offloaded policy would be the misses)."""
 
-    def __init__(self, policy):
-        self.policy, self.prev, self.hit, self.total = policy, {}, 0, 0
-        self._own = "select" in vars(policy)
-        self._select = policy.select
-        policy.select = self._wrapped
+    def __init__(self, cache):
+        self.cache, self.prev, self.hit, self.total = cache, {}, 0, 0
+        cache.on_select = self._seen  # the engine's selection hook (kvdex.engine.step.EngineHost.on_select)
 
-    def _wrapped(self, q, view):
-        sel = self._select(q, view)
+    def _seen(self, view, sel):
         ids = sel.pages if sel.pages is not None else sel.tokens
         if ids is not None and not sel.everything:
             b, h, n = ids.shape
@@ -94,13 +91,9 @@ class ReuseMeter:
                 self.hit += int((torch.isin(cur, prev) & live).sum())
                 self.total += int(live.sum())
             self.prev[view.layer] = cur
-        return sel
 
     def detach(self):
-        if self._own:
-            self.policy.select = self._select
-        else:
-            del self.policy.select
+        self.cache.on_select = None
 
     def rate(self):
         return self.hit / self.total if self.total else None
@@ -110,7 +103,7 @@ def phase_split(model, cache: kvdex.Cache, nxt, steps: int, device) -> dict:
     """Selection / transfer / attention / rest per step, from the cache's own phase timing."""
     cache.config = dataclasses.replace(cache.config, timing=True)
     before = dict(cache.counters.timing)
-    reuse = ReuseMeter(cache.policy)
+    reuse = ReuseMeter(cache)
     sync_device(device)
     t0 = time.perf_counter()
     try:

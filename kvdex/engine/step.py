@@ -48,6 +48,9 @@ class EngineHost(Protocol):
     graphs: GraphService  # CUDA graphs of work inside a policy's selection (one service per cache)
     # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode attention
     observer: object
+    # on_select(view, selection): called after every sparse layer's selection (e.g. kvdex bench's reuse meter);
+    # unlike ``observer`` it keeps the fused fast paths
+    on_select: object
     # CUDA-graph decoding: whether this step appends through the page-join path (None: where a page
     # joins); joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
     join_step: bool | None
@@ -170,6 +173,8 @@ class LayerEngine:
         with counters.timed("selection", timing):
             view = LayerView.of(self.layer_idx, store, scale, host.config, host.graphs)
             sel = on_device(policy.select(q, view), store.device)
+            if host.on_select is not None:
+                host.on_select(view, sel)
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = store.positional_slots and host.observer is None and not policy.observes

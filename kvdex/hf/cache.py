@@ -110,6 +110,8 @@ class Cache(HFCache):
         # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode
         # attention; the evaluation harness uses it to measure recall against the dense truth.
         self.observer = None
+        self.on_select = None  # EngineHost.on_select
+        self.on_step_held = False  # the CUDA-graph decoder holds policy.on_step back while it captures a step
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._warned_long = False
         self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -140,8 +142,9 @@ class Cache(HFCache):
             cache = ref()
             if cache is not None and cache._in_forward:
                 cache._in_forward = False
-                logits = output[:, -1] if isinstance(output, torch.Tensor) else None
-                cache.policy.on_step(cache.step, logits)
+                if not cache.on_step_held:
+                    logits = output[:, -1] if isinstance(output, torch.Tensor) else None
+                    cache.policy.on_step(cache.step, logits)
 
         self._hook = head.register_forward_hook(hook)
         weakref.finalize(self, self._hook.remove)

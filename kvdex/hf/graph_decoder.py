@@ -303,7 +303,7 @@ class GraphDecoder:
         t = c.transfer
         before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
-        with _on_step_held(c.policy), torch.cuda.graph(g):  # a private pool per graph
+        with _on_step_held(c), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )
@@ -314,16 +314,11 @@ class GraphDecoder:
 
 
 @contextmanager
-def _on_step_held(policy):
-    """``policy.on_step`` does nothing inside (the logits hook fires during a capture, before any
-    logits exist; the decoder calls it after the first replay)."""
-    had = "on_step" in vars(policy)
-    old = vars(policy).get("on_step")
-    policy.on_step = lambda step, logits: None
+def _on_step_held(cache):
+    """The cache's logits hook skips ``policy.on_step`` inside (it fires during a capture, before any logits
+    exist; the decoder calls it after the first replay)."""
+    cache.on_step_held = True
     try:
         yield
     finally:
-        if had:
-            policy.on_step = old
-        else:
-            del policy.on_step
+        cache.on_step_held = False
