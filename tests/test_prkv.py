@@ -363,6 +363,54 @@ def test_covering_budget_matches_sdpa(opts, offload):
     assert torch.equal(tokens, ref_tokens)
 
 
+# budget - sink - window = 214, not a page multiple: S = 0.25 -> 48 + 6 static tokens (a partly filled page)
+ODD_CONFIGS = [{"static_ratio": 0.25}, {"static_ratio": 0.5, "refresh": 8, "static_group": "heads", "group": "heads"}]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("opts", ODD_CONFIGS, ids=[str(c) for c in ODD_CONFIGS])
+def test_covering_budget_not_a_page_multiple_matches_sdpa(opts, offload):
+    """The static region ends inside a page: the rest of that page is still attended (it is a dynamic
+    candidate), so a budget covering the context equals dense attention at any budget."""
+    family, n, new, budget = "llama_gqa", 150, 40, 262
+    assert split_budget(budget - SINK - WINDOW, PAGE, opts["static_ratio"])[0] % PAGE
+    model, _ = shared_pair(family)
+    ref_tokens, ref_logits = reference_greedy(family, n, n, new)
+    cache = kvdex.Cache(model, "prkv", budget=budget, offload=offload, dense_layers=1, **opts)
+    tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_partly_filled_static_page_is_attended_whole_or_as_tail():
+    """At a budget that selects, with k_s not a page multiple: each step attends the static tail as
+    tokens or -- chosen as a dynamic page -- the whole partly filled page instead, never a slot twice
+    and never over the budget; the page's slots after the tail are reachable (chosen on some steps)."""
+    model, _ = shared_pair("llama_gqa")
+    budget = 119  # r = 71: S = 0.25 -> 16 + 7 static tokens, 3 dynamic pages
+    cache = kvdex.Cache(model, "prkv", budget=budget, dense_layers=1, static_ratio=0.25)
+    pol = cache.policy
+    assert (pol.n_static, pol.n_dynamic) == (23, 3)
+    seen = {"whole": 0, "tail": 0}
+
+    def observer(layer, q, store, aset, scale):
+        ns = int(pol.static[layer][0])
+        assert ns == 23
+        tail = set(range(SINK + PAGE, SINK + ns))  # the static tail: slots of the partly filled page
+        rest = set(range(SINK + ns, SINK + 2 * PAGE))  # that page's slots after it (not static)
+        for h in range(store.kv_heads):
+            slots = aset.positions[0, h][aset.valid[0, h]].tolist()
+            assert len(slots) == len(set(slots)) <= budget
+            assert tail <= set(slots)
+            got = rest & set(slots)
+            assert got in (set(), rest)
+            seen["whole" if got else "tail"] += 1
+
+    cache.observer = observer
+    greedy(model, prompt(200, seed=3), cache=cache, new=20)
+    assert seen["whole"] and seen["tail"]
+
+
 @pytest.mark.parametrize(
     "opts",
     [
