@@ -382,6 +382,28 @@ def test_covering_budget_not_a_page_multiple_matches_sdpa(opts, offload):
     assert torch.equal(tokens, ref_tokens)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_retrieval_budget_under_one_page(offload):
+    """sink + window < budget < sink + window + page_size: no whole page fits, so S = 0 attends sink +
+    window only, as ArkVale; S > 0 gives the r < page_size tokens to the static set (k_s = r mod page_size)."""
+    model, _ = shared_pair("llama_gqa")
+    budget = SINK + WINDOW + PAGE - 9  # r = 7
+    ids, mask, _ = left_padded([130, 90], seed=5)
+    out, attended = {}, {}
+    for name, opts in (("arkvale", {}), ("prkv", {"static_ratio": 0.0}), ("prkv", {"static_ratio": 0.25})):
+        cache = kvdex.Cache(model, name, budget=budget, offload=offload, dense_layers=1, **opts)
+        sizes = []
+        cache.observer = lambda layer, q, store, aset, scale, sizes=sizes: sizes.append(aset.valid.sum(-1))
+        key = (name, opts.get("static_ratio"))
+        out[key] = greedy(model, ids, mask, cache=cache, new=20)
+        attended[key] = torch.stack(sizes)  # [steps x layers, B, H]: sink + window + retrieved tokens
+    assert torch.equal(out["prkv", 0.0][1], out["arkvale", None][1])
+    window = attended["arkvale", None]
+    assert bool((window <= SINK + WINDOW).all())  # never more than sink + window: no whole page fits
+    assert torch.equal(attended["prkv", 0.0], window)
+    assert torch.equal(attended["prkv", 0.25], window + 7)  # both prompts' middles hold >= 7 tokens
+
+
 def test_partly_filled_static_page_is_attended_whole_or_as_tail():
     """At a budget that selects, with k_s not a page multiple: each step attends the static tail as
     tokens or -- chosen as a dynamic page -- the whole partly filled page instead, never a slot twice
