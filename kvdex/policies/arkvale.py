@@ -46,10 +46,11 @@ class ArkValePolicy(PageScoringPolicy):
     def bind(self, info) -> None:
         super().bind(info)
         self.digests = DigestIndex(self.digest)
-        self.capacity = self.cache_pages or 2 * self.cfg.retrieval_pages
-        if self.capacity <= self.cfg.retrieval_pages:
+        k = self.cfg.retrieval_pages  # 0 when the retrieval budget is under one page: sink + window only
+        self.capacity = self.cache_pages or 2 * k
+        if k and self.capacity <= k:
             raise ValueError(
-                f"cache_pages ({self.cache_pages}) must exceed the attended pages ({self.cfg.retrieval_pages}), "
+                f"cache_pages ({self.cache_pages}) must exceed the attended pages ({k}), "
                 "as ArkVale requires k < c; pass 0 for twice the attended pages"
             )
         self.cached: dict[int, torch.Tensor] = {}  # layer -> [B, H, P] bool: in ArkVale's device cache

@@ -11,8 +11,8 @@ The retrieval budget ``r = budget - sink - window`` per kv head is split in two 
   are recomputed from the restructured pages. The static tokens are attended every step as whole
   pages (plus the ragged tail as tokens) -- the point of making them contiguous;
 * **dynamic** (ratio ``1 - S``): ``(r - k_s) / page_size`` pages chosen per step among the pages after
-  the static region by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default), plus the sink
-  and the local window that kvdex always attends.
+  the static region's whole pages by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default),
+  plus the sink and the local window that kvdex always attends.
 
 ``S = 0`` is ArkVale (the same selection, no relocation), ``S = 1`` is SnapKV+ (``snapkv`` with
 ``refresh=T`` and ``kernel=1``; pooling is not in Algorithm 1, ``kernel`` adds it for both).
@@ -21,7 +21,10 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 
 * ``k_s``: PRKV's Appendix G rounds the static count down to whole pages; we do the same,
   ``k_s = page_size * floor(S * r / page_size)``, and give the ``r mod page_size`` tokens that no
-  whole page can use to the static part (so ``S = 1`` gives all of ``r`` and ``S = 0`` none);
+  whole page can use to the static part (so ``S = 1`` gives all of ``r`` and ``S = 0`` none). The
+  static region's partly filled page (static tail first, then tokens that are not static) is a dynamic
+  candidate like the pages after it: chosen, it is attended whole instead of its tail, so no middle token
+  is out of reach and a budget covering the context attends all of it at any budget;
 * the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
   the prefill's static set is computed at the layer's first decode step (when the store is there);
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
@@ -249,8 +252,9 @@ class PRKVPolicy(PageScoringPolicy):
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2])
         score = self.digests.scores(view.layer, q, p)
-        if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region
-            first = (self._static_count(view, q.device) + view.page_size - 1) // view.page_size  # [B]
+        if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region's whole pages
+            # (a partly filled static page is one: its tokens after the static tail are not static)
+            first = self._static_count(view, q.device) // view.page_size  # [B]
             ids = torch.arange(p, device=score.device)
             score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
         return score
@@ -260,7 +264,8 @@ class PRKVPolicy(PageScoringPolicy):
         return self.static.get(view.layer, torch.zeros(view.batch, dtype=torch.long, device=device))
 
     def chosen(self, q, view, pages, score) -> Selection:
-        """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``."""
+        """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``; a
+        dynamic page that is the static region's partly filled page replaces its tail tokens."""
         n_static = self.layer_split(view.layer)[0]
         if not n_static:
             return Selection(pages=pages)  # S = 0: ArkVale
@@ -277,7 +282,8 @@ class PRKVPolicy(PageScoringPolicy):
         if t:
             tk = view.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
             tokens = torch.where(torch.arange(t, device=q.device)[None, :] < tail[:, None], tk, -1)
-            tokens = tokens[:, None, :].expand(b, h, -1)
+            whole = (pages == full[:, None, None]).any(-1, keepdim=True)  # [B, H, 1]: the partial page is chosen
+            tokens = torch.where(whole, -1, tokens[:, None, :])
         return Selection(pages=pages, tokens=tokens)
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
