@@ -127,3 +127,22 @@ def test_page_cache_is_a_validated_config_field(llama):
     assert cache.page_cache == cache.config.page_cache == 3
     with pytest.raises(ValueError, match="pass offload=True"):
         kvdex.Cache(llama[0], "quest", 96, page_cache=3)
+
+
+def test_fork_carries_page_cache_in_its_config(llama):
+    """The demo's path: a device prefill forked into offloaded, page-cached caches (and their forks)."""
+    import torch
+
+    from kvdex import cache_kwargs
+
+    model = llama[0]
+    ids = torch.randint(0, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(0))
+    src = kvdex.Cache(model, "full", 96, dense_layers=1)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(src))
+    fork = src.fork(policy="quest", offload=True, page_cache=3)
+    assert fork.config == CacheConfig(budget=96, dense_layers=1, offload=True, page_cache=3)
+    assert fork.layers[1].store.page_cache == 3 and fork.layers[0].store.page_cache == 0  # layer 0 is dense
+    with pytest.raises(ValueError, match="page_cache=3 keeps offloaded pages on the device"):
+        fork.fork(offload=False)
+    assert fork.fork(offload=False, page_cache=0).config == CacheConfig(budget=96, dense_layers=1)
