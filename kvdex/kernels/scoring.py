@@ -81,7 +81,8 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
     if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
         return fast(score, k)
     val, ids = torch.topk(score, k, dim=-1)
-    return torch.where(torch.isfinite(val), ids, -1)
+    # |val| < inf is isfinite (NaN and +-inf fail it) in two kernels instead of isfinite's four
+    return torch.where(val.abs() < float("inf"), ids, -1)
 
 
 def _fast_topk(score: torch.Tensor, k: int):
