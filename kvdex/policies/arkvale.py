@@ -34,6 +34,7 @@ class ArkValePolicy(PageScoringPolicy):
     name = "arkvale"
     capturable = True
     capturable_index = True
+    scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
     digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
@@ -111,11 +112,11 @@ class ArkValePolicy(PageScoringPolicy):
         return cur
 
     def page_scores(self, q, view):
-        """The digest estimate of every indexed page per query head (the base takes the group's max)."""
+        """The digest estimate of every indexed page per kv head (the group's max), -inf past each middle."""
         if view.layer not in self.digests:
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2], self.cached[view.layer].shape[2])
-        return self.digests.scores(view.layer, q, p)
+        return self.digests.page_scores(view.layer, q, p, view)
 
     def chosen(self, q, view, pages, score) -> Selection:
         if score is not None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.kernels.scoring import check_group, group_topk
+from kvdex.kernels.scoring import check_group, group_topk, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.arkvale import _ids
@@ -75,6 +75,7 @@ class PRKVPolicy(PageScoringPolicy):
     capturable = True
     relocates = True
     capturable_index = True
+    scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
@@ -252,17 +253,22 @@ class PRKVPolicy(PageScoringPolicy):
         return self.layer_split(view.layer)[1]
 
     def page_scores(self, q, view):
-        """ArkVale's digest estimate per query head of the pages after the static region (the dynamic part)."""
+        """ArkVale's digest estimate of the pages after the static region (the dynamic part), -inf past
+        each middle: per kv head (the group's max) or, with ``group`` "sum" / "heads", per query head."""
         if view.layer not in self.digests:
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2])
-        score = self.digests.scores(view.layer, q, p)
+        first = None
         if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region's whole pages
             # (a partly filled static page is one: its tokens after the static tail are not static)
             region = self._region(view.layer, view.grid) if view.static else None
             first = region.partial if region is not None else self._static_count(view, q.device) // view.page_size
+        if self.group == "max":
+            return self.digests.page_scores(view.layer, q, p, view, first)
+        score = mask_pages(self.digests.scores(view.layer, q, p), view.middle_pages)
+        if first is not None:
             ids = torch.arange(p, device=score.device)
-            score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
+            score = score.masked_fill(ids < first.to(score.device)[:, None, None], float("-inf"))
         return score
 
     def _static_count(self, view, device) -> torch.Tensor:
