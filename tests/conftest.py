@@ -162,3 +162,16 @@ def reference_greedy(family: str, n: int, seed: int, new: int):
     """Greedy tokens and logits of the sdpa reference for prompt(n, seed) (computed once)."""
     _, ref = _cached_pair(family)
     return greedy(ref, prompt(n, seed), new=new)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cpu():
+    """SmolLM2-135M-Instruct (``kvdex models fetch smollm2``) as ``kvdex scorecard --smoke`` loads it: CPU,
+    float32, through ``kvdex.eval.models.load``; loaded once for the session (its tokenizer alone takes
+    seconds to build from the GGUF file). Returns (model, tokenizer); do not mutate them."""
+    from kvdex import models
+    from kvdex.eval import models as eval_models
+
+    if models.find("smollm2") is None:
+        pytest.skip("SmolLM2 is not installed (kvdex models fetch smollm2)")
+    return eval_models.load("smollm2", device="cpu", dtype="float32")

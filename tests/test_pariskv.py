@@ -626,7 +626,7 @@ def test_kmeans_reduces_distortion():
 
 
 @pytest.mark.slow
-def test_rerank_correlation_on_real_keys():
+def test_rerank_correlation_on_real_keys(request):
     """SmolLM2-135M keys of 1k tokens of a book, one decode query per sparse layer: the 4-bit
     estimate vs the exact <q_mean, k> over every middle key. Measured: mean 0.994, min 0.989 over
     84 (layer, kv head) pairs (CPU machine; 0.995 / 0.989 at 1.5k tokens)."""
@@ -634,11 +634,11 @@ def test_rerank_correlation_on_real_keys():
     from kvdex.eval import data
 
     try:
-        path = models.default_model()
+        models.default_model()
         root = data.data_root(None)
     except ValueError as e:
         pytest.skip(f"SmolLM2 GGUF or eval data missing: {e}")
-    model, tok = kvdex.load(path)
+    model, tok = request.getfixturevalue("smollm2_cpu")  # loaded once per session (tests/conftest.py)
     sample = data.long_text_samples(root, "books", tok, 1000, 0, 1, 0)[0]
     cache = kvdex.Cache(model, "pariskv", budget=128)
     corr = []

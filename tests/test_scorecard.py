@@ -300,13 +300,14 @@ def test_scorecard_on_cuda_replays_graphs_and_times_speed(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_smollm2(tmp_path):
-    from kvdex import models
+def test_smoke_smollm2(smollm2_cpu, tmp_path):
     from kvdex.eval import scorecard
 
-    if models.find("smollm2") is None:
-        pytest.skip("SmolLM2 is not installed (kvdex models fetch smollm2)")
-    rep = scorecard(smoke(out=str(tmp_path), progress=False))
+    # the model as the smoke config loads it (device cpu, float32), loaded once for the session
+    model, tok = smollm2_cpu
+    cfg = smoke(out=str(tmp_path), progress=False)
+    assert (cfg.model, cfg.device, cfg.dtype) == ("smollm2", "cpu", "float32")
+    rep = scorecard(cfg, model=model, tokenizer=tok)
     assert rep["complete"], rep["failures"]
     t = table(rep)
     assert all((c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0) for c in t[("full", None)].values())
