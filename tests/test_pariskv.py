@@ -16,8 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -674,27 +672,16 @@ def kernel_test(fn):
     """A Triton-vs-twin test: runs compiled on CUDA (marked ``gpu``) or under the interpreter on CPU."""
     fn = pytest.mark.skipif(
         not HAS_TRITON or not (CUDA or INTERP),
-        reason="needs triton on CUDA, or TRITON_INTERPRET=1 (run by test_triton_interpreter_suite)",
+        reason="needs triton on CUDA, or TRITON_INTERPRET=1 (run by test_interpreter_suite)",
     )(fn)
     return pytest.mark.gpu(fn) if CUDA else fn
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERP, reason="runs the kernel tests itself")
-def test_triton_interpreter_suite():
-    """The Triton tests of this file under TRITON_INTERPRET=1, in a fresh interpreter (triton reads the
-    variable when it is first imported)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton_"]
-    r = subprocess.run(
-        cmd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+def test_interpreter_suite(interpreter_suite):
+    """The Triton tests of this file (``-k triton_``) under TRITON_INTERPRET=1, in a fresh interpreter (triton
+    reads the variable when it is first imported; tests/conftest.py: one for every such file)."""
+    interpreter_suite(__file__)
 
 
 @kernel_test

@@ -11,8 +11,6 @@ set before triton is imported), as tests/test_triton_kernels.py does; ``-m gpu``
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -99,14 +97,11 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])  # 
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
-def test_interpreter_suite():
-    """This file under TRITON_INTERPRET=1 in a fresh interpreter: the kernel tests run on CPU."""
+def test_interpreter_suite(interpreter_suite):
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter (tests/conftest.py: one for every such
+    file of the session): the kernel tests run on CPU."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+    interpreter_suite(__file__)
 
 
 @run_kernels
