@@ -10,8 +10,6 @@ this file in a subprocess with the variable set. Skipped where triton is not ins
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,13 +42,10 @@ from kvdex.kernels import uva  # noqa: E402
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
-def test_interpreter_suite():
-    """This file under TRITON_INTERPRET=1 in a fresh interpreter: every kernel test below runs on CPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+def test_interpreter_suite(interpreter_suite):
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter (tests/conftest.py: one for every such
+    file of the session): every kernel test below runs on CPU."""
+    interpreter_suite(__file__)
 
 
 def _tol(dtype):
