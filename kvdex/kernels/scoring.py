@@ -63,10 +63,14 @@ def group_topk(score: torch.Tensor, kv_heads: int, k: int, group: str = "max") -
     return topk_ids(-best[..., :n], k)
 
 
-def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
-    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B]."""
-    p = torch.arange(score.shape[-1], device=score.device)
-    return score.masked_fill(p[None, None, :] >= num_pages.to(score.device)[:, None, None], float("-inf"))
+def mask_pages(score: torch.Tensor, num_pages: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B];
+    ``first`` [B] (optional): the pages before it too (PRKV's static region)."""
+    p = torch.arange(score.shape[-1], device=score.device)[None, None, :]
+    out = p >= num_pages.to(score.device)[:, None, None]
+    if first is not None:
+        out = out | (p < first.to(score.device)[:, None, None])
+    return score.masked_fill(out, float("-inf"))
 
 
 def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -151,8 +155,4 @@ def digest_page_scores(
     """ArkVale's per-kv-head page scores [B, H, P] (the group's max of :func:`digest_scores`), -inf outside
     ``first <= p < num_pages`` ([B] each; no ``first``: 0): the twin of
     :func:`kvdex.kernels.digest_triton.page_scores`."""
-    score = mask_pages(digest_scores(q, centre, radius), num_pages)
-    if first is not None:
-        ids = torch.arange(score.shape[-1], device=score.device)
-        score = score.masked_fill(ids < first.to(score.device)[:, None, None], float("-inf"))
-    return group_reduce(score, centre.shape[1], "max")
+    return group_reduce(mask_pages(digest_scores(q, centre, radius), num_pages, first), centre.shape[1], "max")

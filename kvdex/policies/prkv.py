@@ -265,11 +265,7 @@ class PRKVPolicy(PageScoringPolicy):
             first = region.partial if region is not None else self._static_count(view, q.device) // view.page_size
         if self.group == "max":
             return self.digests.page_scores(view.layer, q, p, view, first)
-        score = mask_pages(self.digests.scores(view.layer, q, p), view.middle_pages)
-        if first is not None:
-            ids = torch.arange(p, device=score.device)
-            score = score.masked_fill(ids < first.to(score.device)[:, None, None], float("-inf"))
-        return score
+        return mask_pages(self.digests.scores(view.layer, q, p), view.middle_pages, first)
 
     def _static_count(self, view, device) -> torch.Tensor:
         """[B] static tokens of the layer (at the front of its middle)."""
