@@ -68,6 +68,7 @@ class Cache(HFCache):
         **policy_options,
     ):
         from kvdex.hf.loading import attention_modules, enable, text_config
+        from kvdex.hf.model_parts import head_geometry
 
         self.config = CacheConfig(
             budget=budget,
@@ -85,9 +86,7 @@ class Cache(HFCache):
         self._modules = attention_modules(model)
         n = cfg.num_hidden_layers
         self.policy = make_policy(policy, **policy_options)
-        q_heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+        q_heads, kv_heads, head_dim = head_geometry(model)
         # tensor parallelism: this rank holds kv heads offset ... offset + kv_heads / size - 1 (distributed.py)
         self.tp = tensor_parallel(model)
         q_heads, kv_heads = q_heads // self.tp.size, kv_heads // self.tp.size
