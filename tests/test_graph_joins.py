@@ -57,6 +57,7 @@ SPECS = [
     "icecache:search=summary",  # the semantic page insertion inside the step (SemanticPages.insert_device)
     "icecache:search=summary:rerank=4",
     "icecache:search=summary:summary=centroid:group_merge=max",
+    "icecache:search=summary:build=device",  # the prefill's leaf pages built on the device (no tree)
 ]
 # test_join_path_equals_eager_index holds the index state (and the store) of the join path to the eager
 # index path; a spec that differs from another one only in how it selects (reading the same index state)
@@ -285,6 +286,7 @@ GPU_SPECS = [
     "arkvale",
     "prkv:static_ratio=0.5",
     "icecache:search=summary",
+    "icecache:search=summary:build=device",
 ]
 
 

@@ -17,6 +17,7 @@ from kvdex.index.summary import SemanticPages
 
 NEW = 56
 SPECS = ["icecache:search=summary", "icecache:search=summary:summary=centroid:group_merge=max"]
+DEVICE = "icecache:search=summary:build=device"  # the leaf pages built on the device at prefill (no tree)
 
 
 def _cache(model, spec, budget, offload=False, **kw):
@@ -32,7 +33,7 @@ def _observe(cache, log):
 
 @pytest.mark.parametrize("n", [70, 30], ids=["prompt70", "prompt30"])  # 30: the middle appears while decoding
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("spec", SPECS + ["icecache:search=summary:group_merge=nsa:reuse=True"])
+@pytest.mark.parametrize("spec", SPECS + ["icecache:search=summary:group_merge=nsa:reuse=True", DEVICE])
 def test_full_budget_equals_dense(spec, offload, n):
     model, _ = shared_pair("llama_gqa")
     ref_tokens, ref_logits = reference_greedy("llama_gqa", n, n, NEW)
@@ -44,7 +45,8 @@ def test_full_budget_equals_dense(spec, offload, n):
 
 
 @pytest.mark.parametrize(
-    "spec", ["icecache:search=summary:rerank=2", "icecache:search=summary:rerank=1:group_merge=max"]
+    "spec",
+    ["icecache:search=summary:rerank=2", "icecache:search=summary:rerank=1:group_merge=max", DEVICE + ":rerank=4"],
 )
 def test_rerank_full_budget_equals_dense_and_needs_the_resident_store(spec):
     model, _ = shared_pair("llama_gqa")
@@ -74,12 +76,13 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     assert torch.equal(torch.sort(got[0, 0]).values, torch.sort(want).values)
 
 
+@pytest.mark.parametrize("build", ["tree", "device"])
 @pytest.mark.parametrize("summary", ["minmax", "centroid"])
-def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary):
+def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary, build):
     """After a prefill build and many insertions (a ragged batch, one sequence without a prefill middle)."""
     model, _ = shared_pair("qwen2")
     ids, mask, _ = left_padded([150, 40, 95], seed=3)
-    cache = _cache(model, f"icecache:search=summary:summary={summary}", 80)
+    cache = _cache(model, f"icecache:search=summary:summary={summary}:build={build}", 80)
     greedy(model, ids, mask, cache, new=70)
     pol, g = cache.policy, torch.Generator().manual_seed(0)
     for layer, pages in pol._pages.items():
@@ -106,7 +109,7 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
 
 
 @pytest.mark.parametrize(
-    "spec", SPECS + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2"]
+    "spec", SPECS + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2", DEVICE]
 )
 def test_static_sizing_selects_what_dynamic_sizing_selects(spec):
     """store.static (CUDA-graph decoding: the whole page capacity scored, fixed width) == dynamic."""
@@ -134,21 +137,22 @@ def test_static_sizing_selects_what_dynamic_sizing_selects(spec):
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("spec", [SPECS[0], DEVICE])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_batch_equals_alone(offload):
+def test_batch_equals_alone(offload, spec):
     model, _ = shared_pair("llama_gqa")
     ids, mask, prompts = left_padded([90, 60, 120], seed=10)
-    cache = _cache(model, SPECS[0], 96, offload)
+    cache = _cache(model, spec, 96, offload)
     tokens, logits = greedy(model, ids, mask, cache, new=50)
     assert cache.stats()["attended_tokens_per_step"] <= 96
     width = ids.shape[1]
     for i, p in enumerate(prompts):
-        t1, l1 = greedy(model, p[None], None, _cache(model, SPECS[0], 96, offload), new=50)
+        t1, l1 = greedy(model, p[None], None, _cache(model, spec, 96, offload), new=50)
         assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS + [DEVICE])
 def test_offload_equals_resident(spec):
     model, _ = shared_pair("qwen3")
     ids, mask, _ = left_padded([120, 5, 33], seed=8)
@@ -212,6 +216,9 @@ def test_bad_options_raise():
         dict(search="host", group_merge="max"),
         dict(search="tree"),
         dict(search="summary", rerank=-1),
+        dict(build="device"),  # the device build makes search="summary"'s pages only
+        dict(search="host", build="device"),
+        dict(search="summary", build="gpu"),
     ):
         with pytest.raises(ValueError):
             kvdex.make_policy("icecache", **bad)
@@ -245,3 +252,27 @@ def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
     for lay, pages in b.policy._pages.items():
         ref = fresh.policy._pages[lay]
         assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay
+
+
+def test_device_build_forks_share_the_table_and_decode_like_a_fresh_cache():
+    """build=device: the first fork of a prefill builds the layer's table on the device and leaves it in the
+    memo; a later fork (another budget, offloaded) copies it (no build), decodes what a fresh cache decodes, and
+    the first fork's insertions never reach it."""
+    from test_icecache import _decode_from_fork, _dense_prefill
+
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, base, first = _dense_prefill(model)
+    a = base.fork(policy=DEVICE, budget=96)
+    assert a.policy.stats()["builds"] == 2 and a.policy.stats()["builds_reused"] == 0
+    _decode_from_fork(model, ids, mask, a, first, 30)
+    b = base.fork(policy=DEVICE, budget=64, offload=True)
+    assert b.policy.stats()["builds"] == 0 and b.policy.stats()["builds_reused"] == 2
+    fresh = kvdex.Cache(model, DEVICE, budget=64, offload=True, dense_layers=1)
+    t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=31)
+    t_b, l_b = _decode_from_fork(model, ids, mask, b, first, 30)
+    assert torch.equal(t_b, t_fresh)
+    torch.testing.assert_close(l_b, l_fresh[1:], atol=1e-5, rtol=0)
+    for lay, pages in b.policy._pages.items():
+        ref = fresh.policy._pages[lay]
+        assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay
+    assert fresh.stats()["policy_stats"]["semantic_store_per_dense_kv"] > 1.0

@@ -141,12 +141,9 @@ class DCITree:
         n, d = keys.shape
         if n == 0:
             raise ValueError("DCITree.build needs at least one key")
-        g = torch.Generator().manual_seed(params.seed)
         c = float(keys.norm(dim=-1).max()) * params.norm_margin or 1.0
         X, _ = transform_keys(keys, c)
-        dirs = torch.randn(params.num_comp * params.num_simp, d + 1, generator=g)
-        dirs = dirs / dirs.norm(dim=-1, keepdim=True)
-        top = _promote(n, params.promotion_ratio, g)
+        dirs, top = sample_tree(params, n, d)
         top = torch.unique(top, return_inverse=True)[1]  # remove empty levels
         L = int(top.max()) + 1
         empty = torch.empty(0, dtype=torch.long)
@@ -347,6 +344,16 @@ class DCITree:
         query q [G, d]: point ids [G, k'] in descending order, -1 padded."""
         ids, _ = self.search(transform_queries(q), k, 0, fov, prop, collect_all=True)
         return ids
+
+
+def sample_tree(params: DCIParams, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random draws of :meth:`DCITree.build` for n keys of dimension d, from ``params.seed``: the
+    projection directions [m*p, d+1] and every point's top level [n] before empty levels are removed.
+    The levels of the first n' points are the same for every n >= n' (one stream, directions first), so
+    a sequence's promotions do not depend on the length of the others in its batch."""
+    g = torch.Generator().manual_seed(params.seed)
+    dirs = torch.randn(params.num_comp * params.num_simp, d + 1, generator=g)
+    return dirs / dirs.norm(dim=-1, keepdim=True), _promote(n, params.promotion_ratio, g)
 
 
 def _with_sentinel(proj: torch.Tensor) -> torch.Tensor:

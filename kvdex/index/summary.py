@@ -21,7 +21,8 @@ every row is a trash page that masked writes go to (its fill stays 0, so it is n
 at most one page to each of a sequence's rows) and ``bound`` is its max, so the capacity grows on the host,
 without reading the device, outside any captured step (:meth:`SemanticPages.joined` / ``ensure``).
 
-Pages come from the prefill's trees (built on the host, :meth:`SemanticPages.from_trees`). A window
+Pages come from the prefill's trees (built on the host, :meth:`SemanticPages.from_trees`), or from the same
+leaf-node definition computed on the device (:mod:`kvdex.index.leaf_pages`, ``build="device"``). A window
 page that joins the middle is placed on the device (:meth:`SemanticPages.insert_device`, fixed shapes,
 capturable; masked to the sequences it joins): each
 key goes to the nearest page (distance to the page's box centre / centroid); it joins that page if
@@ -145,16 +146,21 @@ class SemanticPages:
         return dict(pos=pos_all, fill=fill, a=a, b=b_, npages=npages, used=used)
 
     @classmethod
-    def from_table(cls, table: dict, kind, ps, dtype, device, B, H):
-        """The pages of a :meth:`host_table` on ``device`` (copies: the table is not changed)."""
+    def from_table(cls, table: dict, kind, ps, dtype, device, B, H, copy: bool = True):
+        """The pages of a :meth:`host_table` (or of :func:`kvdex.index.leaf_pages.leaf_page_table`, on the
+        device) on ``device``: copies (the table is not changed), or with ``copy=False`` the table's own
+        tensors (already on ``device``; the pages then write into them)."""
         D, C = table["a"].shape[2], table["pos"].shape[1]
-        self = cls(B, H, D, ps, C - 1, kind, dtype, device)
+        self = cls(B, H, D, ps, C - 1 if copy else 0, kind, dtype, device)
         nb = self.device.type == "cuda"
         for name in ("pos", "fill", "a", "b"):
-            dst = getattr(self, name)
-            dst.copy_(table[name].view_as(dst), non_blocking=nb)
+            if copy:
+                dst = getattr(self, name)
+                dst.copy_(table[name].view_as(dst), non_blocking=nb)
+            else:
+                setattr(self, name, table[name].view(B, H, *table[name].shape[1:]))
         self.npages.copy_(table["npages"].view(B, H), non_blocking=nb)
-        self.rows = table["npages"].view(B, H).amax(1)
+        self.rows = table.get("row_pages", table["npages"]).view(B, H).amax(1)  # host
         self.bound = table["used"]
         return self
 

@@ -1,6 +1,7 @@
 """IceCache's index upkeep (kvdex.policies.icecache): the background tree jobs (build at prefill,
 insertions while decoding, on worker threads; joined by ``flush`` / ``_sync``; shared by forks through
-``_memo_key``) and, with ``search="summary"``, the device semantic pages made from the prefill's trees.
+``_memo_key``) and, with ``search="summary"``, the device semantic pages made from the prefill's trees
+(``build="tree"``) or built on the device at prefill (``build="device"``, :mod:`kvdex.index.leaf_pages`).
 
 :class:`IndexJobsMixin` holds the methods; :class:`~kvdex.policies.icecache.IceCachePolicy` owns the
 state (``_jobs``, ``_trees``, ``_pages``, ``_stats``, set in ``bind``) and submits the jobs in ``index``.
@@ -13,6 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
+from kvdex.index.leaf_pages import leaf_page_table
 from kvdex.index.summary import SemanticPages
 from kvdex.index.trees import update_trees
 
@@ -34,10 +36,7 @@ class IndexJobsMixin:
             ready.synchronize()
         t0 = time.perf_counter()
         trees = list(base) if base is not None else [None] * (keys.shape[0] * heads)
-        # One random stream per (layer, kv head), the same for every sequence of a batch: a sequence
-        # gets the same tree in a batch as alone; the model's head index, so a tensor-parallel rank
-        # builds the trees one process builds for its heads.
-        seeds = [self.seed + 7919 * layer + self.info.head_offset + h for h in range(heads)]
+        seeds = self._seeds(layer, heads)
         stage = self.search == "device" or (self.search == "auto" and ready is not None)
         pin = (ready is not None) if base is not None and stage else None  # staged copies for the device mirror
         gens = self._gens.setdefault(layer, {})
@@ -53,6 +52,12 @@ class IndexJobsMixin:
                 s["insert_s"] += dt
                 s["inserts"] += inserted
         return trees, placements, staged
+
+    def _seeds(self, layer: int, heads: int) -> list[int]:
+        # One random stream per (layer, kv head), the same for every sequence of a batch: a sequence
+        # gets the same tree in a batch as alone; the model's head index, so a tensor-parallel rank
+        # builds the trees one process builds for its heads.
+        return [self.seed + 7919 * layer + self.info.head_offset + h for h in range(heads)]
 
     def flush(self) -> None:
         """Wait for every pending index job and apply it (tests, benchmarks, end of generation)."""
@@ -121,6 +126,47 @@ class IndexJobsMixin:
             pages = SemanticPages.from_table(table, self.summary, g.page_size, store.dtype, store.device, B, H)
         self._pages[layer] = pages
         return pages
+
+    def _device_build(self, layer, update, per_b) -> None:
+        """``build="device"``: the layer's leaf pages made on the keys' device at prefill
+        (:func:`~kvdex.index.leaf_pages.leaf_page_table`: the trees' promotions, exact parents; one host
+        sync, the table's size). Forks of one prefill share the table through the memo, each decoding
+        into its own copy."""
+        keys, ps = update.keys, self.cfg.page_size
+        B, H, D = keys.shape[0], keys.shape[1], keys.shape[-1]
+        key = (*self._memo_key(layer, per_b, (B, H)), "leaf-pages", self.summary, str(keys.dtype))
+        table = None if self._memo is None else self._memo.get(key)
+        if table is None:
+            t0 = time.perf_counter()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in "ab"] if keys.device.type == "cuda" else None
+            if ev:
+                ev[0].record()
+            n = (update.count * ps).repeat_interleave(H)
+            first = (self.cfg.sink + update.start * ps).repeat_interleave(H)
+            seeds = torch.tensor(self._seeds(layer, H)).repeat(B)
+            table = leaf_page_table(keys.reshape(B * H, -1, D), n, first, seeds, self.params, self.summary)
+            if ev:
+                ev[1].record()
+            self._build_times.append(ev or time.perf_counter() - t0)  # device time on CUDA (stats: _built_s)
+            self._stats["build_keys"] += int(n.sum())
+            self._stats["builds"] += 1
+            if self._memo is not None:
+                self._memo[key] = table
+        else:
+            self._stats["builds_reused"] += 1
+        share = self._memo is not None  # the memo's table stays as built
+        self._pages[layer] = SemanticPages.from_table(table, self.summary, ps, keys.dtype, keys.device, B, H, share)
+
+    def _built_s(self) -> float:
+        """Seconds the device builds took (CUDA: between events around each build's work, one sync)."""
+        out = 0.0
+        for t in self._build_times:
+            if isinstance(t, float):
+                out += t
+            else:
+                t[1].synchronize()
+                out += t[0].elapsed_time(t[1]) / 1e3
+        return out
 
     def _table_key(self, memo_key, dtype) -> tuple:
         """The memo key of the semantic page table made from the prefill build ``memo_key`` (keys of ``dtype``)."""

@@ -95,6 +95,11 @@ class IceCachePolicy(IndexJobsMixin, Policy):
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
     rerank: int = 0
+    # search="summary": where the prefill's leaf pages come from. "tree": the leaves of the host DCI trees (the
+    # paper's construction, approximate parents; built on CPU threads). "device": the same leaf-node definition
+    # (the tree's promotions, each point's parent its exact nearest promoted point) computed on q's device at
+    # prefill, no tree (kvdex.index.leaf_pages; docs/policies/icecache.md, "Leaf pages built on the device")
+    build: str = "tree"
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -122,6 +127,11 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             raise ValueError(f"search must be 'auto', 'device', 'host' or 'summary', got {self.search!r}")
         if self.summary not in SUMMARIES:
             raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {self.summary!r}")
+        if self.build not in ("tree", "device"):
+            raise ValueError(f"build must be 'tree' or 'device', got {self.build!r}")
+        if self.build == "device" and self.search != "summary":
+            raise ValueError("build='device' makes the pages of search='summary' (no tree to search): add "
+                             "search=summary, or use build='tree'")  # fmt: skip
         if self.search == "summary" and self.budget_rule != "tokens":
             raise ValueError("search='summary' retrieves no keys: use budget_rule='tokens' (or another search)")
         if self.search != "summary" and self.group_merge == "max":
@@ -165,6 +175,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
         self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
         self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
+        self._build_times: list = []  # build="device": seconds, or CUDA events around each build
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer or self.search == "summary":
@@ -188,6 +199,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         for b in torch.nonzero(count).flatten().tolist():
             first = g.sink + int(start[b]) * g.page_size
             per_b[b] = torch.arange(first, first + int(count[b]) * g.page_size)
+        if self.build == "device":  # the leaf pages on the device now: no tree job
+            return self._device_build(layer, update, per_b)
         q = self._jobs.setdefault(layer, deque())
         prev = q[-1][0] if q else None
         step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
@@ -383,9 +396,10 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         services = self._services.values()
         s["graph_captures"] = sum(g.captures for g in services)
         s["graph_replays"] = sum(g.replays for g in services)
+        s["build_s"] += self._built_s()
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
-        if s["build_s"]:
+        if s["build_s"] and self.build == "tree":
             s["build_hidden_fraction"] = max(0.0, 1.0 - s["wait_s"] / s["build_s"])
         if s["queries"]:
             s["query_ms_per_layer_step"] = 1e3 * s["query_s"] / s["queries"]
