@@ -64,9 +64,10 @@ def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str) -> dict
     nprom = prom.sum(1)
     Np = max(1, int(nprom.max()))
     ar = torch.arange(N)
-    pidx = torch.argsort((~prom).to(torch.int8), dim=1, stable=True)[:, :Np]  # promoted points first, in order
+    rr, cc = torch.nonzero(prom, as_tuple=True)
+    pidx = torch.zeros(R, Np, dtype=torch.long)  # each row's promoted points, in order (one level: point 0)
+    pidx[rr, (prom.cumsum(1) - 1)[rr, cc]] = cc
     pidx = torch.where(ar[None, :Np] < nprom[:, None], pidx, pidx[:, :1])  # padding repeats the first (a tie)
-    pidx = pidx.masked_fill((nprom == 0)[:, None], 0)  # one level: a single node headed by point 0
     live = (ar[None, :] < n[:, None]).to(dev, non_blocking=True)
     prom, pidx = prom.to(dev, non_blocking=True), pidx.to(dev, non_blocking=True)
     parent = _nearest_promoted(keys, live, pidx, params.norm_margin)
