@@ -15,7 +15,7 @@ from kvdex import cli
 from kvdex.bench import report, runner, shapes
 from kvdex.bench.decoding import decode_step, fill_random, make_cache, make_prompt
 
-POLICIES = ("full", "quest", "chess", "pariskv", "prkv", "snapkv", "icecache")
+POLICIES = ("full", "quest", "chess", "pariskv", "prkv", "snapkv", "icecache", "icecache:search=summary:build=device")
 CTX = 150
 
 
@@ -55,6 +55,8 @@ def test_random_kv_runs_every_policy_on_both_storages():
         assert r["status"] == "ok", r
         assert r["kv"] == "random" and r["fill_s"] >= 0 and "prefill_s" not in r
         assert r["steps"] == 3 and r["tokens_per_s"] > 0
+        if r["method"].startswith("icecache:search=summary:build=device"):  # the pages are built by the fill
+            assert r["policy_stats"]["builds"] > 0 and r["policy_stats"]["semantic_store_per_dense_kv"] > 1
         if r["method"].endswith("/offload"):
             assert r["kv_host_gb"] > 0 and r["h2d_bytes_per_step"] > 0
         elif r["method"] != "hf/dynamic":

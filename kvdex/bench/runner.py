@@ -123,6 +123,8 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
             s = cache.stats()
             rec["kv_host_gb"] = s["kv_bytes_host"] / 1e9
             rec["kv_device_gb"] = s["kv_bytes_device"] / 1e9
+            # the policy's own counters (IceCache's build_s, semantic_store_per_dense_kv, ...), numbers only
+            rec["policy_stats"] = {k: v for k, v in s["policy_stats"].items() if isinstance(v, (int, float))}
             if cfg.split_steps and stepper is None:  # graph replays have no phases to time
                 rec["split"] = phase_split(model, cache, nxt, cfg.split_steps, device)
                 t = rec["split"].get("transfer_ms", 0.0)
