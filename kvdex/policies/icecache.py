@@ -32,7 +32,9 @@ with one summary per page (``summary="minmax"``: per-channel min/max keys, Quest
 ``"centroid"``: mean key + radius) and scores every page of every (sequence, kv head) from them at
 each step (:mod:`kvdex.index.summary`): no tree search and no host sync, so the step can be replayed
 from a CUDA graph (``graph_key``). Window pages join on the device, each key into its nearest page, inside
-the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``index_join``).
+the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``index_join``). ``build="device"``
+makes those pages on the device inside the prefill instead of from host trees: the trees' promotions, each
+key's exact nearest promoted point as its parent (:mod:`kvdex.index.leaf_pages`).
 """
 
 from __future__ import annotations
@@ -95,10 +97,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
     rerank: int = 0
-    # search="summary": where the prefill's leaf pages come from. "tree": the leaves of the host DCI trees (the
-    # paper's construction, approximate parents; built on CPU threads). "device": the same leaf-node definition
-    # (the tree's promotions, each point's parent its exact nearest promoted point) computed on q's device at
-    # prefill, no tree (kvdex.index.leaf_pages; docs/policies/icecache.md, "Leaf pages built on the device")
+    # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
+    # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
     build: str = "tree"
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
