@@ -138,15 +138,17 @@ class IndexJobsMixin:
         table = None if self._memo is None else self._memo.get(key)
         if table is None:
             t0 = time.perf_counter()
-            ev = [torch.cuda.Event(enable_timing=True) for _ in "ab"] if keys.device.type == "cuda" else None
+            cuda = keys.device.type == "cuda"
+            stream = torch.cuda.current_stream(keys.device) if cuda else None
+            ev = [torch.cuda.Event(enable_timing=True) for _ in "ab"] if cuda else None
             if ev:
-                ev[0].record()
+                ev[0].record(stream)
             n = (update.count * ps).repeat_interleave(H)
             first = (self.cfg.sink + update.start * ps).repeat_interleave(H)
             seeds = torch.tensor(self._seeds(layer, H)).repeat(B)
             table = leaf_page_table(keys.reshape(B * H, -1, D), n, first, seeds, self.params, self.summary)
             if ev:
-                ev[1].record()
+                ev[1].record(stream)
             self._build_times.append(ev or time.perf_counter() - t0)  # device time on CUDA (stats: _built_s)
             self._stats["build_keys"] += int(n.sum())
             self._stats["builds"] += 1
