@@ -179,6 +179,11 @@ def test_resumed_run_gives_the_same_table(tiny, whole, tmp_path):
     assert len(seen) == len(after) == 3 * 4  # 3 batches (2 retrieval, 1 passkey) x 4 (policy, budget) pairs
     assert _records(a) == _records(tmp_path / "b")
     assert whole["cells"] == done["cells"]
+    # the table written again from the cells alone (no model): the same cells, the cells' device named
+    again = scorecard(_cfg(tmp_path / "b", report_only=True))
+    assert again["cells"] == done["cells"] and again["complete"] and again["device"] == "cpu"
+    with pytest.raises(ValueError, match="no finished cells"):
+        scorecard(_cfg(tmp_path / "empty", report_only=True))
     assert (a / "scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
         tmp_path / "b/scorecard.md"
     ).read_text().split("## Retrieval")[0].splitlines()[6:]

@@ -106,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only generate and save the prompts under --out (the tokenizer only: a CPU job before a GPU run)",
     )
+    g.add_argument(
+        "--report-only",
+        action="store_true",
+        help="only write scorecard.md/.json/.png from the cells already under --out (no model is loaded): for "
+        "a run whose cells came from several commands or machines",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -128,6 +134,8 @@ def config_from_args(a: argparse.Namespace) -> ScorecardConfig:
         given["progress"] = False
     if a.prepare:
         given["prepare"] = True
+    if a.report_only:
+        given["report_only"] = True
     if a.with_longbench:
         base = given.get("tasks") or (smoke().tasks if a.smoke else ScorecardConfig().tasks)
         given["tasks"] = [*base, "longbench"] if "longbench" not in base else base

@@ -60,8 +60,13 @@ class ScorecardConfig:
     progress: bool = True
     resamples: int = 2000
     prepare: bool = False  # only generate and save the prompts (tokenizer only, no model weights, no device)
+    # only write the table from the cells already under ``out`` (no model, no device): for a run whose cells
+    # were computed by several commands, or on several machines
+    report_only: bool = False
 
     def validate(self) -> None:
+        if self.prepare and self.report_only:
+            raise ValueError("prepare and report_only exclude each other: prepare makes prompts, report_only reads cells")
         if self.decode not in ("auto", "eager", "graph"):
             raise ValueError(f"decode must be auto, eager or graph, got {self.decode!r}")
         if self.order not in ORDERS:

@@ -54,6 +54,7 @@ class Plan:
         self.common = {"format": FORMAT, "model": model_tag, "dtype": dtype, "seed": cfg.seed, "cache": cache}
         self.common_batched = {**self.common, "batch": cfg.batch}
         self.device_name = device_name
+        self.speed_device = device_name  # speed cells are kept per device: timings of two GPUs never mix
         self.notes = skipped + [n for g in self.groups for n in g.notes]
 
     def cell_dir(self, group: tasks.Group, length: int) -> Path:
@@ -69,7 +70,7 @@ class Plan:
         return tasks.Group("passkey", {"depths": [50], "per_depth": n})
 
     def speed_dir(self, length: int) -> Path:
-        opts = {"steps": self.cfg.speed_steps, "warmup": self.cfg.speed_warmup, "device": self.device_name}
+        opts = {"steps": self.cfg.speed_steps, "warmup": self.cfg.speed_warmup, "device": self.speed_device}
         g = tasks.Group("speed", opts)
         return self.out / "cells" / "speed" / f"L{length}__{g.digest(self.common)}"
 

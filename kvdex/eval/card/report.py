@@ -176,7 +176,10 @@ def write(plan, run) -> dict:
     found, slots, done = cells(plan, cfg.resamples)
     found += speed_cells(plan)
     speed_note = None
-    if run.model.device.type != "cuda":
+    if run.model is None:  # report_only: whatever the cells hold
+        if not any(c["task"].startswith("tokens_per_s") for c in found):
+            speed_note = "n/a (CPU)" if plan.device_name == "cpu" else "not measured"
+    elif run.model.device.type != "cuda":
         speed_note = "n/a (CPU)"
     elif not cfg.speed:
         speed_note = "not measured"
@@ -205,7 +208,8 @@ def write(plan, run) -> dict:
         "device": plan.device_name,
         "command": sys.argv,
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "environment": environment(),
+        "environment": getattr(run, "environment", None) or environment(),
+        "report_environment": environment(),
         "settings": cfg.to_dict(),
         "pairs": [[p, b] for p, b in plan.pairs],
         "seeds": {

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import re
 import time
 import traceback
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -45,6 +48,8 @@ def scorecard(config: ScorecardConfig | None = None, *, model=None, tokenizer=No
 
     if cfg.prepare:
         return _prepare(cfg, tokenizer)
+    if cfg.report_only:
+        return _report_only(cfg)
     if model is None:
         model, tokenizer = models.load(cfg.model, cfg.gguf, device=cfg.device, dtype=cfg.dtype)
         tag = models.tag(cfg.model, cfg.gguf)
@@ -86,6 +91,36 @@ def _prepare(cfg: ScorecardConfig, tokenizer) -> dict:
         paths.append(plan.prompt_file(g, n))
         print(f"L={n} {g.name}: {len(samples)} prompts in {time.perf_counter() - t0:.1f}s -> {paths[-1]}", flush=True)
     return {"prepared": paths, "notes": plan.notes}
+
+
+def _report_only(cfg: ScorecardConfig) -> dict:
+    """Write the table of ``cfg`` from the cells already under ``cfg.out``, loading no model. The device named
+    is every device the cells were computed on; the dtype is the earlier report's (or ``cfg.dtype``)."""
+    from kvdex.eval import models
+    from kvdex.eval.card import report
+
+    out = Path(cfg.out)
+    devices, speed, dtype = set(), set(), cfg.dtype
+    for f in out.glob("cells/**/*.json"):
+        try:
+            dev = json.loads(f.read_text()).get("device")
+        except (OSError, json.JSONDecodeError):
+            continue
+        devices.add(dev)
+        if f.parent.parent.name == "speed":
+            speed.add(dev)
+    old, env = out / "scorecard.json", None
+    if old.is_file():  # the last measuring command's report: its dtype and machine (the cells' versions)
+        prev = json.loads(old.read_text())
+        dtype, env = prev.get("dtype", dtype), prev.get("environment")
+    if not devices - {None}:
+        raise ValueError(f"report_only: no finished cells under {out}; run the scorecard there first (without --report-only)")
+    name = " + ".join(sorted(devices - {None}))
+    plan = Plan(cfg, models.tag(cfg.model, cfg.gguf), dtype, data.data_root(cfg.data, required=False), name)
+    if len(speed - {None}) == 1:  # the speed columns of the one device that timed them
+        plan.speed_device = next(iter(speed - {None}))
+    state = SimpleNamespace(model=None, failures=[], stopped=None, clock=Clock(None), environment=env)
+    return report.write(plan, state)
 
 
 class _Run:
