@@ -122,7 +122,7 @@ def test_selections_match_golden(policy):
 def _check_granularity(policy: str, calls: list[dict]) -> None:
     """``Policy.granularity`` says what the selections name: "token" policies tokens only, "page"
     policies pages (single tokens may come with them) or everything."""
-    granularity = type(make_policy(policy)).granularity
+    granularity = make_policy(policy).granularity  # an instance: with rerank, a page policy selects tokens
     assert granularity in ("page", "token"), f"{policy}: granularity {granularity!r}"
     for i, call in enumerate(calls):
         if granularity == "token":

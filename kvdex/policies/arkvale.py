@@ -40,6 +40,7 @@ class ArkValePolicy(PageScoringPolicy):
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_digest(self.digest)
         if not isinstance(self.cache_pages, int) or isinstance(self.cache_pages, bool) or self.cache_pages < 0:
             raise ValueError(f"cache_pages must be an int >= 0 (0: twice the attended pages), got {self.cache_pages!r}")
@@ -119,9 +120,9 @@ class ArkValePolicy(PageScoringPolicy):
         return self.digests.page_scores(view.layer, q, p, view)
 
     def chosen(self, q, view, pages, score) -> Selection:
-        if score is not None:
+        if score is not None:  # with rerank: the candidate pages (their keys are read)
             self._recall(view.layer, pages, score)
-        return Selection(pages=pages)
+        return super().chosen(q, view, pages, score)
 
     def _recall(self, layer: int, pages: torch.Tensor, score: torch.Tensor) -> None:
         """ArkVale's cache: count the selected pages not cached, cache them, evict the lowest-ranked rest."""

@@ -93,6 +93,7 @@ class PRKVPolicy(PageScoringPolicy):
     static_group: str = "mean"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         s = self.static_ratio
         if s != "auto" and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0):
             raise ValueError(f"static_ratio (S) must be a number in [0, 1] or 'auto', got {s!r}")
@@ -252,6 +253,10 @@ class PRKVPolicy(PageScoringPolicy):
     def page_budget(self, view) -> int:
         return self.layer_split(view.layer)[1]
 
+    def token_budget(self, view) -> int:
+        """``rerank``: the dynamic part's tokens (its pages' worth)."""
+        return self.layer_split(view.layer)[1] * view.page_size
+
     def page_scores(self, q, view):
         """ArkVale's digest estimate of the pages after the static region (the dynamic part), -inf past
         each middle: per kv head (the group's max) or, with ``group`` "sum" / "heads", per query head."""
@@ -289,15 +294,23 @@ class PRKVPolicy(PageScoringPolicy):
 
     def chosen(self, q, view, pages, score) -> Selection:
         """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``; a
-        dynamic page that is the static region's partly filled page replaces its tail tokens."""
+        dynamic page that is the static region's partly filled page replaces its tail tokens. With
+        ``rerank``: the static region as tokens, then the best dynamic tokens of the candidate ``pages``
+        (the static tokens of the partly filled page are no candidates)."""
         n_static = self.layer_split(view.layer)[0]
         if not n_static:
-            return Selection(pages=pages)  # S = 0: ArkVale
+            return super().chosen(q, view, pages, score)  # S = 0: ArkVale
         # CUDA-graph decoding: widths from the split, not the counts, built when the count is
         region = self._region(view.layer, view.grid) if view.static else None
         if region is None:
             n = self._static_count(view, q.device)  # [B]
             region = StaticRegion.of(n, n_static, view.grid, tight=not view.static)
+        if self.rerank:
+            first = view.sink + self._static_count(view, q.device)
+            dynamic = self.reranked(q, view, pages, first)
+            static = Selection(pages=region.pages, tokens=region.tokens).token_positions(view.sink, view.page_size)
+            static = static.to(dynamic.device).expand(view.batch, view.kv_heads, -1)
+            return Selection(tokens=torch.cat([static, dynamic], dim=-1))
         tokens = region.tokens
         if tokens is not None:  # [B, H, 1]: the partial page is a chosen dynamic page (static pages are below it)
             whole = (pages == region.partial[:, None, None]).any(-1, keepdim=True)

@@ -38,6 +38,7 @@ class QuestPolicy(PageScoringPolicy):
     group: str = "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_group(self.group)
 
     def bind(self, info) -> None:
