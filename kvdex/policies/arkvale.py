@@ -15,6 +15,10 @@ bookkeeping (``cache_pages``, default ``2k``): which pages a device cache of tha
 (a page is cached when it fills; selected pages are recalled into it; when it overflows, the
 lowest-ranked unselected pages are evicted, as ArkVale's Figure 5), and ``stats()`` reports the
 recalls per step that ArkVale would transfer (its Figure 4b).
+
+``rerank`` / ``rerank_group`` (kvdex options, default 0: the paper): the digests choose ``rerank x`` as
+many candidate pages and the best tokens of them by exact q.k are attended (:mod:`kvdex.policies._rerank`);
+the cache bookkeeping then counts the candidate pages (their keys are read).
 """
 
 from __future__ import annotations
