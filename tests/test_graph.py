@@ -47,6 +47,13 @@ SPECS = [
     "snapkv",
     "snapkv:refresh=8",
     "h2o",
+    # the page policies' token rerank (kvdex/policies/_rerank.py): 2 x 2 candidate pages of 6-9
+    "quest:rerank=2",
+    "quest:rerank=2:rerank_group=weight",
+    "arkvale:rerank=2",
+    "prkv:static_ratio=0.5:refresh=6:rerank=2",
+    "chess:trigger=interval:interval=5:rerank=2",
+    "chess:anchor_from=window:scope=shared:trigger=interval:interval=5:rerank=2",
 ]
 
 
@@ -317,7 +324,8 @@ def test_replayable_steps_issue_identical_device_work(tiny, spec):
 
 
 WHOLE = ["quest", "streaming", "oracle", "chess:trigger=interval:interval=5", "arkvale",
-         "prkv:static_ratio=0.5:refresh=6", "snapkv", "snapkv:refresh=8", "h2o", "full"]  # fmt: skip
+         "prkv:static_ratio=0.5:refresh=6", "snapkv", "snapkv:refresh=8", "h2o", "full",
+         "quest:rerank=2:rerank_group=weight", "prkv:static_ratio=0.5:refresh=6:rerank=2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", WHOLE)
@@ -439,6 +447,11 @@ GPU_SPECS = [
     "quest",
     "streaming",
     "oracle",
+    "quest:rerank=2",
+    "quest:rerank=2:rerank_group=weight",
+    "arkvale:rerank=2",
+    "prkv:static_ratio=0.5:refresh=8:rerank=2",
+    "chess:trigger=interval:interval=5:rerank=2",
 ]
 
 

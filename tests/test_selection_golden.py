@@ -36,7 +36,9 @@ BUDGET = 96  # sink 16 + window 32 + 3 retrieved pages: selection is real at bot
 NEW = 7  # generated tokens: 6 decode steps after the prefill
 OFFLOADS = (False, True)
 # configurations recorded beside the registered defaults (the paper's, where a policy's default is kvdex's)
-EXTRA = ["pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None"]
+EXTRA = ["pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None",
+         # the page policies' token rerank (kvdex options beside the papers' selection)
+         "quest:rerank=2:rerank_group=weight", "prkv:rerank=2"]  # fmt: skip
 CASES = [*kvdex.policies(), *EXTRA]
 
 
@@ -122,7 +124,7 @@ def test_selections_match_golden(policy):
 def _check_granularity(policy: str, calls: list[dict]) -> None:
     """``Policy.granularity`` says what the selections name: "token" policies tokens only, "page"
     policies pages (single tokens may come with them) or everything."""
-    granularity = type(make_policy(policy)).granularity
+    granularity = make_policy(policy).granularity  # an instance: with rerank, a page policy selects tokens
     assert granularity in ("page", "token"), f"{policy}: granularity {granularity!r}"
     for i, call in enumerate(calls):
         if granularity == "token":

@@ -165,5 +165,5 @@ class HierarchyMixin:
         """
         return top_down(
             s_g, s_c, s_p, npages, nc=self.chunk_pages, ng=self.grid_chunks, ratios=self.ratios,
-            k=self.cfg.retrieval_pages, shape=self.shape,
+            k=self.budget_pages, shape=self.shape,
         )  # fmt: skip

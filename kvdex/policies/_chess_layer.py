@@ -129,7 +129,7 @@ class LayerScope:
         cov = self.covering.get(layer)
         if cov is None or not bool(cov.any()) or layer not in self.pages:
             return
-        k = self.p.cfg.retrieval_pages
+        k = self.p.budget_pages
         cur = self.pages[layer].cpu()
         rows, changed = [cur[b] for b in range(cur.shape[0])], False
         for b in torch.nonzero(cov & (update.count > 0)).flatten().tolist():
@@ -160,7 +160,7 @@ class LayerScope:
             buf = self.static.get(layer)
             if buf is None:  # allocated in an eager step (the graph key changes)
                 w = ids.shape[2]
-                width = max(w, self.p.cfg.retrieval_pages) if self.p.ratios is None else w + max(1, w // 4)
+                width = max(w, self.p.budget_pages) if self.p.ratios is None else w + max(1, w // 4)
                 buf = torch.full((*ids.shape[:2], width), -1, dtype=torch.long, device=store.device)
                 buf[..., :w] = ids
                 self.static[layer] = buf

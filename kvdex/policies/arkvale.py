@@ -15,6 +15,10 @@ bookkeeping (``cache_pages``, default ``2k``): which pages a device cache of tha
 (a page is cached when it fills; selected pages are recalled into it; when it overflows, the
 lowest-ranked unselected pages are evicted, as ArkVale's Figure 5), and ``stats()`` reports the
 recalls per step that ArkVale would transfer (its Figure 4b).
+
+``rerank`` / ``rerank_group`` (kvdex options, default 0: the paper): the digests choose ``rerank x`` as
+many candidate pages and the best tokens of them by exact q.k are attended (:mod:`kvdex.policies._rerank`);
+the cache bookkeeping then counts the candidate pages (their keys are read).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ArkValePolicy(PageScoringPolicy):
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_digest(self.digest)
         if not isinstance(self.cache_pages, int) or isinstance(self.cache_pages, bool) or self.cache_pages < 0:
             raise ValueError(f"cache_pages must be an int >= 0 (0: twice the attended pages), got {self.cache_pages!r}")
@@ -119,9 +124,9 @@ class ArkValePolicy(PageScoringPolicy):
         return self.digests.page_scores(view.layer, q, p, view)
 
     def chosen(self, q, view, pages, score) -> Selection:
-        if score is not None:
+        if score is not None:  # with rerank: the candidate pages (their keys are read)
             self._recall(view.layer, pages, score)
-        return Selection(pages=pages)
+        return super().chosen(q, view, pages, score)
 
     def _recall(self, layer: int, pages: torch.Tensor, score: torch.Tensor) -> None:
         """ArkVale's cache: count the selected pages not cached, cache them, evict the lowest-ranked rest."""

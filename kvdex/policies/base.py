@@ -51,6 +51,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
+from kvdex.policies._rerank import candidate_pages, check_rerank, rerank_tokens
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
@@ -192,6 +193,7 @@ class IndexFreePolicy(Policy):
         """Nothing to index."""
 
 
+@dataclass
 class PageScoringPolicy(Policy):
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
@@ -201,10 +203,26 @@ class PageScoringPolicy(Policy):
     ``group`` (a dataclass field in a subclass that offers the choice): how a kv head's query heads
     combine (:func:`kvdex.kernels.scoring.group_topk`): ``"max"`` / ``"sum"`` of the scores, or
     ``"heads"``, the union of every head's own ranking. ``scores_masked``: True where
-    :meth:`page_scores` already sets the pages past each middle to ``-inf`` (a fused kernel)."""
+    :meth:`page_scores` already sets the pages past each middle to ``-inf`` (a fused kernel).
+
+    ``rerank`` (kvdex option, not in the papers; :mod:`kvdex.policies._rerank`): 0 (default) attends the
+    top pages; ``N > 0`` takes ``N x`` as many pages as the token budget (:meth:`token_budget`) fills as
+    candidates and attends the best tokens of them by exact ``q.k`` (the group combined by
+    ``rerank_group``): a token selection."""
 
     group: ClassVar[str] = "max"
     scores_masked: ClassVar[bool] = False
+
+    rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
+    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
+
+    def __post_init__(self) -> None:
+        check_rerank(self.rerank, self.rerank_group)
+
+    @property
+    def granularity(self) -> str:  # type: ignore[override]
+        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
+        return "token" if self.rerank else "page"
 
     def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
         """Scores of the first P middle pages of ``view.layer`` (P: e.g. ``view.score_width(capacity)``):
@@ -216,6 +234,11 @@ class PageScoringPolicy(Policy):
         """Pages per kv head this step. Default: the retrieval budget."""
         return view.retrieval_pages
 
+    def token_budget(self, view: LayerView) -> int:
+        """Tokens per kv head this step with ``rerank`` (its candidates: ``rerank`` x the pages they fill).
+        Default: the retrieval budget."""
+        return view.retrieval_tokens
+
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         pages, score = self.top_pages(q, view)
         return self.chosen(q, view, pages, score)
@@ -224,6 +247,8 @@ class PageScoringPolicy(Policy):
         """The top pages [B, H, k] (``-1`` padded) and the masked scores they were chosen from (per kv
         head; per query head with ``group="heads"``), or no pages and None."""
         k = self.page_budget(view)
+        if self.rerank:  # candidates: rerank x the pages of the token budget
+            k = candidate_pages(self.token_budget(view), view.page_size, self.rerank)
         score = self.page_scores(q, view) if k > 0 else None
         if score is None:
             return view.no_ids(q.device), None
@@ -237,8 +262,15 @@ class PageScoringPolicy(Policy):
 
     def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
         """The selection of ``pages`` (:meth:`top_pages`; ``score`` None: nothing was scored). Default:
-        those pages."""
+        those pages, or with ``rerank`` the best tokens of them (:meth:`reranked`)."""
+        if self.rerank:
+            return Selection(tokens=self.reranked(q, view, pages))
         return Selection(pages=pages)
+
+    def reranked(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, first=None) -> torch.Tensor:
+        """The :meth:`token_budget` best tokens [B, H, T] of the candidate ``pages`` by exact ``q.k``
+        (:func:`kvdex.policies._rerank.rerank_tokens`; ``first`` [B]: slots below it are no candidates)."""
+        return rerank_tokens(q, view, pages, self.token_budget(view), self.rerank_group, first)
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

@@ -54,6 +54,7 @@ from kvdex.policies._chess_levels import (
     window_keys,
 )
 from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
+from kvdex.policies._rerank import candidate_pages, check_rerank, rerank_tokens
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
@@ -109,6 +110,10 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
     anchor_from: str = "query"  # query: the decode step's queries (kvdex) | window: the paper's anchor (ANCHORS)
     scope: str = "layer"  # layer: a selection per sparse layer (kvdex) | shared: the paper's one for all (SCOPES)
     group: str = "max"  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
+    # kvdex option (not in the paper; kvdex/policies/_rerank.py), budget mode only: 0 attends the chosen pages;
+    # N > 0 chooses N x as many candidate pages and attends, every step, their best tokens by exact q.k
+    rerank: int = 0
+    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
 
     def __post_init__(self) -> None:
         rhos = (self.rho_g, self.rho_c, self.rho_p)
@@ -149,9 +154,20 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             )
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
+        check_rerank(self.rerank, self.rerank_group)
+        if self.rerank and self.ratios is not None:
+            raise ValueError(
+                "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
+                "drop preset / rho_g / rho_c / rho_p, or pass rerank=0"
+            )
         self._tau = self._load_thresholds()
 
     # ---- configuration ----------------------------------------------------------------------------
+    @property
+    def granularity(self) -> str:  # type: ignore[override]
+        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
+        return "token" if self.rerank else "page"
+
     @property
     def ratios(self) -> tuple[float, float, float] | None:
         """(rho_g, rho_c, rho_p) in ratio mode, None in budget mode."""
@@ -167,6 +183,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
         self._hd = info.kv_heads * info.head_dim
         self.dim = len(info.sparse_layers) * self._hd  # F
         self._every = self.check_every or self.cfg.page_size
+        r, ps = self.cfg.retrieval_tokens, self.cfg.page_size
+        self.budget_pages = candidate_pages(r, ps, self.rerank) if self.rerank else self.cfg.retrieval_pages
         self._interval = self.interval or DEFAULT_INTERVAL_PAGES * self.cfg.page_size
         self._stores: dict = {}
         self._vall = None  # [B, Gcap + Ccap + Pcap, F] fp32: grids | chunks | pages
@@ -299,7 +317,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
         A budget smaller than the middle at build time is unaffected: such a selection never covers."""
         if self._pages is None or self._covering is None or not bool(self._covering.any()):
             return
-        k = self.cfg.retrieval_pages
+        k = self.budget_pages
         pages = self._pages.cpu()
         rows = [pages[b][pages[b] >= 0] for b in range(pages.shape[0])]
         changed = False
@@ -318,6 +336,12 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             self._publish(out.to(self._pages.device))
 
     def select(self, q, view) -> Selection:
+        sel = self._page_selection(q, view)
+        if self.rerank:  # the chosen pages are candidates: their best tokens by exact q.k, every step
+            return Selection(tokens=rerank_tokens(q, view, sel.pages, view.retrieval_tokens, self.rerank_group))
+        return sel
+
+    def _page_selection(self, q, view) -> Selection:
         layer, store = view.layer, view.store
         self._stores[layer] = store
         if self._layers is not None:
@@ -355,7 +379,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
     def _static_selection(self, store) -> torch.Tensor:
         if self._static_pages is None:  # allocated in an eager step (the graph key changed)
             w = self._pages.shape[1]
-            width = max(w, self.cfg.retrieval_pages) if self.ratios is None else w + max(1, w // 4)
+            width = max(w, self.budget_pages) if self.ratios is None else w + max(1, w // 4)
             self._static_pages = torch.full((self._pages.shape[0], width), -1, dtype=torch.long, device=store.device)
             self._refresh_static()
         return self._static_pages

@@ -39,6 +39,11 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 * ``static_ratio="auto"`` is Appendix G's online rule, per layer at prefill: ``C_h`` = overlap of
   the top-r tokens of the first and the last observation query of query head h (r = the retrieval
   budget), ``k_s = page_size * floor(mean_h C_h / page_size)`` (eq. 5), averaged over the batch.
+
+``rerank`` / ``rerank_group`` (kvdex options, default 0: the paper): the digests choose ``rerank x`` the
+dynamic pages as candidates and the best ``r - k_s`` tokens of them by exact q.k are attended after the
+static tokens (:mod:`kvdex.policies._rerank`; the static region's partly filled page is a candidate
+without its static tokens).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class PRKVPolicy(PageScoringPolicy):
     static_group: str = "mean"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         s = self.static_ratio
         if s != "auto" and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0):
             raise ValueError(f"static_ratio (S) must be a number in [0, 1] or 'auto', got {s!r}")
@@ -252,6 +258,10 @@ class PRKVPolicy(PageScoringPolicy):
     def page_budget(self, view) -> int:
         return self.layer_split(view.layer)[1]
 
+    def token_budget(self, view) -> int:
+        """``rerank``: the dynamic part's tokens (its pages' worth)."""
+        return self.layer_split(view.layer)[1] * view.page_size
+
     def page_scores(self, q, view):
         """ArkVale's digest estimate of the pages after the static region (the dynamic part), -inf past
         each middle: per kv head (the group's max) or, with ``group`` "sum" / "heads", per query head."""
@@ -289,15 +299,23 @@ class PRKVPolicy(PageScoringPolicy):
 
     def chosen(self, q, view, pages, score) -> Selection:
         """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``; a
-        dynamic page that is the static region's partly filled page replaces its tail tokens."""
+        dynamic page that is the static region's partly filled page replaces its tail tokens. With
+        ``rerank``: the static region as tokens, then the best dynamic tokens of the candidate ``pages``
+        (the static tokens of the partly filled page are no candidates)."""
         n_static = self.layer_split(view.layer)[0]
         if not n_static:
-            return Selection(pages=pages)  # S = 0: ArkVale
+            return super().chosen(q, view, pages, score)  # S = 0: ArkVale
         # CUDA-graph decoding: widths from the split, not the counts, built when the count is
         region = self._region(view.layer, view.grid) if view.static else None
         if region is None:
             n = self._static_count(view, q.device)  # [B]
             region = StaticRegion.of(n, n_static, view.grid, tight=not view.static)
+        if self.rerank:
+            first = view.sink + self._static_count(view, q.device)
+            dynamic = self.reranked(q, view, pages, first)
+            static = Selection(pages=region.pages, tokens=region.tokens).token_positions(view.sink, view.page_size)
+            static = static.to(dynamic.device).expand(view.batch, view.kv_heads, -1)
+            return Selection(tokens=torch.cat([static, dynamic], dim=-1))
         tokens = region.tokens
         if tokens is not None:  # [B, H, 1]: the partial page is a chosen dynamic page (static pages are below it)
             whole = (pages == region.partial[:, None, None]).any(-1, keepdim=True)

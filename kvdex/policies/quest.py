@@ -10,6 +10,10 @@ of the group), and the top ``(budget - sink - window) / page_size`` pages are at
 group combine when ranking pages -- ``"max"`` (default, as above), ``"sum"`` of the bounds, or
 ``"heads"``: every query head ranks the pages by its own bound and the kv head attends the union,
 taken round-robin over the heads' rankings (every head's best page first) until the budget is filled.
+
+``rerank`` / ``rerank_group`` (kvdex options, :class:`~kvdex.policies.base.PageScoringPolicy`; default 0,
+the paper): the bounds choose ``rerank x`` as many candidate pages and the best tokens of them by exact
+q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class QuestPolicy(PageScoringPolicy):
     group: str = "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_group(self.group)
 
     def bind(self, info) -> None:

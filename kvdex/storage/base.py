@@ -162,6 +162,19 @@ class LayerStore(ABC):
         s = self.grid.sink
         return k[:, :, s : s + nmid * self.grid.page_size]
 
+    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        """Keys of the middle pages ``pages`` [B, H, P] (slot pages; ``-1``: rows of junk the caller masks)
+        on the device, [B, H, P, ps, D]: what a policy reads to rank the tokens of candidate pages
+        (``rerank``). Fixed shapes, no host read under static sizing. Default: gathered from :meth:`dense`
+        (in place where ``dense`` is a view of the device buffer)."""
+        g = self.grid
+        k, _ = self.dense()
+        b, h, p = pages.shape
+        slots = g.sink + pages.clamp(min=0).to(k.device)[..., None] * g.page_size
+        slots = (slots + torch.arange(g.page_size, device=k.device)).clamp(max=k.shape[2] - 1)
+        rows = k.gather(2, slots.view(b, h, p * g.page_size, 1).expand(-1, -1, -1, k.shape[-1]))
+        return rows.view(b, h, p, g.page_size, k.shape[-1])
+
     # ---- restructuring (PRKV) -----------------------------------------------------------
     def permute_middle(self, order: torch.Tensor) -> None:
         """Reorder the middle tokens of every (sequence, kv head) in place (PRKV's relocation).

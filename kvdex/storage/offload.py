@@ -317,6 +317,11 @@ class OffloadStore(PageCacheMixin, LayerStore):
         pos = torch.cat([pos, *parts_pos], dim=-1)
         return AttendSet(self.k, self.v, idx, valid, pos)
 
+    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        """The pages' keys through the fetch path (one batched host -> device transfer of the pages, counted
+        like :meth:`attend`'s), not the whole middle as :meth:`dense` would copy."""
+        return self.host.fetch_pages(pages.clamp(min=0))[:, :, :, 0]
+
     def permute_middle(self, order: torch.Tensor) -> None:
         """The middle lives in host memory only: the pages are reordered there."""
         m = self._check_middle_order(order)

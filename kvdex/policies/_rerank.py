@@ -1,0 +1,97 @@
+"""Token-level rerank of a page policy's candidate pages: the ``rerank`` option of ``quest``, ``arkvale``,
+``prkv`` and ``chess`` (kvdex options, not in their papers; docs/policies/<name>.md, "Token rerank").
+
+A page policy attends whole pages, so with 16-token pages most of a small budget goes to tokens that do
+not matter. With ``rerank=N > 0`` the policy's own page scores (Quest's bound, ArkVale's digest, CHESS's
+hierarchy; unchanged) choose ``N x`` the pages its token budget fills -- the *candidates* -- and the exact
+``q.k`` of every key of those pages ranks their tokens; the best ``T`` tokens per kv head are attended
+(a token :class:`~kvdex.selection.Selection`, as ``oracle`` / ``pariskv`` return). ``T`` is the policy's
+retrieval budget in tokens (PRKV: its dynamic part); the candidates number ``N * ceil(T / page_size)``.
+Sink and window (and PRKV's static tokens) are attended as before.
+
+The keys are read with :meth:`~kvdex.storage.LayerStore.page_keys`: in place from a GPU-resident store,
+through the fetch path of an offloaded one (``N`` times the selected pages cross PCIe each step, on top
+of the attended tokens). Fixed shapes and no host read of a device value: a captured CUDA graph replays
+it.
+
+How a kv head's query heads combine (``rerank_group``):
+
+* ``"max"``: a token's score is the largest ``q.k`` over the group (the GQA rule of Quest's and ArkVale's
+  page scores);
+* ``"weight"``: the sum over the group of each head's softmax weight of the token, normalised over sink,
+  window and every candidate token -- the oracle's criterion restricted to the candidates (with every
+  middle page a candidate it is the oracle's selection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.kernels.scoring import topk_ids
+from kvdex.selection import Selection
+
+RERANK_GROUPS = ("max", "weight")
+
+
+def check_rerank(rerank, group: str) -> None:
+    """ValueError unless ``rerank`` is an int >= 0 and ``group`` one of :data:`RERANK_GROUPS`."""
+    if not isinstance(rerank, int) or isinstance(rerank, bool) or rerank < 0:
+        raise ValueError(
+            f"rerank must be an int >= 0 (0: attend the chosen pages; N > 0: rank the tokens of N x as many "
+            f"candidate pages by their exact q.k), got {rerank!r}"
+        )
+    if group not in RERANK_GROUPS:
+        raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
+
+
+def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:
+    """Candidate pages for a token budget of ``tokens``: ``rerank`` x the pages it fills (rounded up)."""
+    return rerank * -(-max(tokens, 0) // page_size)
+
+
+def rerank_tokens(
+    q: torch.Tensor,
+    view,
+    pages: torch.Tensor,
+    tokens: int,
+    group: str = "max",
+    first: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``tokens`` best middle slots [B, H, min(tokens, C * ps)] (``-1`` padded) of the candidate
+    ``pages`` [B, H, C] (slot pages, ``-1`` padded) by the exact ``q.k`` of the query heads q [B, Hq, D],
+    combined per kv head by ``group``. ``first`` [B] (optional, device): slots below it are not
+    candidates (PRKV's static tokens, attended apart). ``view``: the layer's
+    :class:`~kvdex.view.LayerView` (its store, scale, grid, lengths)."""
+    b, hq, d = q.shape
+    h, ps = view.kv_heads, view.page_size
+    g = hq // h
+    c = pages.shape[-1]
+    if c == 0 or tokens <= 0:
+        return view.no_ids(q.device)
+    pages = pages.to(q.device)
+    keys = view.store.page_keys(pages).to(q.device)  # [B, H, C, ps, D]
+    slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
+    live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
+    if first is not None:
+        live = live & (slot >= first.to(q.device)[:, None, None, None])
+    slot, live = slot.flatten(2), live.flatten(2)  # [B, H, N]
+    qg = q.float().view(b, h, g, d)
+    s = torch.einsum("bhgd,bhnd->bhgn", qg, keys.flatten(2, 3).float())  # [B, H, G, N]
+    s = s.masked_fill(~live[:, :, None, :], float("-inf"))
+    if group == "max":
+        score = s.amax(2)
+    else:  # "weight": the group's summed softmax weights over sink + window + the candidates
+        score = _weights(qg, s * view.scale, view).sum(2).masked_fill(~live, float("-inf"))
+    ids = topk_ids(score, tokens)  # [B, H, min(tokens, N)]
+    return torch.where(ids >= 0, slot.gather(2, ids.clamp(min=0)), -1)
+
+
+def _weights(qg: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:
+    """Softmax weights of the candidate ``logits`` [B, H, G, N] (scaled, ``-inf`` where not a candidate),
+    normalised over the candidates and the sink + window keys that every step attends."""
+    fixed = view.store.attend(Selection())  # sink + window slots only: nothing is fetched
+    kf = fixed.k.gather(2, fixed.idx[..., None].expand(-1, -1, -1, fixed.k.shape[-1]))  # [B, H, F, D]
+    sf = torch.einsum("bhgd,bhfd->bhgf", qg, kf.to(qg.device).float()) * view.scale
+    sf = sf.masked_fill(~fixed.valid.to(qg.device)[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(torch.cat([sf, logits], dim=-1), dim=-1, keepdim=True)  # [B, H, G, 1]
+    return torch.exp(logits - lse)

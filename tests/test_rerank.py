@@ -1,0 +1,181 @@
+"""The page policies' token rerank (``rerank=N``, kvdex/policies/_rerank.py): quest, arkvale, prkv, chess.
+
+On the tiny random GQA model (fp32, CPU), every selection a policy returns while decoding is checked
+against a reference computed here in float64 from the store's keys:
+
+* with every middle page a candidate (``rerank`` x the budget's pages >= the middle), the selected
+  tokens are the exact top-k of the middle by the group's max ``q.k`` (``rerank_group="max"``) or by
+  the group's summed softmax weights over the whole context (``"weight"``, the oracle's criterion);
+* at a budget that selects, a selection never holds a token twice, never more than the retrieval
+  budget, only middle tokens; PRKV keeps its static tokens;
+* ``rerank=1`` attends exactly the tokens of the pages ``rerank=0`` attends;
+* bad values raise ``ValueError`` naming the fix.
+
+Full budget == dense, offload == device, fork independence (tests/test_contract.py) and captured ==
+eager (tests/test_graph.py) cover the rerank specs with the other policies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SINK, greedy, left_padded, shared_pair
+
+import kvdex
+from kvdex.policies import make_policy
+
+FAMILY = "llama_gqa"
+BUDGET = 80  # sink 16 + window 32 + 32 retrieved tokens (2 pages of 16)
+T = BUDGET - SINK - 32
+LENGTHS = [150, 97]
+NEW = 16
+
+
+class Log:
+    """Wraps ``policy.select``: keeps (q, view, selection) of every call; ``check`` runs on each."""
+
+    def __init__(self, policy, check=None):
+        self.calls, self._select, self.check = [], policy.select, check
+        policy.select = self._wrapped
+
+    def _wrapped(self, q, view):
+        sel = self._select(q, view)
+        if self.check is not None:
+            self.check(q, view, sel)
+        self.calls.append(sel.token_positions(view.sink, view.page_size))
+        return sel
+
+
+def _run(spec: str, check=None, budget: int = BUDGET):
+    model, _ = shared_pair(FAMILY)
+    ids, mask, _ = left_padded(LENGTHS, seed=11)
+    cache = kvdex.Cache(model, spec, budget, dense_layers=1)
+    log = Log(cache.policy, check)
+    greedy(model, ids, mask, cache, new=NEW)
+    return log.calls
+
+
+def _truth(q, view, group: str) -> list[list[torch.Tensor]]:
+    """Per (sequence, kv head): float64 scores of the middle tokens (index j: position sink + j)."""
+    k, _ = view.store.dense()
+    b, hq, d = q.shape
+    h = view.kv_heads
+    out = []
+    for i in range(b):
+        n, ws = int(view.lengths_host[i]), int(view.grid.window_start(view.lengths_host)[i])
+        row = []
+        for j in range(h):
+            s = q[i, j * (hq // h) : (j + 1) * (hq // h)].double() @ k[i, j, :n].double().T  # [G, n]
+            if group == "max":
+                score = s.amax(0)
+            else:
+                score = torch.softmax(s * view.scale, dim=-1).sum(0)
+            row.append(score[SINK:ws])
+        out.append(row)
+    return out
+
+
+def _is_topk(selected: list[int], mid: torch.Tensor, k: int, where: str) -> None:
+    """``selected`` (positions) are k of the middle's best by ``mid`` (up to fp32 rounding at the k-th)."""
+    assert len(selected) == len(set(selected)), f"{where}: a token twice"
+    k = min(k, mid.numel())
+    assert len(selected) == k, f"{where}: {len(selected)} tokens, expected {k}"
+    if k == 0 or k == mid.numel():
+        return
+    idx = torch.tensor(selected) - SINK
+    assert bool((idx >= 0).all()) and bool((idx < mid.numel()).all()), f"{where}: a token outside the middle"
+    chosen = torch.zeros_like(mid, dtype=torch.bool)
+    chosen[idx] = True
+    worst, best_left = mid[chosen].min(), mid[~chosen].max()
+    assert worst >= best_left - 1e-5 * best_left.abs().clamp(min=1e-3), f"{where}: not the top {k}"
+
+
+ALL_CANDIDATES = ["quest:rerank=8", "arkvale:rerank=8", "prkv:static_ratio=0:rerank=8", "chess:rerank=8",
+                  "chess:anchor_from=window:scope=shared:rerank=8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("group", ["max", "weight"])
+@pytest.mark.parametrize("spec", ALL_CANDIDATES)
+def test_every_page_a_candidate_selects_the_exact_topk(spec, group):
+    seen = []
+
+    def check(q, view, sel):
+        pos = sel.token_positions(view.sink, view.page_size)
+        truth = _truth(q, view, group)
+        for i, row in enumerate(truth):
+            assert view.grid.num_middle_pages(view.lengths_host)[i] <= 16  # 8 x 2 candidate pages: all of them
+            for j, mid in enumerate(row):
+                p = pos[i, j]
+                _is_topk(sorted(p[p >= 0].tolist()), mid, T, f"{spec} layer {view.layer} seq {i} head {j}")
+                seen.append(mid.numel() > T)
+
+    _run(f"{spec}:rerank_group={group}", check)
+    assert sum(seen) > len(seen) // 2  # most checks were real selections (middle > budget)
+
+
+SELECTIVE = ["quest:rerank=2", "arkvale:rerank=2", "prkv:static_ratio=0.5:refresh=6:rerank=2",
+             "prkv:rerank=2:rerank_group=weight", "chess:rerank=2", "chess:rerank=3:trigger=always"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", SELECTIVE)
+def test_selection_within_budget_middle_and_unique(spec):
+    def check(q, view, sel):
+        assert sel.pages is None and sel.tokens is not None  # a token selection (granularity "token")
+        pos = sel.tokens
+        ws = view.grid.window_start(view.lengths_host)
+        for i in range(pos.shape[0]):
+            for j in range(pos.shape[1]):
+                p = pos[i, j][pos[i, j] >= 0].tolist()
+                where = f"{spec} layer {view.layer} seq {i} head {j}"
+                assert len(p) == len(set(p)), f"{where}: a token twice"
+                assert len(p) <= T, f"{where}: {len(p)} tokens > {T}"
+                assert all(SINK <= x < int(ws[i]) for x in p), f"{where}: a token outside the middle"
+
+    calls = _run(spec, check)
+    assert make_policy(spec).granularity == "token"
+    assert any(int((c >= 0).sum(-1).max()) == T for c in calls)  # the budget is used
+
+
+@pytest.mark.parametrize("spec", ["quest", "arkvale", "prkv:static_ratio=0.5:refresh=6", "chess", "chess:scope=shared"])
+def test_rerank_one_attends_the_pages_tokens(spec):
+    """Candidates = the pages the policy chooses without rerank, and the budget holds all their tokens."""
+    a, b = _run(spec), _run(f"{spec}:rerank=1")
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        sx = [[set(r[r >= 0].tolist()) for r in hh] for hh in x]
+        sy = [[set(r[r >= 0].tolist()) for r in hh] for hh in y]
+        assert sx == sy, f"{spec}: selection {i} differs with rerank=1"
+
+
+def test_rerank_keeps_the_paper_configuration():
+    assert make_policy("quest").rerank == 0 and make_policy("quest").granularity == "page"
+    for name in ("arkvale", "prkv", "chess"):
+        assert make_policy(name).rerank == 0 and make_policy(name).granularity == "page", name
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("quest:rerank=-1", "rerank must be an int >= 0"),
+        ("arkvale:rerank=1.5", "rerank"),
+        ("prkv:rerank=True", "option rerank=True: expected int"),
+        ("chess:rerank=-2", "rerank must be an int >= 0"),
+        ("quest:rerank=2:rerank_group=sum", "rerank_group must be one of max, weight"),
+        ("chess:rerank=2:rerank_group=heads", "rerank_group must be one of max, weight"),
+        ("chess:preset=moderate:rerank=2", "rerank > 0 needs budget mode"),
+    ],
+)
+def test_bad_values_raise(spec, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy(spec)
+
+
+def test_bad_values_raise_from_the_constructor():
+    from kvdex.policies.prkv import PRKVPolicy
+    from kvdex.policies.quest import QuestPolicy
+
+    for bad in (True, -1, 2.0):
+        with pytest.raises(ValueError, match="rerank must be an int >= 0"):
+            QuestPolicy(rerank=bad)
+    with pytest.raises(ValueError, match="rerank_group must be one of"):
+        PRKVPolicy(rerank=2, rerank_group="mean")
