@@ -66,7 +66,7 @@ class ScorecardConfig:
 
     def validate(self) -> None:
         if self.prepare and self.report_only:
-            raise ValueError("prepare and report_only exclude each other: prepare makes prompts, report_only reads cells")
+            raise ValueError("prepare and report_only exclude each other (prepare: prompts; report_only: cells)")
         if self.decode not in ("auto", "eager", "graph"):
             raise ValueError(f"decode must be auto, eager or graph, got {self.decode!r}")
         if self.order not in ORDERS:

@@ -114,7 +114,7 @@ def _report_only(cfg: ScorecardConfig) -> dict:
         prev = json.loads(old.read_text())
         dtype, env = prev.get("dtype", dtype), prev.get("environment")
     if not devices - {None}:
-        raise ValueError(f"report_only: no finished cells under {out}; run the scorecard there first (without --report-only)")
+        raise ValueError(f"report_only: no finished cells under {out}; run the scorecard there first")
     name = " + ".join(sorted(devices - {None}))
     plan = Plan(cfg, models.tag(cfg.model, cfg.gguf), dtype, data.data_root(cfg.data, required=False), name)
     if len(speed - {None}) == 1:  # the speed columns of the one device that timed them
