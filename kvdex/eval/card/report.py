@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -206,7 +207,7 @@ def write(plan, run) -> dict:
         "model": plan.common["model"],
         "dtype": plan.common["dtype"],
         "device": plan.device_name,
-        "command": sys.argv,
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],  # the program by name: no machine paths
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "environment": getattr(run, "environment", None) or environment(),
         "report_environment": environment(),
