@@ -1,4 +1,4 @@
-# Over 400 lines: the options with their checks, the life cycle and the entry points of the three search modes read as one.
+# Over 400 lines: its options with their checks, life cycle and three search modes read as one.
 """``icecache``: IceCache (Mao et al., 2025) -- semantic pages from a DCI-tree, per-head retrieval.
 
 Per sparse layer and (sequence, kv head) a DCI-tree (:mod:`kvdex.index.dci`) indexes the middle
