@@ -56,6 +56,7 @@ SPECS = [
     "streaming",
     "icecache:search=summary",  # the semantic page insertion inside the step (SemanticPages.insert_device)
     "icecache:search=summary:rerank=4",
+    "icecache:search=summary:rerank=4:rerank_unit=token",
     "icecache:search=summary:summary=centroid:group_merge=max",
     "icecache:search=summary:build=device",  # the prefill's leaf pages built on the device (no tree)
 ]
@@ -67,6 +68,7 @@ SELECT_ONLY = {
     "oracle": "full",  # IndexFreePolicy: no index (index_join does nothing); the store's join path: full's
     "streaming": "full",
     "icecache:search=summary:rerank=4": "icecache:search=summary",  # rerank reads the keys in select only
+    "icecache:search=summary:rerank=4:rerank_unit=token": "icecache:search=summary",
 }
 JOIN_PATH_SPECS = [s for s in SPECS if s not in SELECT_ONLY]
 LENGTHS = [200, 133, 40]  # rows join at steps 8, 11 and 8 (+16 each); the last starts with no middle

@@ -46,7 +46,12 @@ def test_full_budget_equals_dense(spec, offload, n):
 
 @pytest.mark.parametrize(
     "spec",
-    ["icecache:search=summary:rerank=2", "icecache:search=summary:rerank=1:group_merge=max", DEVICE + ":rerank=4"],
+    [
+        "icecache:search=summary:rerank=2",
+        "icecache:search=summary:rerank=1:group_merge=max",
+        DEVICE + ":rerank=4",
+        DEVICE + ":rerank=4:rerank_unit=token",
+    ],
 )
 def test_rerank_full_budget_equals_dense_and_needs_the_resident_store(spec):
     model, _ = shared_pair("llama_gqa")
@@ -74,6 +79,25 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     best = torch.topk(page_max, 2).indices
     want = (best[:, None] * ps + torch.arange(ps)).flatten()
     assert torch.equal(torch.sort(got[0, 0]).values, torch.sort(want).values)
+
+
+def test_token_rerank_takes_the_best_tokens_of_every_candidate():
+    """rerank_unit="token" with every page a candidate: the ``room`` tokens with the group's best q.k (the
+    oracle's choice under the max over the group), whatever their pages."""
+    g = torch.Generator().manual_seed(1)
+    B, H, G, D, ps, n, room = 1, 1, 2, 8, 4, 64, 10
+    keys = torch.randn(B, H, n, D, generator=g)
+    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
+    for j in range(n // ps):
+        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
+    pages.bound = int(pages.npages.max())
+    q = torch.randn(B, H * G, D, generator=g)
+    got = pages.select(q, pages.bound, room, 2, "max", 1.0, keys, rerank=8, unit="token")
+    want = torch.topk(torch.einsum("gd,nd->gn", q[0], keys[0, 0]).amax(0), room).indices
+    assert got.shape == (1, 1, room)
+    assert torch.equal(torch.sort(got[0, 0]).values, torch.sort(want).values)
+    page_only = pages.select(q, pages.bound, room, 2, "max", 1.0, keys, rerank=8)
+    assert not torch.equal(torch.sort(got[0, 0]).values, torch.sort(page_only[0, 0]).values)
 
 
 @pytest.mark.parametrize("build", ["tree", "device"])
@@ -109,7 +133,10 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
 
 
 @pytest.mark.parametrize(
-    "spec", SPECS + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2", DEVICE]
+    "spec",
+    SPECS
+    + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2", DEVICE]
+    + [DEVICE + ":rerank=2:rerank_unit=token"],
 )
 def test_static_sizing_selects_what_dynamic_sizing_selects(spec):
     """store.static (CUDA-graph decoding: the whole page capacity scored, fixed width) == dynamic."""
@@ -216,6 +243,8 @@ def test_bad_options_raise():
         dict(search="host", group_merge="max"),
         dict(search="tree"),
         dict(search="summary", rerank=-1),
+        dict(search="summary", rerank_unit="token"),  # no candidates to rank without rerank > 0
+        dict(search="summary", rerank=4, rerank_unit="tokens"),
         dict(build="device"),  # the device build makes search="summary"'s pages only
         dict(search="host", build="device"),
         dict(search="summary", build="gpu"),

@@ -249,12 +249,15 @@ class SemanticPages:
         live = (self.fill[:, :, :P] > 0).repeat_interleave(Hq // H, 1)
         return torch.where(live, s, -_INF)
 
-    def select(self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0):
+    def select(
+        self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0, unit: str = "page"
+    ):
         """Token positions [B, H, T] (-1 padded, T = min(pages taken at most x ps, room)) of the pages
         taken for the queries q [B, Hq, D] among the first ``P`` pages of every row (the capacity under
         a CUDA graph, ``bound`` otherwise: the same pages). ``rerank`` > 0: the ``rerank * cap`` best pages
         by summary (the group's max) are ranked by the exact max q.k of their keys, read from ``keys``
-        [B, H, S, D] (slot == position: a GPU-resident store)."""
+        [B, H, S, D] (slot == position: a GPU-resident store); ``unit="token"``: the ``room`` best tokens of
+        those candidate pages by the group's max q.k instead (no page fit)."""
         B, Hq, D = q.shape
         H, ps, dev = self.H, self.ps, q.device
         G, R = Hq // H, B * self.H
@@ -269,6 +272,8 @@ class SemanticPages:
             live = (pos >= 0) & torch.isfinite(val).repeat_interleave(ps, 1)
             k = keys.reshape(R, -1, D).gather(1, pos.clamp(min=0)[:, :, None].expand(-1, -1, D))
             qk = torch.einsum("rgd,rnd->rgn", q.reshape(R, G, D).float(), k.float())
+            if unit == "token":
+                return self._best_tokens(qk, live, pos, cand.shape[1], room, B)
             s = qk.masked_fill(~live[:, None, :], -_INF).view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
         P = s.shape[2]
         M = min(P, 2 * cap)
@@ -312,6 +317,20 @@ class SemanticPages:
         out = pos.gather(1, keep).long()
         self.counts.add_(torch.stack([taken.sum(), (out >= 0).sum()]))
         return out.view(B, H, T)
+
+    def _best_tokens(self, qk, live, pos, pc: int, room: int, B: int) -> torch.Tensor:
+        """``rerank_unit="token"``: the ``room`` tokens [B, H, T] (-1 padded) of the candidate pages with the
+        best exact q.k over the group (``qk`` [R, G, Pc * ps], ``live`` / ``pos`` [R, Pc * ps])."""
+        score = qk.amax(1).masked_fill(~live, -_INF)
+        T = min(room, score.shape[1])
+        val, ids = torch.topk(score, T, dim=1)
+        hit = torch.isfinite(val)
+        out = torch.where(hit, pos.gather(1, ids), -1)
+        page = torch.div(ids, self.ps, rounding_mode="floor")
+        used = torch.zeros(score.shape[0], pc, dtype=torch.int8, device=score.device)
+        used.scatter_reduce_(1, page, hit.to(torch.int8), "amax")  # candidate pages holding a chosen token
+        self.counts.add_(torch.stack([used.sum(), hit.sum()]))
+        return out.view(B, self.H, T)
 
 
 def summary_stats(layers) -> dict:

@@ -98,6 +98,10 @@ class IceCachePolicy(IndexJobsMixin, Policy):
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
     rerank: int = 0
+    # rerank > 0: "page" = attend the candidate pages with the best exact max q.k (the budget rule above);
+    # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
+    # policies' ``rerank`` (kvdex/policies/_rerank.py): no page-fit step, the budget spent on tokens
+    rerank_unit: str = "page"
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
     build: str = "tree"
@@ -128,6 +132,11 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             raise ValueError(f"search must be 'auto', 'device', 'host' or 'summary', got {self.search!r}")
         if self.summary not in SUMMARIES:
             raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {self.summary!r}")
+        if self.rerank_unit not in ("page", "token"):
+            raise ValueError(f"rerank_unit must be 'page' or 'token', got {self.rerank_unit!r}")
+        if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
+            raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
+                             "and rerank=N (e.g. 4)")  # fmt: skip
         if self.build not in ("tree", "device"):
             raise ValueError(f"build must be 'tree' or 'device', got {self.build!r}")
         if self.build == "device" and self.search != "summary":
@@ -259,7 +268,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
-            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank)
+            tokens = pages.select(
+                q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank, self.rerank_unit
+            )
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
