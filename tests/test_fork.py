@@ -96,3 +96,35 @@ def test_fork_after_generate_one_token():
     t_fork, _ = greedy(model, first, None, fork, new=30)
     t_fresh, _ = greedy(model, ids, None, kvdex.Cache(model, "quest", 96, dense_layers=1), new=31)
     assert torch.equal(t_fork, t_fresh)
+
+
+def test_pariskv_kmeans_forks_learn_the_centroids_once(monkeypatch):
+    """Forks of one prefill at other budgets reuse the first fork's k-means centroids (share_index) and decode
+    exactly what a fresh cache decodes; a fork with another seed learns its own."""
+    from kvdex.policies import pariskv_kmeans as pk
+
+    calls = []
+    real = pk.kmeans
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pk, "kmeans", counting)
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([90, 57, 120], seed=13)
+    src, last = _prefill(model, ids, mask, dense_layers=1)
+    first = last.argmax(-1, keepdim=True)
+    ids2 = torch.cat([ids, first], dim=1)
+    mask2 = torch.cat([mask, torch.ones_like(first)], dim=1)
+    sparse = model.config.num_hidden_layers - 1
+    forks = [src.fork(policy="pariskv-kmeans", budget=b) for b in (64, 96)]
+    assert len(calls) == sparse  # the second fork learned nothing
+    assert all(forks[0].policy.centroids[i] is forks[1].policy.centroids[i] for i in forks[0].policy.centroids)
+    src.fork(policy="pariskv-kmeans:seed=1", budget=96)
+    assert len(calls) == 2 * sparse
+    for fork, b in zip(forks, (64, 96), strict=True):
+        fresh = kvdex.Cache(model, "pariskv-kmeans", budget=b, dense_layers=1)
+        t_fresh, _ = greedy(model, ids, mask, fresh, new=12)
+        t_fork, _ = greedy(model, ids2, mask2, fork, new=11)
+        assert torch.equal(t_fork, t_fresh)

@@ -37,6 +37,14 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
         if self.kmeans_iters < 1:
             raise ValueError(f"pariskv-kmeans: kmeans_iters must be >= 1, got {self.kmeans_iters}")
         self.centroids: dict[int, torch.Tensor] = {}  # layer -> [B, H, nsub_raw, 2**m, m]
+        self._memo: dict | None = None  # shared by the forks of one prefill (share_index)
+
+    def share_index(self, memo: dict) -> None:
+        """Forks of one prefill (``Cache.fork``: one per budget in the scorecard) learn the same centroids
+        from the same prompt keys: the first fork's k-means result is kept in ``memo``, keyed by everything
+        it depends on (layer, m, iterations, seed, the grid that decides the middle tokens, their shape), and
+        read by the others. The centroids are never written after the prefill, so sharing is exact."""
+        self._memo = memo
 
     @property
     def num_sub(self) -> int:  # subspaces of the raw head dim (no rotation, no padding)
@@ -45,9 +53,17 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
     def assign(self, layer, k, ids, valid):
         sub = k.float().unflatten(-1, (-1, self.m)).transpose(2, 3)  # [B, H, nsub, N, m]
         if layer not in self.centroids:  # first update of the layer == the prefill: learn, once
-            w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
-            heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
-            self.centroids[layer] = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
+            cfg = self.info.config
+            key = ("pariskv-kmeans", layer, self.m, self.kmeans_iters, self.seed, cfg.sink, cfg.window,
+                   cfg.page_size, tuple(k.shape), str(k.device))  # fmt: skip
+            c = None if self._memo is None else self._memo.get(key)
+            if c is None:
+                w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
+                heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
+                c = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
+                if self._memo is not None:
+                    self._memo[key] = c
+            self.centroids[layer] = c
         return nearest(sub, self.centroids[layer]).transpose(2, 3).to(torch.uint8)
 
     def centroid_scores(self, layer, q, qb):
