@@ -25,6 +25,8 @@ How a kv head's query heads combine (``rerank_group``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvdex.kernels.scoring import topk_ids
@@ -42,6 +44,24 @@ def check_rerank(rerank, group: str) -> None:
         )
     if group not in RERANK_GROUPS:
         raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
+
+
+@dataclass
+class RerankOption:
+    """The ``rerank`` / ``rerank_group`` options of a page policy (a base before :class:`Policy`:
+    :class:`~kvdex.policies.base.PageScoringPolicy` and ``chess``): their fields, their check and the
+    selection's granularity (tokens with ``rerank``)."""
+
+    rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
+    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
+
+    def __post_init__(self) -> None:
+        check_rerank(self.rerank, self.rerank_group)
+
+    @property
+    def granularity(self) -> str:
+        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
+        return "token" if self.rerank else "page"
 
 
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:

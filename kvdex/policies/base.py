@@ -51,7 +51,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import candidate_pages, check_rerank, rerank_tokens
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
@@ -194,7 +194,7 @@ class IndexFreePolicy(Policy):
 
 
 @dataclass
-class PageScoringPolicy(Policy):
+class PageScoringPolicy(RerankOption, Policy):
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
     ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages
@@ -212,17 +212,6 @@ class PageScoringPolicy(Policy):
 
     group: ClassVar[str] = "max"
     scores_masked: ClassVar[bool] = False
-
-    rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
-    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
-
-    def __post_init__(self) -> None:
-        check_rerank(self.rerank, self.rerank_group)
-
-    @property
-    def granularity(self) -> str:  # type: ignore[override]
-        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
-        return "token" if self.rerank else "page"
 
     def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
         """Scores of the first P middle pages of ``view.layer`` (P: e.g. ``view.score_width(capacity)``):

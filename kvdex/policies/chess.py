@@ -54,7 +54,7 @@ from kvdex.policies._chess_levels import (
     window_keys,
 )
 from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
-from kvdex.policies._rerank import candidate_pages, check_rerank, rerank_tokens
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
@@ -82,7 +82,7 @@ DEFAULT_INTERVAL_PAGES = 6
 
 @register_policy
 @dataclass
-class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
+class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank: budget mode only
     """CHESS. Ratio mode (``preset`` or ``rho_g/rho_c/rho_p``): the paper's retention ratios, the
     budget is not used. Budget mode (the default): the same hierarchy cut to exactly
     ``(budget - sink - window) / page_size`` pages per sequence, for comparisons at equal budget.
@@ -110,10 +110,6 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
     anchor_from: str = "query"  # query: the decode step's queries (kvdex) | window: the paper's anchor (ANCHORS)
     scope: str = "layer"  # layer: a selection per sparse layer (kvdex) | shared: the paper's one for all (SCOPES)
     group: str = "max"  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
-    # kvdex option (not in the paper; kvdex/policies/_rerank.py), budget mode only: 0 attends the chosen pages;
-    # N > 0 chooses N x as many candidate pages and attends, every step, their best tokens by exact q.k
-    rerank: int = 0
-    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
 
     def __post_init__(self) -> None:
         rhos = (self.rho_g, self.rho_c, self.rho_p)
@@ -154,7 +150,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
             )
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
-        check_rerank(self.rerank, self.rerank_group)
+        super().__post_init__()  # RerankOption's check
         if self.rerank and self.ratios is not None:
             raise ValueError(
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
@@ -163,11 +159,6 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, Policy):
         self._tau = self._load_thresholds()
 
     # ---- configuration ----------------------------------------------------------------------------
-    @property
-    def granularity(self) -> str:  # type: ignore[override]
-        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
-        return "token" if self.rerank else "page"
-
     @property
     def ratios(self) -> tuple[float, float, float] | None:
         """(rho_g, rho_c, rho_p) in ratio mode, None in budget mode."""
