@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from kvdex.index.pages import greedy_fit
-from kvdex.kernels.scoring import page_bounds
+from kvdex.kernels.scoring import page_bounds, topk_ids
 
 SUMMARIES = ("minmax", "centroid")
 MERGES = ("rank", "max", "nsa")
@@ -322,15 +322,14 @@ class SemanticPages:
         """``rerank_unit="token"``: the ``room`` tokens [B, H, T] (-1 padded) of the candidate pages with the
         best exact q.k over the group (``qk`` [R, G, Pc * ps], ``live`` / ``pos`` [R, Pc * ps])."""
         score = qk.amax(1).masked_fill(~live, -_INF)
-        T = min(room, score.shape[1])
-        val, ids = torch.topk(score, T, dim=1)
-        hit = torch.isfinite(val)
-        out = torch.where(hit, pos.gather(1, ids), -1)
-        page = torch.div(ids, self.ps, rounding_mode="floor")
+        ids = topk_ids(score[:, None], room)[:, 0]  # [R, T], -1 where fewer live tokens
+        hit = ids >= 0
+        out = torch.where(hit, pos.gather(1, ids.clamp(min=0)), -1)
+        page = torch.div(ids.clamp(min=0), self.ps, rounding_mode="floor")
         used = torch.zeros(score.shape[0], pc, dtype=torch.int8, device=score.device)
         used.scatter_reduce_(1, page, hit.to(torch.int8), "amax")  # candidate pages holding a chosen token
         self.counts.add_(torch.stack([used.sum(), hit.sum()]))
-        return out.view(B, self.H, T)
+        return out.view(B, self.H, -1)
 
 
 def summary_stats(layers) -> dict:
