@@ -30,9 +30,9 @@ import dataclasses
 import torch
 
 from kvdex.index.dci import DCIParams, sample_tree
+from kvdex.index.summary import page_summaries
 
 CHUNK = 1 << 27  # score elements per batched matmul (512 MB in fp32): bounds the build's scratch memory
-_INF = float("inf")
 
 
 def promoted(params: DCIParams, seeds: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
@@ -99,15 +99,7 @@ def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str) -> dict
     held = pos >= 0
     kp = torch.zeros(R * C * ps + 1, D, dtype=keys.dtype, device=dev)
     kp[dst.flatten()] = keys.reshape(R * N, D)[src.flatten()]
-    kp = kp[:-1].view(R, C, ps, D)
-    m = held[..., None]
-    if kind == "minmax":
-        a = kp.masked_fill(~m, _INF).amin(2)
-        b = kp.masked_fill(~m, -_INF).amax(2)
-    else:
-        kf = kp.float()
-        a = ((kf * m).sum(2) / held.sum(2, keepdim=True).clamp(min=1)).to(keys.dtype)
-        b = ((kf - a.float()[:, :, None]).norm(dim=-1) * held).amax(2)
+    a, b = page_summaries(kp[:-1].view(R, C, ps, D), held, kind, keys.dtype)
     return dict(pos=pos, fill=held.sum(2).int(), a=a, b=b, npages=npages, used=used, row_pages=row_pages)
 
 

@@ -135,14 +135,7 @@ class SemanticPages:
             t, pos, k, ok = r
             P = pos.shape[0]
             pos_all[t, :P], fill[t, :P], npages[t] = pos.int(), ok.sum(1).int(), P
-            m = ok[:, :, None]
-            if kind == "minmax":
-                a[t, :P] = k.masked_fill(~m, _INF).amin(1).to(dtype)
-                b_[t, :P] = k.masked_fill(~m, -_INF).amax(1).to(dtype)
-            else:
-                mu = ((k * m).sum(1) / ok.sum(1, keepdim=True).clamp(min=1)).to(dtype)
-                a[t, :P] = mu
-                b_[t, :P] = ((k - mu.float()[:, None]).norm(dim=-1) * ok).amax(1)
+            a[t, :P], b_[t, :P] = page_summaries(k, ok, kind, dtype)
         return dict(pos=pos_all, fill=fill, a=a, b=b_, npages=npages, used=used)
 
     @classmethod
@@ -330,6 +323,18 @@ class SemanticPages:
         used.scatter_reduce_(1, page, hit.to(torch.int8), "amax")  # candidate pages holding a chosen token
         self.counts.add_(torch.stack([used.sum(), hit.sum()]))
         return out.view(B, self.H, -1)
+
+
+def page_summaries(k: torch.Tensor, held: torch.Tensor, kind: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summaries of pages of keys ``k`` [..., ps, D] whose slots ``held`` [..., ps] hold a key:
+    ``"minmax"``: per-channel min and max ([..., D], ``dtype``; +inf / -inf for an empty page);
+    ``"centroid"``: the mean key ([..., D], ``dtype``) and the radius max |k - mu| ([...], fp32)."""
+    m = held[..., None]
+    if kind == "minmax":
+        return k.masked_fill(~m, _INF).amin(-2).to(dtype), k.masked_fill(~m, -_INF).amax(-2).to(dtype)
+    kf = k.float()
+    mu = ((kf * m).sum(-2) / held.sum(-1, keepdim=True).clamp(min=1)).to(dtype)
+    return mu, ((kf - mu.float()[..., None, :]).norm(dim=-1) * held).amax(-1)
 
 
 def summary_stats(layers) -> dict:
