@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvdex.config import DEFAULT_BUDGET, DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.hf.compat import cache_kwargs
 
 # ---- policies ------------------------------------------------------------------------------------
@@ -121,14 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     options = _policy_options(args.option)
     kvdex.make_policy(args.policy, **options)  # unknown policy / option: fail before the slow load
-    sizes = dict(
-        page_size=args.page_size,
-        sink=args.sink,
-        window=args.window,
-        offload=args.offload,
-        dense_layers=args.dense_layers,
-    )
-    kvdex.CacheConfig(budget=args.budget, **sizes)
+    config = cache_config_from_args(args)  # bad sizes: fail before the slow load
     prompt = _read_prompt(args)
     model_id, gguf = models.resolve_model(args.model, args.gguf)
 
@@ -144,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if enc["input_ids"].shape[-1] == 0:
         raise ValueError("the prompt tokenizes to 0 tokens; give a longer prompt")
     enc = enc.to(model.device)
-    cache = kvdex.Cache(model, policy=args.policy, budget=args.budget, **sizes, **options)
+    cache = kvdex.Cache(model, policy=args.policy, **config.to_dict(), **options)
     if args.sample:
         torch.manual_seed(args.seed)
         sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
@@ -193,12 +186,6 @@ def _add_generate(sub) -> None:
     p.add_argument("--gguf", help="name of a GGUF file inside --model (a directory or a Hugging Face repo)")
     p.add_argument("--policy", default="quest", help="a registered policy, see `kvdex policies` (default %(default)s)")
     p.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help="tokens attended per decode step per kv head (default %(default)s)",
-    )
-    p.add_argument(
         "-o",
         "--option",
         action="append",
@@ -211,11 +198,7 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt-file", help="a UTF-8 file holding the prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
-    p.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="(default %(default)s)")
-    p.add_argument("--sink", type=int, default=DEFAULT_SINK, help="(default %(default)s)")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="(default %(default)s)")
-    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS, help="(default %(default)s)")
+    add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"))
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7, help="with --sample (default %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="with --sample (default %(default)s)")

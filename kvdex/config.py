@@ -5,7 +5,7 @@ Every user mistake raises ``ValueError`` with the fix in the message (GUIDE prac
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # Defaults follow the papers: pages of 16 tokens (Quest, IceCache), the first two layers dense
 # (Quest §4, IceCache §5.1), a sink page and a short recent window (StreamingLLM, ArkVale).
@@ -14,6 +14,7 @@ DEFAULT_SINK = 16
 DEFAULT_WINDOW = 32
 DEFAULT_BUDGET = 256
 DEFAULT_DENSE_LAYERS = 2
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -31,22 +32,56 @@ class CacheConfig:
     dense_layers:  the first layers attend densely (no selection), as in the papers.
     prefill_chunk: query rows per dense-attention call during prefill (bounds memory).
     timing:        record time spent in selection / transfer / attention (synchronises the device).
+    page_cache:    with ``offload``, page slots per sequence and kv head that keep recently selected
+                   pages on the device, so a step transfers only the others (>= the pages selected
+                   per step; 0 = off). See :mod:`kvdex.storage.offload`.
+
+    Each field's ``metadata["help"]`` is its one-line command-line help (:mod:`kvdex.cli_options`
+    turns the fields into ``--budget``, ``--page-size``, ... options of every kvdex command).
     """
 
-    budget: int = DEFAULT_BUDGET
-    page_size: int = DEFAULT_PAGE_SIZE
-    sink: int = DEFAULT_SINK
-    window: int = DEFAULT_WINDOW
-    offload: bool = False
-    dense_layers: int = DEFAULT_DENSE_LAYERS
-    prefill_chunk: int = 2048
-    timing: bool = False
+    budget: int = field(
+        default=DEFAULT_BUDGET,
+        metadata={"help": "tokens attended per kv head per decode step, sink and window included"},
+    )
+    page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"help": "tokens per KV page, a power of two"})
+    sink: int = field(default=DEFAULT_SINK, metadata={"help": "first tokens of each sequence, always attended"})
+    window: int = field(
+        default=DEFAULT_WINDOW, metadata={"help": "recent tokens, always attended; a multiple of the page size"}
+    )
+    offload: bool = field(
+        default=False,
+        metadata={"help": "keep the middle of the context in host memory, fetch the selected pages per step"},
+    )
+    dense_layers: int = field(
+        default=DEFAULT_DENSE_LAYERS, metadata={"help": "the first N layers attend densely, without selection"}
+    )
+    prefill_chunk: int = field(
+        default=DEFAULT_PREFILL_CHUNK,
+        metadata={"help": "query rows per dense-attention call during prefill; bounds its memory"},
+    )
+    timing: bool = field(
+        default=False,
+        metadata={"help": "time selection, transfer and attention per step; synchronises the device"},
+    )
+    page_cache: int = field(
+        default=0,
+        metadata={
+            "help": "with offload: a device page cache of N slots per sequence and kv head (N >= the pages "
+            "selected per step, e.g. 2x the budget's pages); only misses cross PCIe; 0 = off"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("budget", "page_size", "sink", "window", "dense_layers", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        pc = self.page_cache
+        if not isinstance(pc, int) or isinstance(pc, bool) or pc < 0:
+            raise ValueError(f"page_cache must be an int >= 0 (page slots per sequence, kv head), got {pc!r}")
+        if pc and not self.offload:
+            raise ValueError(f"page_cache={pc} keeps offloaded pages on the device: pass offload=True, or page_cache=0")
         ps = self.page_size
         if ps < 1 or ps & (ps - 1):
             raise ValueError(

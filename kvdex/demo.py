@@ -35,7 +35,7 @@ import torch
 
 import kvdex
 from kvdex import models
-from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.eval import passkey
 from kvdex.hf.compat import TRANSFORMERS_VERSION, cache_kwargs
 from kvdex.hf.generate import timed_generate
@@ -107,11 +107,11 @@ def run(
     rows, prefill_ms = [], None
     if fork:
         # The prefill is dense whatever the policy; the base stays on the device, forks may offload.
-        base = kvdex.Cache(model, policy="full", budget=budget, **{**cache_args, "offload": False})
+        storage = {"offload": cache_args.get("offload", False), "page_cache": cache_args.get("page_cache", 0)}
+        base = kvdex.Cache(model, policy="full", budget=budget, **{**cache_args, "offload": False, "page_cache": 0})
         t0 = time.perf_counter()
         first = prefill(model, input_ids, base)
         prefill_ms = (time.perf_counter() - t0) * 1e3
-        offload = cache_args.get("offload", False)
     cuda = input_ids.device.type == "cuda"
     for name in policies:
         if cuda:
@@ -119,7 +119,7 @@ def run(
             torch.cuda.reset_peak_memory_stats()
         if fork:
             ids, ms, cache = decode_forked(
-                model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, offload=offload
+                model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, **storage
             )
         else:
             ids, ms, cache = decode_fresh(model, tokenizer, input_ids, name, budget, max_new_tokens, **cache_args)
@@ -192,16 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="picks the pass key (default %(default)s)")
-    p.add_argument(
-        "--budget", type=int, default=DEFAULT_BUDGET, help="tokens attended per step per kv head (default %(default)s)"
-    )
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated (default %(default)s)")
-    p.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
     p.add_argument("--max-new-tokens", type=int, default=16, help="(default %(default)s)")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="(default %(default)s)")
-    p.add_argument("--sink", type=int, default=DEFAULT_SINK, help="(default %(default)s)")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="(default %(default)s)")
-    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS, help="(default %(default)s)")
     p.add_argument(
         "--threads",
         type=int,
@@ -214,6 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill anew for every policy instead of forking one prefilled cache",
     )
+    add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"), defaults={"budget": DEFAULT_BUDGET})
 
 
 def main(args: argparse.Namespace) -> int:
@@ -222,14 +215,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid policies: {', '.join(known)}")
-    cache_args = dict(
-        page_size=args.page_size,
-        sink=args.sink,
-        window=args.window,
-        offload=args.offload,
-        dense_layers=args.dense_layers,
-    )
-    kvdex.CacheConfig(budget=args.budget, **cache_args)  # validate before the slow model load
+    cache_args = cache_config_from_args(args).to_dict()  # validated before the slow model load
+    del cache_args["budget"]
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -255,7 +242,8 @@ def main(args: argparse.Namespace) -> int:
     mode = "one prefill, a fork per policy" if args.fork else "a prefill per policy"
     print(
         f"settings: budget {args.budget} tokens/step/kv head, page_size {args.page_size}, sink {args.sink}, "
-        f"window {args.window}, dense_layers {args.dense_layers}, offload {args.offload}, greedy, "
+        f"window {args.window}, dense_layers {args.dense_layers}, offload {args.offload}"
+        f"{f', page_cache {args.page_cache}' if args.page_cache else ''}, greedy, "
         f"max_new_tokens {args.max_new_tokens}, {mode}"
     )
     cuda = model.device.type == "cuda"

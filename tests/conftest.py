@@ -162,3 +162,81 @@ def reference_greedy(family: str, n: int, seed: int, new: int):
     """Greedy tokens and logits of the sdpa reference for prompt(n, seed) (computed once)."""
     _, ref = _cached_pair(family)
     return greedy(ref, prompt(n, seed), new=new)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cpu():
+    """SmolLM2-135M-Instruct (``kvdex models fetch smollm2``) as ``kvdex scorecard --smoke`` loads it: CPU,
+    float32, through ``kvdex.eval.models.load``; loaded once for the session (its tokenizer alone takes
+    seconds to build from the GGUF file). Returns (model, tokenizer); do not mutate them."""
+    from kvdex import models
+    from kvdex.eval import models as eval_models
+
+    if models.find("smollm2") is None:
+        pytest.skip("SmolLM2 is not installed (kvdex models fetch smollm2)")
+    return eval_models.load("smollm2", device="cpu", dtype="float32")
+
+
+# ---- kernel tests under Triton's interpreter (CPU) ------------------------------------------------------
+# triton reads TRITON_INTERPRET when it is first imported, long before these modules in a test session, so
+# their kernel tests run again in a fresh interpreter with the variable set: one subprocess for every such
+# module of the session (one start-up of torch, transformers and pytest), and each module's
+# ``test_interpreter_suite`` checks its own tests there. Module -> the -k selection of its kernel tests
+# (None: the whole module).
+INTERPRETER_SUITES = {
+    "test_pariskv.py": "triton_",
+    "test_step_kernels.py": None,
+    "test_topk.py": None,
+    "test_triton_kernels.py": None,
+}
+
+
+@pytest.fixture(scope="session")
+def interpreter_suite(request):
+    """``check(__file__)``: asserts that the module's kernel tests passed under ``TRITON_INTERPRET=1``
+    (at least one, none failed). The first call runs the modules of ``INTERPRETER_SUITES`` this session
+    collected a ``test_interpreter_suite`` of, in one subprocess."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    wanted = {item.path.name for item in request.session.items if item.name == "test_interpreter_suite"}
+    names = sorted(n for n in INTERPRETER_SUITES if n in wanted)
+    outcomes: dict[str, dict] = {}
+
+    def run() -> None:
+        select = " or ".join(
+            n if INTERPRETER_SUITES[n] is None else f"({n} and {INTERPRETER_SUITES[n]})" for n in names
+        )
+        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+        with tempfile.TemporaryDirectory() as tmp:
+            xml = Path(tmp) / "junit.xml"
+            cmd = [sys.executable, "-m", "pytest", *(str(here / n) for n in names), "-q", "-p", "no:cacheprovider"]
+            cmd += ["-m", "not gpu", "-k", select, f"--junitxml={xml}"]
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+            tail = r.stdout[-4000:] + r.stderr[-2000:]
+            for n in names:
+                outcomes[n] = {"passed": 0, "failed": [], "tail": tail}
+            cases = ET.parse(xml).getroot().iter("testcase") if xml.is_file() else []
+            for case in cases:
+                name = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+                if name not in outcomes:
+                    continue
+                if case.find("failure") is not None or case.find("error") is not None:
+                    outcomes[name]["failed"].append(case.get("name"))
+                elif case.find("skipped") is None:
+                    outcomes[name]["passed"] += 1
+
+    def check(module_file: str) -> None:
+        name = Path(module_file).name
+        assert name in names, f"{name} is not in conftest.INTERPRETER_SUITES"
+        if not outcomes:
+            run()
+        got = outcomes[name]
+        assert not got["failed"] and got["passed"] > 0, f"{name}: failed {got['failed']}\n{got['tail']}"
+
+    return check

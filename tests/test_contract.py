@@ -5,7 +5,9 @@ On a tiny random model (fp32, ``tests/conftest.py``), teacher-forced (every run 
 * **full budget == dense**: with a budget covering the whole context, on the device and offloaded,
   for one prompt and a ragged left-padded batch of three, the logits of every step equal the same
   model's without a kvdex cache (sdpa), within fp32 rounding; contexts that are not a multiple of the
-  page size, and prompts shorter than sink + window whose middle appears while decoding;
+  page size, and prompts shorter than sink + window whose middle appears while decoding; and (offloaded,
+  a longer ragged batch of two) a budget whose retrieval part (budget - sink - window) is not a
+  multiple of the page size;
 * **offload == device**: the two storages give the same logits;
 * **stats() consistent**: decode steps, context lengths, attended tokens per step (<= budget; at full
   budget exactly the context), bytes non-negative, nothing on the host without offload;
@@ -21,7 +23,7 @@ import functools
 
 import pytest
 import torch
-from conftest import left_padded, positions, shared_pair
+from conftest import PAGE, SINK, WINDOW, left_padded, positions, shared_pair
 
 import kvdex
 from kvdex import cache_kwargs
@@ -31,6 +33,10 @@ STEPS = 36  # teacher-forced decode steps: 23 + 36 crosses sink + window (48) an
 FULL = 256  # covers 70 + 36 tokens
 SMALL = 64  # sink 16 + window 32 + one retrieved page: selection is real at 100 tokens
 BATCHES = {"b1": [70], "ragged3": [70, 45, 23]}  # none a multiple of the page size (16)
+# A budget whose retrieval part is not a page multiple (199 - 16 - 32 = 151 = 9 pages + 7) covering
+# 150 + 36 tokens; the prompt of 150 has 6 middle pages at prefill (PRKV's static region ends in one).
+ODD, ODD_BATCH = 199, "long-ragged2"
+LENGTHS = {**BATCHES, ODD_BATCH: [150, 61]}
 ATOL = 1e-4
 # Constructor options a policy needs for this contract, only where unavoidable (prefer the defaults).
 OPTIONS: dict[str, dict] = {}
@@ -67,8 +73,8 @@ def _decode(model, cache, mask, tokens) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _inputs(batch: str):
-    ids, mask, _ = left_padded(BATCHES[batch], seed=21)
-    return ids, mask, _continuation(len(BATCHES[batch]), STEPS, seed=22)
+    ids, mask, _ = left_padded(LENGTHS[batch], seed=21)
+    return ids, mask, _continuation(len(LENGTHS[batch]), STEPS, seed=22)
 
 
 @functools.cache
@@ -99,14 +105,25 @@ def _run(policy: str, offload: bool, batch: str, budget: int):
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_full_budget_equals_dense(policy, offload, batch):
-    logits, stats = _run(policy, offload, batch, FULL)
+    _check_full_budget(policy, offload, batch, FULL)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_full_budget_not_a_page_multiple_equals_dense(policy):
+    assert (ODD - SINK - WINDOW) % PAGE and ODD >= max(LENGTHS[ODD_BATCH]) + STEPS
+    _check_full_budget(policy, True, ODD_BATCH, ODD)
+
+
+def _check_full_budget(policy: str, offload: bool, batch: str, budget: int) -> None:
+    logits, stats = _run(policy, offload, batch, budget)
     ref = _dense(batch)
     assert logits.shape == ref.shape
     diff = (logits - ref).abs().max().item()
-    assert diff <= ATOL, f"{policy}/{'offload' if offload else 'device'}/{batch}: max |logit - dense| = {diff:.3g}"
+    where = f"{policy}/{'offload' if offload else 'device'}/{batch}/budget {budget}"
+    assert diff <= ATOL, f"{where}: max |logit - dense| = {diff:.3g}"
 
     # stats(): every step counted, every token attended (a full budget drops nothing), sizes sane
-    lengths = BATCHES[batch]
+    lengths = LENGTHS[batch]
     assert stats["decode_steps"] == STEPS
     assert stats["context_tokens"] == [n + STEPS for n in lengths]
     assert stats["policy"] == policy and stats["offload"] == offload

@@ -29,8 +29,8 @@ LIMIT = 4
 BATCH = 2
 
 
-def evaluate(lm, task_manager):
-    out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, log_samples=True, limit=LIMIT)
+def evaluate(lm, task_manager, limit=LIMIT):
+    out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, log_samples=True, limit=limit)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     return out, [s["resps"][0][0] for s in samples]
 
@@ -42,7 +42,9 @@ def task_manager():
 
 @pytest.fixture(scope="module")
 def runs(task_manager):
-    """lm-eval runs of one SmolLM2 load: kvdex ``full``, plain ``hf`` (sdpa), kvdex ``quest`` at budget 64."""
+    """lm-eval runs of one SmolLM2 load: kvdex ``full``, plain ``hf`` (sdpa), kvdex ``quest`` at budget 64.
+    ``full`` and ``plain`` decode one batch (the first two prompts, 530 and 710 characters: left-padded);
+    ``quest`` decodes LIMIT prompts, several batches (its usage counts add up over generate calls)."""
     try:
         models.default_model()
     except ValueError as exc:
@@ -54,8 +56,8 @@ def runs(task_manager):
     plain = HFLM(pretrained=plain_model, tokenizer=full.tokenizer, batch_size=BATCH)
     quest = KVDexLM(pretrained=full.model, tokenizer=full.tokenizer, policy="quest", budget=64, batch_size=BATCH)
     return {
-        "full": (full, *evaluate(full, task_manager)),
-        "plain": (plain, *evaluate(plain, task_manager)),
+        "full": (full, *evaluate(full, task_manager, limit=BATCH)),
+        "plain": (plain, *evaluate(plain, task_manager, limit=BATCH)),
         "quest": (quest, *evaluate(quest, task_manager)),
     }
 
@@ -82,6 +84,7 @@ def test_full_policy_matches_plain_hf(runs):
     lm, out, full = runs["full"]
     assert full == plain
     assert out["config"]["kvdex"]["usage"]["decode_steps"] > 0
+    assert len(set(lm.last_cache_stats["context_tokens"])) == BATCH  # one left-padded batch of two lengths
     assert out["results"][TASK]["exact_match,digits"] == runs["plain"][1]["results"][TASK]["exact_match,digits"]
 
 

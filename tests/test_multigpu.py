@@ -368,3 +368,25 @@ def test_device_map_two_gpus(tmp_path):
             if got["tokens"] != one["tokens"]:
                 failed.append((policy, offload, got["tokens"], one["tokens"]))
     assert not failed, failed
+
+
+def test_a_layer_on_another_gpu_runs_with_that_gpu_current(monkeypatch):
+    """Under a device_map a layer may sit on another GPU than the current one; Triton launches on the current
+    device, so the engine makes the layer's GPU current around its append and attention (two H200s: an illegal
+    memory access without it)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvdex.engine import step
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    other = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    same = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with step._current_device(other):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    assert isinstance(step._current_device(same), contextlib.nullcontext)
+    assert isinstance(step._current_device(torch.zeros(1)), contextlib.nullcontext)
+    assert entered == [torch.device("cuda", 1)]

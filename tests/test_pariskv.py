@@ -16,8 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -626,7 +624,7 @@ def test_kmeans_reduces_distortion():
 
 
 @pytest.mark.slow
-def test_rerank_correlation_on_real_keys():
+def test_rerank_correlation_on_real_keys(request):
     """SmolLM2-135M keys of 1k tokens of a book, one decode query per sparse layer: the 4-bit
     estimate vs the exact <q_mean, k> over every middle key. Measured: mean 0.994, min 0.989 over
     84 (layer, kv head) pairs (CPU machine; 0.995 / 0.989 at 1.5k tokens)."""
@@ -634,11 +632,11 @@ def test_rerank_correlation_on_real_keys():
     from kvdex.eval import data
 
     try:
-        path = models.default_model()
+        models.default_model()
         root = data.data_root(None)
     except ValueError as e:
         pytest.skip(f"SmolLM2 GGUF or eval data missing: {e}")
-    model, tok = kvdex.load(path)
+    model, tok = request.getfixturevalue("smollm2_cpu")  # loaded once per session (tests/conftest.py)
     sample = data.long_text_samples(root, "books", tok, 1000, 0, 1, 0)[0]
     cache = kvdex.Cache(model, "pariskv", budget=128)
     corr = []
@@ -674,27 +672,16 @@ def kernel_test(fn):
     """A Triton-vs-twin test: runs compiled on CUDA (marked ``gpu``) or under the interpreter on CPU."""
     fn = pytest.mark.skipif(
         not HAS_TRITON or not (CUDA or INTERP),
-        reason="needs triton on CUDA, or TRITON_INTERPRET=1 (run by test_triton_interpreter_suite)",
+        reason="needs triton on CUDA, or TRITON_INTERPRET=1 (run by test_interpreter_suite)",
     )(fn)
     return pytest.mark.gpu(fn) if CUDA else fn
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERP, reason="runs the kernel tests itself")
-def test_triton_interpreter_suite():
-    """The Triton tests of this file under TRITON_INTERPRET=1, in a fresh interpreter (triton reads the
-    variable when it is first imported)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton_"]
-    r = subprocess.run(
-        cmd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+def test_interpreter_suite(interpreter_suite):
+    """The Triton tests of this file (``-k triton_``) under TRITON_INTERPRET=1, in a fresh interpreter (triton
+    reads the variable when it is first imported; tests/conftest.py: one for every such file)."""
+    interpreter_suite(__file__)
 
 
 @kernel_test

@@ -363,6 +363,76 @@ def test_covering_budget_matches_sdpa(opts, offload):
     assert torch.equal(tokens, ref_tokens)
 
 
+# budget - sink - window = 214, not a page multiple: S = 0.25 -> 48 + 6 static tokens (a partly filled page)
+ODD_CONFIGS = [{"static_ratio": 0.25}, {"static_ratio": 0.5, "refresh": 8, "static_group": "heads", "group": "heads"}]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("opts", ODD_CONFIGS, ids=[str(c) for c in ODD_CONFIGS])
+def test_covering_budget_not_a_page_multiple_matches_sdpa(opts, offload):
+    """The static region ends inside a page: the rest of that page is still attended (it is a dynamic
+    candidate), so a budget covering the context equals dense attention at any budget."""
+    family, n, new, budget = "llama_gqa", 150, 40, 262
+    assert split_budget(budget - SINK - WINDOW, PAGE, opts["static_ratio"])[0] % PAGE
+    model, _ = shared_pair(family)
+    ref_tokens, ref_logits = reference_greedy(family, n, n, new)
+    cache = kvdex.Cache(model, "prkv", budget=budget, offload=offload, dense_layers=1, **opts)
+    tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_retrieval_budget_under_one_page(offload):
+    """sink + window < budget < sink + window + page_size: no whole page fits, so S = 0 attends sink +
+    window only, as ArkVale; S > 0 gives the r < page_size tokens to the static set (k_s = r mod page_size)."""
+    model, _ = shared_pair("llama_gqa")
+    budget = SINK + WINDOW + PAGE - 9  # r = 7
+    ids, mask, _ = left_padded([130, 90], seed=5)
+    out, attended = {}, {}
+    for name, opts in (("arkvale", {}), ("prkv", {"static_ratio": 0.0}), ("prkv", {"static_ratio": 0.25})):
+        cache = kvdex.Cache(model, name, budget=budget, offload=offload, dense_layers=1, **opts)
+        sizes = []
+        cache.observer = lambda layer, q, store, aset, scale, sizes=sizes: sizes.append(aset.valid.sum(-1))
+        key = (name, opts.get("static_ratio"))
+        out[key] = greedy(model, ids, mask, cache=cache, new=20)
+        attended[key] = torch.stack(sizes)  # [steps x layers, B, H]: sink + window + retrieved tokens
+    assert torch.equal(out["prkv", 0.0][1], out["arkvale", None][1])
+    window = attended["arkvale", None]
+    assert bool((window <= SINK + WINDOW).all())  # never more than sink + window: no whole page fits
+    assert torch.equal(attended["prkv", 0.0], window)
+    assert torch.equal(attended["prkv", 0.25], window + 7)  # both prompts' middles hold >= 7 tokens
+
+
+def test_partly_filled_static_page_is_attended_whole_or_as_tail():
+    """At a budget that selects, with k_s not a page multiple: each step attends the static tail as
+    tokens or -- chosen as a dynamic page -- the whole partly filled page instead, never a slot twice
+    and never over the budget; the page's slots after the tail are reachable (chosen on some steps)."""
+    model, _ = shared_pair("llama_gqa")
+    budget = 119  # r = 71: S = 0.25 -> 16 + 7 static tokens, 3 dynamic pages
+    cache = kvdex.Cache(model, "prkv", budget=budget, dense_layers=1, static_ratio=0.25)
+    pol = cache.policy
+    assert (pol.n_static, pol.n_dynamic) == (23, 3)
+    seen = {"whole": 0, "tail": 0}
+
+    def observer(layer, q, store, aset, scale):
+        ns = int(pol.static[layer][0])
+        assert ns == 23
+        tail = set(range(SINK + PAGE, SINK + ns))  # the static tail: slots of the partly filled page
+        rest = set(range(SINK + ns, SINK + 2 * PAGE))  # that page's slots after it (not static)
+        for h in range(store.kv_heads):
+            slots = aset.positions[0, h][aset.valid[0, h]].tolist()
+            assert len(slots) == len(set(slots)) <= budget
+            assert tail <= set(slots)
+            got = rest & set(slots)
+            assert got in (set(), rest)
+            seen["whole" if got else "tail"] += 1
+
+    cache.observer = observer
+    greedy(model, prompt(200, seed=3), cache=cache, new=20)
+    assert seen["whole"] and seen["tail"]
+
+
 @pytest.mark.parametrize(
     "opts",
     [

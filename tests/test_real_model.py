@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kvdex
-from kvdex import demo, models
+from kvdex import demo
 from kvdex.eval import passkey
 
 pytestmark = pytest.mark.slow
@@ -31,12 +31,8 @@ NEW_TOKENS = 6  # the five digits and one more
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = models.default_model()
-    except ValueError as e:
-        pytest.skip(f"SmolLM2-135M-Instruct GGUF not installed: {e}")
-    model, tok = kvdex.load(path)
+def smollm2(smollm2_cpu):
+    model, tok = smollm2_cpu  # loaded once per session (tests/conftest.py), on the CPU in float32
 
     @functools.cache
     def prefilled(depth: float):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -123,11 +124,19 @@ def _records(out) -> dict:
     return recs
 
 
-def test_full_is_one_and_covering_oracle_equals_full(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def whole(tiny, tmp_path_factory):
+    """(folder, report) of one uninterrupted run of ``_cfg``, shared by the tests that check it or compare
+    another run against it: they read its folder, and copy it before changing anything."""
     from kvdex.eval import scorecard
 
+    out = tmp_path_factory.mktemp("whole")
     model, tok = tiny
-    rep = scorecard(_cfg(tmp_path), model=model, tokenizer=tok)
+    return out, scorecard(_cfg(out), model=model, tokenizer=tok)
+
+
+def test_full_is_one_and_covering_oracle_equals_full(whole):
+    tmp_path, rep = whole
     assert rep["complete"] and (tmp_path / "scorecard.md").is_file() and (tmp_path / "scorecard.json").is_file()
     t = table(rep)
     full = t[("full", None)]
@@ -146,11 +155,11 @@ def test_full_is_one_and_covering_oracle_equals_full(tiny, tmp_path):
     assert "n/a (CPU)" in (tmp_path / "scorecard.md").read_text()
 
 
-def test_resumed_run_gives_the_same_table(tiny, tmp_path):
+def test_resumed_run_gives_the_same_table(tiny, whole, tmp_path):
     from kvdex.eval.card.run import scorecard
 
     model, tok = tiny
-    whole = scorecard(_cfg(tmp_path / "a"), model=model, tokenizer=tok)
+    a, whole = whole  # the uninterrupted run
     seen = []
     part = scorecard(_cfg(tmp_path / "b", max_cells=3), model=model, tokenizer=tok, on_cell=seen.append)
     assert not part["complete"] and part["stopped"].startswith("max_cells") and len(seen) == 3
@@ -168,9 +177,9 @@ def test_resumed_run_gives_the_same_table(tiny, tmp_path):
     after = {str(p): p.stat().st_mtime_ns for p in (tmp_path / "b").glob("cells/*/*/*.json")}
     assert all(after[k] == v for k, v in before.items())  # finished cells were not recomputed
     assert len(seen) == len(after) == 3 * 4  # 3 batches (2 retrieval, 1 passkey) x 4 (policy, budget) pairs
-    assert _records(tmp_path / "a") == _records(tmp_path / "b")
+    assert _records(a) == _records(tmp_path / "b")
     assert whole["cells"] == done["cells"]
-    assert (tmp_path / "a/scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
+    assert (a / "scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
         tmp_path / "b/scorecard.md"
     ).read_text().split("## Retrieval")[0].splitlines()[6:]
 
@@ -197,7 +206,7 @@ def _cells(cfg) -> dict:
     return {(c["policy"], c["budget"], c["task"], c["length"]): c for c in found}
 
 
-def test_stopped_run_reports_partial_cells_equal_to_a_run_over_those_prompts(tiny, tmp_path):
+def test_stopped_run_reports_partial_cells_equal_to_a_run_over_those_prompts(tiny, whole, tmp_path):
     from kvdex.eval.card.run import scorecard
 
     model, tok = tiny
@@ -219,8 +228,9 @@ def test_stopped_run_reports_partial_cells_equal_to_a_run_over_those_prompts(tin
     # the same prompts uninterrupted: batch 0 holds exactly the first two subtasks' prompts
     ref_cfg = _cfg(tmp_path / "c", subtasks=["niah_single", "niah_multikey"], tasks=["retrieval"])
     assert scorecard(ref_cfg, model=model, tokenizer=tok)["complete"]
+    # and every prompt uninterrupted: the shared run's retrieval cells (a copy: rescored below)
+    shutil.copytree(whole[0], tmp_path / "a")
     whole_cfg = _cfg(tmp_path / "a", tasks=["retrieval"])
-    assert scorecard(whole_cfg, model=model, tokenizer=tok)["complete"]
     for out in ("a", "b", "c"):
         _rescore(tmp_path / out)
     got, ref, whole = _cells(_cfg(tmp_path / "b")), _cells(ref_cfg), _cells(whole_cfg)
@@ -231,16 +241,16 @@ def test_stopped_run_reports_partial_cells_equal_to_a_run_over_those_prompts(tin
         assert drop(c) == drop(ref[k] if k[0] != "full" else whole[k]), k
 
 
-def test_order_pairs_gives_the_same_table(tiny, tmp_path):
+def test_order_pairs_gives_the_same_table(tiny, whole, tmp_path):
     from kvdex.eval.card.run import scorecard
 
     model, tok = tiny
-    batches = scorecard(_cfg(tmp_path / "a"), model=model, tokenizer=tok)
+    a, batches = whole  # the default order (batches), uninterrupted
     part = scorecard(_cfg(tmp_path / "b", order="pairs", max_cells=2), model=model, tokenizer=tok)
     assert part["slots_done"] == 1 and all(c["policy"] == "full" and not c["partial"] for c in part["cells"])
     pairs = scorecard(_cfg(tmp_path / "b", order="pairs"), model=model, tokenizer=tok)
     assert batches["complete"] and pairs["complete"]
-    assert _records(tmp_path / "a") == _records(tmp_path / "b")
+    assert _records(a) == _records(tmp_path / "b")
     assert batches["cells"] == pairs["cells"]
     with pytest.raises(ValueError, match="order must be batches or pairs"):
         _cfg(tmp_path, order="pair").validate()
@@ -290,13 +300,14 @@ def test_scorecard_on_cuda_replays_graphs_and_times_speed(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_smollm2(tmp_path):
-    from kvdex import models
+def test_smoke_smollm2(smollm2_cpu, tmp_path):
     from kvdex.eval import scorecard
 
-    if models.find("smollm2") is None:
-        pytest.skip("SmolLM2 is not installed (kvdex models fetch smollm2)")
-    rep = scorecard(smoke(out=str(tmp_path), progress=False))
+    # the model as the smoke config loads it (device cpu, float32), loaded once for the session
+    model, tok = smollm2_cpu
+    cfg = smoke(out=str(tmp_path), progress=False)
+    assert (cfg.model, cfg.device, cfg.dtype) == ("smollm2", "cpu", "float32")
+    rep = scorecard(cfg, model=model, tokenizer=tok)
     assert rep["complete"], rep["failures"]
     t = table(rep)
     assert all((c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0) for c in t[("full", None)].values())

@@ -9,8 +9,6 @@ GPU DeviceStore decode with the kernel against ``KVDEX_TRITON=0``.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,12 +35,9 @@ from kvdex.kernels import step_triton as ap  # noqa: E402
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
-def test_interpreter_suite():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+def test_interpreter_suite(interpreter_suite):
+    """This file under TRITON_INTERPRET=1 (tests/conftest.py: one fresh interpreter for every such file)."""
+    interpreter_suite(__file__)
 
 
 @run_kernels

@@ -11,8 +11,6 @@ set before triton is imported), as tests/test_triton_kernels.py does; ``-m gpu``
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -99,14 +97,11 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])  # 
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
-def test_interpreter_suite():
-    """This file under TRITON_INTERPRET=1 in a fresh interpreter: the kernel tests run on CPU."""
+def test_interpreter_suite(interpreter_suite):
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter (tests/conftest.py: one for every such
+    file of the session): the kernel tests run on CPU."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+    interpreter_suite(__file__)
 
 
 @run_kernels
@@ -119,7 +114,7 @@ def test_interpreter_suite():
         (2, 3, 1000, 125, None),
         (1, 8, 8192, 125, None),  # Quest at 128k tokens, page 16
         (1, 2, 3000, 64, 512),  # several tiles, last one partial
-        (1, 2, 300, 300, 128),  # k == N over tiles
+        (1, 2, 200, 200, 64),  # k == N over tiles, the last one partial
     ],
 )
 def test_kernel_equals_twin(dtype, b, h, n, k, block):
@@ -179,19 +174,28 @@ def test_kernel_long_rows_token_scores():
         _torch_set_ok(score, ids, k)
 
 
+# The interpreter runs one program at a time, at a fixed cost per program (rows x segments): on CPU, one
+# case per branch on short rows of 64-score segments; compiled on CUDA, the longer rows too.
+SPLIT_CASES = [
+    (180, 20, 64),  # N not a multiple of the segment; every segment holds at least k scores
+    (256, 80, 64),  # k > segment (a segment's top k is all of it); N a multiple of the segment
+    (132, 20, 64),  # the last segment (4 scores, padded with -inf) holds fewer than k
+] + ([(3000, 64, 512), (2048, 300, 256), (1000, 40, 128), (4100, 125, 1024)] if CUDA else [])
+
+
 @run_kernels
-@pytest.mark.parametrize("n,k,segment", [(3000, 64, 512), (2048, 300, 256), (1000, 40, 128), (4100, 125, 1024)])
+@pytest.mark.parametrize("n,k,segment", SPLIT_CASES)
 def test_split_topk_equals_twin(n, k, segment):
     """Two stages (segments' top k, then the candidates' top k) == the one-pass twin: random scores,
-    heavy ties across segments, masked tails, a row with fewer finite scores than k, N not a multiple of
-    the segment."""
+    heavy ties across segments, masked tails, a row with fewer finite scores than k, a row with none,
+    N not a multiple of the segment."""
     tk = _twin()
     g = torch.Generator().manual_seed(n + k)
-    score = torch.randn(2, 4, n, generator=g)
+    score = torch.randn(1, 5, n, generator=g)
     score[0, 1] = torch.randint(0, 3, (n,), generator=g).float()  # ties at the k-th value in every segment
     score[0, 2, n // 5 :] = float("-inf")
-    score[1, 0, 30:] = float("-inf")  # 30 finite < k
-    score[1, 3] = float("-inf")
+    score[0, 3, 5:] = float("-inf")  # 5 finite < k
+    score[0, 4] = float("-inf")
     ids = tk.topk_ids_split(score.to(DEV), k, segment=segment).cpu()
     assert torch.equal(ids, tk.topk_ids_reference(score, k))
 

@@ -10,8 +10,6 @@ this file in a subprocess with the variable set. Skipped where triton is not ins
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,19 +35,17 @@ if INTERP and not CUDA:
     _itp._patch_lang_tensor = _patch_lang_tensor
 
 from kvdex.kernels import attention as ref  # noqa: E402
+from kvdex.kernels import digest_triton as dt  # noqa: E402
 from kvdex.kernels import quest_triton as qt  # noqa: E402
 from kvdex.kernels import triton_attention as ta  # noqa: E402
 from kvdex.kernels import uva  # noqa: E402
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
-def test_interpreter_suite():
-    """This file under TRITON_INTERPRET=1 in a fresh interpreter: every kernel test below runs on CPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+def test_interpreter_suite(interpreter_suite):
+    """This file under TRITON_INTERPRET=1 in a fresh interpreter (tests/conftest.py: one for every such
+    file of the session): every kernel test below runs on CPU."""
+    interpreter_suite(__file__)
 
 
 def _tol(dtype):
@@ -281,6 +277,35 @@ def test_quest_scores_match_twin_and_bound_every_key(dtype, b, h, g, p, d):
     torch.testing.assert_close(from_len, qt.page_scores(q, kmin, kmax, grid.num_middle_pages(lengths)), atol=0, rtol=0)
     with pytest.raises(ValueError, match="either"):
         qt.page_scores(q, kmin, kmax, npages, lengths=lengths, grid=grid)
+
+
+# ---- ArkVale digest scores ----------------------------------------------------------------------------
+
+
+@run_kernels
+@pytest.mark.parametrize("kind", ["cuboid-mean", "sphere-max"])
+@pytest.mark.parametrize("b,h,g,p,d", [(2, 2, 2, 45, 16), (1, 1, 7, 33, 32), (2, 3, 1, 70, 16)])
+def test_digest_scores_match_twin(kind, b, h, g, p, d):
+    """Per kv head the group's max of the digest estimate, -inf outside first <= p < the middle's pages
+    (derived from token lengths), over a sliced index buffer as the policies pass it."""
+    from kvdex.policies._digest import summarize
+    from kvdex.storage import Grid
+
+    gen = torch.Generator().manual_seed(p)
+    keys = torch.randn(b, h, p + 5, 4, d, generator=gen)
+    c, r = summarize(keys, kind)
+    c, r = c.to(DEV)[:, :, :p], r.to(DEV)[:, :, :p]
+    q = torch.randn(b, h * g, d, generator=gen).to(DEV)
+    grid = Grid(16, 16, 2)
+    lengths = torch.tensor([700, 333][:b], device=DEV)  # 40 and 17 middle pages
+    for first in (None, torch.tensor([3, 0][:b], device=DEV)):
+        got = dt.page_scores(q, c, r, lengths, grid, first)
+        want = dt.page_scores_reference(q, c, r, lengths, grid, first)
+        assert got.shape == (b, h, p) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        assert bool(torch.isfinite(got[0, :, (0 if first is None else 3) : 40]).all())
+    with pytest.raises(ValueError, match="radius"):
+        dt.page_scores(q, c, torch.zeros(b, h, p, 2, device=DEV), lengths, grid)
 
 
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------

@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 from kvdex.bench import runner, shapes
-from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.cli_options import add_cache_options, cache_config_from_args
+
+# CacheConfig fields kvdex bench sets otherwise (kvdex.cli_options)
+CACHE_EXCLUDED = {
+    "offload": "--storages device,offload runs every policy both ways",
+    "prefill_chunk": "bench's own --prefill-chunk is the forward size of a chunked prefill (kvdex.hf.prefill)",
+    "timing": "bench times the phases of a step itself (--split-steps)",
+}
 
 DESCRIPTION = """\
 Decode speed of kvdex policies (GPU-resident and offloaded) next to transformers' DynamicCache and
@@ -63,11 +70,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=",".join(runner.HF_METHODS),
         help="transformers caches to compare: hf/dynamic, hf/offloaded, or none",
     )
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    p.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
+    g = p.add_argument_group("cache (kvdex.CacheConfig)")
+    add_cache_options(g, exclude=CACHE_EXCLUDED, defaults={"budget": runner.BenchConfig.budget})
     p.add_argument("--steps", type=int, default=100, help="timed decode steps (default %(default)s)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--split-steps", type=int, default=10, help="extra steps with phase timing (0: no split)")
@@ -86,13 +90,6 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also the graph variants with the model's decoder layers compiled by torch.compile "
         "(POLICY/STORAGE+graph+compile; inductor fuses RMSNorm/RoPE/SiLU; kvdex's cache and attention stay "
         "eager); implies --graph",
-    )
-    p.add_argument(
-        "--page-cache",
-        type=int,
-        default=0,
-        help="offloaded methods: device page cache of C slots per sequence and kv head (C >= pages selected "
-        "per step, e.g. 2x the budget's pages); only misses cross PCIe; 0 = off (default)",
     )
     p.add_argument(
         "--prefill-chunk",
@@ -137,8 +134,11 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
     if args.steps < 1 or args.warmup < 0 or args.split_steps < 0:
         raise ValueError("--steps must be >= 1, --warmup and --split-steps >= 0")
     shapes.make_config(args.shape)  # unknown shape: ValueError now
-    if args.page_cache < 0 or args.prefill_chunk < 0:
-        raise ValueError("--page-cache and --prefill-chunk must be >= 0")
+    if args.prefill_chunk < 0:
+        raise ValueError("--prefill-chunk must be >= 0")
+    if args.page_cache and "offload" not in storages:
+        raise ValueError("--page-cache applies to offloaded methods: add offload to --storages, or drop --page-cache")
+    cache = cache_config_from_args(args, offload="offload" in storages)  # bad sizes: ValueError now
     for name, path in (("--model", args.model), ("--text", args.text)):
         if path and path.endswith((".gguf", ".txt", ".json")) and not Path(path).is_file():
             raise ValueError(f"{name}: file not found: {path}")
@@ -153,11 +153,11 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         policies=_names(args.policies),
         storages=storages,
         baselines=baselines,
-        budget=args.budget,
-        page_size=args.page_size,
-        sink=args.sink,
-        window=args.window,
-        dense_layers=args.dense_layers,
+        budget=cache.budget,
+        page_size=cache.page_size,
+        sink=cache.sink,
+        window=cache.window,
+        dense_layers=cache.dense_layers,
         steps=args.steps,
         warmup=args.warmup,
         split_steps=args.split_steps,
@@ -165,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> runner.BenchConfig:
         check=not args.no_check,
         graph="only" if args.graph_only else (args.graph or args.compile),
         compile=args.compile,
-        page_cache=args.page_cache,
+        page_cache=cache.page_cache,
         prefill_chunk=args.prefill_chunk,
         model=args.model,
         text=args.text,

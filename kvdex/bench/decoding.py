@@ -75,14 +75,12 @@ def fill_random(model, cache, context: int, batch: int, seed: int) -> None:
     keys hold, so this times decoding at long contexts without the prefill's compute."""
     from kvdex.hf.cache import OBS_KEEP
     from kvdex.hf.distributed import tensor_parallel
-    from kvdex.hf.model_parts import text_config
+    from kvdex.hf.model_parts import head_geometry, text_config
 
     p = next(model.parameters())
-    cfg = text_config(model)
     ranks = tensor_parallel(model).size  # tensor parallelism: this rank's share of the heads
-    q_heads = cfg.num_attention_heads // ranks
-    kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q_heads, kv_heads, head_dim = head_geometry(model)
+    q_heads, kv_heads = q_heads // ranks, kv_heads // ranks
     g = torch.Generator(device=p.device)
 
     def randn(*shape):
@@ -93,7 +91,7 @@ def fill_random(model, cache, context: int, batch: int, seed: int) -> None:
         kv = (batch, kv_heads, context, head_dim)
         return randn(*kv), randn(*kv), randn(batch, q_heads, min(context, OBS_KEEP), head_dim)
 
-    n = cfg.num_hidden_layers
+    n = text_config(model).num_hidden_layers
     if isinstance(cache, kvdex.Cache):
         cache.adopt_prefill((layer(i) for i in range(n)), torch.full((batch,), context))
         return

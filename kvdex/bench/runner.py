@@ -179,10 +179,10 @@ def _host_need(model, method: str, context: int, batch: int, cfg: BenchConfig) -
     """Bytes of KV an offloaded kvdex method puts in host memory (0 for the others)."""
     if "/offload" not in method:
         return 0
-    c = model.config
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    layers = max(c.num_hidden_layers - cfg.dense_layers, 0)
+    from kvdex.hf.model_parts import head_geometry, text_config
+
+    _, kv_heads, head_dim = head_geometry(model)
+    layers = max(text_config(model).num_hidden_layers - cfg.dense_layers, 0)
     item = next(model.parameters()).element_size()
     return 2 * layers * batch * kv_heads * (context + cfg.steps + cfg.warmup) * head_dim * item
 

@@ -19,6 +19,7 @@ indexes the prompt. The engine reads the policy, the configuration, the counters
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Protocol
@@ -59,6 +60,15 @@ class EngineHost(Protocol):
     def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor): ...
 
 
+def _current_device(t: torch.Tensor):
+    """The layer's GPU as the current device while its step runs: a ``device_map`` may put this layer on
+    another GPU than the current one, and Triton launches its kernels on the current device (an illegal
+    memory access on the other GPU's tensors, seen on two H200s)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 class LayerEngine:
     """One layer's store and its step: prefill ingest, append, decode attention."""
 
@@ -81,6 +91,10 @@ class LayerEngine:
     # ---- append ----------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new k/v [B, H, T, D] after the prompt; pages joining the middle are indexed."""
+        with _current_device(k):
+            self._append(k, v)
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
             self._lengths_before = self.store.lengths.clone()
         if self._joins_static(k):
@@ -146,6 +160,12 @@ class LayerEngine:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         """q [B, Hq, T, D]; k/v the new keys/values [B, H, T, D]; key_mask [B, L] (prefill). Returns [B, T, Hq, D]."""
+        with _current_device(q):
+            return self._attention(q, k, v, key_mask, scale)
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         b, t = q.shape[0], q.shape[2]
         chunk = self.host.config.prefill_chunk
         if self.store is None:  # prefill: dense attention, then ingest the prompt

@@ -8,9 +8,9 @@ from kvdex.policies.base import Policy
 from kvdex.storage import DeviceStore, OffloadStore
 
 
-def make_store(config: CacheConfig, policy: Policy, layer_idx: int, dense: bool, args: tuple, page_cache: int):
+def make_store(config: CacheConfig, policy: Policy, layer_idx: int, dense: bool, args: tuple):
     """The store of layer ``layer_idx``. ``args``: ``(grid, batch, kv_heads, head_dim, dtype, device,
-    transfer_stats)``; ``page_cache``: device page slots of an offloaded store (0 = off).
+    transfer_stats)``; ``config.page_cache``: device page slots of an offloaded store (0 = off).
 
     A sparse layer takes the policy's own store where it brings one (IceCache's semantic pages), else an
     :class:`OffloadStore` with ``offload``; every other layer (dense ones included) a :class:`DeviceStore`.
@@ -21,5 +21,5 @@ def make_store(config: CacheConfig, policy: Policy, layer_idx: int, dense: bool,
         if custom is not None:
             return custom
         if config.offload:
-            return OffloadStore(*args, work_tokens=work, page_cache=page_cache)
+            return OffloadStore(*args, work_tokens=work, page_cache=config.page_cache)
     return DeviceStore(*args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvdex.config import DEFAULT_DENSE_LAYERS, DEFAULT_PAGE_SIZE, DEFAULT_SINK, DEFAULT_WINDOW
+from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.eval import tasks
 
 DESCRIPTION = """Evaluate kvdex policies side by side: each prompt is prefilled once, then decoded per
@@ -21,6 +21,15 @@ example:
   kvdex eval recall --model smollm2 --policies oracle,quest,streaming --budgets 64,256 \\
       --lengths 2k --samples 2 --steps 32 --out results
 """
+
+
+# CacheConfig fields kvdex eval sets otherwise (kvdex.cli_options)
+CACHE_EXCLUDED = {
+    "budget": "--budgets takes a list: every policy runs at each budget",
+    "prefill_chunk": "a memory bound of the dense prefill; the default fits eval's lengths",
+    "timing": "kvdex eval measures accuracy, not time (kvdex bench measures speed)",
+    "page_cache": "a speed option of offloaded decoding that leaves every result as it is (kvdex bench)",
+}
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -68,12 +77,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lengths", type=parse_sizes, default=[4096], help="context lengths in tokens (default 4k)")
     g.add_argument("--samples", type=int, default=1, help="samples per length (default 1)")
     g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("cache")
-    g.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    g.add_argument("--sink", type=int, default=DEFAULT_SINK)
-    g.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    g.add_argument("--dense-layers", type=int, default=DEFAULT_DENSE_LAYERS)
-    g.add_argument("--offload", action="store_true", help="keep the middle of the context in host memory")
+    add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"), exclude=CACHE_EXCLUDED)
     g = p.add_argument_group("where")
     g.add_argument("--out", default="results", help="results folder (default ./results)")
     g.add_argument(
@@ -130,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:  # "name:KEY=VALUE:..." options: fail on a bad one before loading anything
         if ":" in p:
             kvdex.make_policy(p)
-    for b in args.budgets:  # fail before loading anything
-        kvdex.CacheConfig(budget=b, page_size=args.page_size, sink=args.sink, window=args.window)
+    caches = [cache_config_from_args(args, budget=b) for b in args.budgets]  # fail before loading anything
     task = tasks.TASKS[args.eval_task].build(args)
     model, tok = models.load(args.model, args.gguf, device=args.device, dtype=args.dtype)
     cfg = EvalConfig(
@@ -142,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples,
         out=args.out,
         seed=args.seed,
-        page_size=args.page_size,
-        sink=args.sink,
-        window=args.window,
-        dense_layers=args.dense_layers,
-        offload=args.offload,
+        page_size=caches[0].page_size,
+        sink=caches[0].sink,
+        window=caches[0].window,
+        dense_layers=caches[0].dense_layers,
+        offload=caches[0].offload,
         dtype=str(model.dtype).removeprefix("torch."),
         progress=not args.no_progress,
         decode=args.decode,

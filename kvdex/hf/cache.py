@@ -28,6 +28,7 @@ from kvdex.config import (
     DEFAULT_BUDGET,
     DEFAULT_DENSE_LAYERS,
     DEFAULT_PAGE_SIZE,
+    DEFAULT_PREFILL_CHUNK,
     DEFAULT_SINK,
     DEFAULT_WINDOW,
     CacheConfig,
@@ -46,10 +47,11 @@ class Cache(HFCache):
     transformers 5.24).
 
     ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
-    are that policy's dataclass fields. Sizes are described in :class:`kvdex.config.CacheConfig`.
-    ``page_cache``: with ``offload=True``, page slots per sequence and kv head that keep recently
-    selected pages on the device, so a step transfers only the others (>= the pages selected per
-    step; 0 = off). See ``kvdex.storage.offload``. Long prompts: ``kvdex.hf.prefill``.
+    are that policy's dataclass fields. ``budget`` and the keyword-only arguments but ``step_graphs``
+    are the fields of :class:`kvdex.config.CacheConfig` (``cache.config``), validated there;
+    ``page_cache``: with ``offload=True``, a device cache of recently selected pages
+    (``kvdex.storage.offload``); ``step_graphs``: decode steps outside ``kvdex.generate`` replay
+    per-layer CUDA graphs (:mod:`kvdex.hf.step_graphs`; False: eager). Long prompts: ``kvdex.hf.prefill``.
     """
 
     def __init__(
@@ -64,12 +66,13 @@ class Cache(HFCache):
         offload: bool = False,
         dense_layers: int = DEFAULT_DENSE_LAYERS,
         timing: bool = False,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         page_cache: int = 0,
         step_graphs: bool = True,
         **policy_options,
     ):
         from kvdex.hf.loading import attention_modules, enable, text_config
+        from kvdex.hf.model_parts import head_geometry
 
         self.config = CacheConfig(
             budget=budget,
@@ -80,18 +83,14 @@ class Cache(HFCache):
             dense_layers=dense_layers,
             prefill_chunk=prefill_chunk,
             timing=timing,
+            page_cache=page_cache,
         )
         enable(model)
-        if not isinstance(page_cache, int) or isinstance(page_cache, bool) or page_cache < 0:
-            raise ValueError(f"page_cache must be an int >= 0 (page slots per sequence, kv head), got {page_cache!r}")
-        self.page_cache = page_cache  # offloaded stores: device cache of recently selected pages (0 = off)
         cfg = text_config(model)
         self._modules = attention_modules(model)
         n = cfg.num_hidden_layers
         self.policy = make_policy(policy, **policy_options)
-        q_heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
+        q_heads, kv_heads, head_dim = head_geometry(model)
         # tensor parallelism: this rank holds kv heads offset ... offset + kv_heads / size - 1 (distributed.py)
         self.tp = tensor_parallel(model)
         q_heads, kv_heads = q_heads // self.tp.size, kv_heads // self.tp.size
@@ -139,7 +138,12 @@ class Cache(HFCache):
                 "transformers' own tensor parallelism (tp_plan) and models whose config matches their weights"
             )
         args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
-        return make_store(self.config, self.policy, layer_idx, dense, args, self.page_cache)
+        return make_store(self.config, self.policy, layer_idx, dense, args)
+
+    @property
+    def page_cache(self) -> int:
+        """Device page-cache slots per sequence and kv head of offloaded stores (0 = off): ``config.page_cache``."""
+        return self.config.page_cache
 
     def _install_logits_hook(self, model) -> None:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -228,7 +232,7 @@ class Cache(HFCache):
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
         sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-        args = {"page_cache": self.page_cache, "step_graphs": self.step_graphs.enabled, **sizes, **overrides}
+        args = {"step_graphs": self.step_graphs.enabled, **sizes, **overrides}
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)

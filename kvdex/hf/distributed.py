@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.hf.model_parts import attention_modules, text_config
+from kvdex.hf.model_parts import attention_modules, head_geometry
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,7 @@ def tensor_parallel(model) -> TensorParallel:
     size = mesh.size(dim)
     if size == 1:
         return SINGLE
-    cfg = text_config(model)
-    q_heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
+    q_heads, kv_heads, _ = head_geometry(model)
     if kv_heads % size or q_heads % size:
         raise ValueError(
             f"{type(model).__name__} has {kv_heads} kv heads and {q_heads} query heads, which do not divide "

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 import torch
 
-from kvdex.config import CacheConfig
+from kvdex.config import DEFAULT_BUDGET, CacheConfig
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.loading import enable
@@ -42,8 +42,8 @@ from kvdex.models import resolve_model
 from kvdex.policies import make_policy, policies
 from kvdex.policies.base import parse_policy_spec, policy_class
 
-# kvdex.Cache's keyword arguments (sizes, offload, ...): every keyword-only parameter of its constructor
-CACHE_ARGS = tuple(name for name, p in inspect.signature(Cache.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY)
+# kvdex.Cache's keyword arguments (sizes, offload, page_cache, ...): the CacheConfig fields besides budget
+CACHE_ARGS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name != "budget")
 HFLM_ARGS = frozenset(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs"}
 # HFLM arguments kvdex cannot honour: kvdex needs its own attention, and decoder-only models
 REFUSED = {
@@ -104,9 +104,8 @@ def validate(name: str, options: dict, budget, cache_args: dict) -> dict:
         effective = make_policy(name, **options).options()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"kvdex policy {name!r}: {exc}") from exc
-    sizes = {k: v for k, v in cache_args.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}}
     try:
-        CacheConfig(budget=budget, **sizes)
+        CacheConfig(budget=budget, **cache_args)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"kvdex cache sizes: {exc}") from exc
     return effective
@@ -127,7 +126,7 @@ class KVDexLM(HFLM):
         self,
         pretrained="smollm2",
         policy: str = "quest",
-        budget: int = 256,
+        budget: int = DEFAULT_BUDGET,
         gguf_file: str | None = None,
         device: str | None = None,
         **kwargs,

@@ -1,6 +1,6 @@
 """Selection arithmetic shared by the policies and the kernels (PyTorch; the references of the Triton
 scoring and top-k kernels): the GQA reduction, page masks, top-k ids, the choice of a kv head's pages
-from its query heads' scores (``group_topk``) and Quest's page bounds.
+from its query heads' scores (``group_topk``), Quest's page bounds and ArkVale's digest estimates.
 
 ``kvdex.policies`` re-exports ``group_reduce``, ``mask_pages`` and ``topk_ids``; ``kvdex.policies.quest``
 re-exports ``page_bounds``.
@@ -63,10 +63,14 @@ def group_topk(score: torch.Tensor, kv_heads: int, k: int, group: str = "max") -
     return topk_ids(-best[..., :n], k)
 
 
-def mask_pages(score: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
-    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B]."""
-    p = torch.arange(score.shape[-1], device=score.device)
-    return score.masked_fill(p[None, None, :] >= num_pages.to(score.device)[:, None, None], float("-inf"))
+def mask_pages(score: torch.Tensor, num_pages: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Set scores of pages past each sequence's middle to ``-inf``; score [B, H, P], num_pages [B];
+    ``first`` [B] (optional): the pages before it too (PRKV's static region)."""
+    p = torch.arange(score.shape[-1], device=score.device)[None, None, :]
+    out = p >= num_pages.to(score.device)[:, None, None]
+    if first is not None:
+        out = out | (p < first.to(score.device)[:, None, None])
+    return score.masked_fill(out, float("-inf"))
 
 
 def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,7 +85,8 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
     if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
         return fast(score, k)
     val, ids = torch.topk(score, k, dim=-1)
-    return torch.where(torch.isfinite(val), ids, -1)
+    # |val| < inf is isfinite (NaN and +-inf fail it) in two kernels instead of isfinite's four
+    return torch.where(val.abs() < float("inf"), ids, -1)
 
 
 def _fast_topk(score: torch.Tensor, k: int):
@@ -121,3 +126,33 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n
     """Quest's per-kv-head page scores [B, H, P] (pages past ``num_pages`` [B] are -inf): the twin of
     :func:`kvdex.kernels.quest_triton.page_scores`."""
     return mask_pages(group_reduce(page_bounds(q, kmin, kmax), kmin.shape[1], "max"), num_pages)
+
+
+def digest_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Estimated importance per query head and page: q [B, Hq, D], centre [B, H, P, D],
+    radius [B, H, P, D] (cuboid) or [B, H, P, 1] (sphere) -> [B, Hq, P] (fp32).
+
+    Cuboid: ``q.c + |q|.r`` (== sum_i max(q_i hi_i, q_i lo_i)); sphere: ``q.c + r |q|``.
+    """
+    b, hq, d = q.shape
+    h = centre.shape[1]
+    qg = q.view(b, h, hq // h, d).float()
+    s = torch.einsum("bhgd,bhpd->bhgp", qg, centre.float())
+    if radius.shape[-1] == 1:
+        s = s + qg.norm(dim=-1)[..., None] * radius[..., 0].float()[:, :, None, :]
+    else:
+        s = s + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), radius.float())
+    return s.reshape(b, hq, -1)
+
+
+def digest_page_scores(
+    q: torch.Tensor,
+    centre: torch.Tensor,
+    radius: torch.Tensor,
+    num_pages: torch.Tensor,
+    first: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ArkVale's per-kv-head page scores [B, H, P] (the group's max of :func:`digest_scores`), -inf outside
+    ``first <= p < num_pages`` ([B] each; no ``first``: 0): the twin of
+    :func:`kvdex.kernels.digest_triton.page_scores`."""
+    return group_reduce(mask_pages(digest_scores(q, centre, radius), num_pages, first), centre.shape[1], "max")

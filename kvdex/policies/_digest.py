@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.scoring import digest_page_scores, digest_scores
+
 DIGESTS = ("cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center")
 _GROW = 256  # pages of index capacity added at a time
 
@@ -56,23 +59,6 @@ def summarize(keys: torch.Tensor, kind: str, count: torch.Tensor | None = None) 
         dist_max, dist_min, dist_mean = dist.amax(-2), dist.amin(-2), dist.mean(-2)
     r = {"max": dist_max, "center": (dist_min + dist_max) / 2, "mean": dist_mean}[radius]
     return c, r
-
-
-def digest_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """Estimated importance per query head and page: q [B, Hq, D], centre [B, H, P, D],
-    radius [B, H, P, D] (cuboid) or [B, H, P, 1] (sphere) -> [B, Hq, P] (fp32).
-
-    Cuboid: ``q.c + |q|.r`` (== sum_i max(q_i hi_i, q_i lo_i)); sphere: ``q.c + r |q|``.
-    """
-    b, hq, d = q.shape
-    h = centre.shape[1]
-    qg = q.view(b, h, hq // h, d).float()
-    s = torch.einsum("bhgd,bhpd->bhgp", qg, centre.float())
-    if radius.shape[-1] == 1:
-        s = s + qg.norm(dim=-1)[..., None] * radius[..., 0].float()[:, :, None, :]
-    else:
-        s = s + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), radius.float())
-    return s.reshape(b, hq, -1)
 
 
 class DigestIndex:
@@ -135,3 +121,13 @@ class DigestIndex:
     def scores(self, layer: int, q: torch.Tensor, pages: int) -> torch.Tensor:
         """[B, Hq, pages] estimated importance of pages 0 ... pages-1 for q [B, Hq, D]."""
         return digest_scores(q, self.centre[layer][:, :, :pages], self.radius[layer][:, :, :pages])
+
+    def page_scores(self, layer: int, q: torch.Tensor, pages: int, view, first: torch.Tensor | None = None):
+        """[B, H, pages] per kv head (the group's max of :meth:`scores`), ``-inf`` outside
+        ``first <= p <`` the middle's pages of ``view`` (a :class:`~kvdex.view.LayerView`); ``first`` [B]
+        or None (0). On CUDA one Triton kernel (:mod:`kvdex.kernels.digest_triton`), else its twin."""
+        c, r = self.centre[layer][:, :, :pages], self.radius[layer][:, :, :pages]
+        fast = triton_kernel("digest_triton", "page_scores", on=q)
+        if fast is not None:  # it derives each sequence's middle page count from the device lengths itself
+            return fast(q, c, r, view.lengths, view.grid, first)
+        return digest_page_scores(q, c, r, view.middle_pages, first)

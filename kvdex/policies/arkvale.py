@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
+from kvdex.policies.base import PageScoringPolicy, register_policy
 from kvdex.selection import Selection
 
 
@@ -34,6 +34,7 @@ class ArkValePolicy(PageScoringPolicy):
     name = "arkvale"
     capturable = True
     capturable_index = True
+    scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
     digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
@@ -46,10 +47,11 @@ class ArkValePolicy(PageScoringPolicy):
     def bind(self, info) -> None:
         super().bind(info)
         self.digests = DigestIndex(self.digest)
-        self.capacity = self.cache_pages or 2 * self.cfg.retrieval_pages
-        if self.capacity <= self.cfg.retrieval_pages:
+        k = self.cfg.retrieval_pages  # 0 when the retrieval budget is under one page: sink + window only
+        self.capacity = self.cache_pages or 2 * k
+        if k and self.capacity <= k:
             raise ValueError(
-                f"cache_pages ({self.cache_pages}) must exceed the attended pages ({self.cfg.retrieval_pages}), "
+                f"cache_pages ({self.cache_pages}) must exceed the attended pages ({k}), "
                 "as ArkVale requires k < c; pass 0 for twice the attended pages"
             )
         self.cached: dict[int, torch.Tensor] = {}  # layer -> [B, H, P] bool: in ArkVale's device cache
@@ -110,11 +112,11 @@ class ArkValePolicy(PageScoringPolicy):
         return cur
 
     def page_scores(self, q, view):
-        """The digest estimate of every indexed page per query head (the base takes the group's max)."""
+        """The digest estimate of every indexed page per kv head (the group's max), -inf past each middle."""
         if view.layer not in self.digests:
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2], self.cached[view.layer].shape[2])
-        return self.digests.scores(view.layer, q, p)
+        return self.digests.page_scores(view.layer, q, p, view)
 
     def chosen(self, q, view, pages, score) -> Selection:
         if score is not None:
@@ -123,21 +125,24 @@ class ArkValePolicy(PageScoringPolicy):
 
     def _recall(self, layer: int, pages: torch.Tensor, score: torch.Tensor) -> None:
         """ArkVale's cache: count the selected pages not cached, cache them, evict the lowest-ranked rest."""
-        p = score.shape[2]
+        b, h, p = score.shape
         cached = self.cached[layer][:, :, :p]
-        sel = torch.zeros_like(cached)
-        sel.scatter_(2, pages.clamp(min=0), pages >= 0)
-        self.recalled[layer].add_((sel & ~cached).sum())  # in place: a CUDA graph replays the addition
-        self.lookups += sel.shape[0] * sel.shape[1]
+        # the selected pages as a mask; the -1 padding lands in the extra column p (so never on page 0)
+        sel = torch.zeros(b, h, p + 1, dtype=torch.bool, device=cached.device)
+        sel.scatter_(2, pages.masked_fill(pages < 0, p), True)
+        sel = sel[:, :, :p]
+        self.recalled[layer].add_((sel > cached).sum())  # selected, not cached; in place: a graph replays it
+        self.lookups += b * h
         self._lookup_layers.add(layer)
-        self._lookups_per_step = len(self._lookup_layers) * sel.shape[0] * sel.shape[1]
+        self._lookups_per_step = len(self._lookup_layers) * b * h
         cached |= sel
         if p > self.capacity:
-            top = torch.finfo(score.dtype).max  # finite: topk_ids drops non-finite entries
-            rank = torch.where(sel, top, score.masked_fill(~cached, float("-inf")))
-            keep = topk_ids(rank, self.capacity)
+            # keep the top ``capacity`` cached pages, the selected ones first (a finite rank above any
+            # score); a non-finite rank (an uncached page, or a cached one scored -inf) is not kept
+            rank = torch.where(cached, score, float("-inf")).masked_fill_(sel, torch.finfo(score.dtype).max)
+            val, keep = torch.topk(rank, self.capacity, dim=-1)
             cached.zero_()
-            cached.scatter_(2, keep.clamp(min=0), keep >= 0)
+            cached.scatter_(2, keep, val.abs() < float("inf"))
 
 
 def _ids(*tables: dict) -> tuple:

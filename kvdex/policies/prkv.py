@@ -11,8 +11,8 @@ The retrieval budget ``r = budget - sink - window`` per kv head is split in two 
   are recomputed from the restructured pages. The static tokens are attended every step as whole
   pages (plus the ragged tail as tokens) -- the point of making them contiguous;
 * **dynamic** (ratio ``1 - S``): ``(r - k_s) / page_size`` pages chosen per step among the pages after
-  the static region by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default), plus the sink
-  and the local window that kvdex always attends.
+  the static region's whole pages by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default),
+  plus the sink and the local window that kvdex always attends.
 
 ``S = 0`` is ArkVale (the same selection, no relocation), ``S = 1`` is SnapKV+ (``snapkv`` with
 ``refresh=T`` and ``kernel=1``; pooling is not in Algorithm 1, ``kernel`` adds it for both).
@@ -21,7 +21,10 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 
 * ``k_s``: PRKV's Appendix G rounds the static count down to whole pages; we do the same,
   ``k_s = page_size * floor(S * r / page_size)``, and give the ``r mod page_size`` tokens that no
-  whole page can use to the static part (so ``S = 1`` gives all of ``r`` and ``S = 0`` none);
+  whole page can use to the static part (so ``S = 1`` gives all of ``r`` and ``S = 0`` none). The
+  static region's partly filled page (static tail first, then tokens that are not static) is a dynamic
+  candidate like the pages after it: chosen, it is attended whole instead of its tail, so no middle token
+  is out of reach and a budget covering the context attends all of it at any budget;
 * the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
   the prefill's static set is computed at the layer's first decode step (when the store is there);
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.kernels.scoring import check_group, group_topk
+from kvdex.kernels.scoring import check_group, group_topk, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.arkvale import _ids
@@ -72,6 +75,7 @@ class PRKVPolicy(PageScoringPolicy):
     capturable = True
     relocates = True
     capturable_index = True
+    scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
@@ -113,6 +117,9 @@ class PRKVPolicy(PageScoringPolicy):
         self.digests = DigestIndex(self.digest)
         self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
         self.static: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
+        # layer -> its static region's part of a statically sized selection (StaticRegion), a function of
+        # self.static[layer] alone: built once, rewritten in place when a refresh rewrites the count
+        self.regions: dict[int, StaticRegion] = {}
         self.rings: dict[int, QueryRing] = {}
         self.pending: dict[int, object] = {}
         self.steps: dict[int, int] = {}
@@ -195,6 +202,8 @@ class PRKVPolicy(PageScoringPolicy):
             self.static[layer].copy_(count)
         else:
             self.static[layer] = count
+        if store.static:  # the static region's selection part, in place too
+            self._region(layer, g, refresh=True)
         pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
         nmid = g.num_middle_pages(store.lengths_host)
         self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
@@ -244,41 +253,57 @@ class PRKVPolicy(PageScoringPolicy):
         return self.layer_split(view.layer)[1]
 
     def page_scores(self, q, view):
-        """ArkVale's digest estimate per query head of the pages after the static region (the dynamic part)."""
+        """ArkVale's digest estimate of the pages after the static region (the dynamic part), -inf past
+        each middle: per kv head (the group's max) or, with ``group`` "sum" / "heads", per query head."""
         if view.layer not in self.digests:
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2])
-        score = self.digests.scores(view.layer, q, p)
-        if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region
-            first = (self._static_count(view, q.device) + view.page_size - 1) // view.page_size  # [B]
-            ids = torch.arange(p, device=score.device)
-            score = score.masked_fill(ids[None, None, :] < first.to(score.device)[:, None, None], float("-inf"))
-        return score
+        first = None
+        if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region's whole pages
+            # (a partly filled static page is one: its tokens after the static tail are not static)
+            region = self._region(view.layer, view.grid) if view.static else None
+            first = region.partial if region is not None else self._static_count(view, q.device) // view.page_size
+        if self.group == "max":
+            return self.digests.page_scores(view.layer, q, p, view, first)
+        return mask_pages(self.digests.scores(view.layer, q, p), view.middle_pages, first)
 
     def _static_count(self, view, device) -> torch.Tensor:
         """[B] static tokens of the layer (at the front of its middle)."""
         return self.static.get(view.layer, torch.zeros(view.batch, dtype=torch.long, device=device))
 
+    def _region(self, layer: int, grid, refresh: bool = False) -> StaticRegion | None:
+        """The static region's part of a statically sized selection of ``layer`` (None before the layer
+        has a static count). Built from the count once; ``refresh``: rebuilt in place (the count changed)."""
+        n = self.static.get(layer)
+        if n is None:
+            return None
+        cur = self.regions.get(layer)
+        if cur is not None and not refresh:
+            return cur
+        new = StaticRegion.of(n, self.layer_split(layer)[0], grid)
+        if cur is None:
+            self.regions[layer] = new
+        else:
+            cur.copy_(new)
+        return self.regions[layer]
+
     def chosen(self, q, view, pages, score) -> Selection:
-        """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``."""
+        """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``; a
+        dynamic page that is the static region's partly filled page replaces its tail tokens."""
         n_static = self.layer_split(view.layer)[0]
         if not n_static:
             return Selection(pages=pages)  # S = 0: ArkVale
-        ps, b, h = view.page_size, view.batch, view.kv_heads
-        n = self._static_count(view, q.device)  # [B]
-        full, tail = n // ps, n % ps
-        static = view.static  # CUDA-graph decoding: widths from the split, not the counts
-        f = n_static // ps if static else int(full.max())
-        sp = torch.arange(f, device=q.device)[None, :].expand(b, -1)
-        sp = torch.where(sp < full[:, None], sp, -1)[:, None, :].expand(b, h, -1)
-        pages = torch.cat([sp, pages], dim=-1)
-        t = min(ps - 1, n_static) if static else int(tail.max())
-        tokens = None
-        if t:
-            tk = view.sink + (full * ps)[:, None] + torch.arange(t, device=q.device)[None, :]
-            tokens = torch.where(torch.arange(t, device=q.device)[None, :] < tail[:, None], tk, -1)
-            tokens = tokens[:, None, :].expand(b, h, -1)
-        return Selection(pages=pages, tokens=tokens)
+        # CUDA-graph decoding: widths from the split, not the counts, built when the count is
+        region = self._region(view.layer, view.grid) if view.static else None
+        if region is None:
+            n = self._static_count(view, q.device)  # [B]
+            region = StaticRegion.of(n, n_static, view.grid, tight=not view.static)
+        tokens = region.tokens
+        if tokens is not None:  # [B, H, 1]: the partial page is a chosen dynamic page (static pages are below it)
+            whole = (pages == region.partial[:, None, None]).any(-1, keepdim=True)
+            tokens = torch.where(whole, -1, tokens)
+        static_pages = region.pages.expand(view.batch, view.kv_heads, -1)
+        return Selection(pages=torch.cat([static_pages, pages], dim=-1), tokens=tokens)
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # A step replays when it does not restructure (the first decode step and every refresh-th step
@@ -297,6 +322,7 @@ class PRKVPolicy(PageScoringPolicy):
                     return None
         rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
         static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))
+        static += tuple((lay, r.ids()) for lay, r in sorted(self.regions.items()))
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
         return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius)
 
@@ -314,6 +340,43 @@ class PRKVPolicy(PageScoringPolicy):
         mid = (slots >= sink) & (slots < sink + m)
         mapped = org.gather(2, (slots - sink).clamp(0, m - 1).to(org.device)) + sink
         return torch.where(mid, mapped, slots)
+
+
+@dataclass
+class StaticRegion:
+    """The static region's part of a selection, from the static count n [B] alone: its whole pages
+    ``pages`` [B, 1, f] (-1 padded; the same for every kv head), its ragged tail ``tokens`` [B, 1, t]
+    (positions, -1 padded; None when t = 0) and ``partial`` [B], the index of its partly filled
+    page (n // page_size; also the first dynamic candidate). Widths f = n_static // page_size and
+    t = min(page_size - 1, n_static) under static sizing, else (``tight``) the largest count's."""
+
+    pages: torch.Tensor
+    tokens: torch.Tensor | None
+    partial: torch.Tensor
+
+    @classmethod
+    def of(cls, n: torch.Tensor, n_static: int, grid, tight: bool = False) -> StaticRegion:
+        ps, b = grid.page_size, n.shape[0]
+        full, tail = n // ps, n % ps
+        f = int(full.max()) if tight else n_static // ps
+        sp = torch.arange(f, device=n.device)[None, :].expand(b, -1)
+        sp = torch.where(sp < full[:, None], sp, -1)[:, None, :]
+        t = int(tail.max()) if tight else min(ps - 1, n_static)
+        tokens = None
+        if t:
+            offs = torch.arange(t, device=n.device)[None, :]
+            tokens = torch.where(offs < tail[:, None], grid.sink + (full * ps)[:, None] + offs, -1)[:, None, :]
+        return cls(sp, tokens, full)
+
+    def copy_(self, other: StaticRegion) -> None:
+        """In place (a captured CUDA graph reads these buffers)."""
+        self.pages.copy_(other.pages)
+        self.partial.copy_(other.partial)
+        if self.tokens is not None:
+            self.tokens.copy_(other.tokens)
+
+    def ids(self) -> tuple:
+        return tuple(id(t) for t in (self.pages, self.tokens, self.partial))
 
 
 def _demote_observed(score: torch.Tensor, ring: QueryRing, sink: int) -> torch.Tensor:

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from kvdex.cli_options import add_cache_options
 from kvdex.eval.card.config import ORDERS, ScorecardConfig, smoke
 from kvdex.eval.card.tasks import GROUPS, SUBTASKS
 from kvdex.eval.tasks import parse_depths
+
+# CacheConfig fields the scorecard sets otherwise (kvdex.cli_options)
+CACHE_EXCLUDED = {
+    "budget": "--budgets takes a list: every policy runs at each budget (NAME@B: at budget B only)",
+    "offload": "the scorecard decodes from device memory; kvdex bench measures offloaded decoding",
+    "page_cache": "a device cache of offloaded pages: the scorecard does not offload",
+    "prefill_chunk": "a memory bound of the dense prefill; the default fits the scorecard's lengths",
+    "timing": "the speed columns time whole decode steps; kvdex bench splits a step into phases",
+}
 
 
 def parse_names(text: str) -> list[str]:
@@ -74,11 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="prompt seed (default 0)")
     g.add_argument("--no-speed", action="store_true", help="skip the speed columns (measured on CUDA only)")
     g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 512 tokens, 4 policies")
-    g = p.add_argument_group("cache")
-    g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--sink", type=int, default=None)
-    g.add_argument("--window", type=int, default=None)
-    g.add_argument("--dense-layers", type=int, default=None)
+    add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"), exclude=CACHE_EXCLUDED)
     g = p.add_argument_group("running")
     g.add_argument("--out", default=None, help="output folder (default ./scorecard; --smoke: ./scorecard-smoke)")
     g.add_argument("--data", default=None, help="evaluation data folder (default $KVDEX_DATA)")

@@ -62,8 +62,6 @@ class ScorecardConfig:
     prepare: bool = False  # only generate and save the prompts (tokenizer only, no model weights, no device)
 
     def validate(self) -> None:
-        from kvdex import CacheConfig
-
         if self.decode not in ("auto", "eager", "graph"):
             raise ValueError(f"decode must be auto, eager or graph, got {self.decode!r}")
         if self.order not in ORDERS:
@@ -80,7 +78,14 @@ class ScorecardConfig:
         if self.recall_steps < 0 or self.ppl_tokens < 1:
             raise ValueError("recall_steps must be >= 0 and ppl_tokens >= 1")
         for b in self.budgets + [b for _, b in self.policy_budgets() if b is not None]:
-            CacheConfig(budget=b, page_size=self.page_size, sink=self.sink, window=self.window)
+            self.cache_config(b)
+
+    def cache_config(self, budget: int):
+        """The :class:`kvdex.CacheConfig` of a (policy, ``budget``) slot (ValueError for sizes that do not fit)."""
+        from kvdex import CacheConfig
+
+        sizes = dict(page_size=self.page_size, sink=self.sink, window=self.window, dense_layers=self.dense_layers)
+        return CacheConfig(budget=budget, **sizes)
 
     def policy_budgets(self) -> list[tuple[str, int | None]]:
         """(policy, budget) pairs in table order: ``full`` (budget None) first."""
