@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvdex.engine.graphs import free_deferred, free_with, gc_paused
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.compiled_layers import CompiledLayers, _compile_mode
@@ -57,6 +58,7 @@ class GraphDecoder(StepPlan):
         self.reason: str | None = None
         self._checked = False
         self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
+        free_with(self, self.graphs)  # never destroyed inside a capture
         self.key = None
         self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
@@ -159,6 +161,7 @@ class GraphDecoder(StepPlan):
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._prepare()
+        free_deferred()  # graphs of caches / decoders collected during a capture
         c = self.cache
         try:
             # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
@@ -233,7 +236,7 @@ class GraphDecoder(StepPlan):
         t = c.transfer
         before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
-        with _on_step_held(c), torch.cuda.graph(g):  # a private pool per graph
+        with _on_step_held(c), gc_paused(), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )

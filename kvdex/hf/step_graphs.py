@@ -56,13 +56,23 @@ class StepPlan:
     """The decisions of a decode step that replays graphs, before it runs (:mod:`kvdex.hf.graph`): room and
     host side of page joins, whether the step must run eagerly, its graph key. Shared by
     :class:`~kvdex.hf.graph_decoder.GraphDecoder` (whole steps) and :class:`StepGraphs` (per layer).
-    Needs ``cache``; ``_joins``: the policy indexes joins inside captured steps (``capturable_index``)."""
+    Needs ``cache``; ``_joins``: the policy indexes joins inside captured steps (``capturable_index``).
+    ``weak``: hold the cache by a weak reference (the cache's own :class:`StepGraphs`: no reference cycle,
+    so that a dropped cache and its CUDA graphs are freed at once by reference counting, never later by
+    the cyclic collector at an arbitrary point, which can be inside another capture)."""
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
+    def __init__(self, cache, weak: bool = False) -> None:
+        self._cache_ref = weakref.ref(cache) if weak else (lambda: cache)
         self._joins = False
         self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
         self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
+
+    @property
+    def cache(self):
+        c = self._cache_ref()
+        if c is None:
+            raise RuntimeError("the kvdex.Cache of this decode plan was garbage-collected")
+        return c
 
     def _stores(self):
         return [lay.store for lay in self.cache.layers]
@@ -133,6 +143,7 @@ class StepGraphs:
         self._warmed: set = set()
         self._captured: set = set()  # keys whose every layer holds a graph
         self.graphs: dict = {}  # (key, layer) -> (graph, static q, k, v, out, deltas)
+        graphs_mod.free_with(self, self.graphs)  # never destroyed inside a capture
         self._pool = None
         self._last_layer = -1
         self.in_step = False  # between begin() and end() of a step whose decisions were taken here
@@ -166,7 +177,7 @@ class StepGraphs:
                 warnings.warn(f"kvdex: per-layer step graphs are off, kvdex's decode step runs eagerly: "
                               f"{self.reason}", stacklevel=6)  # fmt: skip
             return
-        self._dec = StepPlan(c)
+        self._dec = StepPlan(c, weak=True)
         for lay in c.layers:
             lay.store.use_static_sizing()
         self._dec._joins = bool(c.policy.capturable_index)
@@ -176,6 +187,7 @@ class StepGraphs:
         """Before the first layer's update of a single-token decode step: pick eager, capture or replay."""
         if not self._checked:
             self._prepare()
+        graphs_mod.free_deferred()  # graphs of caches collected during a capture
         self.mode = "eager"
         if self.reason is not None:
             self.counts["eager"] += 1
@@ -284,7 +296,7 @@ class StepGraphs:
             g = graphs_mod.STAND_IN(sq)
             ctx = _StandInCapture(g, c)
         try:
-            with ctx:
+            with graphs_mod.gc_paused(), ctx:  # no finalizer inside the capture (kvdex.engine.graphs.gc_paused)
                 eng.append(sk, sv)
                 out = eng.decode(sq[:, :, 0], scale).unsqueeze(1)
         except RuntimeError as e:
