@@ -27,6 +27,10 @@ VALUES = dict(
 )
 VALUES["page_cache"] = 40
 
+# kvdex.Cache's keyword-only arguments that are no CacheConfig field (how the cache runs, not what it
+# holds: no command option), with their defaults
+CACHE_ONLY = {"step_graphs": True}
+
 # command -> (its arguments besides the cache options, the fields it excludes with their reasons,
 #             the fields it sets itself, its own defaults where they differ from CacheConfig's)
 COMMANDS = {
@@ -60,8 +64,10 @@ def test_every_field_has_a_help_text_and_every_field_is_a_cache_argument():
         assert f.name in VALUES and VALUES[f.name] != f.default, f"add a non-default value of {f.name} to VALUES"
     params = inspect.signature(kvdex.Cache.__init__).parameters
     keyword_only = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-    assert keyword_only == set(FIELDS) - {"budget"} and "budget" in params
-    for name in keyword_only:  # kvdex.Cache's defaults are CacheConfig's
+    assert keyword_only == set(FIELDS) - {"budget"} | set(CACHE_ONLY) and "budget" in params
+    for name, default in CACHE_ONLY.items():  # kvdex.Cache's own switches, no CacheConfig field
+        assert params[name].default == default, name
+    for name in keyword_only - set(CACHE_ONLY):  # kvdex.Cache's defaults are CacheConfig's
         assert params[name].default == CacheConfig.__dataclass_fields__[name].default, name
 
 

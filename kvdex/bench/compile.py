@@ -50,6 +50,7 @@ NO_KERNEL = {
     "aten::empty",
     "aten::empty_strided",
     "aten::empty_like",
+    "aten::new_empty",
     "aten::resolve_conj",
     "aten::resolve_neg",
     "aten::result_type",

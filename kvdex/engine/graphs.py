@@ -12,6 +12,8 @@ device, each device with its own side stream.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import torch
 
@@ -20,6 +22,53 @@ from kvdex.view import CaptureError
 # tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) that
 # runs the graph path on the CPU (tests/test_icecache_batched.py checks what a capture reads)
 STAND_IN = None
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector paused (restored after) for a CUDA graph capture. A collection that
+    runs inside a capture finalizes whatever garbage is due, and some finalizers make CUDA calls that a
+    capture forbids (a CUDA graph's ``cudaGraphExecDestroy`` / ``cudaGraphDestroy``, a Triton kernel's
+    module unload): the call only warns ("operation not permitted when stream is capturing (function
+    reset)"), but the capture is invalidated and its next launch fails ("operation failed due to a previous
+    error during capture"). ``torch.cuda.graph`` neither pauses nor runs the collector (torch >= 2.9), so
+    every kvdex capture runs inside this."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+# graphs of owners that went while a capture was underway: freed at the next safe point (free_deferred)
+_DEFERRED: list = []
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (kvdex's, inductor's, the user's)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def free_with(owner, graphs: dict) -> None:
+    """Free ``graphs`` (a dict whose values hold CUDA graphs) when ``owner`` goes, but never inside a capture.
+    An owner is often freed by the cyclic collector (torch.compile's tracing keeps references to the first
+    cache it saw in cyclic garbage), which may run inside any capture, e.g. inductor recording its CUDA
+    graphs between kvdex's ops; destroying a graph there invalidates that capture (:func:`gc_paused`).
+    Such graphs are kept until :func:`free_deferred`, which kvdex calls at the start of every decode step."""
+    weakref.finalize(owner, _owner_gone, graphs).atexit = False
+
+
+def _owner_gone(graphs: dict) -> None:
+    if graphs and _capturing():
+        _DEFERRED.append(graphs)  # alive until free_deferred; otherwise freed when this returns
+
+
+def free_deferred() -> None:
+    """Free the graphs :func:`free_with` held back (nothing while a capture is underway)."""
+    if _DEFERRED and not _capturing():
+        _DEFERRED.clear()
 
 
 class GraphService:
@@ -34,6 +83,7 @@ class GraphService:
 
     def __init__(self) -> None:
         self.graphs: dict = {}  # key -> (signature, graph, static query, static outputs, kept tensors)
+        free_with(self, self.graphs)
         self.streams: dict = {}  # device -> the side stream captures on it run on (layers may sit on several GPUs)
         self.captures = 0
         self.replays = 0
@@ -71,7 +121,7 @@ class GraphService:
         else:
             graph, ctx = STAND_IN(static_q), contextlib.nullcontext()
         try:
-            with ctx:
+            with ctx, gc_paused():
                 fn(static_q)  # warm-up (lazy initialisations stay out of the capture)
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:

@@ -30,7 +30,7 @@ def padding_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """Mask function: the key-padding mask [B, 1, 1, kv_length] (bool), or None without padding."""
-    if attention_mask is None:
+    if attention_mask is None or (q_length == 1 and kv_length == 1):  # one token attending to itself
         return None
     m = attention_mask.to(torch.bool)
     m = m[:, kv_offset : kv_offset + kv_length]
@@ -42,8 +42,28 @@ def padding_mask(
     return m[:, None, None, :]
 
 
-@torch.compiler.disable  # selection + store + kernels stay eager Python under torch.compile (a graph break)
 def kvdex_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    """query [B, Hq, T, D]; key/value [B, H, L, D] -> ([B, T, Hq, D], None). Under ``torch.compile`` a
+    kvdex decode step (an empty key from ``kvdex::append``) is the opaque op ``kvdex::attend``; everything
+    else runs eagerly (a graph break)."""
+    if torch.compiler.is_compiling() and key.shape[2] == 0 and sliding_window is None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.kvdex.attend(query, key, module.layer_idx, scale), None  # kvdex.hf.compiled_ops
+    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+
+
+@torch.compiler.disable  # selection + store + kernels stay eager Python under torch.compile (a graph break)
+def _eager_attention(
     module,
     query: torch.Tensor,
     key: torch.Tensor,

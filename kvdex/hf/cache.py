@@ -34,8 +34,10 @@ from kvdex.config import (
     CacheConfig,
 )
 from kvdex.engine import GraphService, StepCounters, make_store
+from kvdex.hf import compiled_ops
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
+from kvdex.hf.step_graphs import StepGraphs
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import Grid, TransferStats
 
@@ -45,10 +47,11 @@ class Cache(HFCache):
     transformers 5.24).
 
     ``policy`` is a registered name (``kvdex.policies()``) or a Policy instance; ``**policy_options``
-    are that policy's dataclass fields. ``budget`` and the keyword-only arguments are the fields of
-    :class:`kvdex.config.CacheConfig` (``cache.config``), validated there; ``page_cache``: with
-    ``offload=True``, a device cache of recently selected pages (``kvdex.storage.offload``). Long
-    prompts: ``kvdex.hf.prefill``.
+    are that policy's dataclass fields. ``budget`` and the keyword-only arguments but ``step_graphs``
+    are the fields of :class:`kvdex.config.CacheConfig` (``cache.config``), validated there;
+    ``page_cache``: with ``offload=True``, a device cache of recently selected pages
+    (``kvdex.storage.offload``); ``step_graphs``: decode steps outside ``kvdex.generate`` replay
+    per-layer CUDA graphs (:mod:`kvdex.hf.step_graphs`; False: eager). Long prompts: ``kvdex.hf.prefill``.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Cache(HFCache):
         timing: bool = False,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         page_cache: int = 0,
+        step_graphs: bool = True,
         **policy_options,
     ):
         from kvdex.hf.loading import attention_modules, enable, text_config
@@ -110,6 +114,12 @@ class Cache(HFCache):
         self.observer = None
         self.on_select = None  # EngineHost.on_select
         self.on_step_held = False  # the CUDA-graph decoder holds policy.on_step back while it captures a step
+        self.decoder_active = False  # a GraphDecoder runs this step (it captures the whole step itself)
+        if not isinstance(step_graphs, bool):
+            raise ValueError(f"step_graphs must be True or False, got {step_graphs!r}")
+        # decode steps outside GraphDecoder (plain model.generate / forward): one CUDA graph per layer
+        self.step_graphs = StepGraphs(self, enabled=step_graphs)
+        self._handle = compiled_ops.register(self)  # how kvdex's ops find this cache under torch.compile
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._warned_long = False
         self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -141,6 +151,7 @@ class Cache(HFCache):
             return
         ref = weakref.ref(self)
 
+        @torch.compiler.disable  # host-side policy work (CHESS's trigger, PRKV's clock): never traced
         def hook(_module, _inputs, output):
             cache = ref()
             if cache is not None and cache._in_forward:
@@ -160,11 +171,30 @@ class Cache(HFCache):
                 "create a new kvdex.Cache(model, ...) for each model"
             )
 
-    @torch.compiler.disable
+    @property
+    def is_compileable(self) -> bool:
+        """transformers' ``generate`` compiles the decode step of a compileable cache on CUDA (its
+        ``compile_config``; off with ``disable_compile=True``). kvdex's work stays outside the compiled graphs
+        (:mod:`kvdex.hf.compiled_ops`); not under tensor parallelism."""
+        return self.tp.size == 1
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers' ``Cache.update``, kept out of ``torch.compile`` graphs (a graph break): the store,
-        the policy's index and their Python bookkeeping always run eagerly (``GraphDecoder(compile=True)``
-        compiles the model's layers around them)."""
+        """transformers' ``Cache.update``. Under ``torch.compile`` a decode step of a prefilled layer is the opaque
+        op ``kvdex::append`` (:mod:`kvdex.hf.compiled_ops`); anything else is kept out of the graph (a graph
+        break): the store, the policy's index and their Python bookkeeping always run eagerly."""
+        if torch.compiler.is_compiling() and key_states.shape[2] == 1 and self.layers[layer_idx].prefilled:
+            return compiled_ops.append(key_states, value_states, self._handle, layer_idx), value_states
+        return self.update_eager(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """transformers' mask creation asks it; kvdex's mask function ignores it. Under ``torch.compile`` 0: no
+        guard on the sequence length (it would recompile the decode step once, then pass it as an input)."""
+        if torch.compiler.is_compiling():
+            return 0
+        return self.layers[layer_idx].seen
+
+    @torch.compiler.disable
+    def update_eager(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _on_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
@@ -202,7 +232,7 @@ class Cache(HFCache):
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
         sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-        args = {**sizes, **overrides}
+        args = {"step_graphs": self.step_graphs.enabled, **sizes, **overrides}
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)
@@ -245,6 +275,7 @@ class Cache(HFCache):
             dst.lazy_initialization(k, v)
             dst.seen = seen
             dst.engine.adopt(k, v, lengths, pads, obs_q)
+            dst.prefilled = True
             del k, v, obs_q  # before the next layer is made: one layer's prompt alive at a time
         if next(layers, None) is not None:
             raise ValueError(f"adopt_prefill(): layers gave more than the model's {len(self.layers)} layers")

@@ -20,9 +20,7 @@ import time
 from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface
 
-from kvdex.hf.attention import ATTN_NAME
 from kvdex.hf.cache import Cache
 
 # torch.compile modes that keep inductor's own CUDA graphs off (kvdex captures the whole step itself).
@@ -119,12 +117,16 @@ class CompiledLayers:
 
 @contextmanager
 def marked_entry_points(prefix: str):
-    """kvdex's two entry points from the model (``Cache.update`` and the ``"kvdex"`` attention function)
-    wrapped in ``torch.profiler.record_function`` markers ``prefix + "update"`` / ``prefix + "attention"``
-    (still ``torch.compiler.disable``d), restored afterwards: a profile tells kvdex's work from the model's."""
-    upd = Cache.__dict__["update"]
-    mapping = AttentionInterface._global_mapping
-    fn = mapping.get(ATTN_NAME)
+    """kvdex's eager entry points from the model (``Cache.update_eager`` and the ``"kvdex"`` attention
+    function's eager body) wrapped in ``torch.profiler.record_function`` markers ``prefix + "update"`` /
+    ``prefix + "attention"`` (still ``torch.compiler.disable``d), restored afterwards: a profile tells kvdex's
+    work from the model's. Under ``torch.compile`` kvdex's decode work runs in the custom ops
+    ``kvdex::append`` / ``kvdex::attend`` (:mod:`kvdex.hf.compiled_ops`), whose profiler events carry those
+    names; the code dynamo traced is not touched (no recompilation)."""
+    from kvdex.hf import attention as attn_mod
+
+    upd = Cache.__dict__["update_eager"]
+    fn = attn_mod._eager_attention
 
     @torch.compiler.disable
     def update(self, *a, **kw):
@@ -136,10 +138,10 @@ def marked_entry_points(prefix: str):
         with torch.profiler.record_function(prefix + "attention"):
             return fn(*a, **kw)
 
-    Cache.update = update
-    mapping[ATTN_NAME] = attention
+    Cache.update_eager = update
+    attn_mod._eager_attention = attention
     try:
         yield
     finally:
-        Cache.update = upd
-        mapping[ATTN_NAME] = fn
+        Cache.update_eager = upd
+        attn_mod._eager_attention = fn

@@ -11,16 +11,11 @@ from contextlib import contextmanager
 
 import torch
 
+from kvdex.engine.graphs import free_deferred, free_with, gc_paused
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.compiled_layers import CompiledLayers, _compile_mode
-from kvdex.storage import host_joins
-
-# Page joins of a capturable_index policy: the stores and the index are grown this many pages ahead of
-# the longest sequence (half of it used up -> grown again), so that a re-allocation (a new graph key, an
-# eager warm-up step and a capture) happens once every JOIN_HEADROOM_PAGES / 2 pages at most, and rarely
-# in practice (the buffers grow by a quarter of their size at a time).
-JOIN_HEADROOM_PAGES = 16
+from kvdex.hf.step_graphs import JOIN_HEADROOM_PAGES, StepPlan, capture_unsupported  # noqa: F401 (re-exported)
 
 
 def graph_policies() -> list[str]:
@@ -30,7 +25,7 @@ def graph_policies() -> list[str]:
     return sorted(n for n, cls in _REGISTRY.items() if cls.capturable)
 
 
-class GraphDecoder:
+class GraphDecoder(StepPlan):
     """Decode a prefilled :class:`kvdex.Cache` one token at a time, replaying CUDA graphs.
 
     ``step(ids [B, 1]) -> logits [B, vocab]``. Where the cache cannot be captured (no CUDA device, a
@@ -55,19 +50,18 @@ class GraphDecoder:
     ):
         if not isinstance(cache, Cache):
             raise ValueError("graph decoding needs a kvdex.Cache")
-        self.model, self.cache = model, cache
+        StepPlan.__init__(self, cache)
+        self.model = model
         self.device = next(model.parameters()).device
         self.batch = batch
         self.enabled, self.warn = enabled, warn
         self.reason: str | None = None
         self._checked = False
         self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
+        free_with(self, self.graphs)  # never destroyed inside a capture
         self.key = None
         self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
-        self._joins = False  # the policy indexes page joins inside captured steps (capturable_index)
-        self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
-        self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
         self.compile_mode = _compile_mode(compile)
@@ -131,23 +125,10 @@ class GraphDecoder:
         return out
 
     # ---- decisions --------------------------------------------------------------------------------
-    def _stores(self):
-        return [lay.store for lay in self.cache.layers]
-
     def _unsupported(self) -> str | None:
-        c = self.cache
         if self.device.type != "cuda":
             return "it needs a CUDA device"
-        if c.config.timing:
-            return "timing=True synchronises inside the step"
-        if c.observer is not None:
-            return "an observer runs Python inside the step"
-        stores = self._stores()
-        for st in stores:
-            why = st.graph_unsupported()
-            if why is not None:
-                return why
-        return c.policy.graph_unsupported(stores)
+        return capture_unsupported(self.cache)
 
     def _prepare(self) -> None:
         if self._checked:
@@ -175,64 +156,20 @@ class GraphDecoder:
             st.use_static_sizing()
         self._joins = bool(self.cache.policy.capturable_index)
 
-    def _join_host(self) -> bool:
-        """Before a step of a ``capturable_index`` policy: room for the pages to come (stores and index,
-        :data:`JOIN_HEADROOM_PAGES` ahead, re-allocating -- a new graph key -- only every so many pages),
-        then the host side of this step's joins (``Policy.joined``). True when a page joins."""
-        c, p = self.cache, self.cache.policy
-        lays = [c.layers[i] for i in p.info.sparse_layers]
-        if not lays:
-            return False
-        st = lays[0].store
-        g = st.grid
-        top = int(st.lengths_host.max()) + 1
-        if top + JOIN_HEADROOM_PAGES * g.page_size // 2 > self._reserved:
-            self._reserved = top + JOIN_HEADROOM_PAGES * g.page_size
-            pages = g.middle_pages_of(self._reserved)
-            for lay in c.layers:
-                lay.store.reserve_join(self._reserved)
-            for lay in lays:
-                p.reserve_index(lay.layer_idx, pages, lay.store)
-        start, count = host_joins(g, st.lengths_host)
-        self._join_count = count
-        if not bool((count > 0).any()):
-            return False
-        for lay in lays:
-            p.joined(lay.layer_idx, start, count)
-        return True
-
-    def _needs_eager(self) -> bool:
-        st = self._stores()[0]
-        g, L = st.grid, st.lengths_host
-        if not self._joins and bool((g.num_middle_pages(L + 1) != g.num_middle_pages(L)).any()):
-            return True  # a page joins the middle: store/policy index work with data-dependent shapes
-        if any(s.grows_on_append(1) for s in self._stores()):
-            return True  # a device buffer grows
-        return False
-
-    def _key(self):
-        stores = self._stores()
-        key = []
-        for s in stores:
-            key.extend(s.graph_buffers())  # an offloaded store: also the host buffer the UVA gather reads
-        pk = self.cache.policy.graph_key(stores)
-        if pk is None:
-            return None
-        key.append(pk)
-        return tuple(key)
-
     # ---- one step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Decode one token for ids [B, 1] (device); returns the last-position logits [B, vocab]."""
         self._prepare()
+        free_deferred()  # graphs of caches / decoders collected during a capture
         c = self.cache
         try:
             # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
             c.joins_external = self._joins
+            c.decoder_active = True  # the cache's own per-layer step graphs stay out of this step
             return self._step(ids)
         finally:  # the cache used without the decoder decides page joins itself again
-            c.join_step, c.joins_external = None, False
+            c.join_step, c.joins_external, c.decoder_active = None, False, False
 
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.cache
@@ -287,10 +224,6 @@ class GraphDecoder:
         c.counters.calls += self._delta[2]
         c.warn_if_long(c.layers[0].seen, stacklevel=3)
 
-    def _base(self, key):
-        """The key without the page-join flag (the policy's buffers and shapes)."""
-        return key[0] if self._joins else key
-
     def _capture(self, key) -> None:
         c = self.cache
         for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
@@ -303,7 +236,7 @@ class GraphDecoder:
         t = c.transfer
         before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
         # compiled layers: compiled (and their kernels loaded) by the eager warm-up step before this
-        with _on_step_held(c), torch.cuda.graph(g):  # a private pool per graph
+        with _on_step_held(c), gc_paused(), torch.cuda.graph(g):  # a private pool per graph
             out = self._run(
                 input_ids=self.ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos
             )

@@ -32,6 +32,9 @@ class KVDexLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.dense = dense
         self.seen = 0  # columns seen, padding included (transformers' sequence length)
+        # the store holds a prompt (a plain bool: what torch.compile's trace of Cache.update reads, so that
+        # caches of any store type share one compiled graph)
+        self.prefilled = False
 
     @property
     def parent(self) -> HFCache:
@@ -69,11 +72,17 @@ class KVDexLayer(CacheLayerMixin):
                 "with it does not use attn_implementation='kvdex'. Create the cache with "
                 "kvdex.Cache(model, ...) for the model you generate with (it calls kvdex.enable(model))"
             )
+        steps = parent.step_graphs
         if store is not None:
             _check_shape(parent, store, key_states)
+            if self.layer_idx == 0 and key_states.shape[2] == 1 and not parent.decoder_active:
+                steps.begin()  # a decode step outside GraphDecoder: per-layer graphs (kvdex.hf.step_graphs)
         parent._on_update(self.layer_idx, key_states)
         if store is not None:
-            self.engine.append(key_states, value_states)
+            if steps.deferred():
+                steps.stash(self, key_states, value_states)  # appended inside the layer's graph
+            else:
+                self.engine.append(key_states, value_states)
         self.seen += key_states.shape[2]
         tagged = key_states.view(key_states.shape)
         setattr(tagged, TAG, self)
@@ -85,13 +94,19 @@ class KVDexLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         if query_length == 0 and self.seen == 0:  # the model would fail on an empty reshape
             raise ValueError("the prompt is empty (0 tokens): pass at least one token (check the tokenized input)")
+        if query_length == 1 and self.engine.store is not None:
+            # a decode step: kvdex attends from its store (padding known since the prefill), so the mask
+            # covers the new token only -- always real, hence no mask: nothing that grows with the sequence
+            # reaches the model (no mask kernels per step, and one shape for torch.compile)
+            # (under torch.compile the offset is not read: no guard on the sequence length)
+            return 1, 0 if torch.compiler.is_compiling() else self.seen
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.engine.store, self.seen = None, 0
+        self.engine.store, self.seen, self.prefilled = None, 0, False
 
     @property
     def batch_size(self) -> int:
@@ -103,7 +118,20 @@ class KVDexLayer(CacheLayerMixin):
     ) -> torch.Tensor:
         """q [B, Hq, T, D]; k/v as returned by ``update``. Returns [B, T, Hq, D]."""
         self.parent._check_module(module, self.layer_idx)
-        return self.engine.attention(q, k, v, key_mask, scale)
+        return self.attend(q, scale, k, v, key_mask)
+
+    def attend(self, q: torch.Tensor, scale: float, k=None, v=None, key_mask=None) -> torch.Tensor:
+        """:meth:`attention` after the module check (``kvdex::attend`` under torch.compile: a decode step,
+        no k/v needed)."""
+        parent = self.parent
+        steps = parent.step_graphs
+        if steps.deferred():
+            return steps.attend(self, q, scale)
+        out = self.engine.attention(q, k, v, key_mask, scale)
+        self.prefilled = self.engine.store is not None
+        if steps.in_step and self.layer_idx == len(parent.layers) - 1:
+            steps.end()
+        return out
 
 
 def _check_shape(parent, store, key_states: torch.Tensor) -> None:

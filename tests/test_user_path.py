@@ -1,0 +1,132 @@
+"""The user's path: plain ``model.generate(..., cache=kvdex.Cache(...))``, no kvdex-specific call.
+
+On CUDA transformers compiles the decode step of a compileable cache (``kvdex.Cache.is_compileable``) and
+kvdex replays one graph per layer (``kvdex.hf.step_graphs``). On the CPU: transformers' own compile
+switch for other devices (``CompileConfig._compile_all_devices``) and the CPU stand-in for CUDA graphs
+(``kvdex.engine.graphs.STAND_IN``). Invariants: the same tokens as eager generation (a left-padded batch,
+page joins, CHESS rebuilds, PRKV refreshes), the same attended tokens, graphs captured once per key and
+replayed afterwards, no recompilation after the first compiled step, a cache that cannot be captured
+decodes eagerly with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from step_graph_stand_in import StepGraphStandIn
+from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
+
+import kvdex
+from kvdex.engine import graphs as graphs_mod
+from kvdex.hf.testing import tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
+
+POLICIES = ["quest", "chess", "pariskv", "prkv:refresh=8", "full"]
+NEW = 60  # three page joins (page 16) and CHESS / PRKV host-side work
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=4)
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 250, (2, 300))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # left padding
+    return ids, mask
+
+
+class _Graphs(StoppingCriteria):
+    """Graphs dynamo compiled so far, after every token (never stops generation)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kw):
+        from torch._dynamo.utils import counters
+
+        self.seen.append(int(counters["stats"]["unique_graphs"]))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _generate(model, spec, compile_backend=None, stand_in=False, monkeypatch=None, **cache_kw):
+    if stand_in:
+        monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    cache = kvdex.Cache(model, spec, budget=64, dense_layers=1, **cache_kw)
+    ids, mask = _batch()
+    kw = {"disable_compile": True}
+    rec = _Graphs()
+    if compile_backend is not None:
+        cc = CompileConfig(backend=compile_backend, mode="default" if compile_backend == "inductor" else None)
+        cc._compile_all_devices = True  # transformers' switch for compiling on other devices than CUDA
+        kw = {"compile_config": cc}
+    torch._dynamo.reset()
+    out = model.generate(
+        ids, attention_mask=mask, **kvdex.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False,
+        stopping_criteria=StoppingCriteriaList([rec]), **kw,
+    )  # fmt: skip
+    if stand_in:
+        monkeypatch.setattr(graphs_mod, "STAND_IN", None)
+    return out, cache, rec.seen
+
+
+def test_cache_is_compileable(model):
+    cache = kvdex.Cache(model, "quest")
+    assert cache.is_compileable
+    with pytest.raises(ValueError, match="step_graphs"):
+        kvdex.Cache(model, "quest", step_graphs="yes")
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatch):
+    ref, c_ref, _ = _generate(model, spec)
+    assert c_ref.step_graphs.reason == "it needs a CUDA device"  # CPU without the stand-in: eager steps
+    got, c, graphs = _generate(model, spec, "eager", stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got)
+    assert c.step_graphs.reason is None
+    n = c.step_graphs.counts
+    layers = len(c.layers)
+    assert n["captures"] >= layers and n["captures"] % layers == 0  # whole steps captured, layer by layer
+    assert n["replays"] >= (c.step - 10) * layers, n  # steady decoding: replays only
+    assert graphs[1] > 0 and graphs[-1] == graphs[1], f"recompiled after the first decode step: {graphs}"
+    assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
+    assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
+
+
+@pytest.mark.parametrize("spec", ["quest", "full"])
+def test_step_graphs_without_compile_equal_eager(model, spec, monkeypatch):
+    """Plain eager generate (no compile): kvdex's per-layer step still replays its graphs."""
+    ref, _, _ = _generate(model, spec)
+    got, c, _ = _generate(model, spec, stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got) and c.step_graphs.counts["replays"] > 0
+
+
+def test_inductor_compiled_generate_equals_eager(model, monkeypatch):
+    """The compiler transformers uses on CUDA (inductor; CUDA graphs are CUDA-only): the same tokens."""
+    ref, _, _ = _generate(model, "quest")
+    got, c, graphs = _generate(model, "quest", "inductor", stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got) and graphs[-1] == graphs[1]
+
+
+def test_uncapturable_policy_falls_back_with_one_warning(model, monkeypatch):
+    ref, _, _ = _generate(model, "icecache")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, c, _ = _generate(model, "icecache", "eager", stand_in=True, monkeypatch=monkeypatch)
+    mine = [x for x in w if "per-layer step graphs are off" in str(x.message)]
+    assert len(mine) == 1 and "icecache" in str(mine[0].message)
+    assert torch.equal(ref, got)
+    assert c.step_graphs.counts["captures"] == 0 and c.step_graphs.reason is not None
+
+
+def test_step_graphs_off_by_option(model, monkeypatch):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _, c, _ = _generate(model, "quest", stand_in=True, monkeypatch=monkeypatch, step_graphs=False)
+    assert c.step_graphs.counts["captures"] == 0 and "disabled" in c.step_graphs.reason
+    assert not [x for x in w if "step graphs" in str(x.message)]
