@@ -198,6 +198,8 @@ def plain_generate(model, method, context, args, runs) -> dict:
             if isinstance(cache, kvdex.Cache):
                 r["step_graphs"] = dict(cache.step_graphs.counts)
                 r["step_graphs_off"] = cache.step_graphs.reason
+                r["whole_step"] = dict(cache.whole_step.counts)
+                r["whole_step_off"] = cache.whole_step.reason
             best = r if best is None or r["median_ms"] < best["median_ms"] else best
     return best
 
@@ -332,7 +334,8 @@ def correctness(model, args) -> dict:
             ids, attention_mask=torch.ones_like(ids), **cache_kwargs(c), max_new_tokens=n, min_new_tokens=n,
             do_sample=False, disable_compile=disable_compile,
         )  # fmt: skip
-        return out[0, ids.shape[1] :].tolist(), {**c.step_graphs.counts, "off": c.step_graphs.reason}
+        counts = {**c.step_graphs.counts, "off": c.step_graphs.reason, "whole_step": dict(c.whole_step.counts)}
+        return out[0, ids.shape[1] :].tolist(), {**counts, "whole_step_off": c.whole_step.reason}
 
     ref, _ = kv_generate(False)
     res = {"policy": "quest", "context": args.check_context, "tokens": n}
@@ -367,7 +370,7 @@ def bench(model, args, ctx) -> list[dict]:
         records.append(r)
         ms = f"{r['median_ms']:8.3f}" if "median_ms" in r else "   error"
         print(f"[{time.perf_counter() - T0:6.1f}s] {ctx:>6} {path:<15} {method:<10} median {ms} ms/token  "
-              f"{r.get('step_graphs', r.get('graph_counts', ''))} {r.get('error', '')}", flush=True)  # fmt: skip
+              f"{r.get('whole_step', r.get('graph_counts', ''))} {r.get('step_graphs', '')} {r.get('error', '')}", flush=True)  # fmt: skip
     return records
 
 

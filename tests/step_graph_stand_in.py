@@ -48,6 +48,11 @@ class StepGraphStandIn:
         self._mode.__exit__(None, None, None)
 
     def _op(self, func, args, kwargs):
+        if getattr(func, "namespace", None) == "kvdex":  # kvdex's own ops (a whole compiled step): their
+            from kvdex.hf import compiled_ops  # Python runs now, its aten ops are recorded as CUDA would
+
+            with self._mode:
+                return getattr(compiled_ops, func._opname)._init_fn(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         tens = [x for x in flat if isinstance(x, torch.Tensor)]
         hosted = [x for x in tens if id(x) in self.host]

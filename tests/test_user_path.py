@@ -24,7 +24,7 @@ from kvdex.hf.testing import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 
-POLICIES = ["quest", "chess", "pariskv", "prkv:refresh=8", "full"]
+POLICIES = ["quest", "chess", "prkv:refresh=8"]  # per-layer graphs (pariskv, full: test_graph.py)
 NEW = 60  # three page joins (page 16) and CHESS / PRKV host-side work
 
 
@@ -113,20 +113,55 @@ def test_inductor_compiled_generate_equals_eager(model, monkeypatch):
     assert torch.equal(ref, got) and graphs[-1] == graphs[1]
 
 
-def test_uncapturable_policy_falls_back_with_one_warning(model, monkeypatch):
-    ref, _, _ = _generate(model, "icecache")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        got, c, _ = _generate(model, "icecache", "eager", stand_in=True, monkeypatch=monkeypatch)
-    mine = [x for x in w if "per-layer step graphs are off" in str(x.message)]
-    assert len(mine) == 1 and "icecache" in str(mine[0].message)
-    assert torch.equal(ref, got)
-    assert c.step_graphs.counts["captures"] == 0 and c.step_graphs.reason is not None
-
-
 def test_step_graphs_off_by_option(model, monkeypatch):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _, c, _ = _generate(model, "quest", stand_in=True, monkeypatch=monkeypatch, step_graphs=False)
     assert c.step_graphs.counts["captures"] == 0 and "disabled" in c.step_graphs.reason
     assert not [x for x in w if "step graphs" in str(x.message)]
+
+
+# ---- kvdex's torch.compile backend: whole decode steps as one graph -------------------------------------
+@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8"])
+def test_whole_step_backend_equals_eager(model, spec, monkeypatch):
+    """kvdex's backend (what kvdex.enable sets as the model's compile_config): each decode step is captured
+    whole (page joins, CHESS's host-side trigger, PRKV's refreshes) and replayed; the same tokens, attended
+    tokens and host state as eager generation, and the per-layer step graphs stay out."""
+    from kvdex.hf.step_backend import Backend
+
+    ref, c_ref, _ = _generate(model, spec)
+    got, c, graphs = _generate(model, spec, Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got)
+    n = c.whole_step.counts
+    assert c.whole_step.reason is None and n["captures"] <= 4 and n["replays"] >= c.step - 10, n
+    assert c.step_graphs.counts == {"eager": 0, "captures": 0, "replays": 0}
+    assert graphs[1] > 0 and graphs[-1] == graphs[1], f"recompiled after the first decode step: {graphs}"
+    assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
+    assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
+
+
+def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):
+    """A policy that cannot be captured: the compiled step runs as it is, the per-layer path warns once."""
+    from kvdex.hf.step_backend import Backend
+
+    ref, _, _ = _generate(model, "icecache")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, c, _ = _generate(model, "icecache", Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got)
+    assert "icecache" in c.whole_step.reason and c.whole_step.counts["captures"] == 0
+    assert len([x for x in w if "per-layer step graphs are off" in str(x.message)]) == 1
+
+
+def test_enable_sets_kvdex_compile_config_unless_the_user_did():
+    from kvdex.hf.step_backend import Backend
+
+    m = tiny_llama(layers=1)
+    kvdex.enable(m)
+    assert m.generation_config.compile_config.backend == Backend()
+    mine = tiny_llama(layers=1)
+    mine.generation_config.compile_config = CompileConfig(mode="default")
+    kvdex.enable(mine)
+    assert mine.generation_config.compile_config.backend == "inductor"
+    with pytest.raises(ValueError, match="inductor"):
+        Backend("cudagraphs")

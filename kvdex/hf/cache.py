@@ -37,6 +37,7 @@ from kvdex.engine import GraphService, StepCounters, make_store
 from kvdex.hf import compiled_ops
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
+from kvdex.hf.step_backend import WholeStep
 from kvdex.hf.step_graphs import StepGraphs
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import Grid, TransferStats
@@ -119,6 +120,7 @@ class Cache(HFCache):
             raise ValueError(f"step_graphs must be True or False, got {step_graphs!r}")
         # decode steps outside GraphDecoder (plain model.generate / forward): one CUDA graph per layer
         self.step_graphs = StepGraphs(self, enabled=step_graphs)
+        self.whole_step = WholeStep(self)  # whole decode steps under kvdex's torch.compile backend
         self._handle = compiled_ops.register(self)  # how kvdex's ops find this cache under torch.compile
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._warned_long = False

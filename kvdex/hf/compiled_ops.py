@@ -38,6 +38,11 @@ def register(cache) -> torch.Tensor:
     return torch.tensor(i, dtype=torch.long)
 
 
+def cache_of(handle: torch.Tensor):
+    """The kvdex.Cache behind ``handle`` (None: collected)."""
+    return _CACHES.get(int(handle))
+
+
 def _pending() -> dict:
     p = getattr(_local, "pending", None)
     if p is None:

@@ -202,27 +202,12 @@ class GraphDecoder(StepPlan):
             return self.logits
         graph, self.logits, self._delta = self.graphs[key]
         self.key = key
-        self._bookkeeping()
+        self._bookkeeping(self._join_count if self._joins and self.key[1] else None, self._delta)
         graph.replay()
         self.counts["replays"] += 1
         c.policy.graph_replayed()
         c.policy.on_step(c.step, self.logits)
         return self.logits
-
-    def _bookkeeping(self) -> None:
-        """The CPU side of one replayed step, as the captured step's Python did it."""
-        c = self.cache
-        c.step += 1
-        join = self._joins and self.key[1] and bool((self._join_count > 0).any())
-        for lay in c.layers:
-            lay.seen += 1
-            lay.store.advance_host(1)
-            if join:
-                lay.store.count_join(self._join_count)  # an offloaded store: the pages it wrote to host memory
-        c.transfer.h2d_bytes += self._delta[0]
-        c.transfer.h2d_calls += self._delta[1]
-        c.counters.calls += self._delta[2]
-        c.warn_if_long(c.layers[0].seen, stacklevel=3)
 
     def _capture(self, key) -> None:
         c = self.cache

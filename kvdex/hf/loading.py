@@ -14,6 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvdex.hf.attention import ATTN_NAME, kvdex_attention, padding_mask
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.model_parts import attention_modules, text_config  # noqa: F401  (kvdex.hf.loading's names)
+from kvdex.hf import step_backend
 
 
 def _check_supported(model) -> None:
@@ -53,7 +54,9 @@ def check_model(model) -> None:
 def enable(model):
     """Register kvdex's attention (transformers' public AttentionInterface) and switch ``model`` to it.
 
-    Idempotent. Without a kvdex cache the model attends densely, exactly as before.
+    Idempotent. Without a kvdex cache the model attends densely, exactly as before. Where the model's
+    ``generation_config`` names no ``compile_config``, it gets kvdex's (:mod:`kvdex.hf.step_backend`): on CUDA,
+    ``model.generate`` with a kvdex cache replays each decode step as one CUDA graph.
     """
     check_model(model)
     if ATTN_NAME not in AttentionInterface._global_mapping:
@@ -61,6 +64,9 @@ def enable(model):
         AttentionMaskInterface.register(ATTN_NAME, padding_mask)
     _check_supported(model)
     tensor_parallel(model)  # ValueError when the heads do not divide over the tensor-parallel ranks
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "compile_config", None) is None:
+        gen.compile_config = step_backend.compile_config()
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_NAME)

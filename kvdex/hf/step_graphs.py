@@ -123,6 +123,23 @@ class StepPlan:
         key.append(pk)
         return tuple(key)
 
+    def _bookkeeping(self, join_count, delta) -> None:
+        """The host side of one replayed whole step, as the captured step's Python did it: step and
+        lengths, the pages a join wrote out (``join_count``: this step's joins, or None), the transfer and
+        call counters (``delta``: what the capture added)."""
+        c = self.cache
+        c.step += 1
+        join = join_count is not None and bool((join_count > 0).any())
+        for lay in c.layers:
+            lay.seen += 1
+            lay.store.advance_host(1)
+            if join:
+                lay.store.count_join(join_count)  # an offloaded store: the pages it wrote to host memory
+        c.transfer.h2d_bytes += delta[0]
+        c.transfer.h2d_calls += delta[1]
+        c.counters.calls += delta[2]
+        c.warn_if_long(c.layers[0].seen, stacklevel=4)
+
     def _base(self, key):
         """The key without the page-join flag (the policy's buffers and shapes)."""
         return key[0] if self._joins else key

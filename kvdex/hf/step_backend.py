@@ -1,0 +1,224 @@
+"""kvdex's ``torch.compile`` backend: a plain ``model.generate(..., cache=kvdex.Cache(...))`` replays its
+whole decode step as one CUDA graph, as ``kvdex.generate`` does.
+
+transformers compiles the decode step of a compileable cache with its ``generation_config.compile_config``
+(``torch.compile(model.__call__, **compile_config)``, a public option). :func:`kvdex.enable` sets it to
+:func:`compile_config` where the model has none: :class:`Backend` as the ``torch.compile`` backend.
+
+* A graph that holds kvdex's ops (:mod:`kvdex.hf.compiled_ops`: the decode step of a prefilled kvdex
+  cache) is compiled by inductor without CUDA graphs, and each call goes through :class:`WholeStep`, the
+  cache's step plan (:class:`~kvdex.hf.step_graphs.StepPlan`, shared with
+  :class:`~kvdex.hf.graph_decoder.GraphDecoder`): page joins and the step's graph key decided on the
+  host, then an eager step (a new key, a boundary), a capture of the whole compiled step with kvdex's ops
+  running inside it, or a replay followed by the host side of the replayed work. One launch per step
+  instead of inductor's CUDA graphs split around kvdex's ops (one partition per layer) and a Python call
+  into kvdex per layer.
+* Any other graph (another cache, the output head behind kvdex's logits hook) is compiled as transformers'
+  default would (``mode="reduce-overhead"``: inductor with CUDA graphs).
+
+Where a step cannot be captured (no CUDA device, ``step_graphs=False``, a policy or store without graph
+support, ``timing=True``), the call runs the compiled graph as it is and the cache's per-layer step graphs
+(:mod:`kvdex.hf.step_graphs`) decide, warning once why they are off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.engine import graphs as graphs_mod
+from kvdex.hf import compiled_ops
+from kvdex.hf.step_graphs import StepPlan, _StandInCapture, capture_unsupported
+
+_APPEND = torch.ops.kvdex.append.default
+
+
+def compile_config():
+    """transformers' ``CompileConfig`` with kvdex's :class:`Backend` (what :func:`kvdex.enable` sets)."""
+    from transformers import CompileConfig
+
+    return CompileConfig(backend=Backend(), mode=None)
+
+
+class Backend:
+    """A ``torch.compile`` backend (see the module). ``inner``: the compiler of each graph, ``"inductor"``
+    (the default) or ``"eager"`` (the graph as traced: tests run it under the CPU stand-in for CUDA graphs)."""
+
+    def __init__(self, inner: str = "inductor") -> None:
+        if inner not in ("inductor", "eager"):
+            raise ValueError(f"inner must be 'inductor' or 'eager', got {inner!r}")
+        self.inner = inner
+
+    def __eq__(self, other) -> bool:  # transformers compiles again when its compile_config changes
+        return isinstance(other, Backend) and other.inner == self.inner
+
+    def __hash__(self) -> int:
+        return hash((Backend, self.inner))
+
+    def __repr__(self) -> str:
+        return f"kvdex.hf.step_backend.Backend(inner={self.inner!r})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **_kw):
+        nodes = list(gm.graph.nodes)
+        appends = [n for n in nodes if n.op == "call_function" and n.target is _APPEND]
+        places = [n for n in nodes if n.op == "placeholder"]
+        handle = appends[0].args[2] if appends else None
+        if handle is None or handle not in places:
+            return self._compile(gm, example_inputs, cudagraphs=True)
+        mutated = [i for i, n in enumerate(places) if any(_in_place(u, n) for u in n.users)]
+        return _Step(self._compile(gm, example_inputs, cudagraphs=False), places.index(handle), mutated)
+
+    def _compile(self, gm, example_inputs, cudagraphs: bool):
+        if self.inner == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": cudagraphs})
+
+
+def _in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``user`` writes into ``node`` (an in-place op or method on it, or a copy into it)."""
+    if user.op not in ("call_function", "call_method") or not user.args or user.args[0] is not node:
+        return False
+    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    name = str(name).split(".")[0]
+    return name.endswith("_") and not name.startswith("_")
+
+
+class _Step:
+    """The compiled decode step of kvdex's caches: finds the call's cache by its handle, lets its
+    :class:`WholeStep` run the call."""
+
+    def __init__(self, inner, handle_at: int, mutated: list[int]) -> None:
+        self.inner, self.handle_at, self.mutated = inner, handle_at, mutated
+
+    def __call__(self, *args):
+        cache = compiled_ops.cache_of(args[self.handle_at])
+        if cache is None:
+            raise RuntimeError("kvdex: the kvdex.Cache of this compiled decode step was garbage-collected")
+        return cache.whole_step.run(self, args)
+
+
+class WholeStep(StepPlan):
+    """One :class:`kvdex.Cache`'s whole-step CUDA graphs under :class:`Backend` (``cache.whole_step``):
+    ``counts`` (eager steps, captures, replays), ``reason`` (why its steps are not captured; None: they are)."""
+
+    def __init__(self, cache) -> None:
+        super().__init__(cache, weak=True)  # no reference cycle (kvdex.engine.graphs.free_with)
+        self.reason: str | None = None
+        self._checked = False
+        self.graphs: dict = {}  # key -> (graph, static inputs, outputs, host-side deltas)
+        graphs_mod.free_with(self, self.graphs)
+        self._warmed: set = set()
+        self.counts = {"eager": 0, "captures": 0, "replays": 0}
+
+    def _prepare(self) -> None:
+        self._checked = True
+        c = self.cache
+        dev = c.layers[0].store.device if c.layers and c.layers[0].store is not None else None
+        if not c.step_graphs.enabled:
+            self.reason = "disabled (step_graphs=False)"
+        elif dev is None or not c.graphs.usable(dev):
+            self.reason = "it needs a CUDA device"
+        elif len({lay.store.device for lay in c.layers}) > 1:
+            self.reason = "the layers sit on several devices"
+        else:
+            self.reason = capture_unsupported(c)
+        if self.reason is None:
+            for lay in c.layers:
+                lay.store.use_static_sizing()
+            self._joins = bool(c.policy.capturable_index)
+
+    def run(self, step: _Step, args: tuple):
+        if not self._checked:
+            self._prepare()
+        if self.reason is not None:  # the cache's per-layer step graphs decide (and warn why they are off)
+            return step.inner(*args)
+        graphs_mod.free_deferred()
+        c = self.cache
+        c.joins_external, c.decoder_active = self._joins, True  # the per-layer step graphs stay out
+        try:
+            return self._step(step, args)
+        finally:
+            c.join_step, c.joins_external, c.decoder_active = None, False, False
+
+    def _step(self, step: _Step, args: tuple):
+        c = self.cache
+        joining = self._join_host() if self._joins else False
+        key = None if self._needs_eager() else self._key()
+        if key is not None:
+            key = (key, _signature(args, step.handle_at))
+            if self._joins:  # as GraphDecoder: the join variant is warmed up and captured early
+                early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
+                key = (key, joining or early)
+        if self._joins:
+            c.join_step = joining if key is None else key[1]
+        if key is None or (key not in self.graphs and key not in self._warmed):
+            if key is not None:
+                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
+            self.counts["eager"] += 1
+            return step.inner(*args)
+        if key not in self.graphs:
+            self._capture(key, step, args)
+        else:
+            graph, static, _, delta = self.graphs[key]
+            for a, s in zip(args, static, strict=True):
+                if isinstance(s, torch.Tensor) and s is not a and not isinstance(s, torch.nn.Parameter):
+                    s.copy_(a)
+            self._bookkeeping(self._join_count if self._joins and key[1] else None, delta)
+            c._in_forward = True  # kvdex's logits hook (outside this graph) runs the policy's on_step
+            graph.replay()
+            self.counts["replays"] += 1
+            c.policy.graph_replayed()
+        graph, static, outs, _ = self.graphs[key]
+        for i in step.mutated:
+            args[i].copy_(static[i])
+        return [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
+
+    def _capture(self, key, step: _Step, args: tuple) -> None:
+        c = self.cache
+        for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
+            del self.graphs[k]  # over buffers re-allocated since: never replayed again
+        dev = c.layers[0].store.device
+        c.counters.count_in_place(dev)
+        static = [a if i == step.handle_at else _static(a) for i, a in enumerate(args)]
+        t = c.transfer
+        before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            ctx = torch.cuda.graph(g, capture_error_mode="thread_local")
+        else:  # CPU tests: the stand-in records the step's ops
+            g = graphs_mod.STAND_IN(next(s for s in static if isinstance(s, torch.Tensor)))
+            ctx = _StandInCapture(g, c)
+        with graphs_mod.gc_paused(), ctx:  # no finalizer inside the capture
+            outs = step.inner(*static)
+        delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.counters.calls - before[2])
+        self.graphs[key] = (g, static, list(outs), delta)
+        self.counts["captures"] += 1
+        if dev.type == "cuda":  # the capture ran this step's host side; the replay does its device work
+            g.replay()
+            self.counts["replays"] += 1
+
+
+def _static(a):
+    """A capture's input: parameters and non-tensors as they are; other tensors copied (each replay copies
+    the call's values into them)."""
+    if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter):
+        return a.clone()
+    return a
+
+
+def _signature(args: tuple, handle_at: int) -> tuple:
+    """What a captured step depends on besides kvdex's own key: the shapes of the copied inputs, the
+    identity of the parameters it reads in place, the values of integer inputs (the cache's handle aside)."""
+    sig = []
+    for i, a in enumerate(args):
+        if i == handle_at:
+            continue
+        if isinstance(a, torch.nn.Parameter):
+            sig.append(id(a))
+        elif isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype))
+        else:
+            sig.append(a)
+    return tuple(sig)
