@@ -370,7 +370,7 @@ def bench(model, args, ctx) -> list[dict]:
         records.append(r)
         ms = f"{r['median_ms']:8.3f}" if "median_ms" in r else "   error"
         print(f"[{time.perf_counter() - T0:6.1f}s] {ctx:>6} {path:<15} {method:<10} median {ms} ms/token  "
-              f"{r.get('whole_step', r.get('graph_counts', ''))} {r.get('step_graphs', '')} {r.get('error', '')}", flush=True)  # fmt: skip
+              f"{r.get('whole_step', r.get('graph_counts', ''))} {r.get('error', '')}", flush=True)  # fmt: skip
     return records
 
 

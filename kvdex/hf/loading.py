@@ -11,10 +11,10 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvdex.hf import step_backend
 from kvdex.hf.attention import ATTN_NAME, kvdex_attention, padding_mask
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.model_parts import attention_modules, text_config  # noqa: F401  (kvdex.hf.loading's names)
-from kvdex.hf import step_backend
 
 
 def _check_supported(model) -> None:
