@@ -1,13 +1,15 @@
 """kvdex's two entry points from the model as opaque ``torch.library`` custom ops, for ``torch.compile``.
 
 ``kvdex.Cache`` is ``is_compileable``, so transformers' ``generate`` compiles the model's decode step
-(``torch.compile(model.__call__, mode="reduce-overhead")`` on CUDA: inductor, with CUDA graphs). Under
-that compilation a single-token ``Cache.update`` of a prefilled layer is the op ``kvdex::append`` and the
-``"kvdex"`` attention function is ``kvdex::attend``: dynamo traces the whole model as one graph (no
-graph break per layer, so no recompilation per layer), and both ops carry the ``cudagraph_unsafe`` tag,
-so inductor's graph partitions run them outside its CUDA graphs, as ordinary Python calls: the eager
-``update`` / attention of :class:`~kvdex.hf.layer.KVDexLayer`, where kvdex's own per-layer step graphs
-(:mod:`kvdex.hf.step_graphs`) replay the layer's append -> select -> fetch -> attend.
+(``torch.compile(model.__call__, **generation_config.compile_config)``). Under that compilation a
+single-token ``Cache.update`` of a prefilled layer is the op ``kvdex::append`` and the ``"kvdex"``
+attention function is ``kvdex::attend``: dynamo traces the whole model as one graph (no graph break per
+layer, so no recompilation per layer). With kvdex's backend (:mod:`kvdex.hf.step_backend`, the compile
+config :func:`kvdex.enable` sets) the whole step, these ops included, is captured in one CUDA graph. Both
+ops carry the ``cudagraph_unsafe`` tag, so that under inductor's own CUDA graphs (another compile config)
+they run outside those graphs, as ordinary Python calls: the eager ``update`` / attention of
+:class:`~kvdex.hf.layer.KVDexLayer`, where kvdex's per-layer step graphs (:mod:`kvdex.hf.step_graphs`)
+replay the layer's append -> select -> fetch -> attend.
 
 ``kvdex::append`` returns an empty key ``[B, H, 0, D]``: the token that tells the attention function (at
 trace time, by its shape) that the layer's keys are in a kvdex cache, and that orders the two ops. The
