@@ -165,3 +165,25 @@ def test_enable_sets_kvdex_compile_config_unless_the_user_did():
     assert mine.generation_config.compile_config.backend == "inductor"
     with pytest.raises(ValueError, match="inductor"):
         Backend("cudagraphs")
+
+
+@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8", "pariskv", "full"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_whole_step_backend_on_cuda(spec):
+    """On CUDA, plain model.generate with the compile config kvdex.enable sets: whole decode steps captured and
+    replayed, the same greedy tokens as the same compiled model with kvdex's graphs off (fp32)."""
+    m = tiny_llama(layers=4).to("cuda")
+    ids, mask = (t.to("cuda") for t in _batch())
+
+    def run(step_graphs):
+        cache = kvdex.Cache(m, spec, budget=64, dense_layers=1, step_graphs=step_graphs)
+        torch._dynamo.reset()
+        out = m.generate(ids, attention_mask=mask, **kvdex.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False)
+        return out, cache
+
+    ref, _ = run(False)
+    got, c = run(True)
+    assert torch.equal(ref, got)
+    n = c.whole_step.counts
+    assert c.whole_step.reason is None and n["captures"] >= 1 and n["replays"] >= c.step - 10, n
