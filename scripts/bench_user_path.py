@@ -250,6 +250,10 @@ def _try(fn, *a) -> dict:
     except Exception as e:  # recorded, and the run goes on
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    finally:  # the caches of this method (torch.compile keeps the first it traced in cyclic garbage)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ---- phases ----------------------------------------------------------------------------------------------
