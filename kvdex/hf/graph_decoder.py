@@ -60,7 +60,6 @@ class GraphDecoder(StepPlan):
         self.graphs: dict = {}  # key -> (CUDA graph, its logits, its transfer / counter deltas)
         free_with(self, self.graphs)  # never destroyed inside a capture
         self.key = None
-        self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
         self.logits = None
         self.ids = self.pos = self._neg_pads = None
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
@@ -173,27 +172,14 @@ class GraphDecoder(StepPlan):
 
     def _step(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.cache
-        joining = self._join_host() if self.reason is None and self._joins else False
-        key = None if self.reason is not None or self._needs_eager() else self._key()
-        if key is not None and self._joins:
-            # the join variant of the step (page-join path, masked per sequence on the device) is right on
-            # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
-            early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
-            key = (key, joining or early)
-        if self.reason is None and self._joins:
-            c.join_step = joining if key is None else key[1]
+        key, _, mode = (None, False, "eager") if self.reason is not None else self._decide(self.graphs)
         torch.add(self._neg_pads, c.layers[0].seen, out=self.pos)  # position of the new token, per row
-        if key is None or (key not in self.graphs and key not in self._warmed):
-            # eager: a boundary (a policy without capturable_index), a step the policy keeps eager, or a new
-            # key run once eagerly first so that every kernel variant is compiled and loaded before a
-            # capture (no module loads while capturing)
-            if key is not None:
-                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
+        if mode == "eager":
             self.counts["eager"] += 1
             out = self._run(input_ids=ids, **cache_kwargs(c), use_cache=True, logits_to_keep=1, position_ids=self.pos)
             return out.logits[:, -1]
         self.ids.copy_(ids)
-        if key not in self.graphs:
+        if mode == "capture":
             self._capture(key)
             self.key = key
             self.graphs[key][0].replay()  # the capture ran this step's CPU side; this does its device work

@@ -27,7 +27,7 @@ import torch
 
 from kvdex.engine import graphs as graphs_mod
 from kvdex.hf import compiled_ops
-from kvdex.hf.step_graphs import StepPlan, _StandInCapture, capture_unsupported
+from kvdex.hf.step_graphs import StepPlan, _StandInCapture, replay_unsupported
 
 _APPEND = torch.ops.kvdex.append.default
 
@@ -108,21 +108,12 @@ class WholeStep(StepPlan):
         self._checked = False
         self.graphs: dict = {}  # key -> (graph, static inputs, outputs, host-side deltas)
         graphs_mod.free_with(self, self.graphs)
-        self._warmed: set = set()
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
 
     def _prepare(self) -> None:
         self._checked = True
         c = self.cache
-        dev = c.layers[0].store.device if c.layers and c.layers[0].store is not None else None
-        if not c.step_graphs.enabled:
-            self.reason = "disabled (step_graphs=False)"
-        elif dev is None or not c.graphs.usable(dev):
-            self.reason = "it needs a CUDA device"
-        elif len({lay.store.device for lay in c.layers}) > 1:
-            self.reason = "the layers sit on several devices"
-        else:
-            self.reason = capture_unsupported(c)
+        self.reason = replay_unsupported(c) if c.step_graphs.enabled else "disabled (step_graphs=False)"
         if self.reason is None:
             for lay in c.layers:
                 lay.store.use_static_sizing()
@@ -143,21 +134,11 @@ class WholeStep(StepPlan):
 
     def _step(self, step: _Step, args: tuple):
         c = self.cache
-        joining = self._join_host() if self._joins else False
-        key = None if self._needs_eager() else self._key()
-        if key is not None:
-            key = (key, _signature(args, step.handle_at))
-            if self._joins:  # as GraphDecoder: the join variant is warmed up and captured early
-                early = not joining and (key, False) in self.graphs and (key, True) not in self.graphs
-                key = (key, joining or early)
-        if self._joins:
-            c.join_step = joining if key is None else key[1]
-        if key is None or (key not in self.graphs and key not in self._warmed):
-            if key is not None:
-                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
+        key, _, mode = self._decide(self.graphs, _signature(args, step.handle_at))
+        if mode == "eager":
             self.counts["eager"] += 1
             return step.inner(*args)
-        if key not in self.graphs:
+        if mode == "capture":
             self._capture(key, step, args)
         else:
             graph, static, _, delta = self.graphs[key]

@@ -52,6 +52,17 @@ def capture_unsupported(cache) -> str | None:
     return cache.policy.graph_unsupported(stores)
 
 
+def replay_unsupported(cache) -> str | None:
+    """Why decode steps of ``cache`` (prefilled) cannot replay CUDA graphs outside
+    :class:`~kvdex.hf.graph_decoder.GraphDecoder` (per layer or whole under kvdex's compile backend), or None."""
+    dev = cache.layers[0].store.device
+    if not cache.graphs.usable(dev):
+        return "it needs a CUDA device"
+    if len({lay.store.device for lay in cache.layers}) > 1:
+        return "the layers sit on several devices"
+    return capture_unsupported(cache)
+
+
 class StepPlan:
     """The decisions of a decode step that replays graphs, before it runs (:mod:`kvdex.hf.graph`): room and
     host side of page joins, whether the step must run eagerly, its graph key. Shared by
@@ -66,6 +77,7 @@ class StepPlan:
         self._joins = False
         self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
         self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
+        self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
 
     @property
     def cache(self):
@@ -140,6 +152,30 @@ class StepPlan:
         c.counters.calls += delta[2]
         c.warn_if_long(c.layers[0].seen, stacklevel=4)
 
+    def _decide(self, captured, extra=None):
+        """This step's graph key, whether a page joins, and what to do: ``"eager"`` (a boundary, a step the
+        policy keeps eager, or a new key run once eagerly first, so that every kernel variant is compiled and
+        loaded before a capture), ``"capture"`` or ``"replay"``. ``captured``: the keys that hold graphs;
+        ``extra``: what the step's graphs depend on besides the policy and the stores (part of the key).
+        Sets the cache's ``join_step`` for this step."""
+        c = self.cache
+        joining = self._join_host() if self._joins else False
+        key = None if self._needs_eager() else self._key()
+        if key is not None and extra is not None:
+            key = (key, extra)
+        if key is not None and self._joins:
+            # the join variant of the step (page-join path, masked per sequence on the device) is right on
+            # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
+            early = not joining and (key, False) in captured and (key, True) not in captured
+            key = (key, joining or early)
+        if self._joins:
+            c.join_step = joining if key is None else key[1]
+        if key is None or (key not in captured and key not in self._warmed):
+            if key is not None:
+                self._warmed = {k for k in self._warmed if self._base(k) == self._base(key)} | {key}
+            return key, joining, "eager"
+        return key, joining, "replay" if key in captured else "capture"
+
     def _base(self, key):
         """The key without the page-join flag (the policy's buffers and shapes)."""
         return key[0] if self._joins else key
@@ -157,7 +193,6 @@ class StepGraphs:
         self._checked = False
         self.mode = "eager"  # this step: eager / capture / replay
         self.key = None
-        self._warmed: set = set()
         self._captured: set = set()  # keys whose every layer holds a graph
         self.graphs: dict = {}  # (key, layer) -> (graph, static q, k, v, out, deltas)
         graphs_mod.free_with(self, self.graphs)  # never destroyed inside a capture
@@ -179,16 +214,11 @@ class StepGraphs:
     def _prepare(self) -> None:
         self._checked = True
         c = self.cache
-        model = c._model()
         dev = c.layers[0].store.device
-        if self.reason is None and model is None:
+        if self.reason is None and c._model() is None:
             self.reason = "the model was garbage-collected"
-        if self.reason is None and not c.graphs.usable(dev):
-            self.reason = "it needs a CUDA device"
-        if self.reason is None and len({lay.store.device for lay in c.layers}) > 1:
-            self.reason = "the layers sit on several devices"
         if self.reason is None:
-            self.reason = capture_unsupported(c)
+            self.reason = replay_unsupported(c)
         if self.reason is not None:
             if self.enabled and c.graphs.usable(dev):
                 warnings.warn(f"kvdex: per-layer step graphs are off, kvdex's decode step runs eagerly: "
@@ -213,22 +243,14 @@ class StepGraphs:
         self.in_step = True
         joins = dec._joins
         c.joins_external = joins
-        joining = dec._join_host() if joins else False
-        key = None if dec._needs_eager() else dec._key()
-        if key is not None and joins:  # as GraphDecoder._step: the join variant is captured early
-            early = not joining and (key, False) in self._captured and (key, True) not in self._captured
-            key = (key, joining or early)
-        if joins:
-            c.join_step = joining if key is None else key[1]
+        key, joining, mode = dec._decide(self._captured)
         self.key = key
         # a replay's host side: the pages that joined (an offloaded store counts the bytes it wrote out)
         self._count = dec._join_count if joins and key is not None and key[1] and joining else None
-        if key is None or (key not in self._captured and key not in self._warmed):
-            if key is not None:
-                self._warmed = {k for k in self._warmed if dec._base(k) == dec._base(key)} | {key}
+        if mode == "eager":
             self.counts["eager"] += 1
             return
-        if key not in self._captured:
+        if mode == "capture":
             base = dec._base(key)
             for k in [k for k in self.graphs if dec._base(k[0]) != base]:
                 del self.graphs[k]  # over buffers re-allocated since: never replayed again
