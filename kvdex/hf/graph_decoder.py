@@ -151,9 +151,7 @@ class GraphDecoder(StepPlan):
             if self.warn and self.enabled:
                 warnings.warn(f"kvdex: CUDA-graph decoding is off, decoding eagerly: {self.reason}", stacklevel=4)
             return
-        for st in stores:
-            st.use_static_sizing()
-        self._joins = bool(self.cache.policy.capturable_index)
+        self._arm()
 
     # ---- one step -----------------------------------------------------------------------------------
     @torch.no_grad()

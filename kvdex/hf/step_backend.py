@@ -115,9 +115,7 @@ class WholeStep(StepPlan):
         c = self.cache
         self.reason = replay_unsupported(c) if c.step_graphs.enabled else "disabled (step_graphs=False)"
         if self.reason is None:
-            for lay in c.layers:
-                lay.store.use_static_sizing()
-            self._joins = bool(c.policy.capturable_index)
+            self._arm()
 
     def run(self, step: _Step, args: tuple):
         if not self._checked:

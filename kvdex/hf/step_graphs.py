@@ -152,6 +152,13 @@ class StepPlan:
         c.counters.calls += delta[2]
         c.warn_if_long(c.layers[0].seen, stacklevel=4)
 
+    def _arm(self) -> None:
+        """Switch the stores to static sizing and note whether the policy indexes page joins in captured steps."""
+        c = self.cache
+        for lay in c.layers:
+            lay.store.use_static_sizing()
+        self._joins = bool(c.policy.capturable_index)
+
     def _decide(self, captured, extra=None):
         """This step's graph key, whether a page joins, and what to do: ``"eager"`` (a boundary, a step the
         policy keeps eager, or a new key run once eagerly first, so that every kernel variant is compiled and
@@ -225,9 +232,7 @@ class StepGraphs:
                               f"{self.reason}", stacklevel=6)  # fmt: skip
             return
         self._dec = StepPlan(c, weak=True)
-        for lay in c.layers:
-            lay.store.use_static_sizing()
-        self._dec._joins = bool(c.policy.capturable_index)
+        self._dec._arm()
         self._last_layer = len(c.layers) - 1
 
     def begin(self) -> None:
