@@ -51,8 +51,9 @@ class Cache(HFCache):
     are that policy's dataclass fields. ``budget`` and the keyword-only arguments but ``step_graphs``
     are the fields of :class:`kvdex.config.CacheConfig` (``cache.config``), validated there;
     ``page_cache``: with ``offload=True``, a device cache of recently selected pages
-    (``kvdex.storage.offload``); ``step_graphs``: decode steps outside ``kvdex.generate`` replay
-    per-layer CUDA graphs (:mod:`kvdex.hf.step_graphs`; False: eager). Long prompts: ``kvdex.hf.prefill``.
+    (``kvdex.storage.offload``); ``step_graphs``: decode steps outside ``kvdex.generate`` replay CUDA
+    graphs, whole steps under kvdex's compile backend (:mod:`kvdex.hf.step_backend`), else one per layer
+    (:mod:`kvdex.hf.step_graphs`); False: eager. Long prompts: ``kvdex.hf.prefill``.
     """
 
     def __init__(
@@ -176,8 +177,9 @@ class Cache(HFCache):
     @property
     def is_compileable(self) -> bool:
         """transformers' ``generate`` compiles the decode step of a compileable cache on CUDA (its
-        ``compile_config``; off with ``disable_compile=True``). kvdex's work stays outside the compiled graphs
-        (:mod:`kvdex.hf.compiled_ops`); not under tensor parallelism."""
+        ``compile_config``; off with ``disable_compile=True``): kvdex's work is the custom ops of
+        :mod:`kvdex.hf.compiled_ops` there, replayed with the whole step by kvdex's backend
+        (:mod:`kvdex.hf.step_backend`); not under tensor parallelism."""
         return self.tp.size == 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
