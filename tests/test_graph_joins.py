@@ -56,6 +56,7 @@ SPECS = [
     "streaming",
     "snapkv",  # no index: the kept tokens past the prefill's middle grow with the store's lengths
     "snapkv:refresh=8",
+    "h2o",  # nothing to index at a join: its score buffers cover every position already
     "icecache:search=summary",  # the semantic page insertion inside the step (SemanticPages.insert_device)
     "icecache:search=summary:rerank=4",
     "icecache:search=summary:rerank=4:rerank_unit=token",
@@ -81,9 +82,10 @@ BUDGET = 96
 def test_opted_in_policies_are_graph_policies():
     assert all(s in SPECS and base in JOIN_PATH_SPECS for s, base in SELECT_ONLY.items())
     names = {"quest", "pariskv", "pariskv-kmeans", "chess", "arkvale", "prkv", "full", "oracle", "streaming", "snapkv"}
+    names |= {"h2o"}
     assert all(policy_class(n).capturable_index for n in names)
     assert names <= set(graph_policies())
-    assert not any(policy_class(n).capturable_index for n in ("h2o", "icecache"))
+    assert not policy_class("icecache").capturable_index
     # icecache: only search="summary" (no tree search) indexes its joins inside the step (an instance attribute)
     assert kvdex.make_policy("icecache", search="summary").capturable_index
     assert not any(kvdex.make_policy("icecache", search=s).capturable_index for s in ("auto", "device", "host"))

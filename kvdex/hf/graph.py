@@ -37,8 +37,9 @@ key) and ``grows_on_append(1)`` (a device buffer re-allocates: that step runs ea
   ArkVale's cache bookkeeping) are inside the graph, written in place into persistent buffers.
 
 **Page joins** (``Policy.capturable_index``: quest, pariskv, chess, arkvale, prkv, icecache with
-``search="summary"``). In a decode step at most one page per sequence joins the middle, and the host
-knows which from its lengths. The step is
+``search="summary"``; full, oracle, streaming, snapkv and h2o, which have nothing to index at a join).
+In a decode step at most one page per sequence joins the middle, and the host knows which from its
+lengths. The step is
 then made of fixed-shape device work over device-side indices: ``LayerStore.append_join`` appends the
 token and returns a :class:`~kvdex.storage.PageJoin` (device ``joins`` mask and page ``start`` from the
 device lengths, the page's keys gathered there; an offloaded store first writes the page leaving its

@@ -41,6 +41,9 @@ _GROW = 1024  # positions of score capacity added at a time
 class H2OPolicy(Policy):
     name = "h2o"
     capturable = True
+    # a page joining the middle needs no index work (its positions' scores are already in the score
+    # buffers): CUDA-graph decoding replays those steps too, as for the index-free policies
+    capturable_index = True
     granularity = "token"
     observes = True
 
@@ -67,6 +70,12 @@ class H2OPolicy(Policy):
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
+
+    def reserve_index(self, layer, pages, store) -> None:
+        """Nothing to reserve: the score buffers grow in ``select`` (a new ``graph_key``)."""
+
+    def index_join(self, layer, join) -> None:
+        """Nothing to index (``index`` keeps only the prefill's queries)."""
 
     def _reserve(self, layer: int, n: int, like: torch.Tensor) -> None:
         cur = self.score.get(layer)

@@ -38,7 +38,7 @@ class ScorecardConfig:
     ppl_tokens: int = 128
     longbench_per_dataset: int = 1000  # all 237 MiniLongBench samples
     longbench_max_new_tokens: int = 128
-    batch: int = 8
+    batch: int = 16
     seed: int = 0
     page_size: int = DEFAULT_PAGE_SIZE
     sink: int = DEFAULT_SINK
