@@ -291,6 +291,7 @@ GPU_SPECS = [
     "chess:trigger=never",
     "arkvale",
     "prkv:static_ratio=0.5",
+    "h2o",
     "icecache:search=summary",
     "icecache:search=summary:build=device",
 ]
