@@ -1,0 +1,28 @@
+"""scripts/profile_step.py runs on the CPU (tiny shape) and reports a positive time per step per policy."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+
+def _script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_step_reports_each_policy(capsys):
+    rc = _script().main(
+        "--shape tiny --device cpu --context 300 --budget 96 --dense-layers 1 --steps 2 --warmup 1 --top 3 "
+        "--policies quest,quest:rerank=4".split()
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    totals = re.findall(r"== (\S+): (\d+) us per step", out)
+    assert [p for p, _ in totals] == ["quest", "quest:rerank=4"], out
+    assert all(int(t) > 0 for _, t in totals)
+    assert len(re.findall(r"^\s+[\d.]+ us\s+x", out, re.M)) == 6  # --top 3 kernels for each policy
