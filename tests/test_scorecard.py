@@ -332,3 +332,21 @@ def test_task_left_out_for_missing_data_is_noted(tmp_path):
     assert names == ["retrieval"]
     assert any(n.startswith("recall / ppl skipped") for n in skipped)
     assert any(n.startswith("LongBench v1 skipped") for n in skipped)
+
+
+@pytest.mark.parametrize("live_gb,collects", [(10, 0), (50, 1)])
+def test_a_closed_fork_is_collected_only_when_device_memory_fills(monkeypatch, live_gb, collects):
+    """decode.release: a full garbage collection (about 0.2 s) runs after a fork only when live device
+    memory passes half the GPU; never on the CPU."""
+    from types import SimpleNamespace
+
+    from kvdex.eval.card import decode
+
+    calls = []
+    monkeypatch.setattr(decode.gc, "collect", lambda *a: calls.append(1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: live_gb * 10**9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 10**9))
+    decode.release("cpu")
+    assert calls == []
+    decode.release("cuda:0")
+    assert len(calls) == collects
