@@ -179,18 +179,23 @@ class Policy:
 # ---- registry ----------------------------------------------------------------------------------
 
 
-class IndexFreePolicy(Policy):
-    """A policy that keeps no index of the middle (its selection reads only the store: ``full``,
-    ``oracle``, ``streaming``): a page joining the middle needs no index work, so CUDA-graph decoding
-    replays those steps too (``capturable_index``) instead of running them eagerly."""
+class JoinFreePolicy(Policy):
+    """A policy with nothing to index when a page joins the middle during decoding (the index-free
+    policies below; SnapKV, whose prompt choice is fixed; H2O, whose score buffers cover every position):
+    CUDA-graph decoding replays those steps too (``capturable_index``) instead of running them eagerly."""
 
     capturable_index: ClassVar[bool] = True
 
     def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
-        """Nothing to reserve."""
+        """Nothing to reserve (buffers that grow with the lengths are sized in ``graph_key`` / ``select``)."""
 
     def index_join(self, layer: int, join: PageJoin) -> None:
         """Nothing to index."""
+
+
+class IndexFreePolicy(JoinFreePolicy):
+    """A policy that keeps no index of the middle (its selection reads only the store: ``full``,
+    ``oracle``, ``streaming``)."""
 
 
 @dataclass

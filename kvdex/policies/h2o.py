@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._obs import attention_mass, obs_rows
-from kvdex.policies.base import Policy, group_reduce, register_policy, topk_ids
+from kvdex.policies.base import JoinFreePolicy, group_reduce, register_policy, topk_ids
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
 
@@ -38,12 +38,9 @@ _GROW = 1024  # positions of score capacity added at a time
 
 @register_policy
 @dataclass
-class H2OPolicy(Policy):
+class H2OPolicy(JoinFreePolicy):
     name = "h2o"
-    capturable = True
-    # a page joining the middle needs no index work (its positions' scores are already in the score
-    # buffers): CUDA-graph decoding replays those steps too, as for the index-free policies
-    capturable_index = True
+    capturable = True  # and JoinFreePolicy: a joining page's positions already have their scores
     granularity = "token"
     observes = True
 
@@ -70,12 +67,6 @@ class H2OPolicy(Policy):
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
-
-    def reserve_index(self, layer, pages, store) -> None:
-        """Nothing to reserve: the score buffers grow in ``select`` (a new ``graph_key``)."""
-
-    def index_join(self, layer, join) -> None:
-        """Nothing to index (``index`` keeps only the prefill's queries)."""
 
     def _reserve(self, layer: int, n: int, like: torch.Tensor) -> None:
         cur = self.score.get(layer)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
-from kvdex.policies.base import Policy, register_policy, topk_ids
+from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
 from kvdex.selection import Selection
 
 
@@ -46,12 +46,12 @@ def prompt_rows(update, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @register_policy
 @dataclass
-class SnapKVPolicy(Policy):
+class SnapKVPolicy(JoinFreePolicy):
     name = "snapkv"
     capturable = True
-    # a page joining the middle needs no index work (the prompt's choice is fixed; with refresh=0 the joined
-    # tokens are kept by _kept, read from the store's lengths): CUDA-graph decoding replays those steps too
-    capturable_index = True
+    # JoinFreePolicy: a page joining the middle needs no index work (the prompt's choice is fixed; with
+    # refresh=0 the joined tokens are kept by _kept, read from the store's lengths; else they wait for the
+    # next refresh)
     granularity = "token"
 
     obs: int = 32  # observation window (SnapKV's window_size)
@@ -78,12 +78,6 @@ class SnapKVPolicy(Policy):
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
-
-    def reserve_index(self, layer, pages, store) -> None:
-        """Nothing to reserve: no index of the middle (the kept width grows in graph_key)."""
-
-    def index_join(self, layer, join) -> None:
-        """Nothing to index: a joined page's tokens are kept (refresh=0) or wait for the next refresh."""
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # The first decode step (the prompt's votes) and every refresh-th step (SnapKV+) run eagerly; the
