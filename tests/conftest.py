@@ -7,6 +7,7 @@ attention, the other keeps transformers' own ``sdpa`` attention and is the refer
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -84,6 +85,11 @@ def build_pair(family: str, seed: int = 0, **overrides):
     assert model.config._attn_implementation == "kvdex"
     assert ref.config._attn_implementation == "sdpa"
     return model, ref
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: one thread each, not every core for every worker
+    torch.set_num_threads(1)
 
 
 @functools.cache
@@ -192,11 +198,12 @@ INTERPRETER_SUITES = {
 
 
 @pytest.fixture(scope="session")
-def interpreter_suite(request):
+def interpreter_suite(request, tmp_path_factory):
     """``check(__file__)``: asserts that the module's kernel tests passed under ``TRITON_INTERPRET=1``
     (at least one, none failed). The first call runs the modules of ``INTERPRETER_SUITES`` this session
-    collected a ``test_interpreter_suite`` of, in one subprocess."""
-    import os
+    collected a ``test_interpreter_suite`` of, in one subprocess; under pytest-xdist the workers share
+    that one run (a file lock beside the workers' temporary folders)."""
+    import json
     import subprocess
     import sys
     import tempfile
@@ -231,11 +238,25 @@ def interpreter_suite(request):
                 elif case.find("skipped") is None:
                     outcomes[name]["passed"] += 1
 
+    def shared_run() -> None:
+        from filelock import FileLock
+
+        root = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            root = root.parent  # the folder every worker's basetemp lives in
+        done = root / "interpreter_suite.json"
+        with FileLock(str(root / "interpreter_suite.lock")):
+            if done.is_file():
+                outcomes.update(json.loads(done.read_text()))
+            else:
+                run()
+                done.write_text(json.dumps(outcomes))
+
     def check(module_file: str) -> None:
         name = Path(module_file).name
         assert name in names, f"{name} is not in conftest.INTERPRETER_SUITES"
         if not outcomes:
-            run()
+            shared_run()
         got = outcomes[name]
         assert not got["failed"] and got["passed"] > 0, f"{name}: failed {got['failed']}\n{got['tail']}"
 

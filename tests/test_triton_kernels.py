@@ -1,5 +1,5 @@
 """Triton kernels against their PyTorch twins (decode attention, dense decode, UVA/device gather,
-Quest page bounds).
+Quest page bounds, ArkVale digests, the rerank's candidate scores).
 
 On a CUDA machine the kernels run compiled on the GPU. On a CPU machine they run through Triton's
 interpreter, which must be switched on (``TRITON_INTERPRET=1``) before triton is first imported;
@@ -308,6 +308,42 @@ def test_digest_scores_match_twin(kind, b, h, g, p, d):
         dt.page_scores(q, c, torch.zeros(b, h, p, 2, device=DEV), lengths, grid)
 
 
+# ---- rerank: exact scores of candidate tokens ----------------------------------------------------------
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", ["max", "weight"])
+@pytest.mark.parametrize("b,h,g,c,d,ps", [(2, 2, 2, 9, 16, 4), (1, 1, 7, 5, 32, 16), (2, 3, 4, 12, 64, 16)])
+def test_rerank_candidate_scores_match_twin(dtype, group, b, h, g, c, d, ps):
+    """The kernel reads the candidate pages' keys in place (a strided buffer with spare slots, pages
+    padded with -1 and repeated) and scores exactly what the twin gathers and scores: the same live
+    tokens (page >= 0, below the window, at or past ``first``), -inf elsewhere."""
+    from kvdex.kernels import rerank_triton as rt
+
+    gen = torch.Generator().manual_seed(c * d + g)
+    sink, s_cap = 4, 4 + 20 * ps + 9
+    big = torch.randn(b, h, s_cap + 3, d + 8, generator=gen).to(dtype)  # strided: a view of a wider buffer
+    k = big.to(DEV)[:, :, :s_cap, :d]
+    q = torch.randn(b, h * g, d, generator=gen).to(dtype).to(DEV)
+    pages = torch.randint(-1, 20, (b, h, c), generator=gen)
+    pages[:, :, 1] = -1  # padding
+    pages = pages.to(DEV)
+    ws = torch.tensor([sink + 20 * ps, sink + 13 * ps + 3][:b], device=DEV)  # row 1: past its window: dead
+    for first in (None, torch.tensor([sink + 2 * ps + 1, sink][:b], device=DEV)):
+        kw = dict(sink=sink, page_size=ps, scale=0.125, group=group, first=first)
+        got = rt.candidate_scores(q, k, pages, ws, **kw)
+        want = rt.candidate_scores_reference(q, k, pages, ws, **kw)
+        n = c * ps
+        assert got.shape == ((b, h, n) if group == "max" else (b, h, g, n)) and got.dtype == torch.float32
+        assert bool((torch.isfinite(got) == torch.isfinite(want)).all())
+        live = torch.isfinite(want)
+        assert bool(live.any()) and not bool(live.all())
+        torch.testing.assert_close(got[live], want[live], atol=2e-3 if dtype != torch.float32 else 1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="group"):
+        rt.candidate_scores(q, k, pages, ws, sink=sink, page_size=ps, scale=1.0, group="sum")
+
+
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------
 
 
@@ -337,3 +373,29 @@ def test_host_pages_use_uva_and_match_staging_path():
     hp._uva = None
     want = hp.fetch_pages(pages)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["quest:rerank=4", "quest:rerank=4:rerank_group=weight", "prkv:rerank=2:refresh=8"])
+def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
+    """Greedy decode of a tiny fp32 model with a page policy's rerank: the candidates scored by the kernel
+    (IEEE fp32 dot) and by the PyTorch twin (that one seam dispatching to nothing) give the same tokens and
+    logits within fp32 rounding."""
+    import kvdex
+    from kvdex.bench import shapes
+    from kvdex.bench.decoding import make_prompt
+    from kvdex.policies import _rerank
+
+    model = shapes.build_model("tiny", torch.float32, "cuda")
+    ids = make_prompt(2, 600, model.config.vocab_size, 0, "cuda")
+    out = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(_rerank, "triton_kernel", lambda *a, **k: None)
+        cache = kvdex.Cache(model, spec, 128, dense_layers=1)
+        got = model.generate(ids, **kvdex.cache_kwargs(cache), max_new_tokens=24, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        out.append(got)
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    torch.testing.assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits), atol=1e-4, rtol=1e-4)

@@ -73,10 +73,12 @@ def mask_pages(score: torch.Tensor, num_pages: torch.Tensor, first: torch.Tensor
     return score.masked_fill(out, float("-inf"))
 
 
-def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ids(score: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """Top-k indices along the last dim, ``-1`` where the score is ``-inf`` (invalid entries).
 
-    score [B, H, N] -> [B, H, min(k, N)] (int64), ordered by descending score.
+    score [B, H, N] -> [B, H, min(k, N)] (int64), ordered by descending score; with ``ordered=False`` the
+    same set in an order left to ``torch.topk(sorted=False)`` (deterministic; on CUDA it skips the sort
+    of the k results): for callers that use the set only, such as a rerank's candidates.
     """
     k = min(k, score.shape[-1])
     if k <= 0:
@@ -84,7 +86,7 @@ def topk_ids(score: torch.Tensor, k: int) -> torch.Tensor:
     fast = _fast_topk(score, k)
     if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
         return fast(score, k)
-    val, ids = torch.topk(score, k, dim=-1)
+    val, ids = torch.topk(score, k, dim=-1, sorted=ordered)
     # |val| < inf is isfinite (NaN and +-inf fail it) in two kernels instead of isfinite's four
     return torch.where(val.abs() < float("inf"), ids, -1)
 
@@ -110,6 +112,18 @@ def _fast_topk(score: torch.Tensor, k: int):
     if not topk.supported(score, k):
         return None
     return topk.topk_ids_split if long_row else topk.topk_ids
+
+
+def candidate_scores(q: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, group: str, scale: float) -> torch.Tensor:
+    """Exact scores of candidate tokens (the PyTorch path of a page policy's ``rerank``; the twin of
+    :func:`kvdex.kernels.rerank_triton.candidate_scores`): q [B, Hq, D], their keys [B, H, N, D], live
+    [B, H, N] -> ``group="max"``: the group's largest ``q.k`` [B, H, N]; ``"weight"``: ``scale * q.k`` per
+    query head [B, H, G, N]; fp32, ``-inf`` where not live."""
+    b, hq, d = q.shape
+    h = keys.shape[1]
+    s = torch.einsum("bhgd,bhnd->bhgn", q.float().view(b, h, hq // h, d), keys.float())  # [B, H, G, N]
+    s = s.masked_fill(~live[:, :, None, :].to(s.device), float("-inf"))
+    return s.amax(2) if group == "max" else s * scale
 
 
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,11 @@ hierarchy; unchanged) choose ``N x`` the pages its token budget fills -- the *ca
 retrieval budget in tokens (PRKV: its dynamic part); the candidates number ``N * ceil(T / page_size)``.
 Sink and window (and PRKV's static tokens) are attended as before.
 
-The keys are read with :meth:`~kvdex.storage.LayerStore.page_keys`: in place from a GPU-resident store,
-through the fetch path of an offloaded one (``N`` times the selected pages cross PCIe each step, on top
-of the attended tokens). Fixed shapes and no host read of a device value: a captured CUDA graph replays
-it.
+The keys are read in place from a GPU-resident store (on CUDA by one Triton kernel,
+:mod:`kvdex.kernels.rerank_triton`; its PyTorch twin gathers them with
+:meth:`~kvdex.storage.LayerStore.page_keys`), through the fetch path of an offloaded one (``N`` times the
+selected pages cross PCIe each step, on top of the attended tokens). Fixed shapes and no host read of a
+device value: a captured CUDA graph replays it.
 
 How a kv head's query heads combine (``rerank_group``):
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.kernels.scoring import topk_ids
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.scoring import candidate_scores, topk_ids
 from kvdex.selection import Selection
 
 RERANK_GROUPS = ("max", "weight")
@@ -89,20 +91,24 @@ def rerank_tokens(
     if c == 0 or tokens <= 0:
         return view.no_ids(q.device)
     pages = pages.to(q.device)
-    keys = view.store.page_keys(pages).to(q.device)  # [B, H, C, ps, D]
+    store = view.store
     slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
     live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
     if first is not None:
         live = live & (slot >= first.to(q.device)[:, None, None, None])
     slot, live = slot.flatten(2), live.flatten(2)  # [B, H, N]
-    qg = q.float().view(b, h, g, d)
-    s = torch.einsum("bhgd,bhnd->bhgn", qg, keys.flatten(2, 3).float())  # [B, H, G, N]
-    s = s.masked_fill(~live[:, :, None, :], float("-inf"))
+    fast = triton_kernel("rerank_triton", "candidate_scores", on=q) if store.positional_slots else None
+    if fast is not None:  # one kernel reads the candidates' keys in place (kvdex.kernels.rerank_triton)
+        s = fast(q, store.k, pages, view.window_start, sink=view.sink, page_size=ps, scale=view.scale,
+                 group=group, first=first)  # fmt: skip
+    else:
+        keys = store.page_keys(pages).to(q.device).flatten(2, 3)  # [B, H, N, D]
+        s = candidate_scores(q, keys, live, group, view.scale)
     if group == "max":
-        score = s.amax(2)
+        score = s
     else:  # "weight": the group's summed softmax weights over sink + window + the candidates
-        score = _weights(qg, s * view.scale, view).sum(2).masked_fill(~live, float("-inf"))
-    ids = topk_ids(score, tokens)  # [B, H, min(tokens, N)]
+        score = _weights(q.float().view(b, h, g, d), s, view).sum(2).masked_fill(~live, float("-inf"))
+    ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
     return torch.where(ids >= 0, slot.gather(2, ids.clamp(min=0)), -1)
 
 

@@ -252,7 +252,7 @@ class PageScoringPolicy(RerankOption, Policy):
             return group_topk(score, view.kv_heads, k, "heads"), score
         if score.shape[1] != view.kv_heads:
             score = group_reduce(score, view.kv_heads, self.group)
-        return topk_ids(score, k), score
+        return topk_ids(score, k, ordered=not self.rerank), score  # rerank: the candidates are a set
 
     def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
         """The selection of ``pages`` (:meth:`top_pages`; ``score`` None: nothing was scored). Default:
