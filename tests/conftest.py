@@ -7,7 +7,6 @@ attention, the other keeps transformers' own ``sdpa`` attention and is the refer
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -85,11 +84,6 @@ def build_pair(family: str, seed: int = 0, **overrides):
     assert model.config._attn_implementation == "kvdex"
     assert ref.config._attn_implementation == "sdpa"
     return model, ref
-
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest-xdist runs one worker per core: one thread each, not every core for every worker
-    torch.set_num_threads(1)
 
 
 @functools.cache
@@ -187,76 +181,95 @@ def smollm2_cpu():
 # triton reads TRITON_INTERPRET when it is first imported, long before these modules in a test session, so
 # their kernel tests run again in a fresh interpreter with the variable set: one subprocess for every such
 # module of the session (one start-up of torch, transformers and pytest), and each module's
-# ``test_interpreter_suite`` checks its own tests there. Module -> the -k selection of its kernel tests
-# (None: the whole module).
+# ``test_interpreter_suite`` checks its own tests there. The subprocess starts when collection ends and
+# runs (one thread) beside the rest of the session; the first check waits for it. Module -> the -k
+# selection of its kernel tests (None: the whole module).
 INTERPRETER_SUITES = {
+    "test_page_cache.py": "triton",
     "test_pariskv.py": "triton_",
     "test_step_kernels.py": None,
     "test_topk.py": None,
     "test_triton_kernels.py": None,
 }
+_SUITE_RUN: dict = {}  # the background run of this session: names, process, junit path, temporary folder
 
 
-@pytest.fixture(scope="session")
-def interpreter_suite(request, tmp_path_factory):
-    """``check(__file__)``: asserts that the module's kernel tests passed under ``TRITON_INTERPRET=1``
-    (at least one, none failed). The first call runs the modules of ``INTERPRETER_SUITES`` this session
-    collected a ``test_interpreter_suite`` of, in one subprocess; under pytest-xdist the workers share
-    that one run (a file lock beside the workers' temporary folders)."""
-    import json
+def _start_interpreter_suites(items) -> None:
+    import importlib.util
+    import os
     import subprocess
     import sys
     import tempfile
+    from pathlib import Path
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        return  # the kernel tests run in this session itself
+    if importlib.util.find_spec("triton") is None:
+        return
+    wanted = {item.path.name for item in items if item.name == "test_interpreter_suite"}
+    names = sorted(n for n in INTERPRETER_SUITES if n in wanted)
+    if not names:
+        return
+    here = Path(__file__).parent
+    select = " or ".join(n if INTERPRETER_SUITES[n] is None else f"({n} and {INTERPRETER_SUITES[n]})" for n in names)
+    tmp = tempfile.TemporaryDirectory()
+    xml = Path(tmp.name) / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", *(str(here / n) for n in names), "-q", "-p", "no:cacheprovider"]
+    cmd += ["-m", "not gpu", "-k", select, f"--junitxml={xml}"]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, cwd=here.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _SUITE_RUN.update(names=names, proc=proc, xml=xml, tmp=tmp)
+
+
+def pytest_collection_finish(session):
+    _start_interpreter_suites(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    proc = _SUITE_RUN.get("proc")
+    if proc is not None and proc.poll() is None:  # the session ended before a check waited for it
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="session")
+def interpreter_suite():
+    """``check(__file__)``: asserts that the module's kernel tests passed under ``TRITON_INTERPRET=1``
+    (at least one, none failed), in the subprocess this session started after collection (one for
+    the modules of ``INTERPRETER_SUITES`` whose ``test_interpreter_suite`` it collected)."""
     import xml.etree.ElementTree as ET
     from pathlib import Path
 
-    here = Path(__file__).parent
-    wanted = {item.path.name for item in request.session.items if item.name == "test_interpreter_suite"}
-    names = sorted(n for n in INTERPRETER_SUITES if n in wanted)
     outcomes: dict[str, dict] = {}
 
-    def run() -> None:
-        select = " or ".join(
-            n if INTERPRETER_SUITES[n] is None else f"({n} and {INTERPRETER_SUITES[n]})" for n in names
-        )
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-        with tempfile.TemporaryDirectory() as tmp:
-            xml = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", *(str(here / n) for n in names), "-q", "-p", "no:cacheprovider"]
-            cmd += ["-m", "not gpu", "-k", select, f"--junitxml={xml}"]
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
-            tail = r.stdout[-4000:] + r.stderr[-2000:]
-            for n in names:
-                outcomes[n] = {"passed": 0, "failed": [], "tail": tail}
-            cases = ET.parse(xml).getroot().iter("testcase") if xml.is_file() else []
-            for case in cases:
-                name = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
-                if name not in outcomes:
-                    continue
-                if case.find("failure") is not None or case.find("error") is not None:
-                    outcomes[name]["failed"].append(case.get("name"))
-                elif case.find("skipped") is None:
-                    outcomes[name]["passed"] += 1
-
-    def shared_run() -> None:
-        from filelock import FileLock
-
-        root = tmp_path_factory.getbasetemp()
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            root = root.parent  # the folder every worker's basetemp lives in
-        done = root / "interpreter_suite.json"
-        with FileLock(str(root / "interpreter_suite.lock")):
-            if done.is_file():
-                outcomes.update(json.loads(done.read_text()))
-            else:
-                run()
-                done.write_text(json.dumps(outcomes))
+    def collect() -> None:
+        proc = _SUITE_RUN["proc"]
+        try:
+            out, err = proc.communicate(timeout=900)
+        except Exception:
+            proc.kill()
+            out, err = proc.communicate()
+        tail = out[-4000:] + err[-2000:]
+        for n in _SUITE_RUN["names"]:
+            outcomes[n] = {"passed": 0, "failed": [], "tail": tail}
+        xml = _SUITE_RUN["xml"]
+        cases = ET.parse(xml).getroot().iter("testcase") if xml.is_file() else []
+        for case in cases:
+            name = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+            if name not in outcomes:
+                continue
+            if case.find("failure") is not None or case.find("error") is not None:
+                outcomes[name]["failed"].append(case.get("name"))
+            elif case.find("skipped") is None:
+                outcomes[name]["passed"] += 1
+        _SUITE_RUN["tmp"].cleanup()
 
     def check(module_file: str) -> None:
         name = Path(module_file).name
-        assert name in names, f"{name} is not in conftest.INTERPRETER_SUITES"
+        assert name in INTERPRETER_SUITES, f"{name} is not in conftest.INTERPRETER_SUITES"
+        assert name in _SUITE_RUN.get("names", ()), "the interpreter suites did not start (see conftest)"
         if not outcomes:
-            shared_run()
+            collect()
         got = outcomes[name]
         assert not got["failed"] and got["passed"] > 0, f"{name}: failed {got['failed']}\n{got['tail']}"
 

@@ -10,8 +10,6 @@ PyTorch twin; bad sizes raise ValueError. No timing is asserted.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -178,15 +176,11 @@ def test_cache_with_page_cache_decodes_bit_identically(llama, budget):
 
 
 @pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="runs the kernels itself")
-def test_interpreter_suite():
-    """This file's kernel tests under TRITON_INTERPRET=1 in a fresh interpreter (triton must be imported
-    after the variable is set)."""
+def test_interpreter_suite(interpreter_suite):
+    """This file's kernel tests (``-k triton``) under TRITON_INTERPRET=1 in a fresh interpreter (triton must
+    be imported after the variable is set; tests/conftest.py: one for every such file of the session)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout
+    interpreter_suite(__file__)
 
 
 @pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")

@@ -344,6 +344,31 @@ def test_rerank_candidate_scores_match_twin(dtype, group, b, h, g, c, d, ps):
         rt.candidate_scores(q, k, pages, ws, sink=sink, page_size=ps, scale=1.0, group="sum")
 
 
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", ["max", "heads"])
+@pytest.mark.parametrize("b,h,g,n,d", [(2, 2, 2, 37, 16), (1, 1, 7, 80, 32), (2, 3, 4, 130, 64)])
+def test_rerank_slot_scores_match_twin(dtype, group, b, h, g, n, d):
+    """IceCache's semantic candidates: keys at arbitrary slots (int32, -1 for none) of a strided buffer."""
+    from kvdex.kernels import rerank_triton as rt
+
+    gen = torch.Generator().manual_seed(n + g)
+    s_cap = 300
+    k = torch.randn(b, h, s_cap, d + 8, generator=gen).to(dtype).to(DEV)[..., :d]
+    q = torch.randn(b, h * g, d, generator=gen).to(dtype).to(DEV)
+    slots = torch.randint(-1, s_cap, (b, h, n), generator=gen, dtype=torch.int32)
+    slots[:, :, 0] = -1
+    slots = slots.to(DEV)
+    got = rt.slot_scores(q, k, slots, group=group)
+    want = rt.slot_scores_reference(q, k, slots, group=group)
+    assert got.shape == ((b, h, n) if group == "max" else (b, h, g, n)) and got.dtype == torch.float32
+    live = torch.isfinite(want)
+    assert bool((torch.isfinite(got) == live).all()) and bool(live.any()) and not bool(live.all())
+    torch.testing.assert_close(got[live], want[live], atol=2e-3 if dtype != torch.float32 else 1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="group"):
+        rt.slot_scores(q, k, slots, group="weight")
+
+
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------
 
 

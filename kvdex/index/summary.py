@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from kvdex.index.pages import greedy_fit
-from kvdex.kernels.scoring import page_bounds, topk_ids
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.scoring import page_bounds, slot_scores, topk_ids
 
 SUMMARIES = ("minmax", "centroid")
 MERGES = ("rank", "max", "nsa")
@@ -242,6 +243,17 @@ class SemanticPages:
         live = (self.fill[:, :, :P] > 0).repeat_interleave(Hq // H, 1)
         return torch.where(live, s, -_INF)
 
+    def group_max(self, q: torch.Tensor, P: int) -> torch.Tensor:
+        """The largest of :meth:`scores` over each kv head's query heads: [B, H, P] fp32 (the rerank's
+        candidate pages). On CUDA the min/max bound runs in Quest's Triton kernel (the same bound, read in
+        the summaries' dtype; ``kvdex.kernels.quest_triton``) instead of fp32 copies and per-head bounds."""
+        B, Hq, _ = q.shape
+        fast = triton_kernel("quest_triton", "page_scores", on=q) if self.kind == "minmax" else None
+        if fast is None:
+            return self.scores(q, P).view(B, self.H, Hq // self.H, P).amax(2)
+        s = fast(q, self.a[:, :, :P], self.b[:, :, :P], torch.full((B,), P, device=q.device))
+        return torch.where(self.fill[:, :, :P] > 0, s, -_INF)
+
     def select(
         self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0, unit: str = "page"
     ):
@@ -256,18 +268,19 @@ class SemanticPages:
         G, R = Hq // H, B * self.H
         if P == 0 or room <= 0:
             return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
-        s = self.scores(q, P).view(R, G, P)
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
-            val, cand = torch.topk(s.amax(1), min(P, rerank * cap), dim=1)  # [R, Pc]
+            val, cand = torch.topk(self.group_max(q, P).view(R, P), min(P, rerank * cap), dim=1)  # [R, Pc]
             rows = torch.arange(R, device=dev)[:, None] * self.pos.shape[2]
             pos = self.pos.view(-1, ps)[(rows + cand).flatten()].view(R, -1).long()  # [R, Pc * ps]
             live = (pos >= 0) & torch.isfinite(val).repeat_interleave(ps, 1)
-            k = keys.reshape(R, -1, D).gather(1, pos.clamp(min=0)[:, :, None].expand(-1, -1, D))
-            qk = torch.einsum("rgd,rnd->rgn", q.reshape(R, G, D).float(), k.float())
+            slots = torch.where(live, pos, -1).view(B, H, -1)
             if unit == "token":
-                return self._best_tokens(qk, live, pos, cand.shape[1], room, B)
-            s = qk.masked_fill(~live[:, None, :], -_INF).view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
+                score = exact_scores(q, keys, slots, "max").view(R, -1)  # [R, Pc * ps]
+                return self._best_tokens(score, pos, cand.shape[1], room, B)
+            s = exact_scores(q, keys, slots, "heads").view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
+        else:
+            s = self.scores(q, P).view(R, G, P)
         P = s.shape[2]
         M = min(P, 2 * cap)
         if merge == "rank":  # the union over the group, rank-major (every head's best page, then the second, ...)
@@ -311,10 +324,10 @@ class SemanticPages:
         self.counts.add_(torch.stack([taken.sum(), (out >= 0).sum()]))
         return out.view(B, H, T)
 
-    def _best_tokens(self, qk, live, pos, pc: int, room: int, B: int) -> torch.Tensor:
+    def _best_tokens(self, score, pos, pc: int, room: int, B: int) -> torch.Tensor:
         """``rerank_unit="token"``: the ``room`` tokens [B, H, T] (-1 padded) of the candidate pages with the
-        best exact q.k over the group (``qk`` [R, G, Pc * ps], ``live`` / ``pos`` [R, Pc * ps])."""
-        score = qk.amax(1).masked_fill(~live, -_INF)
+        best exact q.k over the group (``score`` [R, Pc * ps], ``-inf`` where no live key; ``pos`` the
+        candidates' positions)."""
         ids = topk_ids(score[:, None], room)[:, 0]  # [R, T], -1 where fewer live tokens
         hit = ids >= 0
         out = torch.where(hit, pos.gather(1, ids.clamp(min=0)), -1)
@@ -323,6 +336,17 @@ class SemanticPages:
         used.scatter_reduce_(1, page, hit.to(torch.int8), "amax")  # candidate pages holding a chosen token
         self.counts.add_(torch.stack([used.sum(), hit.sum()]))
         return out.view(B, self.H, -1)
+
+
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group: str) -> torch.Tensor:
+    """Exact ``q.k`` of the keys at ``slots`` [B, H, N] (-1: none) of ``keys`` [B, H, S, D] (slot ==
+    position), fp32, -inf where none: ``group="max"`` [B, H, N] the kv head's largest, ``"heads"``
+    [B, H, G, N] per query head. On CUDA one Triton kernel reads the keys in place
+    (:func:`kvdex.kernels.rerank_triton.slot_scores`); elsewhere its twin gathers them."""
+    fast = triton_kernel("rerank_triton", "slot_scores", on=q)
+    if fast is not None:
+        return fast(q, keys, slots, group=group)
+    return slot_scores(q, keys, slots, group)
 
 
 def page_summaries(k: torch.Tensor, held: torch.Tensor, kind: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:

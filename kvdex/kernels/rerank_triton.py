@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvdex.kernels.scoring import candidate_scores as _scores_from_keys
+from kvdex.kernels.scoring import slot_scores as _slot_scores
 
 
 @triton.jit
@@ -57,6 +58,7 @@ def _candidate_kernel(
     HAS_FIRST: tl.constexpr,
     MAX: tl.constexpr,
     IEEE: tl.constexpr,
+    BY_SLOT: tl.constexpr = False,  # PAGES holds each candidate token's slot (-1: none), not page ids
 ):
     bh = tl.program_id(0)
     nb = tl.program_id(1)
@@ -64,11 +66,15 @@ def _candidate_kernel(
     h = bh % H
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    page = tl.load(PAGES + b * stride_pb + h * stride_ph + offs_n // PS, mask=nmask, other=-1)
-    slot = SINK + page * PS + offs_n % PS
-    live = nmask & (page >= 0) & (slot < tl.load(WSTART + b))
-    if HAS_FIRST:
-        live = live & (slot >= tl.load(FIRST + b))
+    if BY_SLOT:
+        slot = tl.load(PAGES + b * stride_pb + h * stride_ph + offs_n, mask=nmask, other=-1).to(tl.int64)
+        live = nmask & (slot >= 0)
+    else:
+        page = tl.load(PAGES + b * stride_pb + h * stride_ph + offs_n // PS, mask=nmask, other=-1)
+        slot = SINK + page * PS + offs_n % PS
+        live = nmask & (page >= 0) & (slot < tl.load(WSTART + b))
+        if HAS_FIRST:
+            live = live & (slot >= tl.load(FIRST + b))
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kp = K + b * stride_kb + h * stride_kh + slot[:, None].to(tl.int64) * stride_ks + offs_d[None, :]
@@ -149,6 +155,43 @@ def candidate_scores(
         MAX=group == "max", IEEE=k.dtype == torch.float32,
     )  # fmt: skip
     return out
+
+
+def slot_scores(q: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, group: str = "max") -> torch.Tensor:
+    """Exact ``q.k`` of the keys at ``slots`` [B, H, N] (any int dtype; ``-1``: no key) of the key buffer
+    ``k`` [B, H, S, D], for the query heads ``q`` [B, Hq, D] (IceCache's semantic pages: their tokens'
+    positions). ``group="max"``: [B, H, N], the kv head's largest; ``"heads"``: [B, H, G, N] per query
+    head. fp32, ``-inf`` where the slot is ``-1``."""
+    if group not in ("max", "heads"):
+        raise ValueError(f"group must be 'max' or 'heads', got {group!r}")
+    zero = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    _check(q, k, slots, zero, "max")
+    b, hq, d = q.shape
+    h, n = slots.shape[1], slots.shape[2]
+    g = hq // h
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if slots.stride(2) != 1:
+        slots = slots.contiguous()
+    q = q.contiguous()
+    out = torch.empty((b, h, n) if group == "max" else (b, h, g, n), dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    block_n = 64
+    _candidate_kernel[(b * h, triton.cdiv(n, block_n))](
+        q, k, slots, zero, zero, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), slots.stride(0), slots.stride(1),
+        h, n, 1.0,
+        SINK=0, PS=1, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, HAS_FIRST=False,
+        MAX=group == "max", IEEE=k.dtype == torch.float32, BY_SLOT=True,
+    )  # fmt: skip
+    return out
+
+
+def slot_scores_reference(q, k, slots, *, group: str = "max") -> torch.Tensor:
+    """The twin: :func:`kvdex.kernels.scoring.slot_scores` (the keys gathered, then the fp32 product)."""
+    return _slot_scores(q, k, slots, group)
 
 
 def candidate_scores_reference(

@@ -126,6 +126,17 @@ def candidate_scores(q: torch.Tensor, keys: torch.Tensor, live: torch.Tensor, gr
     return s.amax(2) if group == "max" else s * scale
 
 
+def slot_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group: str) -> torch.Tensor:
+    """Exact ``q.k`` of the keys at ``slots`` [B, H, N] (any int dtype; -1: none) of ``keys`` [B, H, S, D]
+    for the query heads q [B, Hq, D] (IceCache's rerank of semantic pages; the twin of
+    :func:`kvdex.kernels.rerank_triton.slot_scores`): fp32, -inf where none; ``group="max"`` [B, H, N]
+    the kv head's largest, ``"heads"`` [B, H, G, N] per query head."""
+    s = slots.long().to(keys.device)
+    k = keys.gather(2, s.clamp(min=0, max=keys.shape[2] - 1)[..., None].expand(-1, -1, -1, keys.shape[-1]))
+    out = candidate_scores(q, k, s >= 0, "weight", 1.0)  # [B, H, G, N]
+    return out.amax(2) if group == "max" else out
+
+
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
     b, hq, d = q.shape
