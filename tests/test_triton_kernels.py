@@ -402,7 +402,16 @@ def test_host_pages_use_uva_and_match_staging_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec", ["quest:rerank=4", "quest:rerank=4:rerank_group=weight", "prkv:rerank=2:refresh=8"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "quest:rerank=4",
+        "quest:rerank=4:rerank_group=weight",
+        "prkv:rerank=2:refresh=8",
+        "icecache:search=summary:rerank=4:build=device",
+        "icecache:search=summary:rerank=4:build=device:rerank_unit=token",
+    ],
+)
 def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
     """Greedy decode of a tiny fp32 model with a page policy's rerank: the candidates scored by the kernel
     (IEEE fp32 dot) and by the PyTorch twin (that one seam dispatching to nothing) give the same tokens and
@@ -410,6 +419,7 @@ def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
     import kvdex
     from kvdex.bench import shapes
     from kvdex.bench.decoding import make_prompt
+    from kvdex.index import summary
     from kvdex.policies import _rerank
 
     model = shapes.build_model("tiny", torch.float32, "cuda")
@@ -418,6 +428,7 @@ def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
     for use in (True, False):
         if not use:
             monkeypatch.setattr(_rerank, "triton_kernel", lambda *a, **k: None)
+            monkeypatch.setattr(summary, "triton_kernel", lambda *a, **k: None)
         cache = kvdex.Cache(model, spec, 128, dense_layers=1)
         got = model.generate(ids, **kvdex.cache_kwargs(cache), max_new_tokens=24, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
