@@ -289,13 +289,13 @@ class SemanticPages:
             ok = torch.isfinite(val).transpose(1, 2).reshape(R, -1)
             ids = ids.transpose(1, 2).reshape(R, -1)
             N = ids.shape[1]
-            key = torch.where(ok, ids, P)
+            key = torch.where(ok, ids, P).int()  # int32 keys: half the radix passes of int64
             srt, perm = torch.sort(key, dim=1, stable=True)
             first = torch.ones_like(ok)
             first[:, 1:] = srt[:, 1:] != srt[:, :-1]
             keep = torch.zeros_like(ok).scatter_(1, perm, first & (srt < P))
             col = torch.arange(N, device=dev)[None, :]
-            order = torch.sort(torch.where(keep, col, N + col), dim=1).values[:, :M]
+            order = torch.sort(torch.where(keep, col, N + col).int(), dim=1).values[:, :M].long()
             valid = order < N
             order = torch.where(valid, ids.gather(1, order.clamp(max=N - 1)), 0)
         else:
@@ -313,7 +313,7 @@ class SemanticPages:
         taken = greedy_fit(f, valid, room, cap, ps)
         Tp = min(M, cap)
         col = torch.arange(M, device=dev)[None, :]
-        sel = torch.sort(torch.where(taken, col, M + col), dim=1).values[:, :Tp]
+        sel = torch.sort(torch.where(taken, col, M + col).int(), dim=1).values[:, :Tp].long()
         pages = torch.where(sel < M, order.gather(1, sel.clamp(max=M - 1)), -1)
         rows = torch.arange(R, device=dev)[:, None] * fill.shape[1]
         pos = self.pos.view(R * fill.shape[1], ps)[(rows + pages.clamp(min=0)).flatten()].view(R, Tp * ps)
