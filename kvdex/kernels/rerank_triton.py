@@ -96,18 +96,44 @@ def _candidate_kernel(
         tl.store(out, s * scale, mask=gmask[:, None] & nmask[None, :])
 
 
-def _check(q, k, pages, window_start, group):
-    if group not in ("max", "weight"):
-        raise ValueError(f"group must be 'max' or 'weight', got {group!r}")
-    if q.dim() != 3 or k.dim() != 4 or pages.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[2]:
+def _check(q, k, idx, group: str, groups: tuple[str, str], window_start=None):
+    if group not in groups:
+        raise ValueError(f"group must be {groups[0]!r} or {groups[1]!r}, got {group!r}")
+    if q.dim() != 3 or k.dim() != 4 or idx.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[2]:
         raise ValueError(
-            f"expected q [B, Hq, D], k [B, H, S, D] and pages [B, H, C], got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(pages.shape)}"
+            f"expected q [B, Hq, D], k [B, H, S, D] and pages / slots [B, H, C], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(idx.shape)}"
         )
-    if pages.shape[:2] != k.shape[:2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"pages {tuple(pages.shape)} and q {tuple(q.shape)} do not match k {tuple(k.shape)}")
-    if window_start.shape != (q.shape[0],):
+    if idx.shape[:2] != k.shape[:2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"pages / slots {tuple(idx.shape)} and q {tuple(q.shape)} do not match k {tuple(k.shape)}")
+    if window_start is not None and window_start.shape != (q.shape[0],):
         raise ValueError(f"window_start must be [B], got {tuple(window_start.shape)}")
+
+
+def _launch(q, k, idx, n: int, per_head: bool, scale: float, bounds=None, **consts) -> torch.Tensor:
+    """Run :func:`_candidate_kernel` over ``n`` candidate tokens per (sequence, kv head): ``idx`` [B, H, *]
+    holds their page ids (``bounds``: window start and first slot [B], int64) or their slots (``BY_SLOT``)."""
+    b, hq, d = q.shape
+    h = idx.shape[1]
+    g = hq // h
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if idx.stride(2) != 1:
+        idx = idx.contiguous()
+    q = q.contiguous()
+    out = torch.empty((b, h, g, n) if per_head else (b, h, n), dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    ws, fst = bounds if bounds is not None else (idx, idx)  # BY_SLOT: never read
+    block_n = 64
+    _candidate_kernel[(b * h, triton.cdiv(n, block_n))](
+        q, k, idx, ws, fst, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), idx.stride(0), idx.stride(1),
+        h, n, float(scale),
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=block_n, MAX=not per_head, IEEE=k.dtype == torch.float32, **consts,
+    )  # fmt: skip
+    return out
 
 
 def candidate_scores(
@@ -130,31 +156,11 @@ def candidate_scores(
 
     ``group="max"``: [B, H, C * page_size] fp32, the largest ``q.k`` over the kv head's query heads;
     ``"weight"``: [B, H, G, C * page_size] fp32, ``scale * q.k`` per query head. ``-inf`` where not live."""
-    _check(q, k, pages, window_start, group)
-    b, hq, d = q.shape
-    h, c = pages.shape[1], pages.shape[2]
-    g, n = hq // h, c * page_size
-    if k.stride(3) != 1:
-        k = k.contiguous()
-    if pages.stride(2) != 1:
-        pages = pages.contiguous()
-    q = q.contiguous()
-    shape = (b, h, n) if group == "max" else (b, h, g, n)
-    out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    if n == 0:
-        return out
-    block_n = 64
+    _check(q, k, pages, group, ("max", "weight"), window_start)
     ws = window_start.to(device=q.device, dtype=torch.int64)
     fst = ws if first is None else first.to(device=q.device, dtype=torch.int64)
-    _candidate_kernel[(b * h, triton.cdiv(n, block_n))](
-        q, k, pages, ws, fst, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), pages.stride(0), pages.stride(1),
-        h, n, float(scale),
-        SINK=sink, PS=page_size, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, HAS_FIRST=first is not None,
-        MAX=group == "max", IEEE=k.dtype == torch.float32,
-    )  # fmt: skip
-    return out
+    return _launch(q, k, pages, pages.shape[2] * page_size, group == "weight", scale, (ws, fst),
+                   SINK=sink, PS=page_size, HAS_FIRST=first is not None)  # fmt: skip
 
 
 def slot_scores(q: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, group: str = "max") -> torch.Tensor:
@@ -162,31 +168,9 @@ def slot_scores(q: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, group:
     ``k`` [B, H, S, D], for the query heads ``q`` [B, Hq, D] (IceCache's semantic pages: their tokens'
     positions). ``group="max"``: [B, H, N], the kv head's largest; ``"heads"``: [B, H, G, N] per query
     head. fp32, ``-inf`` where the slot is ``-1``."""
-    if group not in ("max", "heads"):
-        raise ValueError(f"group must be 'max' or 'heads', got {group!r}")
-    zero = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-    _check(q, k, slots, zero, "max")
-    b, hq, d = q.shape
-    h, n = slots.shape[1], slots.shape[2]
-    g = hq // h
-    if k.stride(3) != 1:
-        k = k.contiguous()
-    if slots.stride(2) != 1:
-        slots = slots.contiguous()
-    q = q.contiguous()
-    out = torch.empty((b, h, n) if group == "max" else (b, h, g, n), dtype=torch.float32, device=q.device)
-    if n == 0:
-        return out
-    block_n = 64
-    _candidate_kernel[(b * h, triton.cdiv(n, block_n))](
-        q, k, slots, zero, zero, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), slots.stride(0), slots.stride(1),
-        h, n, 1.0,
-        SINK=0, PS=1, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, HAS_FIRST=False,
-        MAX=group == "max", IEEE=k.dtype == torch.float32, BY_SLOT=True,
-    )  # fmt: skip
-    return out
+    _check(q, k, slots, group, ("max", "heads"))
+    return _launch(q, k, slots, slots.shape[2], group == "heads", 1.0,
+                   SINK=0, PS=1, HAS_FIRST=False, BY_SLOT=True)  # fmt: skip
 
 
 def slot_scores_reference(q, k, slots, *, group: str = "max") -> torch.Tensor:
@@ -199,7 +183,7 @@ def candidate_scores_reference(
 ) -> torch.Tensor:
     """The twin: the candidates' keys gathered from ``k`` (as ``LayerStore.page_keys`` does), then
     :func:`kvdex.kernels.scoring.candidate_scores` (the PyTorch path of ``rerank``)."""
-    _check(q, k, pages, window_start, group)
+    _check(q, k, pages, group, ("max", "weight"), window_start)
     b, h, c = pages.shape
     ar = torch.arange(page_size, device=k.device)
     slot = sink + pages.clamp(min=0).to(k.device)[..., None] * page_size + ar  # [B, H, C, ps]

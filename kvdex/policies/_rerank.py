@@ -93,11 +93,13 @@ def rerank_tokens(
     pages = pages.to(q.device)
     store = view.store
     slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
-    live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
-    if first is not None:
-        live = live & (slot >= first.to(q.device)[:, None, None, None])
-    slot, live = slot.flatten(2), live.flatten(2)  # [B, H, N]
     fast = triton_kernel("rerank_triton", "candidate_scores", on=q) if store.positional_slots else None
+    live = None  # [B, H, N]: the candidate slots that hold a middle key (the kernel applies the same rule itself)
+    if fast is None or group == "weight":
+        live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
+        if first is not None:
+            live = live & (slot >= first.to(q.device)[:, None, None, None])
+        live = live.flatten(2)
     if fast is not None:  # one kernel reads the candidates' keys in place (kvdex.kernels.rerank_triton)
         s = fast(q, store.k, pages, view.window_start, sink=view.sink, page_size=ps, scale=view.scale,
                  group=group, first=first)  # fmt: skip
@@ -109,7 +111,7 @@ def rerank_tokens(
     else:  # "weight": the group's summed softmax weights over sink + window + the candidates
         score = _weights(q.float().view(b, h, g, d), s, view).sum(2).masked_fill(~live, float("-inf"))
     ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
-    return torch.where(ids >= 0, slot.gather(2, ids.clamp(min=0)), -1)
+    return torch.where(ids >= 0, slot.flatten(2).gather(2, ids.clamp(min=0)), -1)
 
 
 def _weights(qg: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:
