@@ -217,7 +217,9 @@ def _start_interpreter_suites(items) -> None:
     cmd = [sys.executable, "-m", "pytest", *(str(here / n) for n in names), "-q", "-p", "no:cacheprovider"]
     cmd += ["-m", "not gpu", "-k", select, f"--junitxml={xml}"]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, cwd=here.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = open(Path(tmp.name) / "output.txt", "w")  # a file, not a pipe: nothing waits for a reader
+    proc = subprocess.Popen(cmd, env=env, cwd=here.parent, stdout=log, stderr=subprocess.STDOUT)
+    log.close()  # the child holds its own handle
     _SUITE_RUN.update(names=names, proc=proc, xml=xml, tmp=tmp)
 
 
@@ -229,7 +231,7 @@ def pytest_sessionfinish(session, exitstatus):
     proc = _SUITE_RUN.get("proc")
     if proc is not None and proc.poll() is None:  # the session ended before a check waited for it
         proc.kill()
-        proc.communicate()
+        proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -243,13 +245,15 @@ def interpreter_suite():
     outcomes: dict[str, dict] = {}
 
     def collect() -> None:
+        import subprocess
+
         proc = _SUITE_RUN["proc"]
         try:
-            out, err = proc.communicate(timeout=900)
-        except Exception:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
-        tail = out[-4000:] + err[-2000:]
+            proc.wait()
+        tail = (Path(_SUITE_RUN["tmp"].name) / "output.txt").read_text(errors="replace")[-6000:]
         for n in _SUITE_RUN["names"]:
             outcomes[n] = {"passed": 0, "failed": [], "tail": tail}
         xml = _SUITE_RUN["xml"]
