@@ -93,3 +93,37 @@ def test_promotions_are_the_trees_and_do_not_depend_on_the_other_rows():
         m = int(n[r])
         tree = DCITree.build(torch.randn(m, D), torch.arange(m), dataclasses.replace(params, seed=int(seeds[r])))
         assert torch.equal(prom[r, :m], tree.top > 0) and not bool(prom[r, m:].any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_parent_kernel_finds_the_twins_parents_on_cuda(dtype, monkeypatch):
+    """On CUDA the parents come from kvdex.kernels.parents_triton (bf16x3 products, no scores in memory): the
+    PyTorch matmuls' parent wherever it is ahead of the kernel's by more than the kernel's rounding (1e-4 in
+    float64), and the table built from them holds every middle token once."""
+    params = DCIParams(page_size=16)
+    lengths = [3000, 1211, 40]
+    keys, n, first, seeds = _rows(lengths, seed=5, dtype=dtype)
+    B, N = len(lengths), max(lengths)
+    rows = keys.view(B * H, N, D).cuda()
+    prom = promoted(params, seeds, n, D)[:, :N]
+    pidx = torch.nn.utils.rnn.pad_sequence([torch.nonzero(p).flatten() for p in prom], batch_first=True).cuda()
+    live = (torch.arange(N)[None, :] < n[:, None]).cuda()
+    got = leaf_pages._nearest_promoted(rows, live, pidx, params.norm_margin)
+    monkeypatch.setenv("KVDEX_TRITON", "0")
+    want = leaf_pages._nearest_promoted(rows, live, pidx, params.norm_margin)
+    monkeypatch.delenv("KVDEX_TRITON")
+    k = rows.double()
+    c = k.norm(dim=-1).masked_fill(~live, 0).amax(1) * params.norm_margin
+    X = torch.cat(
+        [k / c[:, None, None], (1 - (k * k).sum(-1, keepdim=True) / (c * c)[:, None, None]).clamp(0).sqrt()], -1
+    )
+    score = lambda ids: (X * X.gather(1, ids[..., None].expand(-1, -1, D + 1))).sum(-1)  # noqa: E731
+    differ = live & (got != want)
+    assert bool((score(want) - score(got))[differ].abs().max() < 1e-4) if bool(differ.any()) else True
+    assert float(differ.sum()) <= 0.01 * float(live.sum())
+    t = leaf_page_table(rows, n, first, seeds, params, "minmax")
+    for r in range(B * H):
+        held = t["pos"][r][t["pos"][r] >= 0].long().cpu()
+        assert torch.equal(torch.sort(held).values, torch.arange(int(first[r]), int(first[r]) + int(n[r])))

@@ -13,6 +13,7 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 
 import kvdex
 from kvdex import cache_kwargs
+from kvdex.index.leaf_pages import promoted
 from kvdex.index.summary import SemanticPages
 
 NEW = 56
@@ -305,3 +306,34 @@ def test_device_build_forks_share_the_table_and_decode_like_a_fresh_cache():
         ref = fresh.policy._pages[lay]
         assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay
     assert fresh.stats()["policy_stats"]["semantic_store_per_dense_kv"] > 1.0
+
+
+def test_device_build_draws_the_next_layers_promotions_ahead_with_its_seeds(monkeypatch):
+    """build=device: each anchor layer's promotions are drawn with that layer's seeds, the first one inline and
+    every later one on a worker thread while an earlier layer ran (submitted by the previous anchor's build)."""
+    import threading
+
+    from kvdex.policies import _icecache_index
+
+    calls = []
+
+    def recording(params, seeds, n, d):
+        calls.append((threading.current_thread().name, seeds.tolist(), n.tolist()))
+        return promoted(params, seeds, n, d)
+
+    monkeypatch.setattr(_icecache_index, "promoted", recording)
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([260, 150], seed=7)
+    cache = kvdex.Cache(model, DEVICE, budget=64, dense_layers=0, page_size=PAGE, sink=SINK, window=WINDOW)
+    greedy(model, ids, mask, cache, new=2)
+    pol = cache.policy
+    anchors = sorted({a for a in pol.anchor_of.values()})
+    assert len(anchors) >= 2 and pol.stats()["builds"] == len(anchors)
+    heads = model.config.num_key_value_heads
+    by_seeds = {tuple(c[1]): c[0] for c in calls}  # the worker may record before the inline call
+    assert len(calls) == len(by_seeds) == len(anchors)
+    threads = [by_seeds[tuple(torch.tensor(pol._seeds(a, heads)).repeat(2).tolist())] for a in anchors]
+    assert not threads[0].startswith("kvdex-dci-promote")
+    assert all(t.startswith("kvdex-dci-promote") for t in threads[1:])
+    assert all(c[2] == calls[0][2] for c in calls)
+    assert not pol._promotions  # the last anchor submits none

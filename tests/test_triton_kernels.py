@@ -369,6 +369,44 @@ def test_rerank_slot_scores_match_twin(dtype, group, b, h, g, n, d):
         rt.slot_scores(q, k, slots, group="weight")
 
 
+# ---- IceCache's device page build: every key's nearest promoted point ----------------------------------
+
+
+@run_kernels
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32x3", "ieee"])
+@pytest.mark.parametrize(
+    "r,n,np_,d", [(3, 200, 13, 16), (2, 70, 64, 64), (1, 130, 65, 128), (2, 9, 1, 12), (1, 90, 40, 256)]
+)
+def test_nearest_promoted_matches_twin(precision, r, n, np_, d):
+    """The kernel picks the twin's point wherever the best two scores are apart (a near tie may go either
+    way: they sum in other orders), on unit vectors of D + 1 coordinates as the build makes them; a row's
+    points repeated pick the first copy (argmax's tie rule); tiles past Np never win."""
+    from kvdex.kernels import parents_triton as pt
+
+    if precision == "bf16x3" and not CUDA:
+        pytest.skip("triton 3.6's interpreter misreads bf16 tl.dot operands (the GPU run covers bf16x3)")
+    gen = torch.Generator().manual_seed(n * d + np_)
+    X = torch.nn.functional.normalize(torch.randn(r, n, d + 1, generator=gen), dim=-1)
+    pick = torch.randint(0, n, (r, np_), generator=gen)
+    Xp = X.gather(1, pick[:, :, None].expand(-1, -1, d + 1)).clone()
+    if np_ > 2:
+        Xp[:, 1] = Xp[:, 0]  # an exact duplicate: the first copy wins
+    X, Xp = X.to(DEV), Xp.to(DEV)
+    got = pt.nearest(X, Xp, precision=precision, **({} if CUDA else dict(block_m=32, block_n=16)))
+    want = pt.nearest_reference(X, Xp)
+    assert got.shape == (r, n) and got.dtype == torch.long
+    assert bool((got >= 0).all()) and bool((got < np_).all())
+    s = torch.einsum("rne,rpe->rnp", X.double(), Xp.double())
+    top2 = s.topk(min(2, np_), dim=-1).values
+    clear = (top2[..., 0] - top2[..., -1] > 1e-4) if np_ > 1 else torch.ones_like(got, dtype=torch.bool)
+    assert bool(clear.any())
+    assert torch.equal(got[clear], want[clear])
+    if np_ > 2:
+        assert not bool((got == 1).any())  # the duplicate of point 0 never wins
+    with pytest.raises(ValueError, match="precision"):
+        pt.nearest(X, Xp, precision="bf16")
+
+
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------
 
 

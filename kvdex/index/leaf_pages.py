@@ -11,10 +11,11 @@ exactly that, and only that:
   drawn on the host: a loop over the distinct seeds, i.e. the kv heads; empty levels removed, so the points
   above the lowest level present are the promoted ones, and a tree of one level is one node headed by
   point 0);
-* each parent is found by an exact search -- one batched matmul of every row's transformed keys against
-  that row's promoted points (all (sequence, kv head) rows at once, chunked over the keys to bound memory),
-  fp32, argmax -- where the tree uses its own approximate M-DCI search (``construction_prop``; measured:
-  about 82 % of its level-0 parents are the exact ones at 32k keys);
+* each parent is found by an exact search -- every row's transformed keys against that row's promoted points
+  (all (sequence, kv head) rows at once; on CUDA one kernel that keeps the scores in registers, elsewhere
+  fp32 batched matmuls chunked over the keys and ``argmax``) -- where the tree uses its own approximate
+  M-DCI search (``construction_prop``; measured: about 82 % of its level-0 parents are the exact ones at
+  32k keys);
 * the pages are the tree's (``DCITree._with_new_leaves``): points sorted by parent (stable, so position
   order inside a node), nodes in the order of their head point, node j's points in ceil(size / ps) pages.
 
@@ -31,6 +32,8 @@ import torch
 
 from kvdex.index.dci import DCIParams, sample_tree
 from kvdex.index.summary import page_summaries
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.scoring import nearest_rows
 
 CHUNK = 1 << 27  # score elements per batched matmul (512 MB in fp32): bounds the build's scratch memory
 
@@ -50,17 +53,18 @@ def promoted(params: DCIParams, seeds: torch.Tensor, n: torch.Tensor, d: int) ->
     return (top > low) & live
 
 
-def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str) -> dict:
+def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str, prom: torch.Tensor | None = None) -> dict:
     """The leaf pages of the trees of rows ``r`` (keys [R, N, D] on any device: the row's ``n[r]`` keys first,
     token position ``first[r] + i``; n, first, seeds [R] host) as a page table on the keys' device: ``pos``
     [R, C + 1, ps] int32 (-1 empty; page C the trash page), ``fill`` [R, C + 1] int32, the summaries ``a`` /
     ``b`` (``kind``: "minmax" per-channel min / max in the keys' dtype; "centroid" mean key, fp32 radius),
     ``npages`` [R] (device), ``used`` (the most pages of a row) and ``row_pages`` [R] (host). Pages are in
     the tree's order, so the table equals :meth:`SemanticPages.host_table` of trees with exact parents.
-    One host sync: the page counts, to size the table."""
+    One host sync: the page counts, to size the table. ``prom``: :func:`promoted` of these rows, if drawn
+    ahead."""
     R, N, D = keys.shape
     ps, dev = params.page_size, keys.device
-    prom = promoted(params, seeds, n, D)[:, :N]
+    prom = (promoted(params, seeds, n, D) if prom is None else prom)[:, :N]
     nprom = prom.sum(1)
     Np = max(1, int(nprom.max()))
     ar = torch.arange(N)
@@ -106,7 +110,8 @@ def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str) -> dict
 def _nearest_promoted(keys, live, pidx, margin: float) -> torch.Tensor:
     """[R, N]: for every key, the id of its nearest promoted point ``pidx`` [R, Np] of its row in the
     transformed space (eq. 2, c = ``margin`` x the row's largest key norm, as the tree's): the largest
-    inner product of the unit vectors, by exact fp32 matmuls, ``CHUNK`` scores at a time."""
+    inner product of the unit vectors: on CUDA one Triton kernel (:mod:`kvdex.kernels.parents_triton`, TF32x3
+    products, no score written to memory), elsewhere fp32 matmuls of ``CHUNK`` scores and ``argmax``."""
     R, N, D = keys.shape
     k = keys.float()
     # c as DCITree.build: float(max |k|) * margin (a double), or 1 when every key is 0
@@ -116,8 +121,6 @@ def _nearest_promoted(keys, live, pidx, margin: float) -> torch.Tensor:
     X = torch.cat([k / c.float()[:, None, None], (1.0 - n2 / (c * c).float()[:, None, None]).clamp(min=0.0).sqrt()], -1)
     del k, n2
     Xp = X.gather(1, pidx[:, :, None].expand(-1, -1, D + 1))
-    best = torch.empty(R, N, dtype=torch.long, device=keys.device)
-    step = max(1, CHUNK // max(1, R * pidx.shape[1]))
-    for s in range(0, N, step):
-        best[:, s : s + step] = torch.bmm(X[:, s : s + step], Xp.transpose(1, 2)).argmax(-1)
+    kernel = triton_kernel("parents_triton", "nearest", on=X)
+    best = kernel(X, Xp) if kernel is not None else nearest_rows(X, Xp, CHUNK)
     return pidx.gather(1, best)

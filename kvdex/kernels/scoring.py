@@ -137,6 +137,18 @@ def slot_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group:
     return out.amax(2) if group == "max" else out
 
 
+def nearest_rows(X: torch.Tensor, Xp: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:
+    """X [R, N, E], Xp [R, Np, E] -> [R, N] int64: per key, the index of its largest inner product among its
+    row's points (the first on ties), by fp32 batched matmuls of at most ``chunk`` scores and ``argmax``. The
+    twin of :func:`kvdex.kernels.parents_triton.nearest` (IceCache's device page build)."""
+    R, N, _ = X.shape
+    best = torch.empty(R, N, dtype=torch.long, device=X.device)
+    step = max(1, chunk // max(1, R * Xp.shape[1]))
+    for s in range(0, N, step):
+        best[:, s : s + step] = torch.bmm(X[:, s : s + step], Xp.transpose(1, 2)).argmax(-1)
+    return best
+
+
 def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's upper bounds of q.k per page: q [B, Hq, D], kmin/kmax [B, H, P, D] -> [B, Hq, P] (fp32)."""
     b, hq, d = q.shape

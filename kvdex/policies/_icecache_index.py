@@ -14,9 +14,10 @@ from concurrent.futures import Future
 
 import torch
 
-from kvdex.index.leaf_pages import leaf_page_table
+from kvdex.index.leaf_pages import leaf_page_table, promoted
 from kvdex.index.summary import SemanticPages
 from kvdex.index.trees import update_trees
+from kvdex.index.workers import pool
 
 
 class IndexJobsMixin:
@@ -145,8 +146,9 @@ class IndexJobsMixin:
                 ev[0].record(stream)
             n = (update.count * ps).repeat_interleave(H)
             first = (self.cfg.sink + update.start * ps).repeat_interleave(H)
+            prom = self._promoted(layer, n, B, H, D)
             seeds = torch.tensor(self._seeds(layer, H)).repeat(B)
-            table = leaf_page_table(keys.reshape(B * H, -1, D), n, first, seeds, self.params, self.summary)
+            table = leaf_page_table(keys.reshape(B * H, -1, D), n, first, seeds, self.params, self.summary, prom)
             if ev:
                 ev[1].record(stream)
             self._build_times.append(ev or time.perf_counter() - t0)  # device time on CUDA (stats: _built_s)
@@ -158,6 +160,22 @@ class IndexJobsMixin:
             self._stats["builds_reused"] += 1
         share = self._memo is not None  # the memo's table stays as built
         self._pages[layer] = SemanticPages.from_table(table, self.summary, ps, keys.dtype, keys.device, B, H, share)
+
+    def _promoted(self, layer: int, n: torch.Tensor, B: int, H: int, D: int) -> torch.Tensor:
+        """The promotions of ``layer``'s trees (:func:`~kvdex.index.leaf_pages.promoted`, host work: tens of
+        ms at 128k keys), drawn on an index worker while an earlier layer ran, and the next anchor layer's
+        submitted now: they need only the row lengths, which a prefill shares across layers, so the host
+        draws them while the device runs this layer's attention instead of the device waiting for them."""
+        key = (tuple(n.tolist()), B, H, D)
+        fut = self._promotions.pop((layer, *key), None)
+        later = [lay for lay, a in sorted(self.anchor_of.items()) if a == lay and lay > layer]
+        if later:
+            nxt = later[0]
+            seeds = torch.tensor(self._seeds(nxt, H)).repeat(B)
+            self._promotions = {(nxt, *key): pool(1, "promote").submit(promoted, self.params, seeds, n, D)}
+        if fut is not None:
+            return fut.result()
+        return promoted(self.params, torch.tensor(self._seeds(layer, H)).repeat(B), n, D)
 
     def _built_s(self) -> float:
         """Seconds the device builds took (CUDA: between events around each build's work, one sync)."""

@@ -186,6 +186,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
         self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
         self._build_times: list = []  # build="device": seconds, or CUDA events around each build
+        self._promotions: dict = {}  # build="device": (layer, n, D) -> future of the next layer's promotions
 
     def make_store(self, layer, offload, args, work_tokens):
         if not offload or self.anchor_of.get(layer) != layer or self.search == "summary":
