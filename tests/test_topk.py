@@ -149,6 +149,28 @@ def test_kernel_ties_nonfinite_and_k_past_finite_count(block, ks):
 
 
 @run_kernels
+@pytest.mark.parametrize("block,k", [(None, 1), (None, 40), (None, 2048), (1024, 500)])
+def test_kernel_unordered_is_the_twins_set_in_index_order(block, k):
+    """``ordered=False``: the ordered call's entries sorted by index (no sort of the k results), ties to the
+    lowest index, -1 for the entries whose score is not finite, wherever they fall."""
+    tk = _twin()
+    g = torch.Generator().manual_seed(k)
+    score = torch.randn(2, 4, 3000, generator=g)
+    score[0, 1] = torch.randint(0, 5, (3000,), generator=g).float()  # ties at the k-th value
+    score[0, 2, 20:] = float("-inf")  # fewer finite entries than k
+    score[1, 0, 7] = float("nan")
+    score[1, 0, 9] = float("inf")
+    score[1, 3] = float("-inf")
+    want = tk.topk_ids_reference(score, k)
+    got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu()
+    assert got.shape == want.shape
+    for r in range(8):
+        g_row, w_row = got.view(8, -1)[r], want.view(8, -1)[r]
+        assert int((g_row < 0).sum()) == int((w_row < 0).sum()), r
+        assert torch.equal(g_row[g_row >= 0], torch.sort(w_row[w_row >= 0]).values), r
+
+
+@run_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_kernel_one_bit_per_pass_equals_two(dtype):
     tk = _twin()

@@ -270,10 +270,12 @@ class SemanticPages:
             return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
-            val, cand = torch.topk(self.group_max(q, P).view(R, P), min(P, rerank * cap), dim=1)  # [R, Pc]
+            cand = topk_ids(self.group_max(q, P).view(R, 1, P), rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
+            ok = cand >= 0
+            cand = cand.clamp(min=0)
             rows = torch.arange(R, device=dev)[:, None] * self.pos.shape[2]
             pos = self.pos.view(-1, ps)[(rows + cand).flatten()].view(R, -1).long()  # [R, Pc * ps]
-            live = (pos >= 0) & torch.isfinite(val).repeat_interleave(ps, 1)
+            live = (pos >= 0) & ok.repeat_interleave(ps, 1)
             slots = torch.where(live, pos, -1).view(B, H, -1)
             if unit == "token":
                 score = exact_scores(q, keys, slots, "max").view(R, -1)  # [R, Pc * ps]
@@ -328,7 +330,7 @@ class SemanticPages:
         """``rerank_unit="token"``: the ``room`` tokens [B, H, T] (-1 padded) of the candidate pages with the
         best exact q.k over the group (``score`` [R, Pc * ps], ``-inf`` where no live key; ``pos`` the
         candidates' positions)."""
-        ids = topk_ids(score[:, None], room)[:, 0]  # [R, T], -1 where fewer live tokens
+        ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1 where fewer live tokens
         hit = ids >= 0
         out = torch.where(hit, pos.gather(1, ids.clamp(min=0)), -1)
         page = torch.div(ids.clamp(min=0), self.ps, rounding_mode="floor")

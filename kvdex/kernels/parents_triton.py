@@ -17,8 +17,9 @@ a bf16 low part (16 of fp32's 24 bits) and sums three bf16 products in fp32 (``h
 score's error is about 1e-5, against the twin's fp32 rounding of about 1e-7. Triton's own ``"tf32x3"`` is
 about as precise but was slower than the twin on an H200 at the 8B / 128k build shape (86-130 ms against
 72 ms per layer; ``"ieee"``, fp32 on the CUDA cores, was not timed); ``"bf16x3"`` took 14.5 ms, one-pass
-``"tf32"`` 13.5 ms with about 1e-3 error (it changed 0.1 % of the parents). So the kernel and the twin can pick different parents where
-two promoted points score within about 1e-5 of each other: 1 key in 1e5 in that measurement.
+``"tf32"`` 13.5 ms with about 1e-3 error (it changed 0.1 % of the parents). So the kernel and the twin can
+pick different parents where two promoted points score within about 1e-5 of each other: 1 key in 1e5 in that
+measurement.
 """
 
 from __future__ import annotations

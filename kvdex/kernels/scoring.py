@@ -83,15 +83,15 @@ def topk_ids(score: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     k = min(k, score.shape[-1])
     if k <= 0:
         return torch.empty(*score.shape[:-1], 0, dtype=torch.long, device=score.device)
-    fast = _fast_topk(score, k)
+    fast = _fast_topk(score, k, ordered)
     if fast is not None:  # one Triton kernel (kvdex.kernels.topk): same set, ties to the lowest index
-        return fast(score, k)
+        return fast(score, k) if ordered else fast(score, k, ordered=False)
     val, ids = torch.topk(score, k, dim=-1, sorted=ordered)
     # |val| < inf is isfinite (NaN and +-inf fail it) in two kernels instead of isfinite's four
     return torch.where(val.abs() < float("inf"), ids, -1)
 
 
-def _fast_topk(score: torch.Tensor, k: int):
+def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None. Rows longer than
     ``KVDEX_TOPK_MAX_N`` go to torch.topk. Default 0, i.e. torch.topk everywhere: in isolation
     (H200, graph-replayed, 8 rows, k = 125, random scores) the kernel took 15-23 us against
@@ -106,6 +106,9 @@ def _fast_topk(score: torch.Tensor, k: int):
     topk = triton_kernel("topk", on=score)
     if topk is None:
         return None
+    if not ordered and os.environ.get("KVDEX_TOPK_UNORDERED", "0") == "1":
+        ok = score.shape[-1] <= topk.MAX_BLOCK and topk.supported(score, k)
+        return topk.topk_ids if ok else None
     long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 0))
     if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
         return None

@@ -74,6 +74,7 @@ def _topk_kernel(
     K_BLOCK: tl.constexpr,
     LOW_BIT: tl.constexpr,  # bits below this are zero in every key (bf16: 16, fp16: 13, fp32: 0)
     PAIRS: tl.constexpr = 0,  # passes that decide two bits each (bits 30..31-2*PAIRS), then one per pass
+    ORDERED: tl.constexpr = True,  # False: the k ids in ascending index order (no sort), -1 where not finite
 ):
     row = tl.program_id(0)
     s_row = S + row.to(tl.int64) * stride_s
@@ -127,7 +128,10 @@ def _topk_kernel(
         take = gt | (eq & ((tl.cumsum(eq_i, axis=0) - eq_i) < need_eq))
         take_i = take.to(tl.int32)
         pos = tl.cumsum(take_i, axis=0) - take_i
-        tl.store(o_row + pos, offs.to(tl.int64), mask=take)
+        ids = offs.to(tl.int64)
+        if not ORDERED:
+            ids = tl.where((key > -0x7F800001) & (key < 0x7F800000), ids, -1)
+        tl.store(o_row + pos, ids, mask=take)
     else:
         n_gt = tl.full([], 0, tl.int32)
         for t in range(TILES):
@@ -145,25 +149,29 @@ def _topk_kernel(
             take = gt | (eq & ((eq_base + tl.cumsum(eq_i, axis=0) - eq_i) < need_eq))
             take_i = take.to(tl.int32)
             pos = base + tl.cumsum(take_i, axis=0) - take_i
-            tl.store(o_row + pos, o.to(tl.int64), mask=take)
+            ids = o.to(tl.int64)
+            if not ORDERED:
+                ids = tl.where((kt > -0x7F800001) & (kt < 0x7F800000), ids, -1)
+            tl.store(o_row + pos, ids, mask=take)
             base += tl.sum(take_i, axis=0)
             eq_base += tl.sum(eq_i, axis=0)
-    tl.debug_barrier()  # the scattered ids are read back by other threads of this program
+    if ORDERED:
+        tl.debug_barrier()  # the scattered ids are read back by other threads of this program
 
-    # ---- 4. descending score, ties by ascending index; -1 where the score is not finite ----
-    ok = tl.arange(0, K_BLOCK)
-    kmask = ok < K
-    ids = tl.load(o_row + ok, mask=kmask, other=0)
-    sk = _keys(s_row, ids, N).to(tl.int64)
-    low = tl.full([], 0xFFFFFFFF, tl.int64)
-    packed = (sk << 32) | (low - ids)
-    packed = tl.where(kmask, packed, tl.full([], -9223372036854775807 - 1, tl.int64))
-    packed = tl.sort(packed, descending=True)
-    sk = packed >> 32
-    ids = low - (packed & low)
-    finite = (sk > -0x7F800001) & (sk < 0x7F800000)
-    tl.debug_barrier()  # every id is read before any is overwritten
-    tl.store(o_row + ok, tl.where(finite, ids, -1), mask=kmask)
+        # ---- 4. descending score, ties by ascending index; -1 where the score is not finite ----
+        ok = tl.arange(0, K_BLOCK)
+        kmask = ok < K
+        ids = tl.load(o_row + ok, mask=kmask, other=0)
+        sk = _keys(s_row, ids, N).to(tl.int64)
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        packed = (sk << 32) | (low - ids)
+        packed = tl.where(kmask, packed, tl.full([], -9223372036854775807 - 1, tl.int64))
+        packed = tl.sort(packed, descending=True)
+        sk = packed >> 32
+        ids = low - (packed & low)
+        finite = (sk > -0x7F800001) & (sk < 0x7F800000)
+        tl.debug_barrier()  # every id is read before any is overwritten
+        tl.store(o_row + ok, tl.where(finite, ids, -1), mask=kmask)
 
 
 def _low_bit(dtype: torch.dtype) -> int:
@@ -185,10 +193,16 @@ def supported(score: torch.Tensor, k: int) -> bool:
 
 
 def topk_ids(
-    score: torch.Tensor, k: int, block: int | None = None, bits: int = 2, num_warps: int | None = None
+    score: torch.Tensor,
+    k: int,
+    block: int | None = None,
+    bits: int = 2,
+    num_warps: int | None = None,
+    ordered: bool = True,
 ) -> torch.Tensor:
     """score [..., N] (fp32 / bf16 / fp16) -> [..., min(k, N)] int64: the ids of the k largest scores in
-    descending score order (ties: lowest index first), ``-1`` where the score is not finite.
+    descending score order (ties: lowest index first), ``-1`` where the score is not finite. With
+    ``ordered=False`` the same k entries in ascending index order (no sort: for callers that use the set).
 
     ``block`` (a power of two), ``bits`` (key bits per pass: 1 or 2) and ``num_warps`` are for tests and
     tuning; ``block`` caps the tile of scores a program holds at once."""
@@ -209,7 +223,8 @@ def topk_ids(
     _topk_kernel[(rows,)](
         s, out, s.stride(0), n, k,
         BLOCK=blk, TILES=triton.cdiv(n, blk), K_BLOCK=max(16, triton.next_power_of_2(k)),
-        LOW_BIT=low, PAIRS=(31 - low) // 2 if bits == 2 and n < 1 << 20 else 0, num_warps=num_warps or _num_warps(blk),
+        LOW_BIT=low, PAIRS=(31 - low) // 2 if bits == 2 and n < 1 << 20 else 0, ORDERED=ordered,
+        num_warps=num_warps or _num_warps(blk),
     )  # fmt: skip
     return out.view(*lead, k)
 
