@@ -333,10 +333,10 @@ class SemanticPages:
         ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1 where fewer live tokens
         hit = ids >= 0
         out = torch.where(hit, pos.gather(1, ids.clamp(min=0)), -1)
-        page = torch.div(ids.clamp(min=0), self.ps, rounding_mode="floor")
-        used = torch.zeros(score.shape[0], pc, dtype=torch.int8, device=score.device)
-        used.scatter_reduce_(1, page, hit.to(torch.int8), "amax")  # candidate pages holding a chosen token
-        self.counts.add_(torch.stack([used.sum(), hit.sum()]))
+        page = torch.where(hit, torch.div(ids, self.ps, rounding_mode="floor"), pc)  # column pc: no token
+        used = torch.zeros(score.shape[0], pc + 1, dtype=torch.int8, device=score.device)
+        used.scatter_(1, page, 1)  # candidate pages holding a chosen token (every write is 1: no atomics)
+        self.counts.add_(torch.stack([used[:, :pc].sum(), hit.sum()]))
         return out.view(B, self.H, -1)
 
 
