@@ -407,6 +407,43 @@ def test_nearest_promoted_matches_twin(precision, r, n, np_, d):
         pt.nearest(X, Xp, precision="bf16")
 
 
+# ---- IceCache's rerank on semantic pages: the index arithmetic around the scoring and the top-k -----------
+
+
+@run_kernels
+@pytest.mark.parametrize("r,c,pc,ps,t", [(3, 9, 5, 4, 7), (2, 40, 33, 16, 100), (1, 3, 3, 16, 48)])
+def test_semantic_candidate_slots_and_pick_tokens_match_twins(r, c, pc, ps, t):
+    """Candidates padded with -1 and repeated, partly filled pages: the same int32 slots as the twin; chosen
+    columns (-1 padded, any order) map to the same positions and add the same (pages, tokens) counts."""
+    from kvdex.kernels import semantic_triton as st
+
+    gen = torch.Generator().manual_seed(r * c + pc)
+    pos = torch.randint(0, 10_000, (r, c + 1, ps), generator=gen, dtype=torch.int32)
+    fill = torch.randint(0, ps + 1, (r, c + 1, 1), generator=gen)
+    pos = torch.where(torch.arange(ps)[None, None, :] < fill, pos, -1)
+    big = torch.full((r, c + 1, ps + 3), 7, dtype=torch.int32)  # a strided view, as the table's rows are
+    big[..., :ps] = pos
+    cand = torch.randint(-1, c, (r, pc), generator=gen)
+    cand[:, 0] = -1
+    if pc > 2:
+        cand[:, 2] = cand[:, 1]
+    slots = st.candidate_slots(cand.to(DEV), big.to(DEV)[..., :ps], ps)
+    want = st.candidate_slots_reference(cand, pos, ps)
+    assert slots.dtype == torch.int32 and torch.equal(slots.cpu(), want)
+    ids = torch.stack([torch.randperm(pc * ps, generator=gen)[:t] for _ in range(r)]) if pc * ps >= t else None
+    if ids is None:
+        ids = torch.randint(0, pc * ps, (r, t), generator=gen)
+    ids[:, ::5] = -1
+    got_counts = torch.zeros(2, dtype=torch.long, device=DEV)
+    want_counts = torch.zeros(2, dtype=torch.long)
+    got = st.pick_tokens(ids.to(DEV), slots, ps, got_counts)
+    ref = st.pick_tokens_reference(ids, want, ps, want_counts)
+    assert got.dtype == torch.long and torch.equal(got.cpu(), ref)
+    assert torch.equal(got_counts.cpu(), want_counts) and int(want_counts[1]) == int((ids >= 0).sum())
+    with pytest.raises(ValueError, match="counts"):
+        st.pick_tokens(ids.to(DEV), slots, ps, torch.zeros(2, dtype=torch.int32, device=DEV))
+
+
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------
 
 

@@ -271,15 +271,17 @@ class SemanticPages:
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
             cand = topk_ids(self.group_max(q, P).view(R, 1, P), rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
-            ok = cand >= 0
-            cand = cand.clamp(min=0)
-            rows = torch.arange(R, device=dev)[:, None] * self.pos.shape[2]
-            pos = self.pos.view(-1, ps)[(rows + cand).flatten()].view(R, -1).long()  # [R, Pc * ps]
-            live = (pos >= 0) & ok.repeat_interleave(ps, 1)
-            slots = torch.where(live, pos, -1).view(B, H, -1)
+            fast = triton_kernel("semantic_triton", on=q)  # the index arithmetic in two kernels on CUDA
+            slots_of, pick = (
+                (candidate_slots, pick_tokens) if fast is None else (fast.candidate_slots, fast.pick_tokens)
+            )
+            slots = slots_of(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
             if unit == "token":
-                score = exact_scores(q, keys, slots, "max").view(R, -1)  # [R, Pc * ps]
-                return self._best_tokens(score, pos, cand.shape[1], room, B)
+                score = exact_scores(q, keys, slots.view(B, H, -1), "max").view(R, -1)  # [R, Pc * ps]
+                ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1: fewer live tokens
+                return pick(ids, slots, ps, self.counts).view(B, H, -1)
+            cand = cand.clamp(min=0)
+            slots = slots.view(B, H, -1)
             s = exact_scores(q, keys, slots, "heads").view(R, G, -1, ps).amax(-1)  # [R, G, Pc]
         else:
             s = self.scores(q, P).view(R, G, P)
@@ -326,18 +328,28 @@ class SemanticPages:
         self.counts.add_(torch.stack([taken.sum(), (out >= 0).sum()]))
         return out.view(B, H, T)
 
-    def _best_tokens(self, score, pos, pc: int, room: int, B: int) -> torch.Tensor:
-        """``rerank_unit="token"``: the ``room`` tokens [B, H, T] (-1 padded) of the candidate pages with the
-        best exact q.k over the group (``score`` [R, Pc * ps], ``-inf`` where no live key; ``pos`` the
-        candidates' positions)."""
-        ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1 where fewer live tokens
-        hit = ids >= 0
-        out = torch.where(hit, pos.gather(1, ids.clamp(min=0)), -1)
-        page = torch.where(hit, torch.div(ids, self.ps, rounding_mode="floor"), pc)  # column pc: no token
-        used = torch.zeros(score.shape[0], pc + 1, dtype=torch.int8, device=score.device)
-        used.scatter_(1, page, 1)  # candidate pages holding a chosen token (every write is 1: no atomics)
-        self.counts.add_(torch.stack([used[:, :pc].sum(), hit.sum()]))
-        return out.view(B, self.H, -1)
+
+def candidate_slots(cand: torch.Tensor, pos: torch.Tensor, ps: int) -> torch.Tensor:
+    """The rerank's candidate tokens: cand [R, Pc] (page ids, ``-1``: none), pos [R, C, ps] (the page table's
+    positions, ``-1`` empty) -> [R, Pc * ps] int32 positions, ``-1`` where the slot is empty or the candidate
+    missing. The twin of :func:`kvdex.kernels.semantic_triton.candidate_slots`."""
+    R, Pc = cand.shape
+    got = pos.gather(1, cand.clamp(min=0)[..., None].expand(-1, -1, ps))  # [R, Pc, ps]
+    return torch.where((cand >= 0)[..., None], got, -1).view(R, Pc * ps).int()
+
+
+def pick_tokens(ids: torch.Tensor, slots: torch.Tensor, ps: int, counts: torch.Tensor) -> torch.Tensor:
+    """``rerank_unit="token"``: the positions [R, T] int64 of the chosen columns ``ids`` [R, T] (``-1``: none)
+    of ``slots`` [R, Pc * ps]; adds (distinct candidate pages holding a chosen token, chosen tokens) to
+    ``counts`` [2] in place. The twin of :func:`kvdex.kernels.semantic_triton.pick_tokens`."""
+    R, pc = ids.shape[0], slots.shape[1] // ps
+    hit = ids >= 0
+    out = torch.where(hit, slots.gather(1, ids.clamp(min=0)).long(), -1)
+    page = torch.where(hit, torch.div(ids, ps, rounding_mode="floor"), pc)  # column pc: no token
+    used = torch.zeros(R, pc + 1, dtype=torch.int8, device=ids.device)
+    used.scatter_(1, page, 1)  # every write is 1: no atomics
+    counts.add_(torch.stack([used[:, :pc].sum(), hit.sum()]))
+    return out
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group: str) -> torch.Tensor:
