@@ -110,7 +110,7 @@ def leaf_page_table(keys, n, first, seeds, params: DCIParams, kind: str, prom: t
 def _nearest_promoted(keys, live, pidx, margin: float) -> torch.Tensor:
     """[R, N]: for every key, the id of its nearest promoted point ``pidx`` [R, Np] of its row in the
     transformed space (eq. 2, c = ``margin`` x the row's largest key norm, as the tree's): the largest
-    inner product of the unit vectors: on CUDA one Triton kernel (:mod:`kvdex.kernels.parents_triton`, TF32x3
+    inner product of the unit vectors: on CUDA one Triton kernel (:mod:`kvdex.kernels.parents_triton`, bf16x3
     products, no score written to memory), elsewhere fp32 matmuls of ``CHUNK`` scores and ``argmax``."""
     R, N, D = keys.shape
     k = keys.float()

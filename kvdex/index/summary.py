@@ -37,7 +37,7 @@ import torch
 
 from kvdex.index.pages import greedy_fit
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import page_bounds, slot_scores, topk_ids
+from kvdex.kernels.scoring import candidate_slots, page_bounds, pick_tokens, slot_scores, topk_ids
 
 SUMMARIES = ("minmax", "centroid")
 MERGES = ("rank", "max", "nsa")
@@ -327,29 +327,6 @@ class SemanticPages:
         out = pos.gather(1, keep).long()
         self.counts.add_(torch.stack([taken.sum(), (out >= 0).sum()]))
         return out.view(B, H, T)
-
-
-def candidate_slots(cand: torch.Tensor, pos: torch.Tensor, ps: int) -> torch.Tensor:
-    """The rerank's candidate tokens: cand [R, Pc] (page ids, ``-1``: none), pos [R, C, ps] (the page table's
-    positions, ``-1`` empty) -> [R, Pc * ps] int32 positions, ``-1`` where the slot is empty or the candidate
-    missing. The twin of :func:`kvdex.kernels.semantic_triton.candidate_slots`."""
-    R, Pc = cand.shape
-    got = pos.gather(1, cand.clamp(min=0)[..., None].expand(-1, -1, ps))  # [R, Pc, ps]
-    return torch.where((cand >= 0)[..., None], got, -1).view(R, Pc * ps).int()
-
-
-def pick_tokens(ids: torch.Tensor, slots: torch.Tensor, ps: int, counts: torch.Tensor) -> torch.Tensor:
-    """``rerank_unit="token"``: the positions [R, T] int64 of the chosen columns ``ids`` [R, T] (``-1``: none)
-    of ``slots`` [R, Pc * ps]; adds (distinct candidate pages holding a chosen token, chosen tokens) to
-    ``counts`` [2] in place. The twin of :func:`kvdex.kernels.semantic_triton.pick_tokens`."""
-    R, pc = ids.shape[0], slots.shape[1] // ps
-    hit = ids >= 0
-    out = torch.where(hit, slots.gather(1, ids.clamp(min=0)).long(), -1)
-    page = torch.where(hit, torch.div(ids, ps, rounding_mode="floor"), pc)  # column pc: no token
-    used = torch.zeros(R, pc + 1, dtype=torch.int8, device=ids.device)
-    used.scatter_(1, page, 1)  # every write is 1: no atomics
-    counts.add_(torch.stack([used[:, :pc].sum(), hit.sum()]))
-    return out
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group: str) -> torch.Tensor:

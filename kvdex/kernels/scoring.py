@@ -1,6 +1,7 @@
 """Selection arithmetic shared by the policies and the kernels (PyTorch; the references of the Triton
 scoring and top-k kernels): the GQA reduction, page masks, top-k ids, the choice of a kv head's pages
-from its query heads' scores (``group_topk``), Quest's page bounds and ArkVale's digest estimates.
+from its query heads' scores (``group_topk``), Quest's page bounds, ArkVale's digest estimates, and
+IceCache's rerank candidates (``candidate_slots``, ``pick_tokens``) and device build parents (``nearest_rows``).
 
 ``kvdex.policies`` re-exports ``group_reduce``, ``mask_pages`` and ``topk_ids``; ``kvdex.policies.quest``
 re-exports ``page_bounds``.
@@ -145,6 +146,29 @@ def slot_scores(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, group:
     k = keys.gather(2, s.clamp(min=0, max=keys.shape[2] - 1)[..., None].expand(-1, -1, -1, keys.shape[-1]))
     out = candidate_scores(q, k, s >= 0, "weight", 1.0)  # [B, H, G, N]
     return out.amax(2) if group == "max" else out
+
+
+def candidate_slots(cand: torch.Tensor, pos: torch.Tensor, ps: int) -> torch.Tensor:
+    """The rerank's candidate tokens: cand [R, Pc] (page ids, ``-1``: none), pos [R, C, ps] (the page table's
+    positions, ``-1`` empty) -> [R, Pc * ps] int32 positions, ``-1`` where the slot is empty or the candidate
+    missing. The twin of :func:`kvdex.kernels.semantic_triton.candidate_slots` (IceCache's summary rerank)."""
+    R, Pc = cand.shape
+    got = pos.gather(1, cand.clamp(min=0)[..., None].expand(-1, -1, ps))  # [R, Pc, ps]
+    return torch.where((cand >= 0)[..., None], got, -1).view(R, Pc * ps).int()
+
+
+def pick_tokens(ids: torch.Tensor, slots: torch.Tensor, ps: int, counts: torch.Tensor) -> torch.Tensor:
+    """``rerank_unit="token"``: the positions [R, T] int64 of the chosen columns ``ids`` [R, T] (``-1``: none)
+    of ``slots`` [R, Pc * ps]; adds (distinct candidate pages holding a chosen token, chosen tokens) to
+    ``counts`` [2] in place. The twin of :func:`kvdex.kernels.semantic_triton.pick_tokens`."""
+    R, pc = ids.shape[0], slots.shape[1] // ps
+    hit = ids >= 0
+    out = torch.where(hit, slots.gather(1, ids.clamp(min=0)).long(), -1)
+    page = torch.where(hit, torch.div(ids, ps, rounding_mode="floor"), pc)  # column pc: no token
+    used = torch.zeros(R, pc + 1, dtype=torch.int8, device=ids.device)
+    used.scatter_(1, page, 1)  # every write is 1: no atomics
+    counts.add_(torch.stack([used[:, :pc].sum(), hit.sum()]))
+    return out
 
 
 def nearest_rows(X: torch.Tensor, Xp: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:

@@ -4,7 +4,7 @@ its scoring and top-k calls, in two small Triton kernels.
 A step of the rerank takes, per (sequence, kv head) row, the ``Pc`` candidate pages' token positions out of
 the page table, scores those keys exactly (:mod:`kvdex.kernels.rerank_triton`), and with
 ``rerank_unit="token"`` keeps the ``room`` best tokens. Around the scoring and the top-k, the PyTorch twins
-(:func:`kvdex.index.summary.candidate_slots` and :func:`kvdex.index.summary.pick_tokens`) run about 25 small
+(:func:`kvdex.kernels.scoring.candidate_slots` and :func:`kvdex.kernels.scoring.pick_tokens`) run about 25 small
 elementwise, gather, scatter and reduction kernels per layer: on a small model (Qwen2.5-0.5B, 22 sparse
 layers) those launches, not the work, are what the step waits for.
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.index.summary import candidate_slots as candidate_slots_reference
-from kvdex.index.summary import pick_tokens as pick_tokens_reference
+from kvdex.kernels.scoring import candidate_slots as candidate_slots_reference
+from kvdex.kernels.scoring import pick_tokens as pick_tokens_reference
 
 __all__ = ["candidate_slots", "candidate_slots_reference", "pick_tokens", "pick_tokens_reference"]
 
