@@ -208,7 +208,7 @@ def test_join_step_mark_must_cover_the_joins():
 # ---- the capture contract of a join step (tests/test_graph.py's trace) ---------------------------------
 
 
-def _join_contract(model, spec, offload=False, steps=32):
+def _join_contract(model, spec, offload=False, steps=48):
     """Decode a ragged batch as GraphDecoder would with joins inside its graphs; trace the cache side
     (append, index_join, select, ...) of every step with a key. Returns (join steps traced, keys, problems)."""
     ids, mask, _ = left_padded([150, 97], seed=3)
