@@ -57,6 +57,13 @@ def _keys(S, offs, N):
 
 
 @triton.jit
+def _finite(key):
+    """Whether the keys are those of finite scores: above -inf's key (_KEY_NEG_INF), below +inf's
+    (_KEY_POS_INF; NaN's key is above it)."""
+    return (key > -0x7F800001) & (key < 0x7F800000)
+
+
+@triton.jit
 def _count3(key, c1, c2, c3):
     """Per element: [key >= c1] + [key >= c2] << 20 + [key >= c3] << 40 (three counts in one sum)."""
     return (key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 20) + ((key >= c3).to(tl.int64) << 40)
@@ -130,7 +137,7 @@ def _topk_kernel(
         pos = tl.cumsum(take_i, axis=0) - take_i
         ids = offs.to(tl.int64)
         if not ORDERED:
-            ids = tl.where((key > -0x7F800001) & (key < 0x7F800000), ids, -1)
+            ids = tl.where(_finite(key), ids, -1)
         tl.store(o_row + pos, ids, mask=take)
     else:
         n_gt = tl.full([], 0, tl.int32)
@@ -151,7 +158,7 @@ def _topk_kernel(
             pos = base + tl.cumsum(take_i, axis=0) - take_i
             ids = o.to(tl.int64)
             if not ORDERED:
-                ids = tl.where((kt > -0x7F800001) & (kt < 0x7F800000), ids, -1)
+                ids = tl.where(_finite(kt), ids, -1)
             tl.store(o_row + pos, ids, mask=take)
             base += tl.sum(take_i, axis=0)
             eq_base += tl.sum(eq_i, axis=0)
@@ -169,9 +176,8 @@ def _topk_kernel(
         packed = tl.sort(packed, descending=True)
         sk = packed >> 32
         ids = low - (packed & low)
-        finite = (sk > -0x7F800001) & (sk < 0x7F800000)
         tl.debug_barrier()  # every id is read before any is overwritten
-        tl.store(o_row + ok, tl.where(finite, ids, -1), mask=kmask)
+        tl.store(o_row + ok, tl.where(_finite(sk), ids, -1), mask=kmask)
 
 
 def _low_bit(dtype: torch.dtype) -> int:
