@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 
 from kvdex.index.pages import greedy_fit
+from kvdex.kernels import scoring
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import candidate_slots, page_bounds, pick_tokens, slot_scores, topk_ids
+from kvdex.kernels.scoring import page_bounds, slot_scores, topk_ids
 
 SUMMARIES = ("minmax", "centroid")
 MERGES = ("rank", "max", "nsa")
@@ -271,15 +272,12 @@ class SemanticPages:
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
             cand = topk_ids(self.group_max(q, P).view(R, 1, P), rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
-            fast = triton_kernel("semantic_triton", on=q)  # the index arithmetic in two kernels on CUDA
-            slots_of, pick = (
-                (candidate_slots, pick_tokens) if fast is None else (fast.candidate_slots, fast.pick_tokens)
-            )
-            slots = slots_of(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
+            ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels
+            slots = ops.candidate_slots(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
             if unit == "token":
                 score = exact_scores(q, keys, slots.view(B, H, -1), "max").view(R, -1)  # [R, Pc * ps]
                 ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1: fewer live tokens
-                return pick(ids, slots, ps, self.counts).view(B, H, -1)
+                return ops.pick_tokens(ids, slots, ps, self.counts).view(B, H, -1)
             cand = cand.clamp(min=0)
             slots = slots.view(B, H, -1)
             s = exact_scores(q, keys, slots, "heads").view(R, G, -1, ps).amax(-1)  # [R, G, Pc]

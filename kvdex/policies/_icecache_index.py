@@ -146,8 +146,8 @@ class IndexJobsMixin:
                 ev[0].record(stream)
             n = (update.count * ps).repeat_interleave(H)
             first = (self.cfg.sink + update.start * ps).repeat_interleave(H)
-            prom = self._promoted(layer, n, B, H, D)
-            seeds = torch.tensor(self._seeds(layer, H)).repeat(B)
+            seeds = self._row_seeds(layer, H, B)
+            prom = self._promoted(layer, seeds, n, B, H, D)
             table = leaf_page_table(keys.reshape(B * H, -1, D), n, first, seeds, self.params, self.summary, prom)
             if ev:
                 ev[1].record(stream)
@@ -161,7 +161,11 @@ class IndexJobsMixin:
         share = self._memo is not None  # the memo's table stays as built
         self._pages[layer] = SemanticPages.from_table(table, self.summary, ps, keys.dtype, keys.device, B, H, share)
 
-    def _promoted(self, layer: int, n: torch.Tensor, B: int, H: int, D: int) -> torch.Tensor:
+    def _row_seeds(self, layer: int, heads: int, batch: int) -> torch.Tensor:
+        """[batch * heads]: the seed of each (sequence, kv head) row's tree of ``layer``."""
+        return torch.tensor(self._seeds(layer, heads)).repeat(batch)
+
+    def _promoted(self, layer: int, seeds: torch.Tensor, n: torch.Tensor, B: int, H: int, D: int) -> torch.Tensor:
         """The promotions of ``layer``'s trees (:func:`~kvdex.index.leaf_pages.promoted`, host work: tens of
         ms at 128k keys), drawn on an index worker while an earlier layer ran, and the next anchor layer's
         submitted now: they need only the row lengths, which a prefill shares across layers, so the host
@@ -171,11 +175,9 @@ class IndexJobsMixin:
         later = [lay for lay, a in sorted(self.anchor_of.items()) if a == lay and lay > layer]
         if later:
             nxt = later[0]
-            seeds = torch.tensor(self._seeds(nxt, H)).repeat(B)
-            self._promotions = {(nxt, *key): pool(1, "promote").submit(promoted, self.params, seeds, n, D)}
-        if fut is not None:
-            return fut.result()
-        return promoted(self.params, torch.tensor(self._seeds(layer, H)).repeat(B), n, D)
+            job = pool(1, "promote").submit(promoted, self.params, self._row_seeds(nxt, H, B), n, D)
+            self._promotions = {(nxt, *key): job}
+        return fut.result() if fut is not None else promoted(self.params, seeds, n, D)
 
     def _built_s(self) -> float:
         """Seconds the device builds took (CUDA: between events around each build's work, one sync)."""
