@@ -149,6 +149,26 @@ def test_kernel_ties_nonfinite_and_k_past_finite_count(block, ks):
 
 
 @run_kernels
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if CUDA else []), ids=str)
+@pytest.mark.parametrize("block", [None, 64])
+def test_kernel_negative_half_precision_ties(dtype, block):
+    """bf16 / fp16 scores below zero, tied at the k-th value: exactly the twin's k ids. (The sign flip of a
+    negative score's fp32 image turned its zero low bits into ones; the threshold the passes build has
+    them zero, so every tied key counted as above it and the kernel wrote more than k ids, past its row.)"""
+    tk = _twin()
+    g = torch.Generator().manual_seed(17)
+    score = -torch.randint(1, 5, (1, 3, 300), generator=g).to(dtype)
+    score[0, 2, 100:] = float("-inf")  # 100 finite entries: k = 150 reaches past them
+    for k in (17, 150):
+        want = tk.topk_ids_reference(score, k)
+        assert torch.equal(tk.topk_ids(score.to(DEV), k, block=block).cpu(), want), k
+        got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu()
+        for g_row, w_row in zip(got.view(3, -1), want.view(3, -1), strict=True):
+            assert int((g_row < 0).sum()) == int((w_row < 0).sum()), k
+            assert torch.equal(g_row[g_row >= 0], torch.sort(w_row[w_row >= 0]).values), k
+
+
+@run_kernels
 @pytest.mark.parametrize("block,k", [(None, 1), (None, 40), (None, 2048), (1024, 500)])
 def test_kernel_unordered_is_the_twins_set_in_index_order(block, k):
     """``ordered=False``: the ordered call's entries sorted by index (no sort of the k results), ties to the

@@ -46,13 +46,18 @@ _KEY_NEG_INF = -0x7F800001  # key of -inf (bits 0xFF800000 ^ 0x7FFFFFFF, as int3
 
 
 @triton.jit
-def _keys(S, offs, N):
-    """Order-preserving int32 image of the scores at ``offs`` (fp32 after the load); past N: INT32_MIN."""
+def _keys(S, offs, N, LOW_BIT: tl.constexpr):
+    """Order-preserving int32 image of the scores at ``offs`` (fp32 after the load); past N: INT32_MIN.
+    The ``LOW_BIT`` low bits are cleared: a negative bf16 / fp16 score's fp32 image has zero low bits,
+    which the flip of a negative turns into ones; cleared, every key has zero low bits like the threshold
+    the passes build, so that threshold equals the k-th key and ``== thr`` finds its ties."""
     x = tl.load(S + offs, mask=offs < N, other=0.0).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(x == 0.0, 0, key)  # -0.0 == +0.0
     key = tl.where(x != x, 0x7FFFFFFF, key)  # NaN largest (torch.topk's order)
+    if LOW_BIT > 0:
+        key = key & ~((1 << LOW_BIT) - 1)
     return tl.where(offs < N, key, -2147483647 - 1)
 
 
@@ -88,7 +93,7 @@ def _topk_kernel(
     o_row = OUT + row.to(tl.int64) * K
     offs = tl.arange(0, BLOCK)
     if TILES == 1:
-        key = _keys(s_row, offs, N)
+        key = _keys(s_row, offs, N, LOW_BIT)
 
     # ---- 2. the k-th largest key: sign first, then bits 30..LOW_BIT, keep a bit while >= k keys stay ----
     if TILES == 1:
@@ -96,7 +101,7 @@ def _topk_kernel(
     else:
         cnt = tl.full([], 0, tl.int32)
         for t in range(TILES):
-            kt = _keys(s_row, t * BLOCK + offs, N)
+            kt = _keys(s_row, t * BLOCK + offs, N, LOW_BIT)
             cnt += tl.sum((kt >= 0).to(tl.int32), axis=0)
     lo = tl.where(cnt >= K, 0, -2147483647 - 1)
     for i in tl.static_range(PAIRS):  # two bits per pass: three counts packed in one int64 sum (N < 2**20)
@@ -108,7 +113,7 @@ def _topk_kernel(
         else:
             s3 = tl.full([], 0, tl.int64)
             for t in range(TILES):
-                kt = _keys(s_row, t * BLOCK + offs, N)
+                kt = _keys(s_row, t * BLOCK + offs, N, LOW_BIT)
                 s3 += tl.sum(_count3(kt, c1, c2, c3), axis=0)
         n1 = s3 & 0xFFFFF
         n2 = (s3 >> 20) & 0xFFFFF
@@ -121,7 +126,7 @@ def _topk_kernel(
         else:
             c = tl.full([], 0, tl.int32)
             for t in range(TILES):
-                kt = _keys(s_row, t * BLOCK + offs, N)
+                kt = _keys(s_row, t * BLOCK + offs, N, LOW_BIT)
                 c += tl.sum((kt >= cand).to(tl.int32), axis=0)
         lo = tl.where(c >= K, cand, lo)
     thr = lo
@@ -142,14 +147,14 @@ def _topk_kernel(
     else:
         n_gt = tl.full([], 0, tl.int32)
         for t in range(TILES):
-            kt = _keys(s_row, t * BLOCK + offs, N)
+            kt = _keys(s_row, t * BLOCK + offs, N, LOW_BIT)
             n_gt += tl.sum((kt > thr).to(tl.int32), axis=0)
         need_eq = K - n_gt
         base = tl.full([], 0, tl.int32)
         eq_base = tl.full([], 0, tl.int32)
         for t in range(TILES):
             o = t * BLOCK + offs
-            kt = _keys(s_row, o, N)
+            kt = _keys(s_row, o, N, LOW_BIT)
             gt = kt > thr
             eq = kt == thr
             eq_i = eq.to(tl.int32)
@@ -169,7 +174,7 @@ def _topk_kernel(
         ok = tl.arange(0, K_BLOCK)
         kmask = ok < K
         ids = tl.load(o_row + ok, mask=kmask, other=0)
-        sk = _keys(s_row, ids, N).to(tl.int64)
+        sk = _keys(s_row, ids, N, LOW_BIT).to(tl.int64)
         low = tl.full([], 0xFFFFFFFF, tl.int64)
         packed = (sk << 32) | (low - ids)
         packed = tl.where(kmask, packed, tl.full([], -9223372036854775807 - 1, tl.int64))
