@@ -104,10 +104,12 @@ def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True):
     Ordered calls: rows longer than ``KVDEX_TOPK_MAX_N`` go to torch.topk. Default 0, i.e. torch.topk: in isolation
     (H200, graph-replayed, 8 rows, k = 125, random scores) the kernel took 15-23 us against
     torch.topk's 46-63 us at 8192 scores per row, but inside the real decode step (Llama-3.1-8B
-    shape, 128k, quest/device+graph+compile, Quest's page bounds: 8192 per row) it took 2.22 ms per
+    shape, 128k, quest/device+graph+compile, Quest's page bounds) it took 2.22 ms per
     step (74 us a call) against torch.topk's 1.74 ms, and the step 8.35 against 8.02 ms GPU time
     (docs/bench/step_kernels.md). So it is opt-in (``KVDEX_TOPK_MAX_N=16384`` sends rows of up to
-    16384 scores to it) until a score distribution where it wins in the step is measured.
+    16384 scores to it). In the step Quest's rows are 10,236 scores wide (the index capacity under static
+    sizing), so the kernel's register tile is 16,384 and a call costs twice what 8,192 scores cost
+    (docs/bench/step_kernels.md).
     ``KVDEX_TOPK_SPLIT=1`` sends the longer rows to the two-stage ``topk_ids_split`` (8192-score
     segments, then their candidates) instead of torch.topk (in isolation 56-213 us vs torch.topk's
     46-91 us at 32768-131072 scores: no faster)."""
