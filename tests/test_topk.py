@@ -51,6 +51,16 @@ def _torch_set_ok(score, ids, k):
         assert sorted(a) == sorted(b)
 
 
+def _assert_index_ordered_set(got, want):
+    """An unordered call's ids against the twin's, row by row: as many -1 entries, and the valid ids are the
+    twin's valid ids sorted by index."""
+    assert got.shape == want.shape
+    n = want.shape[-1]
+    for r, (g_row, w_row) in enumerate(zip(got.reshape(-1, n), want.reshape(-1, n), strict=True)):
+        assert int((g_row < 0).sum()) == int((w_row < 0).sum()), r
+        assert torch.equal(g_row[g_row >= 0], torch.sort(w_row[w_row >= 0]).values), r
+
+
 # ---- the twin (CPU, always) ------------------------------------------------------------------------
 
 
@@ -162,10 +172,7 @@ def test_kernel_negative_half_precision_ties(dtype, block):
     for k in (17, 150):
         want = tk.topk_ids_reference(score, k)
         assert torch.equal(tk.topk_ids(score.to(DEV), k, block=block).cpu(), want), k
-        got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu()
-        for g_row, w_row in zip(got.view(3, -1), want.view(3, -1), strict=True):
-            assert int((g_row < 0).sum()) == int((w_row < 0).sum()), k
-            assert torch.equal(g_row[g_row >= 0], torch.sort(w_row[w_row >= 0]).values), k
+        _assert_index_ordered_set(tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu(), want)
 
 
 @run_kernels
@@ -182,12 +189,7 @@ def test_kernel_unordered_is_the_twins_set_in_index_order(block, k):
     score[1, 0, 9] = float("inf")
     score[1, 3] = float("-inf")
     want = tk.topk_ids_reference(score, k)
-    got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu()
-    assert got.shape == want.shape
-    for r in range(8):
-        g_row, w_row = got.view(8, -1)[r], want.view(8, -1)[r]
-        assert int((g_row < 0).sum()) == int((w_row < 0).sum()), r
-        assert torch.equal(g_row[g_row >= 0], torch.sort(w_row[w_row >= 0]).values), r
+    _assert_index_ordered_set(tk.topk_ids(score.to(DEV), k, block=block, ordered=False).cpu(), want)
 
 
 @run_kernels
