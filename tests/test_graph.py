@@ -54,6 +54,8 @@ SPECS = [
     "prkv:static_ratio=0.5:refresh=6:rerank=2",
     "chess:trigger=interval:interval=5:rerank=2",
     "chess:anchor_from=window:scope=shared:trigger=interval:interval=5:rerank=2",
+    "quest:rerank=1:rerank_share=0.5",
+    "prkv:static_ratio=0.5:refresh=6:rerank=1:rerank_share=0.5:rerank_group=weight",
 ]
 
 
@@ -325,7 +327,8 @@ def test_replayable_steps_issue_identical_device_work(tiny, spec):
 
 WHOLE = ["quest", "streaming", "oracle", "chess:trigger=interval:interval=5", "arkvale",
          "prkv:static_ratio=0.5:refresh=6", "snapkv", "snapkv:refresh=8", "h2o", "full",
-         "quest:rerank=2:rerank_group=weight", "prkv:static_ratio=0.5:refresh=6:rerank=2"]  # fmt: skip
+         "quest:rerank=2:rerank_group=weight", "prkv:static_ratio=0.5:refresh=6:rerank=2",
+         "quest:rerank=1:rerank_share=0.5"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", WHOLE)
@@ -452,6 +455,7 @@ GPU_SPECS = [
     "arkvale:rerank=2",
     "prkv:static_ratio=0.5:refresh=8:rerank=2",
     "chess:trigger=interval:interval=5:rerank=2",
+    "quest:rerank=1:rerank_share=0.5",
 ]
 
 

@@ -91,7 +91,8 @@ def _is_topk(selected: list[int], mid: torch.Tensor, k: int, where: str) -> None
 
 
 ALL_CANDIDATES = ["quest:rerank=8", "arkvale:rerank=8", "prkv:static_ratio=0:rerank=8", "chess:rerank=8",
-                  "chess:anchor_from=window:scope=shared:rerank=8"]  # fmt: skip
+                  "chess:anchor_from=window:scope=shared:rerank=8",
+                  "quest:rerank=1:rerank_share=1.0", "prkv:static_ratio=0:rerank=1:rerank_share=1.0"]  # fmt: skip
 
 
 @pytest.mark.parametrize("group", ["max", "weight"])
@@ -114,7 +115,9 @@ def test_every_page_a_candidate_selects_the_exact_topk(spec, group):
 
 
 SELECTIVE = ["quest:rerank=2", "arkvale:rerank=2", "prkv:static_ratio=0.5:refresh=6:rerank=2",
-             "prkv:rerank=2:rerank_group=weight", "chess:rerank=2", "chess:rerank=3:trigger=always"]  # fmt: skip
+             "prkv:rerank=2:rerank_group=weight", "chess:rerank=2", "chess:rerank=3:trigger=always",
+             "quest:rerank=1:rerank_share=0.5",
+             "prkv:static_ratio=0.5:refresh=6:rerank=1:rerank_share=0.5"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", SELECTIVE)
@@ -163,6 +166,11 @@ def test_rerank_keeps_the_paper_configuration():
         ("quest:rerank=2:rerank_group=sum", "rerank_group must be one of max, weight"),
         ("chess:rerank=2:rerank_group=heads", "rerank_group must be one of max, weight"),
         ("chess:preset=moderate:rerank=2", "rerank > 0 needs budget mode"),
+        ("quest:rerank_share=0.25", "it needs rerank >= 1"),
+        ("arkvale:rerank=2:rerank_share=1.5", "rerank_share must be a number in"),
+        ("prkv:rerank=2:rerank_share='all'", "option rerank_share='all': expected float"),
+        ("quest:rerank=2:rerank_share=0.25:group=heads", "use group='max' or 'sum' with rerank_share"),
+        ("chess:rerank=2:rerank_share=0.25", "rerank_share is an option of the page scoring policies"),
     ],
 )
 def test_bad_values_raise(spec, match):
@@ -179,3 +187,48 @@ def test_bad_values_raise_from_the_constructor():
             QuestPolicy(rerank=bad)
     with pytest.raises(ValueError, match="rerank_group must be one of"):
         PRKVPolicy(rerank=2, rerank_group="mean")
+
+
+def _scores(lengths: list[int], width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random page scores [B, 2, width] with -inf past each row's middle (``lengths`` pages)."""
+    g = torch.Generator().manual_seed(seed)
+    mid = torch.tensor(lengths)
+    score = torch.randn(len(lengths), 2, width, generator=g)
+    return score.masked_fill(torch.arange(width) >= mid[:, None, None], float("-inf")), mid
+
+
+def test_share_candidates_per_row_count_and_best_pages():
+    from kvdex.policies._rerank import share_candidates
+
+    score, mid = _scores([40, 9, 0], 48)
+    ids = share_candidates(score, 4, 0.25, mid)
+    for b, n in enumerate(mid.tolist()):
+        quota = min(n, max(4, -(-n // 4)))  # max(k, ceil(share * middle)), at most the middle
+        for h in range(2):
+            row = ids[b, h]
+            got = set(row[row >= 0].tolist())
+            assert len(got) == quota, (b, h, got)
+            assert got == set(torch.topk(score[b, h, :n], quota).indices.tolist()) if quota else not got
+
+
+def test_share_candidates_do_not_follow_the_width():
+    """A captured step scores the index capacity (wider, -inf past each middle): the same candidates."""
+    from kvdex.policies._rerank import share_candidates
+
+    score, mid = _scores([40, 23], 40, seed=3)
+    wide = torch.cat([score, torch.full((2, 2, 24), float("-inf"))], dim=-1)
+    a, b = share_candidates(score, 3, 0.3, mid), share_candidates(wide, 3, 0.3, mid)
+    assert a.shape[-1] == 12 and b.shape[-1] == 20  # ceil(0.3 x 40), ceil(0.3 x 64)
+    for i in range(2):
+        for h in range(2):
+            assert set(a[i, h][a[i, h] >= 0].tolist()) == set(b[i, h][b[i, h] >= 0].tolist())
+
+
+def test_share_widens_the_pool_past_rerank():
+    """``rerank_share`` adds candidates where ``rerank`` x the budget's pages is the smaller pool, so some
+    selection differs from the pool of ``rerank`` alone (that the wider pool's choice is the exact top-k
+    is checked above, with every page a candidate)."""
+    spec = "quest:rerank=1:rerank_group=weight"
+    plain, shared = _run(spec), _run(f"{spec}:rerank_share=1.0")
+    assert len(plain) == len(shared)
+    assert any(not torch.equal(x, y) for x, y in zip(plain, shared, strict=True))  # a wider pool chose otherwise

@@ -22,10 +22,19 @@ How a kv head's query heads combine (``rerank_group``):
 * ``"weight"``: the sum over the group of each head's softmax weight of the token, normalised over sink,
   window and every candidate token -- the oracle's criterion restricted to the candidates (with every
   middle page a candidate it is the oracle's selection).
+
+``rerank_share`` (page scoring policies: quest, arkvale, prkv) sets a floor on the candidates as a share of
+each sequence's middle: ``max(rerank x the budget's pages, ceil(rerank_share x middle pages))``. A pool of a
+fixed multiple of the budget covers less of the middle as the context grows (``rerank=4`` at budget 256 is
+12.5 % of an 8k middle and 3.1 % of a 32k one), and the scorecard's retrieval follows that share
+(docs/results.md, "What the rerank's pool must hold"). Static shapes: the page top-k is as wide as the
+share of every page the policy scores (its index capacity under CUDA-graph decoding) and each row keeps its
+own count of the best, so captured and eager steps choose the same candidates.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +46,9 @@ from kvdex.selection import Selection
 RERANK_GROUPS = ("max", "weight")
 
 
-def check_rerank(rerank, group: str) -> None:
-    """ValueError unless ``rerank`` is an int >= 0 and ``group`` one of :data:`RERANK_GROUPS`."""
+def check_rerank(rerank, group: str, share=0.0) -> None:
+    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS` and ``share`` a
+    number in [0, 1] (above 0 only with ``rerank`` > 0)."""
     if not isinstance(rerank, int) or isinstance(rerank, bool) or rerank < 0:
         raise ValueError(
             f"rerank must be an int >= 0 (0: attend the chosen pages; N > 0: rank the tokens of N x as many "
@@ -46,6 +56,10 @@ def check_rerank(rerank, group: str) -> None:
         )
     if group not in RERANK_GROUPS:
         raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise ValueError(f"rerank_share must be a number in [0, 1] (a share of the middle's pages), got {share!r}")
+    if share and not rerank:
+        raise ValueError(f"rerank_share={share!r} sizes the rerank's candidates: it needs rerank >= 1 (e.g. rerank=4)")
 
 
 @dataclass
@@ -56,9 +70,10 @@ class RerankOption:
 
     rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
     rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
+    rerank_share: float = 0.0  # rerank > 0: candidates at least this share of each middle's pages
 
     def __post_init__(self) -> None:
-        check_rerank(self.rerank, self.rerank_group)
+        check_rerank(self.rerank, self.rerank_group, self.rerank_share)
 
     @property
     def granularity(self) -> str:
@@ -69,6 +84,19 @@ class RerankOption:
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:
     """Candidate pages for a token budget of ``tokens``: ``rerank`` x the pages it fills (rounded up)."""
     return rerank * -(-max(tokens, 0) // page_size)
+
+
+def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: torch.Tensor) -> torch.Tensor:
+    """The candidate pages [B, H, K] (``-1`` padded) of the page ``score`` [B, H, P] (``-inf`` past each
+    middle) under ``rerank_share``: row b keeps its best ``max(k, ceil(share * middle_pages[b]))`` pages.
+    K = ``max(k, ceil(share * P))`` depends on the width P only (the longest middle, or the index capacity
+    under static sizing), so a captured step has the eager step's candidates."""
+    width = score.shape[-1]
+    kmax = min(width, max(k, math.ceil(share * width)))
+    ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
+    quota = torch.ceil(middle_pages.to(ids.device, torch.float64) * share).long().clamp(min=k)  # [B]
+    keep = torch.arange(kmax, device=ids.device) < quota[:, None, None]
+    return torch.where(keep, ids, -1)
 
 
 def rerank_tokens(

@@ -51,7 +51,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens, share_candidates
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
@@ -213,10 +213,19 @@ class PageScoringPolicy(RerankOption, Policy):
     ``rerank`` (kvdex option, not in the papers; :mod:`kvdex.policies._rerank`): 0 (default) attends the
     top pages; ``N > 0`` takes ``N x`` as many pages as the token budget (:meth:`token_budget`) fills as
     candidates and attends the best tokens of them by exact ``q.k`` (the group combined by
-    ``rerank_group``): a token selection."""
+    ``rerank_group``): a token selection; ``rerank_share`` > 0 makes the candidates at least that share of
+    each sequence's middle pages."""
 
     group: ClassVar[str] = "max"
     scores_masked: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # RerankOption's check
+        if self.rerank_share and self.group == "heads":
+            raise ValueError(
+                "rerank_share sizes one ranking of pages per kv head; group='heads' ranks per query head: "
+                "use group='max' or 'sum' with rerank_share, or drop rerank_share"
+            )
 
     def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
         """Scores of the first P middle pages of ``view.layer`` (P: e.g. ``view.score_width(capacity)``):
@@ -252,6 +261,8 @@ class PageScoringPolicy(RerankOption, Policy):
             return group_topk(score, view.kv_heads, k, "heads"), score
         if score.shape[1] != view.kv_heads:
             score = group_reduce(score, view.kv_heads, self.group)
+        if self.rerank_share:  # at least that share of each middle's pages
+            return share_candidates(score, k, self.rerank_share, view.middle_pages), score
         return topk_ids(score, k, ordered=not self.rerank), score  # rerank: the candidates are a set
 
     def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:

@@ -151,6 +151,11 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
         super().__post_init__()  # RerankOption's check
+        if self.rerank_share:
+            raise ValueError(
+                "chess keeps its candidate pages between rebuilds, sized once by its budget: rerank_share is an "
+                "option of the page scoring policies (quest, arkvale, prkv); use rerank=N to widen chess's pool"
+            )
         if self.rerank and self.ratios is not None:
             raise ValueError(
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
