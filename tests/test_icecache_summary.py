@@ -52,6 +52,8 @@ def test_full_budget_equals_dense(spec, offload, n):
         "icecache:search=summary:rerank=1:group_merge=max",
         DEVICE + ":rerank=4",
         DEVICE + ":rerank=4:rerank_unit=token",
+        DEVICE + ":rerank=1:rerank_share=0.5",
+        DEVICE + ":rerank=1:rerank_unit=token:rerank_share=0.5",
     ],
 )
 def test_rerank_full_budget_equals_dense_and_needs_the_resident_store(spec):
@@ -101,6 +103,32 @@ def test_token_rerank_takes_the_best_tokens_of_every_candidate():
     assert not torch.equal(torch.sort(got[0, 0]).values, torch.sort(page_only[0, 0]).values)
 
 
+def test_rerank_share_makes_every_page_a_candidate():
+    """``share=1``: every page of the row is a candidate whatever ``rerank x cap`` is (here 2 of 16 pages), so the
+    token unit takes the exact best tokens; without the share the 2 candidates miss some of them."""
+    g = torch.Generator().manual_seed(2)
+    B, H, G, D, ps, n, room = 2, 1, 2, 8, 4, 64, 10
+    keys = torch.randn(B, H, n, D, generator=g)
+    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
+    for j in range(n // ps):
+        pages.insert(
+            keys[:, :, j * ps : (j + 1) * ps],
+            torch.arange(j * ps, (j + 1) * ps)[None].expand(B, -1),
+            torch.tensor([True, j < 10]),
+        )  # fmt: skip  (row 1 holds 10 pages)
+    pages.bound = int(pages.npages.max())
+    q = torch.randn(B, H * G, D, generator=g)
+    got = pages.select(q, pages.bound, room, 1, "max", 1.0, keys, rerank=2, unit="token", share=1.0)
+    small = pages.select(q, pages.bound, room, 1, "max", 1.0, keys, rerank=2, unit="token")
+    missed = 0
+    for b, held in ((0, n), (1, 10 * ps)):
+        exact = torch.einsum("gd,nd->gn", q[b], keys[b, 0, :held]).amax(0)
+        want = torch.sort(torch.topk(exact, room).indices).values
+        assert torch.equal(torch.sort(got[b, 0]).values, want), b
+        missed += not torch.equal(torch.sort(small[b, 0][small[b, 0] >= 0]).values, want)
+    assert missed  # 2 candidate pages (8 tokens) cannot hold 10 tokens: the share is what found them
+
+
 @pytest.mark.parametrize("build", ["tree", "device"])
 @pytest.mark.parametrize("summary", ["minmax", "centroid"])
 def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary, build):
@@ -137,7 +165,7 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
     "spec",
     SPECS
     + ["icecache:search=summary:group_merge=nsa", "icecache:search=summary:rerank=2", DEVICE]
-    + [DEVICE + ":rerank=2:rerank_unit=token"],
+    + [DEVICE + ":rerank=2:rerank_unit=token", DEVICE + ":rerank=1:rerank_share=0.5"],
 )
 def test_static_sizing_selects_what_dynamic_sizing_selects(spec):
     """store.static (CUDA-graph decoding: the whole page capacity scored, fixed width) == dynamic."""
@@ -246,6 +274,9 @@ def test_bad_options_raise():
         dict(search="summary", rerank=-1),
         dict(search="summary", rerank_unit="token"),  # no candidates to rank without rerank > 0
         dict(search="summary", rerank=4, rerank_unit="tokens"),
+        dict(search="summary", rerank_share=0.5),  # a share of no rerank's candidates
+        dict(search="summary", rerank=2, rerank_share=1.5),
+        dict(search="host", rerank=2, rerank_share=0.5),  # the share sizes search="summary"'s candidates
         dict(build="device"),  # the device build makes search="summary"'s pages only
         dict(search="host", build="device"),
         dict(search="summary", build="gpu"),

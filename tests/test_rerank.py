@@ -198,7 +198,7 @@ def _scores(lengths: list[int], width: int, seed: int = 0) -> tuple[torch.Tensor
 
 
 def test_share_candidates_per_row_count_and_best_pages():
-    from kvdex.policies._rerank import share_candidates
+    from kvdex.kernels.scoring import share_candidates
 
     score, mid = _scores([40, 9, 0], 48)
     ids = share_candidates(score, 4, 0.25, mid)
@@ -213,7 +213,7 @@ def test_share_candidates_per_row_count_and_best_pages():
 
 def test_share_candidates_do_not_follow_the_width():
     """A captured step scores the index capacity (wider, -inf past each middle): the same candidates."""
-    from kvdex.policies._rerank import share_candidates
+    from kvdex.kernels.scoring import share_candidates
 
     score, mid = _scores([40, 23], 40, seed=3)
     wide = torch.cat([score, torch.full((2, 2, 24), float("-inf"))], dim=-1)

@@ -38,7 +38,7 @@ import torch
 from kvdex.index.pages import greedy_fit
 from kvdex.kernels import scoring
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import page_bounds, slot_scores, topk_ids
+from kvdex.kernels.scoring import page_bounds, share_candidates, slot_scores, topk_ids
 
 SUMMARIES = ("minmax", "centroid")
 MERGES = ("rank", "max", "nsa")
@@ -256,14 +256,25 @@ class SemanticPages:
         return torch.where(self.fill[:, :, :P] > 0, s, -_INF)
 
     def select(
-        self, q, P: int, room: int, cap: int, merge: str, scale: float, keys=None, rerank: int = 0, unit: str = "page"
+        self,
+        q,
+        P: int,
+        room: int,
+        cap: int,
+        merge: str,
+        scale: float,
+        keys=None,
+        rerank: int = 0,
+        unit: str = "page",
+        share: float = 0.0,
     ):
         """Token positions [B, H, T] (-1 padded, T = min(pages taken at most x ps, room)) of the pages
         taken for the queries q [B, Hq, D] among the first ``P`` pages of every row (the capacity under
         a CUDA graph, ``bound`` otherwise: the same pages). ``rerank`` > 0: the ``rerank * cap`` best pages
         by summary (the group's max) are ranked by the exact max q.k of their keys, read from ``keys``
         [B, H, S, D] (slot == position: a GPU-resident store); ``unit="token"``: the ``room`` best tokens of
-        those candidate pages by the group's max q.k instead (no page fit)."""
+        those candidate pages by the group's max q.k instead (no page fit). ``share`` > 0: at least that share
+        of each row's pages are candidates (:func:`kvdex.kernels.scoring.share_candidates`)."""
         B, Hq, D = q.shape
         H, ps, dev = self.H, self.ps, q.device
         G, R = Hq // H, B * self.H
@@ -271,7 +282,11 @@ class SemanticPages:
             return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
-            cand = topk_ids(self.group_max(q, P).view(R, 1, P), rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
+            bound = self.group_max(q, P).view(R, 1, P)
+            if share:  # at least that share of each row's pages, counted on the device
+                cand = share_candidates(bound, rerank * cap, share, (self.fill[:, :, :P] > 0).sum(-1).view(R))[:, 0]
+            else:
+                cand = topk_ids(bound, rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
             ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels
             slots = ops.candidate_slots(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
             if unit == "token":

@@ -9,6 +9,7 @@ re-exports ``page_bounds``.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -90,6 +91,20 @@ def topk_ids(score: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     val, ids = torch.topk(score, k, dim=-1, sorted=ordered)
     # |val| < inf is isfinite (NaN and +-inf fail it) in two kernels instead of isfinite's four
     return torch.where(val.abs() < float("inf"), ids, -1)
+
+
+def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: torch.Tensor) -> torch.Tensor:
+    """The candidate pages [B, H, K] (``-1`` padded) of the page ``score`` [B, H, P] (``-inf`` past each
+    row's pages) under a rerank's ``rerank_share``: row b keeps its best ``max(k, ceil(share *
+    middle_pages[b]))`` pages (``middle_pages`` [B]: the pages row b holds). K = ``max(k, ceil(share * P))``
+    depends on the width P only (the longest middle, or the index capacity under static sizing), so a
+    captured step has the eager step's candidates."""
+    width = score.shape[-1]
+    kmax = min(width, max(k, math.ceil(share * width)))
+    ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
+    quota = torch.ceil(middle_pages.to(ids.device, torch.float64) * share).long().clamp(min=k)  # [B]
+    keep = torch.arange(kmax, device=ids.device) < quota[:, None, None]
+    return torch.where(keep, ids, -1)
 
 
 def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True):

@@ -34,7 +34,6 @@ own count of the best, so captured and eager steps choose the same candidates.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -84,19 +83,6 @@ class RerankOption:
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:
     """Candidate pages for a token budget of ``tokens``: ``rerank`` x the pages it fills (rounded up)."""
     return rerank * -(-max(tokens, 0) // page_size)
-
-
-def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: torch.Tensor) -> torch.Tensor:
-    """The candidate pages [B, H, K] (``-1`` padded) of the page ``score`` [B, H, P] (``-inf`` past each
-    middle) under ``rerank_share``: row b keeps its best ``max(k, ceil(share * middle_pages[b]))`` pages.
-    K = ``max(k, ceil(share * P))`` depends on the width P only (the longest middle, or the index capacity
-    under static sizing), so a captured step has the eager step's candidates."""
-    width = score.shape[-1]
-    kmax = min(width, max(k, math.ceil(share * width)))
-    ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
-    quota = torch.ceil(middle_pages.to(ids.device, torch.float64) * share).long().clamp(min=k)  # [B]
-    keep = torch.arange(kmax, device=ids.device) < quota[:, None, None]
-    return torch.where(keep, ids, -1)
 
 
 def rerank_tokens(

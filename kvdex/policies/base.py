@@ -50,8 +50,8 @@ from typing import ClassVar
 import torch
 
 from kvdex.config import CacheConfig
-from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens, share_candidates
+from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView

@@ -55,6 +55,7 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
+from kvdex.policies._rerank import check_rerank
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -102,6 +103,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
     # policies' ``rerank`` (kvdex/policies/_rerank.py): no page-fit step, the budget spent on tokens
     rerank_unit: str = "page"
+    # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
+    # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
+    rerank_share: float = 0.0
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
     build: str = "tree"
@@ -137,6 +141,9 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
                              "and rerank=N (e.g. 4)")  # fmt: skip
+        check_rerank(self.rerank, "max", self.rerank_share)  # the share: a number in [0, 1], with rerank > 0
+        if self.rerank_share and self.search != "summary":
+            raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
         if self.build not in ("tree", "device"):
             raise ValueError(f"build must be 'tree' or 'device', got {self.build!r}")
         if self.build == "device" and self.search != "summary":
@@ -269,9 +276,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
-            tokens = pages.select(
-                q.detach(), P, room, cap, self.group_merge, scale, keys, self.rerank, self.rerank_unit
-            )
+            rr = (self.rerank, self.rerank_unit, self.rerank_share)
+            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, *rr)
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
