@@ -16,8 +16,9 @@ bookkeeping (``cache_pages``, default ``2k``): which pages a device cache of tha
 lowest-ranked unselected pages are evicted, as ArkVale's Figure 5), and ``stats()`` reports the
 recalls per step that ArkVale would transfer (its Figure 4b).
 
-``rerank`` / ``rerank_group`` (kvdex options, default 0: the paper): the digests choose ``rerank x`` as
-many candidate pages and the best tokens of them by exact q.k are attended (:mod:`kvdex.policies._rerank`);
+``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options, default 0: the paper): the digests choose
+``rerank x`` as many candidate pages (``rerank_share``: at least that share of the middle's pages) and the best
+tokens of them by exact q.k are attended (:mod:`kvdex.policies._rerank`);
 the cache bookkeeping then counts the candidate pages (their keys are read).
 """
 

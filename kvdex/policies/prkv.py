@@ -40,10 +40,10 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
   the top-r tokens of the first and the last observation query of query head h (r = the retrieval
   budget), ``k_s = page_size * floor(mean_h C_h / page_size)`` (eq. 5), averaged over the batch.
 
-``rerank`` / ``rerank_group`` (kvdex options, default 0: the paper): the digests choose ``rerank x`` the
-dynamic pages as candidates and the best ``r - k_s`` tokens of them by exact q.k are attended after the
-static tokens (:mod:`kvdex.policies._rerank`; the static region's partly filled page is a candidate
-without its static tokens).
+``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options, default 0: the paper): the digests choose
+``rerank x`` the dynamic pages (``rerank_share``: at least that share of the middle's pages) as candidates and
+the best ``r - k_s`` tokens of them by exact q.k are attended after the static tokens
+(:mod:`kvdex.policies._rerank`; the static region's partly filled page is a candidate without its static tokens).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ group combine when ranking pages -- ``"max"`` (default, as above), ``"sum"`` of 
 ``"heads"``: every query head ranks the pages by its own bound and the kv head attends the union,
 taken round-robin over the heads' rankings (every head's best page first) until the budget is filled.
 
-``rerank`` / ``rerank_group`` (kvdex options, :class:`~kvdex.policies.base.PageScoringPolicy`; default 0,
-the paper): the bounds choose ``rerank x`` as many candidate pages and the best tokens of them by exact
-q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
+``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options,
+:class:`~kvdex.policies.base.PageScoringPolicy`; default 0, the paper): the bounds choose ``rerank x`` as many
+candidate pages (``rerank_share``: at least that share of the middle's pages) and the best tokens of them by
+exact q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
 """
 
 from __future__ import annotations
