@@ -23,7 +23,7 @@ How a kv head's query heads combine (``rerank_group``):
   window and every candidate token -- the oracle's criterion restricted to the candidates (with every
   middle page a candidate it is the oracle's selection).
 
-``rerank_share`` (page scoring policies: quest, arkvale, prkv) sets a floor on the candidates as a share of
+``rerank_share`` (quest, arkvale, prkv; IceCache's summary search too) sets a floor on the candidates as a share of
 each sequence's middle: ``max(rerank x the budget's pages, ceil(rerank_share x middle pages))``. A pool of a
 fixed multiple of the budget covers less of the middle as the context grows (``rerank=4`` at budget 256 is
 12.5 % of an 8k middle and 3.1 % of a 32k one), and the scorecard's retrieval follows that share
