@@ -58,6 +58,16 @@ def test_needle_report_draws_one_png_per_budget(results):
     assert sorted(p.name for p in paths) == ["needle_mass_L512_b4096.png", "needle_mass_L512_b64.png"]
 
 
+def test_panel_titles_wrap_long_policy_specs_at_their_separators():
+    from kvdex.eval.needle import _wrap_spec
+
+    spec = "prkv:rerank=4:rerank_group=weight:rerank_share=0.25"
+    lines = _wrap_spec(spec).split("\n")
+    assert len(lines) == 3 and all(len(line) <= 26 for line in lines)
+    assert "".join(lines) == spec  # nothing lost: the lines are the spec cut before a ':'
+    assert _wrap_spec("oracle") == "oracle"
+
+
 def test_needle_task_refuses_other_subtasks():
     with pytest.raises(ValueError, match="niah_"):
         NeedleTask(subtasks=["vt"])

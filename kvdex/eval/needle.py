@@ -229,6 +229,17 @@ class NeedleTask(Task):
         return plot_mass(task_dir, results)
 
 
+def _wrap_spec(spec: str, width: int = 26) -> str:
+    """A policy spec broken into lines of at most ``width`` characters at its ``:`` separators (a panel title)."""
+    lines: list[str] = []
+    for part in spec.split(":"):
+        if lines and len(lines[-1]) + 1 + len(part) <= width:
+            lines[-1] += ":" + part
+        else:
+            lines.append(part if not lines else ":" + part)
+    return "\n".join(lines)
+
+
 def plot_mass(task_dir: Path, results: list[RunResult]) -> list[Path]:
     """One PNG per (length, budget): a layers x kv heads heatmap of the kept needle mass per policy."""
     try:
@@ -246,16 +257,20 @@ def plot_mass(task_dir: Path, results: list[RunResult]) -> list[Path]:
             full = [x for x in runs_ok if x.length == r.length and x.budget is None]
             groups.setdefault((r.length, r.budget), full[:1]).append(r)
     for (length, budget), runs in groups.items():
-        fig, axes = plt.subplots(1, len(runs), figsize=(2.2 * len(runs) + 1, 4), squeeze=False)
+        lines = max(_wrap_spec(r.policy).count("\n") for r in runs) + 2  # the tallest panel title
+        height = 3.6 + 0.15 * lines
+        fig, axes = plt.subplots(1, len(runs), figsize=(2.2 * len(runs) + 1, height), squeeze=False)
+        fig.subplots_adjust(top=1 - (0.3 + 0.15 * lines) / height, bottom=0.45 / height)
         for ax, r in zip(axes[0], runs, strict=True):
             m = np.array(r.metrics["per_layer_head_mass"])
             im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set_title(f"{r.policy}\nmass {r.metrics['mass']:.2f}", fontsize=8)
+            ax.set_title(f"{_wrap_spec(r.policy)}\nmass {r.metrics['mass']:.2f}", fontsize=8)
             ax.set_xlabel("kv head")
             ax.set_yticks(range(len(r.metrics["layers"])), r.metrics["layers"], fontsize=6)
         axes[0][0].set_ylabel("layer")
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, fraction=0.03, pad=0.01, label="needle attention kept")
-        fig.suptitle(f"needle attention kept per layer and kv head, {length} tokens, budget {budget}", fontsize=9)
+        title = f"needle attention kept per layer and kv head, {length} tokens, budget {budget}"
+        fig.suptitle(title, fontsize=9, y=0.99)
         path = task_dir / f"needle_mass_L{length}_b{budget}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
