@@ -43,7 +43,14 @@ OPTIONS: dict[str, dict] = {}
 
 # Options beside the defaults that change what a policy selects, held to the same contract: the page
 # policies' token rerank (kvdex/policies/_rerank.py)
-SPECS = ["quest:rerank=4", "prkv:rerank=4", "chess:rerank=4", "arkvale:rerank=4", "quest:rerank=1:rerank_share=0.5"]
+SPECS = [
+    "quest:rerank=4",
+    "prkv:rerank=4",
+    "chess:rerank=4",
+    "arkvale:rerank=4",
+    "quest:rerank=1:rerank_share=0.5",
+    "prkv:rerank=1:rerank_group=weight:rerank_share=0.5",
+]
 POLICIES = kvdex.policies() + SPECS
 
 

@@ -92,7 +92,8 @@ def _is_topk(selected: list[int], mid: torch.Tensor, k: int, where: str) -> None
 
 ALL_CANDIDATES = ["quest:rerank=8", "arkvale:rerank=8", "prkv:static_ratio=0:rerank=8", "chess:rerank=8",
                   "chess:anchor_from=window:scope=shared:rerank=8",
-                  "quest:rerank=1:rerank_share=1.0", "prkv:static_ratio=0:rerank=1:rerank_share=1.0"]  # fmt: skip
+                  "quest:rerank=1:rerank_share=1.0", "prkv:static_ratio=0:rerank=1:rerank_share=1.0",
+                  "arkvale:rerank=1:rerank_share=1.0"]  # fmt: skip
 
 
 @pytest.mark.parametrize("group", ["max", "weight"])
