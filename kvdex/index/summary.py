@@ -283,8 +283,8 @@ class SemanticPages:
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
             bound = self.group_max(q, P).view(R, 1, P)
-            if share:  # at least that share of each row's pages, counted on the device
-                cand = share_candidates(bound, rerank * cap, share, (self.fill[:, :, :P] > 0).sum(-1).view(R))[:, 0]
+            if share:  # at least that share of each row's pages (npages: the device count)
+                cand = share_candidates(bound, rerank * cap, share, self.npages.view(R))[:, 0]
             else:
                 cand = topk_ids(bound, rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
             ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels

@@ -46,8 +46,8 @@ RERANK_GROUPS = ("max", "weight")
 
 
 def check_rerank(rerank, group: str, share=0.0) -> None:
-    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS` and ``share`` a
-    number in [0, 1] (above 0 only with ``rerank`` > 0)."""
+    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS` and ``share``
+    passes :func:`check_share`."""
     if not isinstance(rerank, int) or isinstance(rerank, bool) or rerank < 0:
         raise ValueError(
             f"rerank must be an int >= 0 (0: attend the chosen pages; N > 0: rank the tokens of N x as many "
@@ -55,6 +55,11 @@ def check_rerank(rerank, group: str, share=0.0) -> None:
         )
     if group not in RERANK_GROUPS:
         raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
+    check_share(rerank, share)
+
+
+def check_share(rerank, share) -> None:
+    """ValueError unless ``share`` (``rerank_share``) is a number in [0, 1], above 0 only with ``rerank`` > 0."""
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise ValueError(f"rerank_share must be a number in [0, 1] (a share of the middle's pages), got {share!r}")
     if share and not rerank:

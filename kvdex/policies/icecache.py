@@ -55,7 +55,7 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies._rerank import check_rerank
+from kvdex.policies._rerank import check_share
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -141,7 +141,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
         if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
                              "and rerank=N (e.g. 4)")  # fmt: skip
-        check_rerank(self.rerank, "max", self.rerank_share)  # the share: a number in [0, 1], with rerank > 0
+        check_share(self.rerank, self.rerank_share)
         if self.rerank_share and self.search != "summary":
             raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
         if self.build not in ("tree", "device"):
@@ -276,8 +276,8 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
-            rr = (self.rerank, self.rerank_unit, self.rerank_share)
-            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys, *rr)
+            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys,
+                                  rerank=self.rerank, unit=self.rerank_unit, share=self.rerank_share)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
