@@ -50,6 +50,12 @@ SPECS = [
     "arkvale:rerank=4",
     "quest:rerank=1:rerank_share=0.5",
     "prkv:rerank=1:rerank_group=weight:rerank_share=0.5",
+    # select_every (kvdex/engine/reuse.py): steps between page joins attend the last selection
+    "quest:select_every=4",
+    "oracle:select_every=3",
+    "pariskv:select_every=4",
+    "prkv:rerank=1:rerank_group=weight:rerank_share=0.5:select_every=4",
+    "icecache:search=summary:select_every=4",
 ]
 POLICIES = kvdex.policies() + SPECS
 

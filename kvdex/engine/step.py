@@ -9,7 +9,10 @@ A sparse layer's decoding step, top to bottom:
    layer's :class:`~kvdex.view.LayerView` built here) ->
    **fetch** (``store.attend``: slot ids, or offloaded pages copied from host) -> **attend**
    (``kernels.sparse_decode_attention``; on CUDA a page selection of a device store runs in one paged
-   kernel). A dense layer, or a selection of everything, attends densely.
+   kernel). A dense layer, or a selection of everything, attends densely. With a policy's
+   ``select_every=N > 1`` a step that the host's :class:`~kvdex.engine.reuse.SelectionReuse` marks as a
+   reuse step attends the layer's last selection instead (held in buffers that a select step rewrites in
+   place, so that captured select and reuse steps read the same memory).
 
 At prefill :meth:`LayerEngine.attention` attends densely and :meth:`LayerEngine.ingest` stores and
 indexes the prompt. The engine reads the policy, the configuration, the counters and the graph service
@@ -29,10 +32,12 @@ import torch
 from kvdex.config import CacheConfig
 from kvdex.engine.counters import StepCounters
 from kvdex.engine.graphs import GraphService
+from kvdex.engine.reuse import SelectionReuse
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.policies.base import Policy
+from kvdex.selection import Selection
 from kvdex.storage import host_joins, left_padding, strip_left_padding
 from kvdex.view import LayerView
 
@@ -47,6 +52,7 @@ class EngineHost(Protocol):
     config: CacheConfig
     counters: StepCounters
     graphs: GraphService  # CUDA graphs of work inside a policy's selection (one service per cache)
+    reuse: SelectionReuse  # select_every: whether this step attends each layer's last selection
     # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode attention
     observer: object
     # on_select(view, selection): called after every sparse layer's selection (e.g. kvdex bench's reuse meter);
@@ -80,6 +86,7 @@ class LayerEngine:
         self.pads: torch.Tensor | None = None  # [B] (CPU) left padding of the prompt (set at prefill)
         self.obs_q: torch.Tensor | None = None  # the prompt's last OBS_KEEP queries (for fork)
         self._lengths_before: torch.Tensor | None = None
+        self._held: Selection | None = None  # select_every > 1: the last selection (buffers reused in place)
 
     @property
     def host(self) -> EngineHost:
@@ -146,6 +153,7 @@ class LayerEngine:
         # kept for fork(): policies with an observation window (a copy: a view would keep the whole prompt's q)
         self.obs_q = q[:, :, -OBS_KEEP:].clone()
         self.pads = pads
+        self._held = None
         if self.dense:
             return
         w = min(host.policy.obs_window, q.shape[2])
@@ -190,11 +198,18 @@ class LayerEngine:
         if self.dense:
             return self._dense_decode(q, scale)
         policy, counters, timing = host.policy, host.counters, host.config.timing
+        every = policy.reuse_steps()
         with counters.timed("selection", timing):
             view = LayerView.of(self.layer_idx, store, scale, host.config, host.graphs)
-            sel = on_device(policy.select(q, view), store.device)
-            if host.on_select is not None:
-                host.on_select(view, sel)
+            if every > 1 and host.reuse.reuse and self._held is not None:  # attend the last selection
+                policy.reused(q, view)
+                sel = self._held
+            else:
+                sel = on_device(policy.select(q, view), store.device)
+                if host.on_select is not None:
+                    host.on_select(view, sel)
+                if every > 1:
+                    sel = self._hold(sel)
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = store.positional_slots and host.observer is None and not policy.observes
@@ -213,6 +228,21 @@ class LayerEngine:
         if host.observer is not None:
             host.observer(self.layer_idx, q, store, aset, scale)
         return out
+
+    def _hold(self, sel: Selection) -> Selection:
+        """``sel`` copied into the layer's held selection: into its buffers when they have its shapes (a
+        captured select step writes where a captured reuse step reads), else into new ones."""
+        held = self._held
+        names = ("pages", "tokens")
+        fits = held is not None and held.everything == sel.everything
+        if fits and all(_same(getattr(held, n), getattr(sel, n)) for n in names):
+            for n in names:
+                if getattr(sel, n) is not None:
+                    getattr(held, n).copy_(getattr(sel, n))
+            return held
+        self._held = Selection(*(None if getattr(sel, n) is None else getattr(sel, n).clone() for n in names),
+                               everything=sel.everything)  # fmt: skip
+        return self._held
 
     def _paged_decode(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor | None:
         """DeviceStore + page selection on CUDA: one kernel instead of attend() + the slot kernel."""
@@ -251,6 +281,13 @@ def on_device(sel, device: torch.device):
     """``sel`` with its indices on ``device`` (device_map: a selection shared across layers on other devices)."""
     moved = {n: t.to(device) for n in ("pages", "tokens") if (t := getattr(sel, n)) is not None and t.device != device}
     return dataclasses.replace(sel, **moved) if moved else sel
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both None, or tensors of one shape, dtype and device."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _fast_paged_count():

@@ -33,7 +33,7 @@ from kvdex.config import (
     DEFAULT_WINDOW,
     CacheConfig,
 )
-from kvdex.engine import GraphService, StepCounters, make_store
+from kvdex.engine import GraphService, SelectionReuse, StepCounters, make_store
 from kvdex.hf import compiled_ops
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
@@ -105,6 +105,7 @@ class Cache(HFCache):
         self.step = -1
         self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
         self.graphs = GraphService()  # CUDA graphs a policy's selection replays (view.graphs; IceCache's search)
+        self.reuse = SelectionReuse()  # select_every: this step selects or attends each layer's last selection
         # CUDA-graph decoding (kvdex.hf.graph) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
@@ -205,6 +206,11 @@ class Cache(HFCache):
         if layer_idx == 0:
             self.step += 1
             self._in_forward = True
+            first = self.layers[0]
+            if key_states.shape[2] == 1 and first.store is not None:  # a decode step (the step plans may have decided)
+                self.reuse.decide(self.policy.reuse_steps(), first.seen, first.store, self.policy.must_select())
+            else:  # a prefill or several tokens at once: the middle may have changed
+                self.reuse.reset()
             self.warn_if_long(self.layers[0].seen + key_states.shape[2], stacklevel=4)
 
     def warn_if_long(self, total: int, stacklevel: int = 2) -> None:

@@ -75,6 +75,7 @@ class StepPlan:
     def __init__(self, cache, weak: bool = False) -> None:
         self._cache_ref = weakref.ref(cache) if weak else (lambda: cache)
         self._joins = False
+        self._every = 1  # the policy's select_every: a reuse step is its own graph variant (kvdex.engine.reuse)
         self._join_count = None  # [B] (CPU) pages joining in this step (capturable_index)
         self._reserved = 0  # tokens per sequence the stores and the index have room for (page joins)
         self._warmed: set = set()  # keys run eagerly once (the next step with that key captures)
@@ -158,6 +159,7 @@ class StepPlan:
         for lay in c.layers:
             lay.store.use_static_sizing()
         self._joins = bool(c.policy.capturable_index)
+        self._every = c.policy.reuse_steps()
 
     def _decide(self, captured, extra=None):
         """This step's graph key, whether a page joins, and what to do: ``"eager"`` (a boundary, a step the
@@ -167,13 +169,18 @@ class StepPlan:
         Sets the cache's ``join_step`` for this step."""
         c = self.cache
         joining = self._join_host() if self._joins else False
+        first = c.layers[0]
+        reuse = c.reuse.decide(self._every, first.seen, first.store, c.policy.must_select())
         key = None if self._needs_eager() else self._key()
         if key is not None and extra is not None:
             key = (key, extra)
+        if key is not None and self._every > 1:
+            key = (key, reuse)  # select_every: the step that attends each layer's last selection is another graph
         if key is not None and self._joins:
             # the join variant of the step (page-join path, masked per sequence on the device) is right on
             # any step: it is warmed up and captured on the first steps after the plain one, not at a boundary
-            early = not joining and (key, False) in captured and (key, True) not in captured
+            # (never a reuse step's: a step in which a page joins selects)
+            early = not joining and not reuse and (key, False) in captured and (key, True) not in captured
             key = (key, joining or early)
         if self._joins:
             c.join_step = joining if key is None else key[1]
@@ -184,8 +191,9 @@ class StepPlan:
         return key, joining, "replay" if key in captured else "capture"
 
     def _base(self, key):
-        """The key without the page-join flag (the policy's buffers and shapes)."""
-        return key[0] if self._joins else key
+        """The key without the page-join and reuse flags (the policy's buffers and shapes)."""
+        key = key[0] if self._joins else key
+        return key[0] if self._every > 1 else key
 
 
 class StepGraphs:

@@ -42,7 +42,6 @@ the one place where query heads choose a kv head's pages (``"max"`` / ``"sum"`` 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -52,6 +51,8 @@ import torch
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
 from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
+from kvdex.policies._reuse import SelectEveryOption, check_select_every
+from kvdex.policies._spec import coerce_option, parse_policy_spec
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
@@ -121,6 +122,17 @@ class Policy:
         """Index the page that joins the middle of each sequence with ``join.joins`` (device work only,
         fixed shapes whatever joins)."""
         raise NotImplementedError(f"{type(self).__name__} does not index page joins with static shapes")
+
+    def reuse_steps(self) -> int:
+        """Decode steps one selection serves (``select_every``; :mod:`kvdex.engine.reuse`). Default 1."""
+        return 1
+
+    def must_select(self) -> bool:
+        """Before a step (host): select although the step could reuse the last selection. Default False."""
+        return False
+
+    def reused(self, q: torch.Tensor, view: LayerView) -> None:
+        """A step of ``view.layer`` attending its last selection: ``select``'s per-step bookkeeping."""
 
     def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""
@@ -199,7 +211,7 @@ class IndexFreePolicy(JoinFreePolicy):
 
 
 @dataclass
-class PageScoringPolicy(RerankOption, Policy):
+class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
     ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages
@@ -221,6 +233,7 @@ class PageScoringPolicy(RerankOption, Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # RerankOption's check
+        check_select_every(self.select_every)
         if self.rerank_share and self.group == "heads":
             raise ValueError(
                 "rerank_share sizes one ranking of pages per kv head; group='heads' ranks per query head: "
@@ -296,26 +309,6 @@ def policy_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
-def parse_policy_spec(spec: str) -> tuple[str, dict]:
-    """``"chess:preset=aggressive:interval=192"`` -> ``("chess", {"preset": "aggressive", "interval": 192})``.
-
-    A policy name optionally followed by ``:KEY=VALUE`` options (values are Python literals where
-    they parse, else strings), so one string names a configured policy everywhere a name is taken
-    (``kvdex.Cache``, ``kvdex eval --policies``, ``cache.fork``).
-    """
-    name, *items = spec.split(":")
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE (e.g. 'chess:preset=moderate')")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return name, options
-
-
 def make_policy(name: str | Policy, **options) -> Policy:
     """A fresh policy instance from a name (or a copy of an instance) and its options.
 
@@ -338,57 +331,3 @@ def make_policy(name: str | Policy, **options) -> Policy:
             f"its options are: {', '.join(sorted(fields)) or '(none)'}"
         )
     return cls(**{k: coerce_option(name, fields[k], v) for k, v in options.items()})
-
-
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def coerce_option(policy: str, field: dataclasses.Field, value):
-    """``value`` for option ``field`` of ``policy``, typed by the field's annotation.
-
-    Text from a command line or a spec string is converted (``"no"`` / ``"false"`` / ``"0"`` for a
-    ``bool``, ``"12"`` for an ``int``, ``"none"`` where ``None`` is allowed); a value that does not fit
-    the annotation raises ``ValueError`` naming the option, what it takes and what was given, so an
-    option never silently means the opposite of what it says.
-    """
-    kinds = [t.strip() for t in str(field.type).replace("Optional[", "").rstrip("]").split("|")]
-    known = {"bool", "int", "float", "str", "None"}
-    if not kinds or not set(kinds) <= known:
-        return value  # an annotation this check does not model: the policy validates it
-    if value is None and "None" in kinds:
-        return None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if "None" in kinds and text in ("none", "null"):
-            return None
-        if "bool" in kinds and text in _TRUE + _FALSE:
-            return text in _TRUE
-        if "int" in kinds:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if "float" in kinds:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        if "str" in kinds:
-            return value
-    elif isinstance(value, bool):
-        if "bool" in kinds:
-            return value
-    elif isinstance(value, int):
-        if "int" in kinds:
-            return value
-        if "float" in kinds:
-            return float(value)
-        if "bool" in kinds and value in (0, 1):
-            return bool(value)
-    elif isinstance(value, float):
-        if "float" in kinds:
-            return value
-        if "int" in kinds and value.is_integer():
-            return int(value)
-    takes = " or ".join("true/false (yes/no, 1/0)" if k == "bool" else k for k in kinds)
-    raise ValueError(f"policy {policy!r} option {field.name}={value!r}: expected {takes}")

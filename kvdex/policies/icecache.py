@@ -56,6 +56,7 @@ from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
 from kvdex.policies._rerank import check_share
+from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -64,7 +65,7 @@ from kvdex.view import CaptureError
 
 @register_policy
 @dataclass
-class IceCachePolicy(IndexJobsMixin, Policy):
+class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     name = "icecache"
     granularity = "token"
 
@@ -142,6 +143,7 @@ class IceCachePolicy(IndexJobsMixin, Policy):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
                              "and rerank=N (e.g. 4)")  # fmt: skip
         check_share(self.rerank, self.rerank_share)
+        check_select_every(self.select_every)
         if self.rerank_share and self.search != "summary":
             raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
         if self.build not in ("tree", "device"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import IndexFreePolicy, group_reduce, register_policy, topk_ids
 from kvdex.selection import Selection
 
@@ -29,10 +30,13 @@ def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scal
 
 @register_policy
 @dataclass
-class OraclePolicy(IndexFreePolicy):
+class OraclePolicy(SelectEveryOption, IndexFreePolicy):
     name = "oracle"
     granularity = "token"
     capturable = True
+
+    def __post_init__(self) -> None:
+        check_select_every(self.select_every)
 
     # CUDA-graph decoding (kvdex.hf.graph). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).

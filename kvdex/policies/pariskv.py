@@ -48,6 +48,7 @@ from kvdex.kernels import pariskv as K
 from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
 from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
 from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
+from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 
@@ -88,7 +89,7 @@ class _Rows:
 
 @register_policy
 @dataclass
-class ParisKVPolicy(IndexMixin, Policy):
+class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
     """ParisKV with kvdex's default retrieval options (every query head votes with quantised centroid
     scores over a pool of max(0.2 n, 8 k) keys); ``**PAPER_OPTIONS`` (or :data:`PAPER_SPEC`) restores the
     paper's mean-query, tier-vote, adaptive-beta configuration."""
@@ -126,6 +127,9 @@ class ParisKVPolicy(IndexMixin, Policy):
     # summed vote is a 1-bit estimate of <q, k/|k|>; "tiers" is the paper's (the authors' kernel) six rank
     # tiers over a quota of collision_ratio * n keys (collision_ratio is unused with "scores").
     coarse: str = "scores"
+
+    def __post_init__(self) -> None:
+        check_select_every(self.select_every)
 
     def bind(self, info) -> None:
         super().bind(info)

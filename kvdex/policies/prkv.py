@@ -256,6 +256,24 @@ class PRKVPolicy(PageScoringPolicy):
         self.pending.pop(layer, None)
         return super().select(q, view)  # the dynamic pages (PageScoringPolicy), then chosen: the static part
 
+    def must_select(self) -> bool:
+        """``select_every``: a step that restructures (the first decode step, every ``refresh``-th) selects."""
+        if not (self.n_static or self.auto):
+            return False
+        if self.pending:
+            return True
+        for layer in self.info.sparse_layers:
+            step = self.steps.get(layer, 0)
+            if layer not in self.rings or (step and step % self.refresh == 0):
+                return True
+        return False
+
+    def reused(self, q, view) -> None:
+        """``select_every``: the step is counted and its query joins the ring as ``select`` does."""
+        self.steps[view.layer] = self.steps.get(view.layer, 0) + 1
+        if self.n_static or self.auto:
+            self.rings[view.layer].push(q, view.lengths - 1)
+
     def page_budget(self, view) -> int:
         return self.layer_split(view.layer)[1]
 

@@ -1,0 +1,29 @@
+"""The ``select_every`` option (kvdex option, not in the papers): select every N decode steps and let
+every sparse layer attend its last selection in between (:mod:`kvdex.engine.reuse` says when a step
+selects anyway). The sink and window are attended every step; ``select_every=1`` (the default) selects
+every step, as every paper does. A selection costs the same whether it is reused or not, so the step's
+selection time is divided by up to N; what it costs in accuracy is measured on the scorecard
+(docs/results.md, "Selecting every N steps")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def check_select_every(every) -> None:
+    """ValueError unless ``every`` (``select_every``) is an int >= 1."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(
+            f"select_every must be an int >= 1 (1: select every decode step; N: select every N steps and "
+            f"attend the last selection in between), got {every!r}"
+        )
+
+
+@dataclass
+class SelectEveryOption:
+    """The ``select_every`` option of a policy (a base before :class:`~kvdex.policies.base.Policy`)."""
+
+    select_every: int = 1  # 1: select every step; N: every N steps (check_select_every in __post_init__)
+
+    def reuse_steps(self) -> int:
+        return self.select_every
