@@ -96,9 +96,11 @@ def _run(spec: str, budget: int = 64, lengths=(70, 45)):
                                   "icecache:search=summary:rerank=2:rerank_unit=token:select_every=5"])  # fmt: skip
 def test_reuse_steps_attend_the_last_selection(spec):
     every = int(spec.rsplit("=", 1)[1])
-    selects, attended, _ = _run(spec)
+    selects, attended, cache = _run(spec)
     assert selects == _expected_selects([70, 45], STEPS, every)  # a page joining any row's middle selects
     assert 0 < selects.count(True) < STEPS
+    assert cache.stats()["selection_steps"] == {"select_every": every, "selected": selects.count(True),
+                                                "reused": selects.count(False)}  # fmt: skip
     last = {}
     for step, layer, middle in attended:
         if not selects[step - 1]:
@@ -107,8 +109,9 @@ def test_reuse_steps_attend_the_last_selection(spec):
 
 
 def test_select_every_one_selects_every_step():
-    selects, _, _ = _run("quest")
+    selects, _, cache = _run("quest")
     assert all(selects)
+    assert "selection_steps" not in cache.stats()
 
 
 def test_prkv_refresh_steps_select():

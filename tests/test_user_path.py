@@ -25,6 +25,8 @@ from kvdex.hf.testing import tiny_llama
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 
 POLICIES = ["quest", "chess", "prkv:refresh=8"]  # per-layer graphs (pariskv, full: test_graph.py)
+# select_every (kvdex/engine/reuse.py): a select step and a reuse step are two graph variants of a step
+REUSE = ["quest:select_every=4", "prkv:refresh=8:select_every=3"]
 NEW = 60  # three page joins (page 16) and CHESS / PRKV host-side work
 
 
@@ -82,7 +84,7 @@ def test_cache_is_compileable(model):
         kvdex.Cache(model, "quest", step_graphs="yes")
 
 
-@pytest.mark.parametrize("spec", POLICIES)
+@pytest.mark.parametrize("spec", POLICIES + REUSE)
 def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatch):
     ref, c_ref, _ = _generate(model, spec)
     assert c_ref.step_graphs.reason == "it needs a CUDA device"  # CPU without the stand-in: eager steps
@@ -96,6 +98,8 @@ def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatc
     assert graphs[1] > 0 and graphs[-1] == graphs[1], f"recompiled after the first decode step: {graphs}"
     assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
     assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
+    assert c.stats().get("selection_steps") == c_ref.stats().get("selection_steps")  # select_every: same schedule
+    assert "select_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
 
 
 @pytest.mark.parametrize("spec", ["quest", "full"])
@@ -122,7 +126,7 @@ def test_step_graphs_off_by_option(model, monkeypatch):
 
 
 # ---- kvdex's torch.compile backend: whole decode steps as one graph -------------------------------------
-@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8"])
+@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8"] + REUSE)
 def test_whole_step_backend_equals_eager(model, spec, monkeypatch):
     """kvdex's backend (what kvdex.enable sets as the model's compile_config): each decode step is captured
     whole (page joins, CHESS's host-side trigger, PRKV's refreshes) and replayed; the same tokens, attended
@@ -138,6 +142,8 @@ def test_whole_step_backend_equals_eager(model, spec, monkeypatch):
     assert graphs[1] > 0 and graphs[-1] == graphs[1], f"recompiled after the first decode step: {graphs}"
     assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
     assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
+    assert c.stats().get("selection_steps") == c_ref.stats().get("selection_steps")  # select_every: same schedule
+    assert "select_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
 
 
 def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):
@@ -167,7 +173,7 @@ def test_enable_sets_kvdex_compile_config_unless_the_user_did():
         Backend("cudagraphs")
 
 
-@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8", "pariskv", "full"])
+@pytest.mark.parametrize("spec", ["quest", "chess", "prkv:refresh=8", "pariskv", "full"] + REUSE)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_whole_step_backend_on_cuda(spec):

@@ -22,9 +22,11 @@ from kvdex.storage import host_joins
 
 
 class SelectionReuse:
-    """The step schedule of one cache: ``reuse`` is this step's decision (read by every layer's engine)."""
+    """The step schedule of one cache: ``reuse`` is this step's decision (read by every layer's engine);
+    ``selected`` / ``reused``: the decode steps decided so far each way (``Cache.stats()``)."""
 
     def __init__(self) -> None:
+        self.selected = self.reused = 0
         self.reset()
 
     def reset(self) -> None:
@@ -46,4 +48,6 @@ class SelectionReuse:
         joins = bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
         self.reuse = every > 1 and 0 <= self.age < every - 1 and not joins and not must_select
         self.age = self.age + 1 if self.reuse else 0
+        self.reused += self.reuse
+        self.selected += not self.reuse
         return self.reuse

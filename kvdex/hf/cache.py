@@ -351,6 +351,9 @@ class Cache(HFCache):
             "tensor_parallel_ranks": self.tp.size,
             "policy_stats": self.policy.stats(),
         }
+        if self.policy.reuse_steps() > 1:  # select_every: the decode steps that selected and that reused
+            out["selection_steps"] = {"select_every": self.policy.reuse_steps(), "selected": self.reuse.selected,
+                                      "reused": self.reuse.reused}  # fmt: skip
         if pcs:  # offloaded with a device page cache: its hits, and the bytes it moved (not in the line above)
             out["page_cache"] = {
                 "slots": self.page_cache,
