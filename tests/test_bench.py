@@ -332,3 +332,27 @@ def test_table_ratio_to_full_matches_storage_and_decode_path():
     assert lines["quest/device"][4] == "0.80"
     assert lines["full/device"][4] == "1.00"
     assert lines["hf/dynamic"][4] == "-"
+
+
+def test_warm_up_runs_until_a_page_of_steps_captures_nothing():
+    """Graph methods warm up past ``--warmup`` until ``quiet`` steps in a row captured no graph (a step's
+    variants, e.g. a page join or a select_every reuse step, are captured on their first occurrence), at
+    most ``most`` steps more; other methods run exactly ``--warmup`` steps."""
+    from kvdex.bench.timing import warm_up
+
+    def stepper(captures_at):
+        counts, n = {"captures": 0}, [0]
+
+        def step(x):
+            counts["captures"] += n[0] in captures_at
+            n[0] += 1
+            return x + 1, None
+
+        return step, counts
+
+    step, counts = stepper({3, 5, 30})
+    assert warm_up(step, 0, 4, counts, quiet=8, most=32) == (14, 14)  # step 5 captured: 6..13 are quiet
+    step, counts = stepper(set(range(0, 1000, 3)))
+    assert warm_up(step, 0, 4, counts, quiet=8, most=32) == (36, 36)  # never quiet: at most 32 more
+    step, _ = stepper(set())
+    assert warm_up(step, 0, 4) == (4, 4)  # no graph decoder: --warmup steps

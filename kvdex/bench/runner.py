@@ -7,7 +7,9 @@ a GPU-resident store (``policy/device``) and offloaded (``policy/offload``), tra
 1. builds the cache and prefills random token ids (timed), or with ``kv="random"`` fills it with
    random keys / values of the context length through the ingest of a prefill (timed as ``fill_s``;
    decode timings only, see :func:`~kvdex.bench.decoding.fill_random`);
-2. decodes ``warmup`` steps, then ``steps`` timed steps, greedy, the next ids never leaving the
+2. decodes ``warmup`` steps (graph methods: then more, until a page of steps captured no graph, so that
+   every variant of the step is captured before timing; ``warmup_steps`` in the record), then ``steps``
+   timed steps, greedy, the next ids never leaving the
    device (no host synchronisation added by the harness). On CUDA every step is bracketed by CUDA
    events; ms/token is their median and p90; throughput = batch * steps / wall time;
 3. peak device memory over prefill (or fill) + decode and during decode alone, host RSS, KV bytes on host,
@@ -41,7 +43,10 @@ from kvdex.bench import shapes
 from kvdex.bench.checks import COMPILE_TOL, check_full_budget, check_graph, compile_info
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method, is_compiled, is_graph, parse_dtype
 from kvdex.bench.decoding import decode_step, fill_random, load_text_ids, make_cache, make_prompt, prefill, sync_device
-from kvdex.bench.timing import h2d_bytes, make_stepper, page_cache_counts, percentile, phase_split, timed_steps
+from kvdex.bench.timing import h2d_bytes, make_stepper, page_cache_counts, percentile, phase_split, timed_steps, warm_up
+
+# graph methods: after --warmup, up to this many pages of steps more, until one page of steps captures nothing
+WARMUP_PAGES = 4
 
 # the names these helpers had here before they moved (tests and scripts use them)
 _step, _prefill, _prompt, _dtype = decode_step, prefill, make_prompt, parse_dtype
@@ -89,14 +94,16 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
 
             stepper = GraphDecoder(model, cache, batch, compile=is_compiled(method))
         step = make_stepper(model, cache, stepper)
-        for _ in range(cfg.warmup):
-            nxt, _ = step(nxt)
+        ps = cache.config.page_size if stepper is not None else 0  # graphs: a page of steps with no capture
+        counts = None if stepper is None else stepper.counts
+        nxt, rec["warmup_steps"] = warm_up(step, nxt, cfg.warmup, counts, quiet=ps, most=WARMUP_PAGES * ps)
         sync_device(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         h2d0 = h2d_bytes(cache)
         pc0 = page_cache_counts(cache)
         eager0 = None if stepper is None else stepper.counts["eager"]
+        captures0 = None if stepper is None else stepper.counts["captures"]
         ms, wall = timed_steps(step, nxt, cfg.steps, device)
         pc1 = page_cache_counts(cache)
         if pc1 != pc0 or (isinstance(cache, kvdex.Cache) and cache.page_cache):  # hits / misses over the timed steps
@@ -107,6 +114,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         if stepper is not None:
             rec["graph_counts"] = dict(stepper.counts)
             rec["eager_steps"] = stepper.counts["eager"] - eager0  # timed steps that ran eagerly (no replay)
+            rec["captures_timed"] = stepper.counts["captures"] - captures0  # timed steps that captured a graph
             if is_compiled(method):
                 rec.update(compile_info(stepper))  # compile_s: the warm-up steps that compiled
         rec["ms_median"] = statistics.median(ms)

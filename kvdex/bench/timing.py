@@ -48,6 +48,22 @@ def make_stepper(model, cache, graph=None):
     return step
 
 
+def warm_up(step, nxt, steps: int, counts: dict | None = None, quiet: int = 0, most: int = 0):
+    """``steps`` warm-up steps; with ``counts`` (a graph decoder's ``counts``) more, until ``quiet`` steps in a
+    row captured no graph, at most ``most`` more: a step's graph variants (a page joining the middle, a
+    ``select_every`` reuse step) are captured on their first occurrence, which must not fall in the timed
+    steps. Returns (the next ids, the warm-up steps run)."""
+    for _ in range(steps):
+        nxt, _ = step(nxt)
+    n, calm = steps, 0
+    while counts is not None and calm < quiet and n - steps < most:
+        before = counts["captures"]
+        nxt, _ = step(nxt)
+        n += 1
+        calm = calm + 1 if counts["captures"] == before else 0
+    return nxt, n
+
+
 def timed_steps(step, nxt, steps: int, device) -> tuple[list[float], float]:
     """Per-step milliseconds (CUDA events on CUDA, wall clock elsewhere) and total wall seconds."""
     if device.type == "cuda":
