@@ -350,3 +350,39 @@ def test_a_closed_fork_is_collected_only_when_device_memory_fills(monkeypatch, l
     assert calls == []
     decode.release("cuda:0")
     assert len(calls) == collects
+
+
+def test_against_compares_a_policy_with_the_same_spec_without_the_option(whole, tmp_path):
+    """``against=["select_every"]``: quest:select_every=4 against quest, paired over the same prompts (the
+    option's cells here are quest's renamed and rescored, so the two differ prompt by prompt)."""
+    from kvdex.eval.card import report, stats
+    from kvdex.eval.card.plan import cell_name
+    from kvdex.eval.card.run import scorecard
+
+    assert report.without("quest:rerank=4:select_every=8", "select_every") == "quest:rerank=4"
+    assert report.without("quest:rerank=4", "select_every") is None
+    out = tmp_path / "a"
+    shutil.copytree(whole[0], out)
+    for f in list(out.glob("cells/*/*/*__quest__b64.json")):
+        c = json.loads(f.read_text())
+        c["policy"] = "quest:select_every=4"
+        (f.parent / cell_name(int(f.name[:3]), c["policy"], 64)).write_text(json.dumps(c))
+    _rescore(out)
+    cfg = _cfg(out, policies=["quest:select_every=4"], report_only=True, against=["select_every"])
+    rep = scorecard(cfg)
+    got = {(c["task"], c["length"]): c for c in rep["against"]}
+    assert {"retrieval", "passkey"} <= {t for t, _ in got} and all(c["against"] == "quest" for c in got.values())
+    recs = _records(out)
+    x, y = recs[("retrieval", "quest:select_every=4", 64)], recs[("retrieval", "quest", 64)]
+    ids = sorted(x)
+    strata = [i.rpartition("-")[0] for i in ids]
+    seed = report._seed("retrieval", 1024, "quest:select_every=4", 64)
+    xs, ys = [x[i][0] for i in ids], [y[i][0] for i in ids]
+    iv = stats.paired_ratio(xs, ys, strata=strata, resamples=cfg.resamples, seed=seed)
+    c = got[("retrieval", 1024)]
+    assert (c["ratio"], c["low"], c["high"]) == (round(iv.ratio, 4), round(iv.low, 4), round(iv.high, 4))
+    assert c["n"] == len(ids) and c["ratio"] != 1.0
+    assert c["base"] == round(sum(ys) / len(ids), 4)
+    assert "## Against the same policy without the option" in (out / "scorecard.md").read_text()
+    with pytest.raises(ValueError, match="option names"):
+        _cfg(out, against=["select_every=4"]).validate()

@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=None, help=f"prompts per batch (default {d.batch})")
     g.add_argument("--seed", type=int, default=None, help="prompt seed (default 0)")
     g.add_argument("--no-speed", action="store_true", help="skip the speed columns (measured on CUDA only)")
+    g.add_argument(
+        "--against",
+        type=parse_names,
+        default=None,
+        help="option names: each policy whose spec sets one is also compared, paired, with the same spec "
+        "without it (e.g. --against select_every: quest:select_every=8 against quest; its cells must exist)",
+    )
     g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 512 tokens, 4 policies")
     add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"), exclude=CACHE_EXCLUDED)
     g = p.add_argument_group("running")
@@ -123,6 +130,7 @@ _FIELDS = {
     "batch": "batch", "seed": "seed", "page_size": "page_size", "sink": "sink", "window": "window",
     "dense_layers": "dense_layers", "out": "out", "data": "data", "device": "device", "dtype": "dtype",
     "decode": "decode", "max_minutes": "max_minutes", "max_cells": "max_cells", "order": "order",
+    "against": "against",
 }  # fmt: skip
 
 

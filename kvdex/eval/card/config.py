@@ -63,6 +63,9 @@ class ScorecardConfig:
     # only write the table from the cells already under ``out`` (no model, no device): for a run whose cells
     # were computed by several commands, or on several machines
     report_only: bool = False
+    # option names: every policy whose spec sets one is also compared with the same spec without it, paired
+    # over the same prompts (report["against"]; e.g. ["select_every"]: "quest:select_every=8" against "quest")
+    against: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.prepare and self.report_only:
@@ -76,6 +79,9 @@ class ScorecardConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.per_subtask is not None and self.per_subtask < 1:
             raise ValueError(f"per_subtask must be >= 1, got {self.per_subtask}")
+        for opt in self.against:
+            if not isinstance(opt, str) or not opt.isidentifier():
+                raise ValueError(f"against takes policy option names (e.g. select_every), got {opt!r}")
         if self.speed_warmup < 1:
             raise ValueError(f"speed_warmup must be >= 1 (graphs are captured there), got {self.speed_warmup}")
         if not self.lengths or any(n < 256 for n in self.lengths):

@@ -6,6 +6,9 @@ prompts with its paired 95% bootstrap interval ``[low, high]`` (:mod:`kvdex.eval
 ``score`` and ``full``'s. Tasks: ``retrieval`` (all subtasks pooled, resampled within subtask) and
 ``retrieval/<subtask>``, ``passkey``, ``recall`` (attention mass kept; ``full`` = 1), ``ppl`` (ratio of
 perplexities: above 1 is worse), ``longbench``, and ``tokens_per_s_b<B>`` (speed; no interval).
+With ``against`` (option names), a policy whose spec sets one of them is also compared with the same spec
+without it (:func:`without`), paired over the prompts both decoded: ``report["against"]``, cells with the
+base spec in ``against`` and its score in ``base``.
 A (policy, budget) whose batches are not all finished (or ``full``'s) is reported over the prompts that
 both have decoded, marked ``partial`` (with the prompts a complete cell has); one with no such prompt
 is left out of that column ("missing").
@@ -135,6 +138,34 @@ def _cell(task, fieldname, strat, recs, full, policy, budget, length, resamples)
     }
 
 
+def without(spec: str, option: str) -> str | None:
+    """``spec`` (``name:KEY=VALUE:...``) with its ``option=...`` item removed; None when it does not set it."""
+    name, *items = spec.split(":")
+    kept = [i for i in items if i.partition("=")[0] != option]
+    return None if len(kept) == len(items) else ":".join([name, *kept])
+
+
+def against_cells(plan, resamples: int) -> list[dict]:
+    """Every (policy, budget) whose spec sets an option of ``cfg.against`` against the same spec without
+    it at the same budget, paired over the prompts both have decoded (the base's cells must exist under
+    the output folder, from this or another invocation)."""
+    out = []
+    for length in plan.cfg.lengths:
+        for g in plan.groups:
+            for policy, budget in plan.pairs:
+                for base in filter(None, (without(policy, opt) for opt in plan.cfg.against)):
+                    recs, _ = _records(plan, g, length, policy, budget)
+                    ref, _ = _records(plan, g, length, base, budget)
+                    if not recs or not ref:
+                        continue
+                    for task, fieldname, strat in _columns(g):
+                        c = _cell(task, fieldname, strat, recs, ref, policy, budget, length, resamples)
+                        if c["n"]:
+                            c["base"] = c.pop("full")
+                            out.append({**c, "against": base, "partial": None})
+    return out
+
+
 def speed_cells(plan) -> list[dict]:
     cfg = plan.cfg
     length = max(cfg.lengths)
@@ -230,6 +261,7 @@ def write(plan, run) -> dict:
         "invocation_wall_s": round(run.clock.elapsed(), 1),
         "compute_s": round(compute, 1),
         "cells": found,
+        "against": against_cells(plan, cfg.resamples) if cfg.against else [],
     }
     paths = [plan.out / "scorecard.json", plan.out / "scorecard.md"]
     write_json(paths[0], report)
