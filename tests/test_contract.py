@@ -56,6 +56,9 @@ SPECS = [
     "pariskv:select_every=4",
     "prkv:rerank=1:rerank_group=weight:rerank_share=0.5:select_every=4",
     "icecache:search=summary:select_every=4",
+    # the rerank's page unit: the candidates' best pages by their keys' exact scores
+    "quest:rerank=2:rerank_unit=page",
+    "prkv:rerank=1:rerank_group=weight:rerank_share=0.5:rerank_unit=page:select_every=4",
 ]
 POLICIES = kvdex.policies() + SPECS
 

@@ -56,6 +56,7 @@ SPECS = [
     "chess:anchor_from=window:scope=shared:trigger=interval:interval=5:rerank=2",
     "quest:rerank=1:rerank_share=0.5",
     "prkv:static_ratio=0.5:refresh=6:rerank=1:rerank_share=0.5:rerank_group=weight",
+    "prkv:static_ratio=0.5:refresh=6:rerank=1:rerank_share=0.5:rerank_group=weight:rerank_unit=page",
 ]
 
 
@@ -459,6 +460,8 @@ GPU_SPECS = [
     "quest:select_every=4",  # select and reuse steps: two graph variants (kvdex/engine/reuse.py)
     "prkv:static_ratio=0.5:refresh=8:rerank=2:select_every=3",
     "oracle:select_every=4",
+    "quest:rerank=2:rerank_group=weight:rerank_unit=page",
+    "prkv:static_ratio=0.5:refresh=8:rerank=2:rerank_unit=page:select_every=3",
 ]
 
 

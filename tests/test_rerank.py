@@ -115,6 +115,41 @@ def test_every_page_a_candidate_selects_the_exact_topk(spec, group):
     assert sum(seen) > len(seen) // 2  # most checks were real selections (middle > budget)
 
 
+PAGE_UNIT = ["quest:rerank=8:rerank_unit=page", "arkvale:rerank=8:rerank_unit=page",
+             "prkv:static_ratio=0:rerank=1:rerank_share=1.0:rerank_unit=page"]  # fmt: skip
+
+
+@pytest.mark.parametrize("group", ["max", "weight"])
+@pytest.mark.parametrize("spec", PAGE_UNIT)
+def test_page_unit_with_every_page_a_candidate_selects_the_best_pages(spec, group):
+    """``rerank_unit="page"``: the budget's pages with the best exact page score -- the group's largest
+    ``q.k`` over the page's tokens, or the softmax weight the page's tokens hold (the page's mass)."""
+    seen = []
+
+    def check(q, view, sel):
+        assert sel.tokens is None and sel.pages is not None  # a page selection
+        truth = _truth(q, view, group)
+        ps = view.page_size
+        for i, row in enumerate(truth):
+            for j, mid in enumerate(row):
+                n = mid.numel() // ps * ps  # whole middle pages
+                per = mid[:n].view(-1, ps)
+                score = per.amax(-1) if group == "max" else per.sum(-1)
+                got = sel.pages[i, j][sel.pages[i, j] >= 0].tolist()
+                k = min(T // ps, score.numel())
+                where = f"{spec} layer {view.layer} seq {i} head {j}"
+                assert len(got) == len(set(got)) == k, f"{where}: {got}"
+                if k < score.numel():
+                    chosen = torch.zeros_like(score, dtype=torch.bool)
+                    chosen[got] = True
+                    worst, best_left = score[chosen].min(), score[~chosen].max()
+                    assert worst >= best_left - 1e-5 * best_left.abs().clamp(min=1e-3), f"{where}: not the best pages"
+                    seen.append(True)
+
+    _run(f"{spec}:rerank_group={group}", check)
+    assert make_policy(spec).granularity == "page" and len(seen) > 10
+
+
 SELECTIVE = ["quest:rerank=2", "arkvale:rerank=2", "prkv:static_ratio=0.5:refresh=6:rerank=2",
              "prkv:rerank=2:rerank_group=weight", "chess:rerank=2", "chess:rerank=3:trigger=always",
              "quest:rerank=1:rerank_share=0.5",
@@ -172,6 +207,9 @@ def test_rerank_keeps_the_paper_configuration():
         ("prkv:rerank=2:rerank_share='all'", "option rerank_share='all': expected float"),
         ("quest:rerank=2:rerank_share=0.25:group=heads", "use group='max' or 'sum' with rerank_share"),
         ("chess:rerank=2:rerank_share=0.25", "rerank_share is an option of the page scoring policies"),
+        ("quest:rerank_unit=page", "it needs rerank >= 1"),
+        ("prkv:rerank=2:rerank_unit=pages", "rerank_unit must be one of token, page"),
+        ("chess:rerank=2:rerank_unit=page", "rerank_unit='page' is an option of the page scoring policies"),
     ],
 )
 def test_bad_values_raise(spec, match):

@@ -23,6 +23,13 @@ How a kv head's query heads combine (``rerank_group``):
   window and every candidate token -- the oracle's criterion restricted to the candidates (with every
   middle page a candidate it is the oracle's selection).
 
+``rerank_unit`` (quest, arkvale, prkv): ``"token"`` (default) attends the best tokens as above; ``"page"`` attends
+the best ``P`` candidate pages instead (``P``: the pages the policy attends without rerank), each page scored
+by its tokens' exact scores combined as the group's are (``max``: the page's largest ``q.k``; ``weight``: the
+softmax weight its tokens hold, the oracle's mass of the page). A page selection keeps each chosen token's
+neighbours, which a later query may want: with ``select_every`` it keeps its accuracy where a token selection
+loses some (docs/results.md, "Selecting every N steps").
+
 ``rerank_share`` (quest, arkvale, prkv; IceCache's summary search too) sets a floor on the candidates as a share of
 each sequence's middle: ``max(rerank x the budget's pages, ceil(rerank_share x middle pages))``. A pool of a
 fixed multiple of the budget covers less of the middle as the context grows (``rerank=4`` at budget 256 is
@@ -43,11 +50,12 @@ from kvdex.kernels.scoring import candidate_scores, topk_ids
 from kvdex.selection import Selection
 
 RERANK_GROUPS = ("max", "weight")
+RERANK_UNITS = ("token", "page")
 
 
-def check_rerank(rerank, group: str, share=0.0) -> None:
-    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS` and ``share``
-    passes :func:`check_share`."""
+def check_rerank(rerank, group: str, share=0.0, unit: str = "token") -> None:
+    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS`, ``unit`` one of
+    :data:`RERANK_UNITS` (``"page"`` with ``rerank`` > 0 only) and ``share`` passes :func:`check_share`."""
     if not isinstance(rerank, int) or isinstance(rerank, bool) or rerank < 0:
         raise ValueError(
             f"rerank must be an int >= 0 (0: attend the chosen pages; N > 0: rank the tokens of N x as many "
@@ -55,6 +63,10 @@ def check_rerank(rerank, group: str, share=0.0) -> None:
         )
     if group not in RERANK_GROUPS:
         raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
+    if unit not in RERANK_UNITS:
+        raise ValueError(f"rerank_unit must be one of {', '.join(RERANK_UNITS)}, got {unit!r}")
+    if unit == "page" and not rerank:
+        raise ValueError("rerank_unit='page' ranks candidate pages by their keys' exact scores: it needs rerank >= 1")
     check_share(rerank, share)
 
 
@@ -75,14 +87,15 @@ class RerankOption:
     rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
     rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
     rerank_share: float = 0.0  # rerank > 0: candidates at least this share of each middle's pages
+    rerank_unit: str = "token"  # rerank > 0: attend the best "token"s of the candidates, or their best "page"s
 
     def __post_init__(self) -> None:
-        check_rerank(self.rerank, self.rerank_group, self.rerank_share)
+        check_rerank(self.rerank, self.rerank_group, self.rerank_share, self.rerank_unit)
 
     @property
     def granularity(self) -> str:
-        """``"token"`` with ``rerank`` (the selection names tokens), else ``"page"``."""
-        return "token" if self.rerank else "page"
+        """``"token"`` with ``rerank`` and the token unit (the selection names tokens), else ``"page"``."""
+        return "token" if self.rerank and self.rerank_unit == "token" else "page"
 
 
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:
@@ -103,13 +116,42 @@ def rerank_tokens(
     combined per kv head by ``group``. ``first`` [B] (optional, device): slots below it are not
     candidates (PRKV's static tokens, attended apart). ``view``: the layer's
     :class:`~kvdex.view.LayerView` (its store, scale, grid, lengths)."""
+    if pages.shape[-1] == 0 or tokens <= 0:
+        return view.no_ids(q.device)
+    score, slot = _candidate_scores(q, view, pages.to(q.device), group, first)
+    ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
+    return torch.where(ids >= 0, slot.flatten(2).gather(2, ids.clamp(min=0)), -1)
+
+
+def rerank_pages(
+    q: torch.Tensor, view, pages: torch.Tensor, n: int, group: str = "max", first: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``n`` best of the candidate ``pages`` [B, H, C] (``-1`` padded) by their keys' exact scores:
+    page ids [B, H, min(n, C)], best first, ``-1`` padded (``rerank_unit="page"``). A page's score is its
+    tokens' combined as the group's are: ``"max"`` the largest ``q.k`` of the group over its tokens,
+    ``"weight"`` the sum of its tokens' group-summed softmax weights (the page's attention mass). Arguments
+    as :func:`rerank_tokens`'."""
+    b, c, ps = pages.shape[0], pages.shape[-1], view.page_size
+    if c == 0 or n <= 0:
+        return view.no_ids(q.device)
+    pages = pages.to(q.device)
+    score, _ = _candidate_scores(q, view, pages, group, first)
+    score = score.view(b, view.kv_heads, c, ps)
+    if group == "max":
+        page = score.amax(-1)
+    else:  # the mass of a page's candidate tokens; a page without one (padding, past the middle) is never chosen
+        held = torch.isfinite(score)
+        page = torch.where(held.any(-1), torch.where(held, score, 0.0).sum(-1), float("-inf"))
+    ids = topk_ids(page, n)  # [B, H, min(n, C)] best first: the order the attention visits them
+    return torch.where(ids >= 0, pages.gather(2, ids.clamp(min=0)), -1)
+
+
+def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch.Tensor]:
+    """(score [B, H, C * ps] of every slot of the candidate ``pages`` [B, H, C] on q's device, ``-inf``
+    where no candidate middle key; their slots [B, H, C, ps])."""
     b, hq, d = q.shape
     h, ps = view.kv_heads, view.page_size
     g = hq // h
-    c = pages.shape[-1]
-    if c == 0 or tokens <= 0:
-        return view.no_ids(q.device)
-    pages = pages.to(q.device)
     store = view.store
     slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
     fast = triton_kernel("rerank_triton", "candidate_scores", on=q) if store.positional_slots else None
@@ -126,11 +168,9 @@ def rerank_tokens(
         keys = store.page_keys(pages).to(q.device).flatten(2, 3)  # [B, H, N, D]
         s = candidate_scores(q, keys, live, group, view.scale)
     if group == "max":
-        score = s
-    else:  # "weight": the group's summed softmax weights over sink + window + the candidates
-        score = _weights(q.float().view(b, h, g, d), s, view).sum(2).masked_fill(~live, float("-inf"))
-    ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
-    return torch.where(ids >= 0, slot.flatten(2).gather(2, ids.clamp(min=0)), -1)
+        return s, slot
+    # "weight": the group's summed softmax weights over sink + window + the candidates
+    return _weights(q.float().view(b, h, g, d), s, view).sum(2).masked_fill(~live, float("-inf")), slot
 
 
 def _weights(qg: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:

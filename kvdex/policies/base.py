@@ -50,7 +50,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_pages, rerank_tokens
 from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies._spec import coerce_option, parse_policy_spec
 from kvdex.selection import Selection
@@ -280,7 +280,10 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
 
     def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
         """The selection of ``pages`` (:meth:`top_pages`; ``score`` None: nothing was scored). Default:
-        those pages, or with ``rerank`` the best tokens of them (:meth:`reranked`)."""
+        those pages, or with ``rerank`` the best tokens of them (:meth:`reranked`; ``rerank_unit="page"``:
+        the best :meth:`page_budget` pages of them, :meth:`reranked_pages`)."""
+        if self.rerank and self.rerank_unit == "page":
+            return Selection(pages=self.reranked_pages(q, view, pages))
         if self.rerank:
             return Selection(tokens=self.reranked(q, view, pages))
         return Selection(pages=pages)
@@ -289,6 +292,11 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
         """The :meth:`token_budget` best tokens [B, H, T] of the candidate ``pages`` by exact ``q.k``
         (:func:`kvdex.policies._rerank.rerank_tokens`; ``first`` [B]: slots below it are no candidates)."""
         return rerank_tokens(q, view, pages, self.token_budget(view), self.rerank_group, first)
+
+    def reranked_pages(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, first=None) -> torch.Tensor:
+        """The :meth:`page_budget` best pages [B, H, P] of the candidate ``pages`` by their keys' exact scores
+        (:func:`kvdex.policies._rerank.rerank_pages`)."""
+        return rerank_pages(q, view, pages, self.page_budget(view), self.rerank_group, first)
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

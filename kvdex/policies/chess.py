@@ -156,6 +156,9 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
                 "chess keeps its candidate pages between rebuilds, sized once by its budget: rerank_share is an "
                 "option of the page scoring policies (quest, arkvale, prkv); use rerank=N to widen chess's pool"
             )
+        if self.rerank_unit != "token":
+            raise ValueError("chess ranks its candidates' tokens (rerank_unit='token'); rerank_unit='page' is an "
+                             "option of the page scoring policies (quest, arkvale, prkv)")  # fmt: skip
         if self.rerank and self.ratios is not None:
             raise ValueError(
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "

@@ -329,7 +329,9 @@ class PRKVPolicy(PageScoringPolicy):
         if region is None:
             n = self._static_count(view, q.device)  # [B]
             region = StaticRegion.of(n, n_static, view.grid, tight=not view.static)
-        if self.rerank:
+        if self.rerank and self.rerank_unit == "page":  # the best candidate pages, composed as PRKV's own
+            pages = self.reranked_pages(q, view, pages, view.sink + self._static_count(view, q.device))
+        elif self.rerank:
             first = view.sink + self._static_count(view, q.device)
             dynamic = self.reranked(q, view, pages, first)
             static = Selection(pages=region.pages, tokens=region.tokens).token_positions(view.sink, view.page_size)
