@@ -136,7 +136,7 @@ def rerank_pages(
         return view.no_ids(q.device)
     pages = pages.to(q.device)
     score, _ = _candidate_scores(q, view, pages, group, first)
-    score = score.view(b, view.kv_heads, c, ps)
+    score = score.reshape(b, view.kv_heads, c, ps)
     if group == "max":
         page = score.amax(-1)
     else:  # the mass of a page's candidate tokens; a page without one (padding, past the middle) is never chosen
