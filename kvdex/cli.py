@@ -16,13 +16,13 @@ the same contract through ``register(subparsers)``. Mistakes kvdex reports (``Va
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 from pathlib import Path
 
 from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.hf.compat import cache_kwargs
+from kvdex.policies._spec import parse_options
 
 # ---- policies ------------------------------------------------------------------------------------
 
@@ -72,16 +72,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 def _policy_options(items: list[str]) -> dict:
     """``["k=v", ...]`` -> ``{k: v}``; values are Python literals where they parse, else strings."""
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return options
+    return parse_options(items, lambda item: f"--option expects KEY=VALUE, got {item!r}")
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

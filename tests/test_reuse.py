@@ -54,8 +54,8 @@ def test_schedule_is_decided_once_per_step_and_resets():
     r = SelectionReuse()
     assert r.decide(4, 70, _store(70)) is False  # nothing held yet
     assert r.decide(4, 71, _store(71)) is True
-    assert r.decide(4, 71, _store(71), must_select=True) is True  # the same step: the first decision stands
-    assert r.decide(4, 72, _store(72), must_select=True) is False  # the policy asks for a selection
+    assert r.decide(4, 71, _store(71), must_select=lambda: True) is True  # the same step: the first decision stands
+    assert r.decide(4, 72, _store(72), must_select=lambda: True) is False  # the policy asks for a selection
     r.reset()
     assert r.decide(4, 73, _store(73)) is False
     assert not any(SelectionReuse().decide(1, 70 + i, _store(70 + i)) for i in range(8))  # every=1: never

@@ -18,6 +18,8 @@ layer. Eager and captured decoding therefore make the same choice on every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvdex.storage import host_joins
 
 
@@ -35,18 +37,18 @@ class SelectionReuse:
         self.reuse = False
         self._step = None
 
-    def decide(self, every: int, step: int, store, must_select: bool = False) -> bool:
+    def decide(self, every: int, step: int, store, must_select: Callable[[], bool] | None = None) -> bool:
         """This step's decision (the same for every call with the same ``step``, the tokens seen before
         it): reuse when ``every > 1``, a selection is held, fewer than ``every - 1`` steps reused it, no
-        page joins the middle of ``store`` (any layer's: all hold the same lengths) and ``must_select`` is
-        False."""
+        page joins the middle of ``store`` (any layer's: all hold the same lengths) and ``must_select()``
+        (the policy's, asked only when the rest allows a reuse) is False."""
         if every <= 1:  # select every step: nothing to decide (no host work per step)
             return False
         if step == self._step:
             return self.reuse
         self._step = step
         joins = bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
-        self.reuse = every > 1 and 0 <= self.age < every - 1 and not joins and not must_select
+        self.reuse = 0 <= self.age < every - 1 and not joins and not (must_select is not None and must_select())
         self.age = self.age + 1 if self.reuse else 0
         self.reused += self.reuse
         self.selected += not self.reuse

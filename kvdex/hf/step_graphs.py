@@ -170,7 +170,7 @@ class StepPlan:
         c = self.cache
         joining = self._join_host() if self._joins else False
         first = c.layers[0]
-        reuse = c.reuse.decide(self._every, first.seen, first.store, c.policy.must_select())
+        reuse = c.reuse.decide(self._every, first.seen, first.store, c.policy.must_select)
         key = None if self._needs_eager() else self._key()
         if key is not None and extra is not None:
             key = (key, extra)

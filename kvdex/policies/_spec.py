@@ -15,16 +15,23 @@ def parse_policy_spec(spec: str) -> tuple[str, dict]:
     (``kvdex.Cache``, ``kvdex eval --policies``, ``cache.fork``).
     """
     name, *items = spec.split(":")
+    bad = lambda item: f"policy option {item!r} in {spec!r} is not KEY=VALUE (e.g. 'chess:preset=moderate')"  # noqa: E731
+    return name, parse_options(items, bad)
+
+
+def parse_options(items, bad) -> dict:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}``, values Python literals where they parse, else strings;
+    an item that is not ``KEY=VALUE`` raises ``ValueError(bad(item))``."""
     options = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE (e.g. 'chess:preset=moderate')")
+            raise ValueError(bad(item))
         try:
             options[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             options[key] = value
-    return name, options
+    return options
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")

@@ -55,7 +55,7 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies._rerank import check_share
+from kvdex.policies._rerank import RERANK_UNITS, check_share
 from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
@@ -137,7 +137,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
             raise ValueError(f"search must be 'auto', 'device', 'host' or 'summary', got {self.search!r}")
         if self.summary not in SUMMARIES:
             raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {self.summary!r}")
-        if self.rerank_unit not in ("page", "token"):
+        if self.rerank_unit not in RERANK_UNITS:
             raise ValueError(f"rerank_unit must be 'page' or 'token', got {self.rerank_unit!r}")
         if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
