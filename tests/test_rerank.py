@@ -46,12 +46,17 @@ class Log:
         return sel
 
 
-def _run(spec: str, check=None, budget: int = BUDGET):
+def _run(spec: str, check=None, budget: int = BUDGET, device: str = "cpu"):
     model, _ = shared_pair(FAMILY)
     ids, mask, _ = left_padded(LENGTHS, seed=11)
-    cache = kvdex.Cache(model, spec, budget, dense_layers=1)
-    log = Log(cache.policy, check)
-    greedy(model, ids, mask, cache, new=NEW)
+    model = model.to(device)
+    try:
+        # eager steps: the check reads the selection on the host, which a captured step graph cannot
+        cache = kvdex.Cache(model, spec, budget, dense_layers=1, step_graphs=False)
+        log = Log(cache.policy, check)
+        greedy(model, ids.to(device), mask.to(device), cache, new=NEW)
+    finally:
+        model.cpu()
     return log.calls
 
 
@@ -70,7 +75,7 @@ def _truth(q, view, group: str) -> list[list[torch.Tensor]]:
                 score = s.amax(0)
             else:
                 score = torch.softmax(s * view.scale, dim=-1).sum(0)
-            row.append(score[SINK:ws])
+            row.append(score[SINK:ws].cpu())
         out.append(row)
     return out
 
@@ -90,15 +95,19 @@ def _is_topk(selected: list[int], mid: torch.Tensor, k: int, where: str) -> None
     assert worst >= best_left - 1e-5 * best_left.abs().clamp(min=1e-3), f"{where}: not the top {k}"
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ALL_CANDIDATES = ["quest:rerank=8", "arkvale:rerank=8", "prkv:static_ratio=0:rerank=8", "chess:rerank=8",
                   "chess:anchor_from=window:scope=shared:rerank=8",
                   "quest:rerank=1:rerank_share=1.0", "prkv:static_ratio=0:rerank=1:rerank_share=1.0",
                   "arkvale:rerank=1:rerank_share=1.0"]  # fmt: skip
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("group", ["max", "weight"])
 @pytest.mark.parametrize("spec", ALL_CANDIDATES)
-def test_every_page_a_candidate_selects_the_exact_topk(spec, group):
+def test_every_page_a_candidate_selects_the_exact_topk(spec, group, device):
+    """On the GPU the candidates' scores come from kvdex.kernels.rerank_triton (``"weight"``: its logits,
+    tile statistics and weights kernels), the top-k from kvdex.kernels.topk: the same exact top-k."""
     seen = []
 
     def check(q, view, sel):
@@ -111,7 +120,7 @@ def test_every_page_a_candidate_selects_the_exact_topk(spec, group):
                 _is_topk(sorted(p[p >= 0].tolist()), mid, T, f"{spec} layer {view.layer} seq {i} head {j}")
                 seen.append(mid.numel() > T)
 
-    _run(f"{spec}:rerank_group={group}", check)
+    _run(f"{spec}:rerank_group={group}", check, device=device)
     assert sum(seen) > len(seen) // 2  # most checks were real selections (middle > budget)
 
 
@@ -119,9 +128,10 @@ PAGE_UNIT = ["quest:rerank=8:rerank_unit=page", "arkvale:rerank=8:rerank_unit=pa
              "prkv:static_ratio=0:rerank=1:rerank_share=1.0:rerank_unit=page"]  # fmt: skip
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("group", ["max", "weight"])
 @pytest.mark.parametrize("spec", PAGE_UNIT)
-def test_page_unit_with_every_page_a_candidate_selects_the_best_pages(spec, group):
+def test_page_unit_with_every_page_a_candidate_selects_the_best_pages(spec, group, device):
     """``rerank_unit="page"``: the budget's pages with the best exact page score -- the group's largest
     ``q.k`` over the page's tokens, or the softmax weight the page's tokens hold (the page's mass)."""
     seen = []
@@ -146,7 +156,7 @@ def test_page_unit_with_every_page_a_candidate_selects_the_best_pages(spec, grou
                     assert worst >= best_left - 1e-5 * best_left.abs().clamp(min=1e-3), f"{where}: not the best pages"
                     seen.append(True)
 
-    _run(f"{spec}:rerank_group={group}", check)
+    _run(f"{spec}:rerank_group={group}", check, device=device)
     assert make_policy(spec).granularity == "page" and len(seen) > 10
 
 

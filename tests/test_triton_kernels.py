@@ -346,6 +346,38 @@ def test_rerank_candidate_scores_match_twin(dtype, group, b, h, g, c, d, ps):
 
 @run_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,h,g,c,d,ps", [(2, 2, 2, 9, 16, 4), (1, 1, 7, 5, 32, 16), (2, 3, 4, 40, 64, 16)])
+def test_rerank_candidate_weights_match_twin(dtype, b, h, g, c, d, ps):
+    """``rerank_group="weight"`` in two kernels: each query head's softmax over sink, window (partly past
+    the length) and the live candidates, summed over the group, as the twin computes it in PyTorch; the
+    weights of a row sum to at most the group size; -inf exactly where the candidate is not live. The
+    largest case has 10 tiles of candidates (their statistics combined across programs)."""
+    from kvdex.kernels import rerank_triton as rt
+
+    gen = torch.Generator().manual_seed(c * d + g + 1)
+    sink, window, s_cap = 4, 8, 4 + 48 * ps + 12
+    k = (torch.randn(b, h, s_cap, d + 8, generator=gen) * 2).to(dtype).to(DEV)[..., :d]
+    q = (torch.randn(b, h * g, d, generator=gen) * 2).to(dtype).to(DEV)
+    pages = torch.randint(-1, 40, (b, h, c), generator=gen)
+    pages[:, :, 1] = -1
+    pages = pages.to(DEV)
+    ws = torch.tensor([sink + 40 * ps, sink + 13 * ps][:b], device=DEV)
+    lengths = ws + torch.tensor([window, 3][:b], device=DEV)  # row 1: a window of 3 tokens of 8
+    for first in (None, torch.tensor([sink + 2 * ps + 1, sink][:b], device=DEV)):
+        kw = dict(sink=sink, window=window, page_size=ps, scale=d**-0.5, first=first)
+        got = rt.candidate_weights(q, k, pages, ws, lengths, **kw)
+        want = rt.candidate_weights_reference(q, k, pages, ws, lengths, **kw)
+        assert got.shape == (b, h, c * ps) and got.dtype == torch.float32
+        live = torch.isfinite(want)
+        assert bool((torch.isfinite(got) == live).all()) and bool(live.any()) and not bool(live.all())
+        assert bool((want[live] > 0).any())
+        torch.testing.assert_close(got[live], want[live], atol=1e-5, rtol=2e-3 if dtype != torch.float32 else 1e-4)
+        # a candidate page listed twice counts twice in the softmax, in both
+        assert float(got.masked_fill(~live, 0).sum(-1).max()) <= g * 2 + 1e-3
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", ["max", "heads"])
 @pytest.mark.parametrize("b,h,g,n,d", [(2, 2, 2, 37, 16), (1, 1, 7, 80, 32), (2, 3, 4, 130, 64)])
 def test_rerank_slot_scores_match_twin(dtype, group, b, h, g, n, d):

@@ -154,19 +154,20 @@ def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch
     g = hq // h
     store = view.store
     slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
-    fast = triton_kernel("rerank_triton", "candidate_scores", on=q) if store.positional_slots else None
-    live = None  # [B, H, N]: the candidate slots that hold a middle key (the kernel applies the same rule itself)
-    if fast is None or group == "weight":
-        live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
-        if first is not None:
-            live = live & (slot >= first.to(q.device)[:, None, None, None])
-        live = live.flatten(2)
-    if fast is not None:  # one kernel reads the candidates' keys in place (kvdex.kernels.rerank_triton)
-        s = fast(q, store.k, pages, view.window_start, sink=view.sink, page_size=ps, scale=view.scale,
-                 group=group, first=first)  # fmt: skip
-    else:
-        keys = store.page_keys(pages).to(q.device).flatten(2, 3)  # [B, H, N, D]
-        s = candidate_scores(q, keys, live, group, view.scale)
+    if store.positional_slots and triton_kernel("rerank_triton", on=q) is not None:
+        # the candidates' keys read in place by kvdex.kernels.rerank_triton; "weight": logits, each tile's
+        # softmax statistics and the group's weights in two kernels
+        kw = dict(sink=view.sink, page_size=ps, scale=view.scale, first=first)
+        if group == "max":
+            return triton_kernel("rerank_triton", "candidate_scores")(q, store.k, pages, view.window_start, **kw), slot
+        weights = triton_kernel("rerank_triton", "candidate_weights")
+        return weights(q, store.k, pages, view.window_start, view.lengths, window=view.window, **kw), slot
+    live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
+    if first is not None:
+        live = live & (slot >= first.to(q.device)[:, None, None, None])
+    live = live.flatten(2)  # [B, H, N]: the candidate slots that hold a middle key
+    keys = store.page_keys(pages).to(q.device).flatten(2, 3)  # [B, H, N, D]
+    s = candidate_scores(q, keys, live, group, view.scale)
     if group == "max":
         return s, slot
     # "weight": the group's summed softmax weights over sink + window + the candidates
