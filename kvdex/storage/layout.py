@@ -26,9 +26,11 @@ class Grid:
 
     def num_middle_pages(self, lengths: torch.Tensor) -> torch.Tensor:
         """Middle pages per sequence for ``lengths`` [B] real tokens."""
-        after_sink = (lengths - self.sink).clamp(min=0)
-        grid_pages = (after_sink + self.page_size - 1) // self.page_size
-        return (grid_pages - self.window_pages).clamp(min=0)
+        # max(ceil(max(L - sink, 0) / ps) - window_pages, 0) as one floor division (three kernels, not six:
+        # a decode step calls this a few times per layer): below the sink the floor is <= 0 and clamps to 0
+        return (
+            (lengths + (self.page_size - 1 - self.sink - self.window_pages * self.page_size)) // self.page_size
+        ).clamp(min=0)
 
     def middle_pages_of(self, length: int) -> int:
         """:meth:`num_middle_pages` of one length, in Python (host bookkeeping without a tensor)."""
