@@ -101,6 +101,15 @@ def test_paged_attended_count_equals_twin(sink, ps, wp, b, h, p):
     assert int(acc) == int(want)
     ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp)  # accumulates in place
     assert int(acc) == int(want) + int(want) - 1234
+    toks = torch.randint(-1, 900, (b, h, 2 * p + 3), generator=g)  # a token selection: each attended once
+    acc = torch.tensor(7, dtype=torch.long)
+    want = acc + ap.paged_attended_count_reference(pages, lengths, sink, ps, wp, tokens=toks)
+    assert int(want) == 7 + int(ap.paged_attended_count_reference(pages, lengths, sink, ps, wp)) + int(
+        (toks >= 0).sum()
+    )
+    acc = acc.to(DEV)
+    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp, toks.to(DEV))
+    assert int(acc) == int(want)
 
 
 def test_paged_attended_count_bad_inputs():

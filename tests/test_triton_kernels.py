@@ -149,8 +149,8 @@ def test_bad_inputs_raise_value_error():
 @run_kernels
 @pytest.mark.parametrize("sink,ps,wp", [(16, 16, 2), (4, 8, 1), (0, 16, 1)])
 def test_paged_decode_matches_device_store_attend(sink, ps, wp):
-    """The in-kernel slot list == DeviceStore.attend's (sink | window | pages), ragged lengths,
-    -1 padded pages; and it equals the real store path on a filled DeviceStore."""
+    """The in-kernel slot list == DeviceStore.attend's (sink | window | pages | tokens), ragged lengths,
+    -1 padded pages and tokens; and it equals the real store path on a filled DeviceStore."""
     b, h, g, s, d = 2, 2, 2, 200, 16
     q, k, v, _, _ = _inputs(b, h, g, s, 1, d, torch.float32, seed=sink + ps)
     lengths = torch.tensor([190, 57], device=DEV)
@@ -169,6 +169,23 @@ def test_paged_decode_matches_device_store_attend(sink, ps, wp):
     via_store = ref.sparse_decode_attention_reference(q, aset.k, aset.v, aset.idx, aset.valid, 0.3)
     fused = ta.paged_decode_attention(q, store.k, store.v, pages, store.lengths, sink, ps, wp, 0.3, block_n=16)
     torch.testing.assert_close(fused, via_store, atol=2e-5, rtol=2e-5)
+
+    # tokens after the pages (PRKV's static pages + reranked tokens), and tokens alone (an empty page view)
+    mid_end = int(store.grid.window_start(torch.tensor([190])))
+    toks = torch.randint(sink, mid_end, (b, h, 21), generator=gen)
+    toks[:, :, ::4] = -1
+    toks = toks.to(DEV)
+    for pg in (pages, toks[..., :0]):
+        sel = Selection(pages=pg if pg.shape[-1] else None, tokens=toks)
+        aset = store.attend(sel)
+        via_store = ref.sparse_decode_attention_reference(q, aset.k, aset.v, aset.idx, aset.valid, 0.3)
+        fused = ta.paged_decode_attention(q, store.k, store.v, pg, store.lengths, sink, ps, wp, 0.3, tokens=toks,
+                                          block_n=16)  # fmt: skip
+        torch.testing.assert_close(fused, via_store, atol=2e-5, rtol=2e-5)
+        want = ta.paged_decode_reference(q, store.k, store.v, pg, store.lengths, sink, ps, wp, 0.3, tokens=toks)
+        torch.testing.assert_close(fused, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="tokens"):
+        ta.paged_decode_attention(q, store.k, store.v, pages, store.lengths, sink, ps, wp, 0.3, tokens=toks[0])
 
 
 # ---- gathers (UVA from pinned host memory on CUDA; device gather; interpreter on CPU) ------------

@@ -213,8 +213,10 @@ class LayerEngine:
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = store.positional_slots and host.observer is None and not policy.observes
-        if fused and sel.pages is not None and sel.tokens is None:
-            out = self._paged_decode(q, sel.pages, scale)  # CUDA: slot list built inside the kernel
+        if (
+            fused and not sel.empty and not sel.everything
+        ):  # CUDA: the slot list (sink, window, pages, tokens) built inside the kernel
+            out = self._paged_decode(q, sel, scale)
             if out is not None:
                 return out
         with counters.timed("transfer", timing):
@@ -244,24 +246,28 @@ class LayerEngine:
                                everything=sel.everything)  # fmt: skip
         return self._held
 
-    def _paged_decode(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """DeviceStore + page selection on CUDA: one kernel instead of attend() + the slot kernel."""
+    def _paged_decode(self, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor | None:
+        """DeviceStore + a page and / or token selection on CUDA: one kernel instead of attend() + the slot
+        kernel (the tokens listed after the pages, as ``Selection.token_positions`` lists them)."""
         host, store = self.host, self.store
         counters, timing, g = host.counters, host.config.timing, store.grid
+        tokens = sel.tokens
+        pages = sel.pages if sel.pages is not None else tokens[..., :0]  # no pages: an empty view
         with counters.timed("attention", timing):
             out = paged_decode_attention(
-                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale
+                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale, tokens
             )
-        if out is not None:  # attended tokens: sink + window rows below each length, plus the pages
+        if out is not None:  # attended tokens: sink + window rows below each length, the pages, the tokens
             static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
             fast = _fast_paged_count() if static and counters.inplace else None
             if fast is not None and counters.attended is not None:  # the same count in one launch, in place
-                fast(counters.attended, pages, store.lengths, g.sink, g.page_size, g.window_pages)
+                fast(counters.attended, pages, store.lengths, g.sink, g.page_size, g.window_pages, tokens)
                 counters.calls += 1
                 return out
             L = store.lengths if static else store.lengths_host
             fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
-            counters.count((pages >= 0).sum() * g.page_size + (fixed if static else int(fixed)))
+            n = (pages >= 0).sum() * g.page_size + (fixed if static else int(fixed))
+            counters.count(n if tokens is None else n + (tokens >= 0).sum())
         return out
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:

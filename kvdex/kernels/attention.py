@@ -50,17 +50,18 @@ def paged_decode_attention(
     page_size: int,
     window_pages: int,
     scale: float,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Decode over a GPU-resident store for a page selection, the slot list built in the kernel.
+    """Decode over a GPU-resident store for a page and / or token selection, the slot list built in the kernel.
 
-    Same result as ``DeviceStore.attend(Selection(pages=pages))`` + :func:`sparse_decode_attention`
+    Same result as ``DeviceStore.attend(Selection(pages=pages, tokens=tokens))`` + :func:`sparse_decode_attention`
     (see ``kvdex.kernels.triton_attention.paged_decode_attention``). Returns None when the fast
     kernel does not apply (not CUDA, no triton, ``KVDEX_TRITON=0``): the caller takes that path.
     """
     fast = triton_kernel("triton_attention", on=q) if os.environ.get("KVDEX_PAGED", "1") != "0" else None
     if fast is None:
         return None
-    return fast.paged_decode_attention(q, k, v, pages, lengths, sink, page_size, window_pages, scale)
+    return fast.paged_decode_attention(q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=tokens)
 
 
 def dense_decode_attention(

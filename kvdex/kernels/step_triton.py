@@ -129,6 +129,8 @@ def _paged_count_kernel(
     WP: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK: tl.constexpr,
+    TOK=None,  # optional token positions [B, H, T] (-1: none), each one attended token
+    NT=0,
 ):
     ob = tl.arange(0, BLOCK_B)
     L = tl.load(LENS + ob, mask=ob < B, other=0).to(tl.int64)
@@ -140,32 +142,47 @@ def _paged_count_kernel(
         o = i + tl.arange(0, BLOCK)
         p = tl.load(PAGES + o, mask=o < NP, other=-1)
         cnt += tl.sum((p >= 0).to(tl.int64), axis=0)
-    tl.store(ACC, tl.load(ACC) + cnt * PS + fixed)
+    cnt = cnt * PS
+    for i in range(0, NT, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        t = tl.load(TOK + o, mask=o < NT, other=-1)
+        cnt += tl.sum((t >= 0).to(tl.int64), axis=0)
+    tl.store(ACC, tl.load(ACC) + cnt + fixed)
 
 
 def paged_attended_count_(
-    acc: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, sink: int, page_size: int, window_pages: int
+    acc: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    sink: int,
+    page_size: int,
+    window_pages: int,
+    tokens: torch.Tensor | None = None,
 ) -> None:
-    """``acc += (pages >= 0).sum() * page_size + sum_b(min(L_b, sink) + max(L_b - window_start(L_b), 0)) * H``
-    in place; acc: a 0-dim int64 device tensor, pages [B, H, P] (middle page ids, -1 = none), lengths [B]."""
+    """``acc += (pages >= 0).sum() * page_size + (tokens >= 0).sum() + sum_b(min(L_b, sink) + max(L_b -
+    window_start(L_b), 0)) * H`` in place; acc: a 0-dim int64 device tensor, pages [B, H, P] (middle page ids,
+    -1 = none), tokens [B, H, T] (positions, -1 = none; optional), lengths [B]."""
     if acc.dim() != 0 or acc.dtype != torch.long or pages.dim() != 3 or lengths.shape != (pages.shape[0],):
         raise ValueError("expected acc: 0-dim int64, pages [B, H, P], lengths [B]")
     b, h = pages.shape[:2]
     n = pages.numel()
     pages = pages.contiguous() if n else lengths  # n == 0: never read
+    nt = 0 if tokens is None else tokens.numel()
+    tokens = tokens.contiguous() if nt else lengths
     _paged_count_kernel[(1,)](
         acc, pages, lengths, b, n, h,
         SINK=sink, PS=page_size, WP=window_pages, BLOCK_B=max(2, triton.next_power_of_2(b)),
-        BLOCK=min(4096, max(16, triton.next_power_of_2(n))),
+        BLOCK=min(4096, max(16, triton.next_power_of_2(max(n, nt)))), TOK=tokens, NT=nt,
     )  # fmt: skip
 
 
-def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages):
+def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages, tokens=None):
     """The twin: the expression of ``LayerEngine._paged_decode`` (kvdex.engine.step; static sizing), a 0-dim
     int64 tensor."""
     L = lengths
     fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
-    return (pages >= 0).sum() * page_size + fixed * pages.shape[1]
+    toks = 0 if tokens is None else (tokens >= 0).sum()
+    return (pages >= 0).sum() * page_size + toks + fixed * pages.shape[1]
 
 
 @triton.jit

@@ -84,6 +84,11 @@ def _split_kernel(
     SINK: tl.constexpr = 0,
     PS: tl.constexpr = 16,
     WP: tl.constexpr = 1,
+    TOK=None,  # MODE 2 with tokens: [B, H, T] selected positions (-1: none) listed after the pages
+    stride_tb=0,
+    stride_th=0,
+    NPAGES=0,  # MODE 2 with tokens: the pages' count P (the tokens start at index P * PS of the middle)
+    HAS_TOK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -122,13 +127,23 @@ def _split_kernel(
             slot = offs_n
             ok = in_range
         elif MODE == 2:
-            i = offs_n - (SINK + WP * PS)  # index into the expanded page selection
+            i = offs_n - (SINK + WP * PS)  # index into the expanded page selection (then the tokens)
             ic = tl.maximum(i, 0)
-            page = tl.load(IDX + b * stride_ib + h * stride_ih + ic // PS, mask=in_range & (i >= 0), other=-1)
+            is_page = i >= 0
+            if HAS_TOK:
+                is_page = is_page & (i < NPAGES * PS)
+            page = tl.load(IDX + b * stride_ib + h * stride_ih + ic // PS, mask=in_range & is_page, other=-1)
             page = page.to(tl.int32)
             fixed = offs_n < SINK + WP * PS
             slot = tl.where(offs_n < SINK, offs_n, tl.where(fixed, ws + offs_n - SINK, SINK + page * PS + ic % PS))
             ok = in_range & tl.where(fixed, slot < L, page >= 0)
+            if HAS_TOK:
+                it = i - NPAGES * PS
+                is_tok = it >= 0
+                tok = tl.load(TOK + b * stride_tb + h * stride_th + tl.maximum(it, 0), mask=in_range & is_tok, other=-1)
+                tok = tok.to(tl.int32)
+                slot = tl.where(is_tok, tok, slot)
+                ok = tl.where(is_tok, in_range & (tok >= 0), ok)
         else:
             slot = tl.load(IDX + b * stride_ib + h * stride_ih + offs_n, mask=in_range, other=0)
             flag = tl.load(VALID + b * stride_lb + h * stride_lh + offs_n, mask=in_range, other=0)
@@ -211,7 +226,7 @@ def _check(q, k, v):
         raise ValueError("k/v must be contiguous in the head dimension")
 
 
-def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1)):
+def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None):
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -245,6 +260,8 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
         h, n, chunk, splits, scale * _LOG2E,
         G=g, BLOCK_G=_pow2(g, 16), D=d, BLOCK_D=_pow2(d, 16), BLOCK_N=block_n, MODE=mode, PREC=prec,
         SINK=grid[0], PS=grid[1], WP=grid[2],
+        **({} if tokens is None else dict(TOK=tokens, stride_tb=tokens.stride(0), stride_th=tokens.stride(1),
+                                          NPAGES=idx.shape[2], HAS_TOK=True)),
     )  # fmt: skip
     _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
@@ -321,6 +338,7 @@ def paged_decode_attention(
     window_pages: int,
     scale: float,
     *,
+    tokens: torch.Tensor | None = None,
     splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -331,7 +349,9 @@ def paged_decode_attention(
     ``lengths[b]``), then every token of ``pages[b, h]`` (middle page ids, ``-1`` = none), each valid
     only below ``lengths[b]``; the slot list is computed inside the kernel, in the same order, so
     the result equals ``DeviceStore.attend`` + :func:`sparse_decode_attention` (twin:
-    :func:`paged_decode_reference`).
+    :func:`paged_decode_reference`). ``tokens`` [B, H, T] (middle positions, ``-1`` = none): a token
+    selection's (or a selection of pages and tokens: PRKV's static pages with its reranked tokens), listed
+    after the pages as ``Selection.token_positions`` lists them; ``pages`` may then be [B, H, 0].
     """
     _check(q, k, v)
     b, h = k.shape[:2]
@@ -342,11 +362,18 @@ def paged_decode_attention(
     if pages.stride(-1) != 1:
         pages = pages.contiguous()
     n = sink + window_pages * page_size + pages.shape[2] * page_size
+    if tokens is not None:
+        if tokens.dim() != 3 or tokens.shape[:2] != (b, h):
+            raise ValueError(f"tokens must be [B, H, T] = [{b}, {h}, T], got {tuple(tokens.shape)}")
+        if tokens.stride(-1) != 1:
+            tokens = tokens.contiguous()
+        n += tokens.shape[2]
     lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
-    return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages))
+    return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages),
+                   tokens=tokens)  # fmt: skip
 
 
-def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale):
+def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=None):
     """Twin of :func:`paged_decode_attention`: DeviceStore.attend's slot list + the reference kernel."""
     b, h = pages.shape[:2]
     dev = k.device
@@ -355,7 +382,7 @@ def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_page
                        window_start(L, sink, page_size, window_pages)[:, None]
                        + torch.arange(window_pages * page_size, device=dev)[None, :]], dim=1)  # fmt: skip
     fvalid = fixed < L[:, None]
-    mid = Selection(pages=pages).token_positions(sink, page_size)
+    mid = Selection(pages=pages, tokens=tokens).token_positions(sink, page_size)
     idx = torch.cat([fixed[:, None].expand(b, h, -1), mid.clamp(min=0)], dim=-1)
     valid = torch.cat([fvalid[:, None].expand(b, h, -1), mid >= 0], dim=-1)
     # slots past the buffer are invalid; clamp them so the gather of the reference stays in range
