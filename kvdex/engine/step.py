@@ -213,9 +213,8 @@ class LayerEngine:
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
         fused = store.positional_slots and host.observer is None and not policy.observes
-        if (
-            fused and not sel.empty and not sel.everything
-        ):  # CUDA: the slot list (sink, window, pages, tokens) built inside the kernel
+        # CUDA: the slot list (sink, window, the pages' tokens, the selected tokens) built inside the kernel
+        if fused and not sel.empty and not sel.everything:
             out = self._paged_decode(q, sel, scale)
             if out is not None:
                 return out
