@@ -38,6 +38,16 @@ from kvdex.kernels.scoring import slot_scores as _slot_scores
 
 
 @triton.jit
+def _dot_qk(q, k, IEEE: tl.constexpr):
+    """q [BLOCK_G, BLOCK_D] . k [BLOCK_N, BLOCK_D]^T -> [BLOCK_G, BLOCK_N] fp32 (fp32 inputs: IEEE, not TF32)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
 def _candidate_kernel(
     Q,
     K,
@@ -94,11 +104,7 @@ def _candidate_kernel(
     gmask = offs_g < G
     qp = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(qp, mask=gmask[:, None] & dmask[None, :], other=0.0).to(k.dtype)  # [BLOCK_G, BLOCK_D]
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_N] fp32
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(live[None, :], s, float("-inf"))
+    s = tl.where(live[None, :], _dot_qk(q, k, IEEE), float("-inf"))  # [BLOCK_G, BLOCK_N] fp32
     if MAX:
         s = tl.where(gmask[:, None], s, float("-inf"))
         tl.store(OUT + bh * N + offs_n, tl.max(s, axis=0), mask=nmask)
@@ -163,11 +169,7 @@ def _weight_kernel(
     kf = tl.load(kp, mask=fl[:, None] & dmask[None, :], other=0.0)  # [BLOCK_F, BLOCK_D]
     qp = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(qp, mask=gmask[:, None] & dmask[None, :], other=0.0).to(kf.dtype)
-    if IEEE:
-        sf = tl.dot(q, tl.trans(kf), input_precision="ieee")
-    else:
-        sf = tl.dot(q, tl.trans(kf))
-    sf = tl.where(fl[None, :], sf * scale, float("-inf"))  # [BLOCK_G, BLOCK_F]
+    sf = tl.where(fl[None, :], _dot_qk(q, kf, IEEE) * scale, float("-inf"))  # [BLOCK_G, BLOCK_F]
     m = tl.max(sf, axis=1)  # finite: the window holds at least the newest token
     acc = tl.sum(tl.exp(sf - m[:, None]), axis=1)
     row = (bh * G + offs_g) * NB
@@ -282,6 +284,9 @@ def candidate_weights(
     statistics into each head's log-sum-exp and writes the weights: no [B, H, G, N] pass in PyTorch.
     The key buffer must be positional (slot == position), as the device store's is."""
     _check(q, k, pages, "weight", ("max", "weight"), window_start)
+    q = q.contiguous()
+    if k.stride(3) != 1:
+        k = k.contiguous()
     b, hq, d = q.shape
     h = k.shape[1]
     g, n = hq // h, pages.shape[2] * page_size
@@ -295,9 +300,6 @@ def candidate_weights(
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
     if n == 0:
         return out
-    if k.stride(3) != 1:
-        k = k.contiguous()
-    q = q.contiguous()
     block_n = 1024
     _weight_kernel[(b * h, triton.cdiv(n, block_n))](
         q, k, logits, part[0], part[1], ws, lengths.to(device=q.device, dtype=torch.int64), out,

@@ -153,8 +153,9 @@ def against_cells(plan, resamples: int) -> list[dict]:
     for length in plan.cfg.lengths:
         for g in plan.groups:
             for policy, budget in plan.pairs:
-                for base in filter(None, (without(policy, opt) for opt in plan.cfg.against)):
-                    recs, _ = _records(plan, g, length, policy, budget)
+                bases = [b for b in (without(policy, opt) for opt in plan.cfg.against) if b]
+                recs = _records(plan, g, length, policy, budget)[0] if bases else None
+                for base in bases:
                     ref, _ = _records(plan, g, length, base, budget)
                     if not recs or not ref:
                         continue
