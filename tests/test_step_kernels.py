@@ -88,7 +88,7 @@ def test_append_bad_inputs_raise_value_error():
 
 @run_kernels
 @pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 32, 2), (0, 8, 1)])
-@pytest.mark.parametrize("b,h,p", [(1, 8, 125), (3, 2, 7), (2, 2, 0)])
+@pytest.mark.parametrize("b,h,p", [(1, 8, 300), (3, 2, 7), (2, 2, 0)])  # 300: several programs
 def test_paged_attended_count_equals_twin(sink, ps, wp, b, h, p):
     g = torch.Generator().manual_seed(b * 100 + p + sink)
     pages = torch.randint(-1, 50, (b, h, p), generator=g)
@@ -110,6 +110,40 @@ def test_paged_attended_count_equals_twin(sink, ps, wp, b, h, p):
     acc = acc.to(DEV)
     ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp, toks.to(DEV))
     assert int(acc) == int(want)
+
+
+@run_kernels
+@pytest.mark.parametrize("size", [1, 5, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_push_equals_twin(size, dtype):
+    """PRKV's query ring: the one-launch shift + write ends bit-identical to QueryRing.push's PyTorch ops,
+    push after push (every row moves; the oldest leaves), from a partly valid ring, q not contiguous."""
+    from kvdex.kernels.reference import ring_push_reference
+
+    g = torch.Generator().manual_seed(size)
+    b, hq, d = 2, 6, 24  # D not a power of two: masked columns
+    rq = torch.randn(b, hq, size, d, generator=g).to(dtype)
+    rp = torch.randint(0, 999, (b, size), generator=g)
+    rv = torch.rand(b, size, generator=g) < 0.5
+    want = [t.clone() for t in (rq, rp, rv)]
+    got = [t.to(DEV) for t in (rq, rp, rv)]
+    for step in range(size + 2):
+        q = torch.randn(b, d, hq, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, D], strided
+        pos = torch.tensor([1000 + step, 2000 + step])
+        ring_push_reference(*want, q, pos)
+        ap.ring_push_(*got, q.to(DEV), pos.to(DEV))
+        for w, x in zip(want, got, strict=True):
+            assert torch.equal(w, x.cpu()), step
+    assert bool(want[2].all()) and int(want[1][0, -1]) == 1000 + size + 1
+
+
+def test_ring_push_bad_inputs():
+    with pytest.raises(ValueError, match="contiguous ring"):
+        ap.ring_push_(torch.zeros(1, 2, 3, 4)[:, :, :, :2], torch.zeros(1, 3, dtype=torch.long),
+                      torch.zeros(1, 3, dtype=torch.bool), torch.zeros(1, 2, 2), torch.zeros(1))  # fmt: skip
+    with pytest.raises(ValueError, match="int64"):
+        ap.ring_push_(torch.zeros(1, 2, 3, 4), torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool),
+                      torch.zeros(1, 2, 4), torch.zeros(1))  # fmt: skip
 
 
 def test_paged_attended_count_bad_inputs():

@@ -493,6 +493,47 @@ def test_semantic_candidate_slots_and_pick_tokens_match_twins(r, c, pc, ps, t):
         st.pick_tokens(ids.to(DEV), slots, ps, torch.zeros(2, dtype=torch.int32, device=DEV))
 
 
+@run_kernels
+@pytest.mark.parametrize("kind", ["minmax", "centroid"])
+@pytest.mark.parametrize("r,n,c,d", [(2, 16, 150, 32), (3, 5, 7, 24)])
+def test_semantic_nearest_pages_match_twin(kind, r, n, c, d):
+    """A joining key's nearest live page: over several tiles of pages (150 > 64), dead pages (a minmax one
+    holds +-inf) never chosen, a row without live pages -> 0, ties -> the first page; the kernel's choice is
+    the twin's or within fp32 rounding of its distance."""
+    from kvdex.index.summary import page_summaries
+    from kvdex.kernels import semantic_triton as st
+
+    gen = torch.Generator().manual_seed(r * c + d)
+    pk = torch.randn(r, c, 4, d, generator=gen)
+    held = torch.rand(r, c, 4, generator=gen) < 0.7
+    held[:, ::3] = False  # dead pages
+    held[-1] = False  # a row with no live page
+    a, b = page_summaries(pk, held, kind, torch.bfloat16)
+    fill = held.sum(-1).int()
+    keys = torch.randn(r, n, d, generator=gen)
+    keys[0, 1] = keys[0, 0]
+    fill[0, 4:6] = fill[0, 4:6].clamp(min=1)  # two live pages with the same centre: the first wins
+    if kind == "minmax":  # finite bounds, as a live page has
+        a[0, 4], b[0, 4] = a[0, 4].clamp(max=0), b[0, 4].clamp(min=0)
+        b[0, 5] = b[0, 4]
+    a[0, 5] = a[0, 4]
+    got = st.nearest_pages(keys.to(DEV), a.to(DEV), b.to(DEV), fill.to(DEV), kind).cpu()
+    want = st.nearest_pages_reference(keys, a, b, fill, kind)
+    assert got.dtype == torch.long and got.shape == (r, n)
+    live = fill > 0
+    assert bool(live.gather(1, got[:-1]).all()) and bool((got[-1] == 0).all())
+    centre = (a.float() + b.float()) / 2 if kind == "minmax" else a.float()
+    dist = ((keys[:, :, None] - centre[:, None]) ** 2).sum(-1).masked_fill(~live[:, None], float("inf"))
+    d_got, d_want = dist.gather(2, got[..., None]), dist.gather(2, want[..., None])
+    torch.testing.assert_close(d_got[:-1], d_want[:-1], rtol=1e-5, atol=1e-4)
+    assert (got == want).float().mean() > 0.95
+    centre4 = centre[:1, 4:5].contiguous()  # a key at the centre shared by pages 4 and 5: page 4
+    tie = st.nearest_pages(centre4.to(DEV), a[:1].to(DEV), b[:1].to(DEV), fill[:1].to(DEV), kind).cpu()
+    assert int(tie) == 4 == int(st.nearest_pages_reference(centre4, a[:1], b[:1], fill[:1], kind))
+    with pytest.raises(ValueError, match="expected keys"):
+        st.nearest_pages(keys.to(DEV), a[:, :-1].to(DEV), b.to(DEV), fill.to(DEV), kind)
+
+
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------
 
 

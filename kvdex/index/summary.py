@@ -179,13 +179,9 @@ class SemanticPages:
         rok = ok.to(dev).repeat_interleave(H)[:, None].expand(R, ps)  # [R, ps]
         fill = self.fill.view(R, C).long()
         a, b = self.a.view(R, C, *self.a.shape[3:]), self.b.view(R, C, *self.b.shape[3:])
-        centre = (a.float() + b.float()) / 2 if self.kind == "minmax" else a.float()
-        live = fill > 0
-        centre = torch.where(live[:, :, None], centre, 0.0)
-        d2 = (centre * centre).sum(-1)[:, None, :] - 2 * torch.bmm(k, centre.transpose(1, 2))  # [R, ps, C]
-        d2 = d2.masked_fill(~live[:, None, :], _INF)
-        tgt = d2.argmin(-1)  # [R, ps]
-        has = live.any(1)[:, None].expand(R, ps)
+        ops = triton_kernel("semantic_triton", on=k) or scoring  # on CUDA one kernel, no fp32 copy of the table
+        tgt = ops.nearest_pages(k, a, b, self.fill.view(R, C), self.kind)  # [R, ps] the nearest live page
+        has = (fill > 0).any(1)[:, None].expand(R, ps)
         j = torch.arange(ps, device=dev)
         same = (tgt[:, :, None] == tgt[:, None, :]) & (j[None, None, :] < j[None, :, None])
         rank = (same & rok[:, None, :]).sum(-1)  # keys of this page before it that chose the same page

@@ -188,6 +188,19 @@ def pick_tokens(ids: torch.Tensor, slots: torch.Tensor, ps: int, counts: torch.T
     return out
 
 
+def nearest_pages(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fill: torch.Tensor, kind: str) -> torch.Tensor:
+    """keys [R, N, D] -> [R, N] int64: per key, the live page (``fill`` [R, C] > 0) of its row whose centre is
+    nearest (squared distance ``|c|^2 - 2 k.c``, fp32; the first on ties; 0 where a row has no live page).
+    The centre of a page: ``(a + b) / 2`` for ``kind="minmax"`` (a, b [R, C, D]: per-channel min and max), the
+    mean ``a`` for ``"centroid"``. IceCache's semantic pages (``SemanticPages.insert_device``: which page a
+    joining key goes to); twin of :func:`kvdex.kernels.semantic_triton.nearest_pages`."""
+    centre = (a.float() + b.float()) / 2 if kind == "minmax" else a.float()
+    live = fill > 0
+    centre = torch.where(live[:, :, None], centre, 0.0)
+    d2 = (centre * centre).sum(-1)[:, None, :] - 2 * torch.bmm(keys.float(), centre.transpose(1, 2))  # [R, N, C]
+    return d2.masked_fill(~live[:, None, :], float("inf")).argmin(-1)
+
+
 def nearest_rows(X: torch.Tensor, Xp: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:
     """X [R, N, E], Xp [R, Np, E] -> [R, N] int64: per key, the index of its largest inner product among its
     row's points (the first on ties), by fp32 batched matmuls of at most ``chunk`` scores and ``argmax``. The

@@ -1,5 +1,5 @@
-"""IceCache's rerank on semantic pages (``icecache:search=summary:rerank=N``): the index arithmetic around
-its scoring and top-k calls, in two small Triton kernels.
+"""IceCache's semantic pages on the device (``icecache:search=summary``): the index arithmetic around the
+rerank's scoring and top-k calls, and the nearest page of a joining key, in Triton kernels.
 
 A step of the rerank takes, per (sequence, kv head) row, the ``Pc`` candidate pages' token positions out of
 the page table, scores those keys exactly (:mod:`kvdex.kernels.rerank_triton`), and with
@@ -14,6 +14,14 @@ layers) those launches, not the work, are what the step waits for.
 * :func:`pick_tokens`: one program per row maps the chosen columns (top-k ids, ``-1`` padded) to positions,
   counts the distinct candidate pages holding a chosen token with ``tl.histogram`` over the candidate
   columns, and adds (pages, tokens) to the step counters with two atomic adds.
+* :func:`nearest_pages`: a window page joining the middle puts each key into the page whose centre is nearest
+  (``SemanticPages.insert_device``). The twin materialises every page's centre in fp32 and the [keys, pages]
+  distances: at 128k tokens (~8k pages per kv head) about a dozen kernels over [R, C, D] fp32 tensors per
+  layer. One program per (row, tile of ``BLOCK_C`` pages) reads the summaries in their dtype (only the live
+  pages'), forms the centres and distances in registers (fp32, ``tl.dot`` in IEEE precision) and writes each
+  key's best distance and page of its tile; an ``argmin`` over the tiles picks the first best page, as the
+  twin does. Both are fp32 with different summation orders, so a key whose two nearest centres are within
+  rounding of each other may join either.
 """
 
 from __future__ import annotations
@@ -23,9 +31,17 @@ import triton
 import triton.language as tl
 
 from kvdex.kernels.scoring import candidate_slots as candidate_slots_reference
+from kvdex.kernels.scoring import nearest_pages as nearest_pages_reference
 from kvdex.kernels.scoring import pick_tokens as pick_tokens_reference
 
-__all__ = ["candidate_slots", "candidate_slots_reference", "pick_tokens", "pick_tokens_reference"]
+__all__ = [
+    "candidate_slots",
+    "candidate_slots_reference",
+    "nearest_pages",
+    "nearest_pages_reference",
+    "pick_tokens",
+    "pick_tokens_reference",
+]
 
 
 @triton.jit
@@ -98,3 +114,57 @@ def pick_tokens(ids: torch.Tensor, slots: torch.Tensor, ps: int, counts: torch.T
         ids, slots, out, counts, T, slots.shape[1], PS=ps, NBINS=nbins, BLOCK_T=max(16, triton.next_power_of_2(T))
     )
     return out
+
+
+@triton.jit
+def _nearest_kernel(
+    K, A, B, FILL, MIN, ARG, N, C, NB,
+    stride_kr, stride_kn, stride_ar, stride_ac, stride_br, stride_bc, stride_fr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, MINMAX: tl.constexpr,
+):  # fmt: skip
+    r, t = tl.program_id(0), tl.program_id(1)
+    on, od = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    oc = t * BLOCK_C + tl.arange(0, BLOCK_C)
+    k = tl.load(K + r * stride_kr + on[:, None] * stride_kn + od[None, :], mask=(on[:, None] < N) & (od[None, :] < D),
+                other=0.0).to(tl.float32)  # fmt: skip
+    live = tl.load(FILL + r * stride_fr + oc, mask=oc < C, other=0) > 0
+    m = live[:, None] & (od[None, :] < D)  # dead pages are not read (a minmax one holds +-inf)
+    c = tl.load(A + r * stride_ar + oc[:, None] * stride_ac + od[None, :], mask=m, other=0.0).to(tl.float32)
+    if MINMAX:
+        hi = tl.load(B + r * stride_br + oc[:, None] * stride_bc + od[None, :], mask=m, other=0.0).to(tl.float32)
+        c = (c + hi) / 2
+    d2 = tl.sum(c * c, axis=1)[None, :] - 2 * tl.dot(k, tl.trans(c), input_precision="ieee")  # [BLOCK_N, BLOCK_C]
+    d2 = tl.where(live[None, :], d2, float("inf"))
+    best = tl.min(d2, axis=1)
+    arg = tl.argmin(d2, axis=1)  # the first on ties
+    tl.store(MIN + (r * N + on) * NB + t, best, mask=on < N)
+    tl.store(ARG + (r * N + on) * NB + t, t * BLOCK_C + arg.to(tl.int64), mask=on < N)
+
+
+def nearest_pages(
+    keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fill: torch.Tensor, kind: str, block_c: int = 64
+) -> torch.Tensor:
+    """keys [R, N, D] -> [R, N] int64: each key's nearest live page (``fill`` [R, C] > 0) by the distance to its
+    centre (``(a + b) / 2``, a / b [R, C, D] for ``kind="minmax"``; the mean ``a`` for ``"centroid"``); the
+    first on ties, 0 where a row has no live page. The twin: ``kvdex.kernels.scoring.nearest_pages``."""
+    R, N, D = keys.shape
+    C = fill.shape[1]
+    if a.shape != (R, C, D) or fill.shape[0] != R or (kind == "minmax" and b.shape != a.shape):
+        raise ValueError(f"expected keys [R, N, D], a / b [R, C, D], fill [R, C]; got {tuple(keys.shape)}, "
+                         f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(fill.shape)}")  # fmt: skip
+    if R == 0 or N == 0 or C == 0:
+        return torch.zeros(R, N, dtype=torch.long, device=keys.device)
+    keys, fill = keys.contiguous(), fill.contiguous()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    minmax = kind == "minmax"
+    b = (b if b.stride(-1) == 1 else b.contiguous()) if minmax else a
+    nb = triton.cdiv(C, block_c)
+    best = torch.empty(R, N, nb, dtype=torch.float32, device=keys.device)
+    arg = torch.empty(R, N, nb, dtype=torch.long, device=keys.device)
+    _nearest_kernel[(R, nb)](
+        keys, a, b, fill, best, arg, N, C, nb,
+        keys.stride(0), keys.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), fill.stride(0),
+        D=D, BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_C=block_c, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        MINMAX=minmax,
+    )  # fmt: skip
+    return arg.gather(2, best.argmin(2, keepdim=True)).squeeze(2)

@@ -15,13 +15,22 @@ A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :fun
 sparse layer and step, the tokens the paged kernel attended: ``page_size`` per selected page plus the
 sink and window rows below each length. On a CUDA-graph step (device lengths) the PyTorch expression
 is ~19 elementwise kernels (Grid.window_start alone is 8); this kernel computes the same integer in
-one program and adds it in place into the persistent counter.
+one launch (a program per 1,024 page ids or token positions, each adding its count atomically: one
+program looping over a token selection's ~16k positions took ~13 us per layer) into the persistent counter.
 
 **Slot list of an offloaded store** (:func:`offload_slot_list`, twin: ``OffloadStore.attend``'s
 PyTorch ops). ``OffloadStore.attend`` for a page selection lists, per (sequence, kv head), the sink
 rows, the window rows (in their ring slots) and the fetched pages' rows (from ``cursor`` on), with
 their validity and positions: ~40 small kernels (``_fixed_set``, ``token_positions``, three ``cat``).
 This kernel writes the same three tensors (``idx`` int64, ``valid`` bool, ``pos`` int64) in one launch.
+
+**Query ring push** (:func:`ring_push_`, twin :func:`kvdex.kernels.reference.ring_push_reference`).
+PRKV keeps each layer's last queries (``kvdex.policies._obs.QueryRing``: q [B, Hq, S, D], positions
+and validity [B, S], oldest first) and pushes the step's query into it on every step, a
+``select_every`` reuse step too: in PyTorch a ``cat`` and a ``copy_`` per buffer plus a ``ones``
+(~8 kernels per layer and step). This kernel shifts the three buffers by one row and writes the new
+row in one launch (a program per (sequence, query head) row, with a barrier between its loads and
+its stores: the shift is in place). A pure copy: bit-identical to the twin.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.kernels.reference import window_start
+from kvdex.kernels.reference import ring_push_reference, window_start  # noqa: F401  (the twins)
 
 
 @triton.jit
@@ -131,23 +140,25 @@ def _paged_count_kernel(
     BLOCK: tl.constexpr,
     TOK=None,  # optional token positions [B, H, T] (-1: none), each one attended token
     NT=0,
+    NPB=1,  # programs over the pages (the rest count the tokens)
 ):
-    ob = tl.arange(0, BLOCK_B)
-    L = tl.load(LENS + ob, mask=ob < B, other=0).to(tl.int64)
-    nmid = tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0)  # Grid.num_middle_pages
-    ws = SINK + nmid * PS  # Grid.window_start
-    fixed = tl.sum(tl.minimum(L, SINK) + tl.maximum(L - ws, 0), axis=0) * H
-    cnt = tl.full([], 0, tl.int64)
-    for i in range(0, NP, BLOCK):
-        o = i + tl.arange(0, BLOCK)
-        p = tl.load(PAGES + o, mask=o < NP, other=-1)
-        cnt += tl.sum((p >= 0).to(tl.int64), axis=0)
-    cnt = cnt * PS
-    for i in range(0, NT, BLOCK):
-        o = i + tl.arange(0, BLOCK)
-        t = tl.load(TOK + o, mask=o < NT, other=-1)
-        cnt += tl.sum((t >= 0).to(tl.int64), axis=0)
-    tl.store(ACC, tl.load(ACC) + cnt + fixed)
+    # program i < NPB counts page block i, the others a block of tokens; program 0 adds the sink and window
+    i = tl.program_id(0)
+    o = tl.arange(0, BLOCK)
+    if i < NPB:
+        p = tl.load(PAGES + i * BLOCK + o, mask=i * BLOCK + o < NP, other=-1)
+        cnt = tl.sum((p >= 0).to(tl.int64), axis=0) * PS
+    else:
+        j = (i - NPB) * BLOCK + o
+        t = tl.load(TOK + j, mask=j < NT, other=-1)
+        cnt = tl.sum((t >= 0).to(tl.int64), axis=0)
+    if i == 0:
+        ob = tl.arange(0, BLOCK_B)
+        L = tl.load(LENS + ob, mask=ob < B, other=0).to(tl.int64)
+        nmid = tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0)  # Grid.num_middle_pages
+        ws = SINK + nmid * PS  # Grid.window_start
+        cnt += tl.sum(tl.minimum(L, SINK) + tl.maximum(L - ws, 0), axis=0) * H
+    tl.atomic_add(ACC, cnt)
 
 
 def paged_attended_count_(
@@ -169,10 +180,12 @@ def paged_attended_count_(
     pages = pages.contiguous() if n else lengths  # n == 0: never read
     nt = 0 if tokens is None else tokens.numel()
     tokens = tokens.contiguous() if nt else lengths
-    _paged_count_kernel[(1,)](
+    block = 1024
+    npb = max(1, triton.cdiv(n, block))
+    _paged_count_kernel[(npb + triton.cdiv(nt, block),)](
         acc, pages, lengths, b, n, h,
         SINK=sink, PS=page_size, WP=window_pages, BLOCK_B=max(2, triton.next_power_of_2(b)),
-        BLOCK=min(4096, max(16, triton.next_power_of_2(max(n, nt)))), TOK=tokens, NT=nt,
+        BLOCK=block, TOK=tokens, NT=nt, NPB=npb,
     )  # fmt: skip
 
 
@@ -250,3 +263,54 @@ def offload_slot_list(
         SINK=sink, PS=page_size, WP=window_pages, BLOCK=block,
     )  # fmt: skip
     return idx, valid.view(torch.bool), pos
+
+
+@triton.jit
+def _ring_push_kernel(
+    RQ,  # [B, Hq, S, D] contiguous
+    RP,  # [B, S] int64
+    RV,  # [B, S] bool
+    Q,  # [B, Hq, D]
+    POS,  # [B]
+    stride_qb,
+    stride_qh,
+    HQ,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)  # b * HQ + hq
+    b = r // HQ
+    os, od = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    src = tl.minimum(os + 1, S - 1)
+    m = (os[:, None] < S - 1) & (od[None, :] < D)
+    old = tl.load(RQ + r * S * D + src[:, None] * D + od[None, :], mask=m)
+    new = tl.load(Q + b * stride_qb + (r % HQ) * stride_qh + od, mask=od < D)
+    first = r % HQ == 0  # one program per sequence moves its positions and validity
+    ms = (os < S - 1) & first
+    p_old = tl.load(RP + b * S + src, mask=ms)
+    v_old = tl.load(RV + b * S + src, mask=ms)
+    tl.debug_barrier()  # every load of the row before any store: the shift is in place
+    tl.store(RQ + r * S * D + os[:, None] * D + od[None, :], old, mask=m)
+    tl.store(RQ + r * S * D + (S - 1) * D + od, new, mask=od < D)
+    tl.store(RP + b * S + os, p_old, mask=ms)
+    tl.store(RV + b * S + os, v_old, mask=ms)
+    tl.store(RP + b * S + S - 1, tl.load(POS + b).to(tl.int64), mask=first)
+    tl.store(RV + b * S + S - 1, tl.full([], 1, tl.int1), mask=first)
+
+
+def ring_push_(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor) -> None:
+    """Shift the ring ``rq`` [B, Hq, S, D], ``rp`` [B, S] (int64), ``rv`` [B, S] (bool) by one row (the oldest
+    leaves) and write q [B, Hq, D] at positions ``pos`` [B] as the newest (valid) row, in place."""
+    b, hq, size, d = rq.shape
+    if not rq.is_contiguous() or rp.shape != (b, size) or rv.shape != (b, size) or q.shape != (b, hq, d):
+        raise ValueError("expected a contiguous ring q [B, Hq, S, D], positions / validity [B, S], q [B, Hq, D]")
+    if rp.dtype != torch.long or rv.dtype != torch.bool or pos.shape != (b,) or size < 1:
+        raise ValueError("ring positions must be int64, validity bool, pos [B], S >= 1")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _ring_push_kernel[(b * hq,)](
+        rq, rp.contiguous(), rv.contiguous(), q, pos.to(rq.device), q.stride(0), q.stride(1), hq,
+        S=size, D=d, BLOCK_S=triton.next_power_of_2(size), BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip

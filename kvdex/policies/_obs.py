@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.reference import ring_push_reference
+
 POOLINGS = ("max", "avg")
 _Q_CHUNK = 16  # observation queries scored at a time (bounds the [B, Hq, chunk, L] weights)
 
@@ -135,8 +138,6 @@ class QueryRing:
             b, hq, d = q.shape
             self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
         # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.hf.graph)
-        # that pushes reads and writes the same ring on every replay
-        self.q.copy_(torch.cat([self.q[:, :, 1:], q[:, :, None]], dim=2))
-        self.pos.copy_(torch.cat([self.pos[:, 1:], pos.to(self.pos.device)[:, None]], dim=1))
-        ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
-        self.valid.copy_(torch.cat([self.valid[:, 1:], ones], dim=1))
+        # that pushes reads and writes the same ring on every replay; on CUDA one Triton launch
+        push = triton_kernel("step_triton", "ring_push_", on=q) or ring_push_reference
+        push(self.q, self.pos, self.valid, q, pos)
