@@ -460,7 +460,10 @@ def test_nearest_promoted_matches_twin(precision, r, n, np_, d):
 
 
 @run_kernels
-@pytest.mark.parametrize("r,c,pc,ps,t", [(3, 9, 5, 4, 7), (2, 40, 33, 16, 100), (1, 3, 3, 16, 48)])
+@pytest.mark.parametrize(
+    "r,c,pc,ps,t",
+    [(3, 9, 5, 4, 7), (2, 40, 33, 16, 100), (1, 3, 3, 16, 48), (2, 120, 100, 16, 1200)],  # 1200: 3 tiles
+)
 def test_semantic_candidate_slots_and_pick_tokens_match_twins(r, c, pc, ps, t):
     """Candidates padded with -1 and repeated, partly filled pages: the same int32 slots as the twin; chosen
     columns (-1 padded, any order) map to the same positions and add the same (pages, tokens) counts."""
