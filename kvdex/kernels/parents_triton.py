@@ -136,7 +136,8 @@ def nearest(
     block_d = max(16, triton.next_power_of_2(D))
     if block_d > (128 if split else 64):  # wide heads (fp32 tiles: from 128): smaller tiles, so that both
         block_m, block_n = min(block_m, 64), min(block_n, 64)  # operands' tiles fit in shared memory
-        num_stages = 1 if not split and block_d > 128 else num_stages  # fp32 tiles of 256 columns: one stage
+        if not split and block_d > 128:  # fp32 tiles of 256 columns (tf32x3 splits them again): small, one stage
+            block_m, block_n, num_stages = min(block_m, 32), min(block_n, 32), 1
     grid = (triton.cdiv(N, block_m), R)
     _nearest_kernel[grid](
         xh, xl, xe, ph, pl, pe, out, N, Np, xh.stride(0), xh.stride(1), ph.stride(0), ph.stride(1),
