@@ -54,6 +54,7 @@ def test_full_budget_equals_dense(spec, offload, n):
         DEVICE + ":rerank=4:rerank_unit=token",
         DEVICE + ":rerank=1:rerank_share=0.5",
         DEVICE + ":rerank=1:rerank_unit=token:rerank_share=0.5",
+        DEVICE + ":rerank=1:rerank_unit=token:rerank_share=0.5:rerank_group=weight",
     ],
 )
 def test_rerank_full_budget_equals_dense_and_needs_the_resident_store(spec):
@@ -280,9 +281,12 @@ def test_bad_options_raise():
         dict(build="device"),  # the device build makes search="summary"'s pages only
         dict(search="host", build="device"),
         dict(search="summary", build="gpu"),
+        dict(search="summary", rerank=2, rerank_unit="token", rerank_group="sum"),
     ):
         with pytest.raises(ValueError):
             kvdex.make_policy("icecache", **bad)
+    with pytest.raises(ValueError, match="add rerank_unit=token"):  # the weights rank tokens, not pages
+        kvdex.make_policy("icecache", search="summary", rerank=2, rerank_group="weight")
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -99,7 +99,8 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 ALL_CANDIDATES = ["quest:rerank=8", "arkvale:rerank=8", "prkv:static_ratio=0:rerank=8", "chess:rerank=8",
                   "chess:anchor_from=window:scope=shared:rerank=8",
                   "quest:rerank=1:rerank_share=1.0", "prkv:static_ratio=0:rerank=1:rerank_share=1.0",
-                  "arkvale:rerank=1:rerank_share=1.0"]  # fmt: skip
+                  "arkvale:rerank=1:rerank_share=1.0",
+                  "icecache:search=summary:build=device:rerank=1:rerank_unit=token:rerank_share=1.0"]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])

@@ -149,9 +149,7 @@ def rerank_pages(
 def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch.Tensor]:
     """(score [B, H, C * ps] of every slot of the candidate ``pages`` [B, H, C] on q's device, ``-inf``
     where no candidate middle key; their slots [B, H, C, ps])."""
-    b, hq, d = q.shape
-    h, ps = view.kv_heads, view.page_size
-    g = hq // h
+    ps = view.page_size
     store = view.store
     slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
     if store.positional_slots and triton_kernel("rerank_triton", on=q) is not None:
@@ -171,7 +169,16 @@ def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch
     if group == "max":
         return s, slot
     # "weight": the group's summed softmax weights over sink + window + the candidates
-    return _weights(q.float().view(b, h, g, d), s, view).sum(2).masked_fill(~live, float("-inf")), slot
+    return group_weights(q, s, view).masked_fill(~live, float("-inf")), slot
+
+
+def group_weights(q: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:
+    """``rerank_group="weight"``: each candidate's softmax weights summed over its kv head's query heads q
+    [B, Hq, D], [B, H, N], from the candidates' ``logits`` [B, H, G, N] (scaled ``q.k``, ``-inf`` where not a
+    candidate), each head's softmax over the candidates and the sink + window keys that every step attends."""
+    b, hq, d = q.shape
+    h = view.kv_heads
+    return _weights(q.float().view(b, h, hq // h, d), logits, view).sum(2)
 
 
 def _weights(qg: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:

@@ -55,7 +55,7 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies._rerank import RERANK_UNITS, check_share
+from kvdex.policies._rerank import RERANK_UNITS, check_share, group_weights
 from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
@@ -104,6 +104,9 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
     # policies' ``rerank`` (kvdex/policies/_rerank.py): no page-fit step, the budget spent on tokens
     rerank_unit: str = "page"
+    # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
+    # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)
+    rerank_group: str = "max"
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
     rerank_share: float = 0.0
@@ -142,6 +145,10 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
                              "and rerank=N (e.g. 4)")  # fmt: skip
+        if self.rerank_group not in ("max", "weight"):
+            raise ValueError(f"rerank_group must be 'max' or 'weight', got {self.rerank_group!r}")
+        if self.rerank_group == "weight" and self.rerank_unit != "token":
+            raise ValueError("rerank_group='weight' ranks the candidates' tokens: add rerank_unit=token")
         check_share(self.rerank, self.rerank_share)
         check_select_every(self.select_every)
         if self.rerank_share and self.search != "summary":
@@ -278,8 +285,10 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
             if self.rerank and not store.positional_slots:
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
-            tokens = pages.select(q.detach(), P, room, cap, self.group_merge, scale, keys,
-                                  rerank=self.rerank, unit=self.rerank_unit, share=self.rerank_share)  # fmt: skip
+            qd = q.detach()
+            weights = (lambda logits: group_weights(qd, logits, view)) if self.rerank_group == "weight" else None
+            tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
+                                  unit=self.rerank_unit, share=self.rerank_share, weights=weights)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
