@@ -418,6 +418,32 @@ def test_rerank_slot_scores_match_twin(dtype, group, b, h, g, n, d):
         rt.slot_scores(q, k, slots, group="weight")
 
 
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,h,g,n,d", [(2, 2, 2, 37, 16), (2, 3, 4, 700, 64)])  # 700: 11 tiles of candidates
+def test_rerank_slot_weights_match_twin(dtype, b, h, g, n, d):
+    """``rerank_group="weight"`` on IceCache's semantic candidates (slots, -1 for none): each head's softmax over
+    sink, window (row 1 shorter than the window) and the candidates, summed over the group, as the twin."""
+    from kvdex.kernels import rerank_triton as rt
+
+    gen = torch.Generator().manual_seed(n + d)
+    sink, window, s_cap = 4, 8, 900
+    k = (torch.randn(b, h, s_cap, d + 8, generator=gen) * 2).to(dtype).to(DEV)[..., :d]
+    q = (torch.randn(b, h * g, d, generator=gen) * 2).to(dtype).to(DEV)
+    ws = torch.tensor([880, 500][:b], device=DEV)
+    lengths = ws + torch.tensor([window, 3][:b], device=DEV)
+    slots = torch.randint(sink, 500, (b, h, n), generator=gen, dtype=torch.int32)
+    slots[:, :, ::5] = -1
+    kw = dict(sink=sink, window=window, scale=d**-0.5)
+    got = rt.slot_weights(q, k, slots.to(DEV), ws, lengths, **kw)
+    want = rt.slot_weights_reference(q, k, slots.to(DEV), ws, lengths, **kw)
+    assert got.shape == (b, h, n) and got.dtype == torch.float32
+    live = torch.isfinite(want)
+    assert bool((torch.isfinite(got) == live).all()) and bool(live.any()) and not bool(live.all())
+    torch.testing.assert_close(got[live], want[live], atol=1e-5, rtol=2e-3 if dtype != torch.float32 else 1e-4)
+    assert float(got.masked_fill(~live, 0).sum(-1).max()) <= g + 1e-3  # each head's weights sum to at most 1
+
+
 # ---- IceCache's device page build: every key's nearest promoted point ----------------------------------
 
 

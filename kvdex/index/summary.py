@@ -263,15 +263,15 @@ class SemanticPages:
         rerank: int = 0,
         unit: str = "page",
         share: float = 0.0,
-        weights=None,
+        token_scores=None,
     ):
         """Token positions [B, H, T] (-1 padded, T = min(pages taken at most x ps, room)) of the pages
         taken for the queries q [B, Hq, D] among the first ``P`` pages of every row (the capacity under
         a CUDA graph, ``bound`` otherwise: the same pages). ``rerank`` > 0: the ``rerank * cap`` best pages
         by summary (the group's max) are ranked by the exact max q.k of their keys, read from ``keys``
         [B, H, S, D] (slot == position: a GPU-resident store); ``unit="token"``: the ``room`` best tokens of
-        those candidate pages by the group's max q.k instead (no page fit), or with ``weights`` (a callable:
-        scaled logits [B, H, G, N] -> the group's summed softmax weights [B, H, N]) by those weights.
+        those candidate pages by the group's max q.k instead (no page fit), or by ``token_scores`` (a callable:
+        the candidates' slots [B, H, N] -> their scores [B, H, N], ``-inf`` where none; IceCache's weights).
         ``share`` > 0: at least that share of each row's pages are candidates
         (:func:`kvdex.kernels.scoring.share_candidates`)."""
         B, Hq, D = q.shape
@@ -289,11 +289,8 @@ class SemanticPages:
             ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels
             slots = ops.candidate_slots(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
             if unit == "token":
-                if weights is None:
-                    score = exact_scores(q, keys, slots.view(B, H, -1), "max").view(R, -1)  # [R, Pc * ps]
-                else:  # the group's summed softmax weights (rerank_group="weight")
-                    logits = exact_scores(q, keys, slots.view(B, H, -1), "heads") * scale  # [B, H, G, N]
-                    score = weights(logits).masked_fill(~torch.isfinite(logits[:, :, 0]), -_INF).view(R, -1)
+                by = token_scores or (lambda s: exact_scores(q, keys, s, "max"))  # the group's max q.k by default
+                score = by(slots.view(B, H, -1)).view(R, -1)  # [R, Pc * ps]
                 ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1: fewer live tokens
                 return ops.pick_tokens(ids, slots, ps, self.counts).view(B, H, -1)
             cand = cand.clamp(min=0)

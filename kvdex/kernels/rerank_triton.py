@@ -15,7 +15,8 @@ place in the GPU-resident buffer, and writes only the scores:
 * ``group="max"``: the largest ``q.k`` over the group, [B, H, N]; ``group="weight"``: every head's scaled
   logit ``scale * q.k``, [B, H, G, N]; ``-inf`` where the token is not live.
 
-:func:`candidate_weights` is ``rerank_group="weight"`` whole: the same kernel also writes each tile's
+:func:`candidate_weights` (and :func:`slot_weights`, the same for candidates given by their slots: IceCache's
+semantic pages) is ``rerank_group="weight"`` whole: the same kernel also writes each tile's
 softmax statistics (max and sum of exponentials per query head), and a second kernel scores the sink and
 window keys, combines everything into each head's log-sum-exp and writes the group-summed weights
 [B, H, N]. Before, the softmax over sink, window and candidates ran in PyTorch (the sink and window
@@ -23,9 +24,8 @@ gathered, a concatenation, a log-sum-exp, an exponential and a sum over [B, H, G
 (128k, budget 2048, ``prkv:rerank=4:rerank_group=weight:rerank_share=0.25``, 32768 candidates per kv head)
 the eager step's device time fell from 18.9 to 16.0 ms (H200, per-kernel profile).
 
-Same values as the twin up to the order of the fp32 sums (products of bf16 / fp16 inputs are exact in
-fp32). Fixed shapes, no host read: a captured CUDA graph replays it.
-"""
+Same values as the twin up to the order of the fp32 sums (bf16 / fp16 products are exact in fp32); fixed
+shapes, no host read: a captured CUDA graph replays it."""
 
 from __future__ import annotations
 
@@ -150,9 +150,8 @@ def _weight_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Per (sequence, kv head, tile of BLOCK_N candidates): each query head's log-sum-exp over sink,
-    window (their logits computed here) and every candidate (the tiles' statistics), then the tile's
-    group-summed softmax weights; -inf where no head's logit is finite."""
+    """Per (sequence, kv head, tile of BLOCK_N candidates): each head's log-sum-exp over sink, window (their
+    logits here) and the candidates (the tiles' statistics); the tile's group-summed weights (-inf: no logit)."""
     bh = tl.program_id(0)
     nb = tl.program_id(1)
     b = bh // H
@@ -278,25 +277,49 @@ def candidate_weights(
     """The ``rerank_group="weight"`` score of every token of the candidate ``pages`` [B, H, C] in two
     kernels: [B, H, C * page_size] fp32, the sum over the kv head's query heads of each head's softmax
     weight of the token, normalised over the sink (slots ``[0, sink)``), the window (``[window_start,
-    window_start + window)``; both below ``lengths`` [B]) and every live candidate; ``-inf`` where not
-    live (the rule of :func:`candidate_scores`). The candidate kernel writes each head's logits and each
-    tile's softmax statistics; the second kernel computes the sink and window logits, combines the
-    statistics into each head's log-sum-exp and writes the weights: no [B, H, G, N] pass in PyTorch.
-    The key buffer must be positional (slot == position), as the device store's is."""
+    window_start + window)``; both below ``lengths`` [B]) and every live candidate (the rule of
+    :func:`candidate_scores`); ``-inf`` where not live. The key buffer is positional (slot == position)."""
     _check(q, k, pages, "weight", ("max", "weight"), window_start)
+    ws = window_start.to(device=q.device, dtype=torch.int64)
+    fst = ws if first is None else first.to(device=q.device, dtype=torch.int64)
+    launch = dict(bounds=(ws, fst), SINK=sink, PS=page_size, HAS_FIRST=first is not None)
+    return _group_weights(q, k, pages, pages.shape[2] * page_size, ws, lengths, sink, window, scale, launch)
+
+
+def slot_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slots: torch.Tensor,
+    window_start: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`candidate_weights` for candidate tokens given by their slots [B, H, N] (any int dtype, ``-1``:
+    none; IceCache's semantic pages: positions in a positional key buffer) instead of page ids: [B, H, N]
+    fp32, each token's softmax weights summed over the kv head's query heads, normalised over the sink, the
+    window and every candidate; ``-inf`` where the slot is ``-1``."""
+    _check(q, k, slots, "weight", ("max", "weight"), window_start)
+    ws = window_start.to(device=q.device, dtype=torch.int64)
+    launch = dict(SINK=0, PS=1, HAS_FIRST=False, BY_SLOT=True)
+    return _group_weights(q, k, slots, slots.shape[2], ws, lengths, sink, window, scale, launch)
+
+
+def _group_weights(q, k, idx, n: int, ws, lengths, sink: int, window: int, scale: float, launch: dict):
+    """The candidates' logits with each tile's softmax statistics (``launch``: how ``idx`` names them), then
+    the sink and window logits, each head's log-sum-exp and the group-summed weights: no PyTorch pass."""
     q = q.contiguous()
     if k.stride(3) != 1:
         k = k.contiguous()
     b, hq, d = q.shape
     h = k.shape[1]
-    g, n = hq // h, pages.shape[2] * page_size
-    ws = window_start.to(device=q.device, dtype=torch.int64)
-    fst = ws if first is None else first.to(device=q.device, dtype=torch.int64)
+    g = hq // h
     nb = triton.cdiv(n, BLOCK_N)
     pmax = torch.empty(b, h, g, max(nb, 1), dtype=torch.float32, device=q.device)
     part = (pmax, torch.empty_like(pmax))
-    logits = _launch(q, k, pages, n, True, scale, (ws, fst), part=part,
-                     SINK=sink, PS=page_size, HAS_FIRST=first is not None)  # fmt: skip
+    logits = _launch(q, k, idx, n, True, scale, part=part, **launch)
     out = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
     if n == 0:
         return out
@@ -319,6 +342,18 @@ def candidate_weights_reference(
     and scored, one softmax over all of them per query head, summed over the group."""
     logits = candidate_scores_reference(q, k, pages, window_start, sink=sink, page_size=page_size, scale=scale,
                                         group="weight", first=first)  # fmt: skip
+    return _group_weights_reference(q, k, logits, window_start, lengths, sink, window, scale)
+
+
+def slot_weights_reference(q, k, slots, window_start, lengths, *, sink: int, window: int, scale: float):
+    """The twin of :func:`slot_weights`: the per-head ``q.k`` of the slots, scaled, then the softmax."""
+    logits = _slot_scores(q, k, slots, "heads") * scale
+    return _group_weights_reference(q, k, logits, window_start, lengths, sink, window, scale)
+
+
+def _group_weights_reference(q, k, logits, window_start, lengths, sink: int, window: int, scale: float):
+    """The sink and window keys gathered and scored, one softmax over them and the candidates' ``logits``
+    [B, H, G, N] per query head, summed over the group; ``-inf`` where no head's logit is finite."""
     b, hq, d = q.shape
     h = k.shape[1]
     dev = k.device

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import candidate_scores, topk_ids
+from kvdex.kernels.scoring import candidate_scores, slot_scores, topk_ids
 from kvdex.selection import Selection
 
 RERANK_GROUPS = ("max", "weight")
@@ -170,6 +170,19 @@ def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch
         return s, slot
     # "weight": the group's summed softmax weights over sink + window + the candidates
     return group_weights(q, s, view).masked_fill(~live, float("-inf")), slot
+
+
+def slot_weights(q: torch.Tensor, view, slots: torch.Tensor) -> torch.Tensor:
+    """``rerank_group="weight"`` scores [B, H, N] of the tokens at ``slots`` [B, H, N] (positions in the layer's
+    positional store, ``-1``: none; IceCache's semantic pages): :func:`group_weights` of their scaled ``q.k``,
+    ``-inf`` where none. On CUDA two Triton kernels (``kvdex.kernels.rerank_triton.slot_weights``)."""
+    store = view.store
+    fast = triton_kernel("rerank_triton", "slot_weights", on=q)
+    if fast is not None:
+        return fast(q, store.k, slots, view.window_start, view.lengths, sink=view.sink, window=view.window,
+                    scale=view.scale)  # fmt: skip
+    logits = slot_scores(q, store.k, slots, "heads") * view.scale  # [B, H, G, N]
+    return group_weights(q, logits, view).masked_fill(~torch.isfinite(logits[:, :, 0]), float("-inf"))
 
 
 def group_weights(q: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:

@@ -55,7 +55,7 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies._rerank import RERANK_UNITS, check_share, group_weights
+from kvdex.policies._rerank import RERANK_UNITS, check_share, slot_weights
 from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
@@ -286,9 +286,9 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
                 raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
             keys = store.k if self.rerank else None
             qd = q.detach()
-            weights = (lambda logits: group_weights(qd, logits, view)) if self.rerank_group == "weight" else None
+            by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
             tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
-                                  unit=self.rerank_unit, share=self.rerank_share, weights=weights)  # fmt: skip
+                                  unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
