@@ -304,13 +304,16 @@ def ring_push_(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Te
     """Shift the ring ``rq`` [B, Hq, S, D], ``rp`` [B, S] (int64), ``rv`` [B, S] (bool) by one row (the oldest
     leaves) and write q [B, Hq, D] at positions ``pos`` [B] as the newest (valid) row, in place."""
     b, hq, size, d = rq.shape
-    if not rq.is_contiguous() or rp.shape != (b, size) or rv.shape != (b, size) or q.shape != (b, hq, d):
-        raise ValueError("expected a contiguous ring q [B, Hq, S, D], positions / validity [B, S], q [B, Hq, D]")
+    ring = (rq, rp, rv)
+    if not all(t.is_contiguous() for t in ring) or rp.shape != (b, size) or rv.shape != (b, size):
+        raise ValueError("expected a contiguous ring q [B, Hq, S, D], positions / validity [B, S] (written in place)")
+    if q.shape != (b, hq, d):
+        raise ValueError(f"q must be [B, Hq, D] = [{b}, {hq}, {d}], got {tuple(q.shape)}")
     if rp.dtype != torch.long or rv.dtype != torch.bool or pos.shape != (b,) or size < 1:
         raise ValueError("ring positions must be int64, validity bool, pos [B], S >= 1")
     if q.stride(-1) != 1:
         q = q.contiguous()
     _ring_push_kernel[(b * hq,)](
-        rq, rp.contiguous(), rv.contiguous(), q, pos.to(rq.device), q.stride(0), q.stride(1), hq,
+        rq, rp, rv, q, pos.to(rq.device), q.stride(0), q.stride(1), hq,
         S=size, D=d, BLOCK_S=triton.next_power_of_2(size), BLOCK_D=triton.next_power_of_2(d),
     )  # fmt: skip
