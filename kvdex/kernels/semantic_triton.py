@@ -18,7 +18,7 @@ layers) those launches, not the work, are what the step waits for.
   ``tl.histogram`` over the candidate pages took ~50 us per layer at 128k on an H200.)
 * :func:`nearest_pages`: a window page joining the middle puts each key into the page whose centre is nearest
   (``SemanticPages.insert_device``). The twin materialises every page's centre in fp32 and the [keys, pages]
-  distances: at 128k tokens (~8k pages per kv head) about a dozen kernels over [R, C, D] fp32 tensors per
+  distances: at 128k tokens (~14.7k partly filled pages per kv head) a dozen kernels over [R, C, D] fp32 per
   layer. One program per (row, tile of ``BLOCK_C`` pages) reads the summaries in their dtype (only the live
   pages'), forms the centres and distances in registers (fp32; ``tl.dot`` as three TF32 products) and writes each
   key's best distance and page of its tile; an ``argmin`` over the tiles picks the first best page, as the
