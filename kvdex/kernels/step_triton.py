@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.kernels.reference import ring_push_reference, window_start  # noqa: F401  (the twins)
+from kvdex.kernels.reference import window_start
 
 
 @triton.jit
