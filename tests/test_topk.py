@@ -218,6 +218,34 @@ def test_kernel_long_rows_token_scores():
         _torch_set_ok(score, ids, k)
 
 
+@run_kernels
+@pytest.mark.parametrize("block", [None, 256])
+def test_kernel_row_k_is_each_rows_own_count(block):
+    """``row_k`` (a rerank's share of each sequence's pages): row r keeps the twin's first ``min(row_k, k)``
+    ids as a set in index order, -1 in the rest of its k slots; rows share a count per sequence (L < rows);
+    a count of 0, one past k, and more than a row's finite scores."""
+    tk = _twin()
+    g = torch.Generator().manual_seed(21)
+    score = torch.randn(4, 2, 700, generator=g)
+    score[1, 0] = torch.randint(0, 4, (700,), generator=g).float()  # ties at every count
+    score[2, :, 30:] = float("-inf")  # 30 finite scores, count 50
+    k = 60
+    row_k = torch.tensor([17, 0, 50, 99])
+    got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False, row_k=row_k.to(DEV)).cpu()
+    want = tk.topk_ids_reference(score, k)
+    assert got.shape == (4, 2, k)
+    for b in range(4):
+        n = min(int(row_k[b]), k)
+        keep = torch.where(torch.arange(k) < n, want[b], -1)
+        _assert_index_ordered_set(got[b], keep)
+        assert (got[b, :, n:] == -1).all()
+    for bad in (row_k[:3], row_k.float()):  # L must divide the rows; counts are integers
+        with pytest.raises(ValueError, match="row_k"):
+            tk.topk_ids(score.to(DEV), k, ordered=False, row_k=bad.to(DEV))
+    with pytest.raises(ValueError, match="row_k"):
+        tk.topk_ids(score.to(DEV), k, row_k=row_k.to(DEV))  # ordered
+
+
 # The interpreter runs one program at a time, at a fixed cost per program (rows x segments): on CPU, one
 # case per branch on short rows of 64-score segments; compiled on CUDA, the longer rows too.
 SPLIT_CASES = [

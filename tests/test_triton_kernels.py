@@ -525,10 +525,12 @@ def test_semantic_candidate_slots_and_pick_tokens_match_twins(r, c, pc, ps, t):
 @run_kernels
 @pytest.mark.parametrize("kind", ["minmax", "centroid"])
 @pytest.mark.parametrize("r,n,c,d", [(2, 16, 150, 32), (3, 5, 7, 24)])
-def test_semantic_nearest_pages_match_twin(kind, r, n, c, d):
+@pytest.mark.parametrize("kdtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []), ids=str)
+def test_semantic_nearest_pages_match_twin(kind, r, n, c, d, kdtype):
     """A joining key's nearest live page: over several tiles of pages (150 > 64), dead pages (a minmax one
     holds +-inf) never chosen, a row without live pages -> 0, ties -> the first page; the kernel's choice is
-    the twin's or within fp32 rounding of its distance."""
+    the twin's or within fp32 rounding of its distance. fp32 keys with bf16 summaries (TF32x3 products), and
+    16-bit keys with summaries of their dtype (the products of the keys and the summaries themselves)."""
     from kvdex.index.summary import page_summaries
     from kvdex.kernels import semantic_triton as st
 
@@ -537,9 +539,9 @@ def test_semantic_nearest_pages_match_twin(kind, r, n, c, d):
     held = torch.rand(r, c, 4, generator=gen) < 0.7
     held[:, ::3] = False  # dead pages
     held[-1] = False  # a row with no live page
-    a, b = page_summaries(pk, held, kind, torch.bfloat16)
+    a, b = page_summaries(pk, held, kind, torch.bfloat16 if kdtype == torch.float32 else kdtype)
     fill = held.sum(-1).int()
-    keys = torch.randn(r, n, d, generator=gen)
+    keys = torch.randn(r, n, d, generator=gen).to(kdtype)
     keys[0, 1] = keys[0, 0]
     fill[0, 4:6] = fill[0, 4:6].clamp(min=1)  # two live pages with the same centre: the first wins
     if kind == "minmax":  # finite bounds, as a live page has
@@ -552,7 +554,7 @@ def test_semantic_nearest_pages_match_twin(kind, r, n, c, d):
     live = fill > 0
     assert bool(live.gather(1, got[:-1]).all()) and bool((got[-1] == 0).all())
     centre = (a.float() + b.float()) / 2 if kind == "minmax" else a.float()
-    dist = ((keys[:, :, None] - centre[:, None]) ** 2).sum(-1).masked_fill(~live[:, None], float("inf"))
+    dist = ((keys.float()[:, :, None] - centre[:, None]) ** 2).sum(-1).masked_fill(~live[:, None], float("inf"))
     d_got, d_want = dist.gather(2, got[..., None]), dist.gather(2, want[..., None])
     torch.testing.assert_close(d_got[:-1], d_want[:-1], rtol=1e-5, atol=1e-4)
     assert (got == want).float().mean() > 0.95
@@ -561,6 +563,69 @@ def test_semantic_nearest_pages_match_twin(kind, r, n, c, d):
     assert int(tie) == 4 == int(st.nearest_pages_reference(centre4, a[:1], b[:1], fill[:1], kind))
     with pytest.raises(ValueError, match="expected keys"):
         st.nearest_pages(keys.to(DEV), a[:, :-1].to(DEV), b.to(DEV), fill.to(DEV), kind)
+
+
+def _insert_table(kind, r, c, ps, d, dtype, gen):
+    """A semantic page table of r rows (c pages + the trash page): full, partly filled and empty pages."""
+    from kvdex.index.summary import page_summaries
+
+    C = c + 1
+    fill = torch.randint(0, ps + 1, (r, C), generator=gen).int()
+    fill[:, ::4] = ps  # full pages: keys that pick them spill
+    fill[:, -1] = 0  # the trash page
+    fill[-1] = 0  # a row without live pages: every key spills into page 0
+    npages = torch.full((r,), c - 3, dtype=torch.long)
+    npages[-1] = 0
+    fill[:, c - 3 :] = 0  # pages past npages are unused
+    held = torch.arange(ps)[None, None, :] < fill[..., None]
+    pk = torch.randn(r, C, ps, d, generator=gen)
+    a, b = page_summaries(pk, held, kind, dtype)
+    pos = torch.where(held, torch.randint(0, 10_000, (r, C, ps), generator=gen), -1).int()
+    return pos, fill, npages, a, b
+
+
+@run_kernels
+@pytest.mark.parametrize("kind", ["minmax", "centroid"])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []), ids=str)
+@pytest.mark.parametrize("B,H,c,ps,d", [(3, 2, 9, 16, 32), (3, 1, 6, 5, 24)])
+def test_semantic_insert_pages_match_twin(kind, dtype, B, H, c, ps, d):
+    """A window page joining semantic pages in one kernel == the twin: keys choosing one page (in their order),
+    full pages (spill into one new page per row), a row without live pages, a sequence not joining (its rows
+    unchanged), pages no key joined unchanged; minmax exactly, the centroid within fp32 rounding."""
+    from kvdex.kernels import semantic_triton as st
+
+    gen = torch.Generator().manual_seed(B * 100 + c * 10 + ps)
+    R = B * H
+    pos, fill, npages, a, b = _insert_table(kind, R, c, ps, d, dtype, gen)
+    keys = torch.randn(R, ps, d, generator=gen).to(dtype)
+    tgt = torch.randint(0, c - 3, (R, ps), generator=gen)
+    tgt[0, : ps // 2] = 1  # several keys to one page (partly filled: some join, the rest spill)
+    tgt[0, 1] = 0  # a full page
+    tgt[-1] = 0  # no live pages (the nearest-page call's 0)
+    ok = torch.ones(B, dtype=torch.bool)
+    ok[1] = False  # sequence 1 does not join
+    positions = torch.arange(B * ps).view(B, ps) + 20_000
+    want = [x.clone() for x in (pos, fill, npages, a, b)]
+    st.insert_pages_reference(keys, tgt, ok, positions, *want, kind)
+    got = [x.clone().to(DEV) for x in (pos, fill, npages, a, b)]
+    st.insert_pages(keys.to(DEV), tgt.to(DEV), ok.to(DEV), positions.to(DEV), *got, kind)
+    got = [x.cpu() for x in got]
+    for name, g, w in zip(("pos", "fill", "npages"), got[:3], want[:3], strict=True):
+        assert torch.equal(g, w), name
+    changed = (want[1] != fill).any(1)
+    assert bool(changed[0]) and not bool(changed[H : 2 * H].any())  # sequence 1's rows untouched
+    assert int(want[2][-1]) == 1 and int(want[1][-1, 0]) == ps  # the empty row's keys: one new page
+    if kind == "minmax":
+        assert torch.equal(got[3], want[3]) and torch.equal(got[4], want[4])
+    else:
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[3], want[3], **tol)
+        torch.testing.assert_close(got[4], want[4], **tol)
+    untouched = want[1] == fill  # a page a key joined has a larger fill
+    assert torch.equal(got[3][untouched], a[untouched]) and torch.equal(want[3][untouched], a[untouched])
+    assert torch.equal(got[4][untouched], b[untouched]) and torch.equal(want[4][untouched], b[untouched])
+    with pytest.raises(ValueError, match="expected keys"):
+        st.insert_pages(keys.to(DEV), tgt[:, :-1].to(DEV), ok.to(DEV), positions.to(DEV), *got, kind)
 
 
 # ---- GPU only: the seams pick the kernels ----------------------------------------------------------

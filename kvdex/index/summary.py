@@ -174,56 +174,13 @@ class SemanticPages:
         [B, ps]. The rows of the other sequences are not changed (their keys go to the trash page)."""
         B, H, D, ps = self.B, self.H, self.D, self.ps
         C = self.capacity + 1  # with the trash page
-        R, dev = B * H, self.device
-        k = keys.reshape(R, ps, D).float()
-        rok = ok.to(dev).repeat_interleave(H)[:, None].expand(R, ps)  # [R, ps]
-        fill = self.fill.view(R, C).long()
+        R = B * H
+        k = keys.reshape(R, ps, D)
+        ops = triton_kernel("semantic_triton", on=k) or scoring  # on CUDA two kernels, no fp32 copy of the table
+        fill = self.fill.view(R, C)
         a, b = self.a.view(R, C, *self.a.shape[3:]), self.b.view(R, C, *self.b.shape[3:])
-        ops = triton_kernel("semantic_triton", on=k) or scoring  # on CUDA one kernel, no fp32 copy of the table
-        tgt = ops.nearest_pages(k, a, b, self.fill.view(R, C), self.kind)  # [R, ps] the nearest live page
-        has = (fill > 0).any(1)[:, None].expand(R, ps)
-        j = torch.arange(ps, device=dev)
-        same = (tgt[:, :, None] == tgt[:, None, :]) & (j[None, None, :] < j[None, :, None])
-        rank = (same & rok[:, None, :]).sum(-1)  # keys of this page before it that chose the same page
-        f_t = fill.gather(1, tgt)
-        join = rok & has & (f_t + rank < ps)
-        spill = rok & ~join
-        new = self.npages.view(R)[:, None].expand(R, ps)
-        trash = torch.full_like(tgt, C - 1)
-        page = torch.where(join, tgt, torch.where(spill, new, trash))
-        slot = torch.where(join, f_t + rank, torch.where(spill, spill.cumsum(1) - 1, 0))
-        flat = torch.arange(R, device=dev)[:, None] * C + page  # [R, ps] row-major page ids
-        pos_v = self.pos.view(R * C, ps)
-        pos_in = torch.where(rok, positions.to(dev).int().repeat_interleave(H, 0), -1)  # the trash page keeps -1
-        pos_v[flat.flatten(), slot.flatten()] = pos_in.flatten()
-        put = (join | spill).int()
-        fill_new = fill.flatten().index_add(0, flat.flatten(), put.flatten().long()).view(R, C)
-        self.npages.view(R).add_(spill.any(1).long())
-        kf = k.reshape(R * ps, D)
-        idx = flat.flatten()
-        if self.kind == "minmax":
-            m = (join | spill).flatten()[:, None]
-            self.a.view(R * C, D).scatter_reduce_(
-                0, idx[:, None].expand(-1, D), kf.masked_fill(~m, _INF).to(self.dtype), "amin"
-            )
-            self.b.view(R * C, D).scatter_reduce_(
-                0, idx[:, None].expand(-1, D), kf.masked_fill(~m, -_INF).to(self.dtype), "amax"
-            )
-        else:
-            f0 = fill.float().view(R * C, 1)
-            mu0 = a.float().reshape(R * C, D)
-            tot = (mu0 * f0).index_add(0, idx, kf * put.flatten()[:, None].float())
-            f1 = fill_new.float().view(R * C, 1)
-            mu1 = torch.where(f1 > 0, tot / f1.clamp(min=1), mu0).to(self.dtype)
-            shift = (mu1.float() - mu0).norm(dim=-1)
-            r = self.b.view(R * C)
-            r1 = torch.where(f0.view(-1) > 0, r + shift, 0.0)
-            dk = (kf - mu1.float()[idx]).norm(dim=-1) * put.flatten()
-            r1 = r1.scatter_reduce(0, idx, dk, "amax")
-            self.a.view(R * C, D).copy_(mu1)
-            r.copy_(r1)
-        self.fill.view(R, C).copy_(fill_new)
-        self.fill.view(R, C)[:, -1].fill_(0)  # the trash page is never a page
+        tgt = ops.nearest_pages(k, a, b, fill, self.kind)  # [R, ps] the nearest live page
+        ops.insert_pages(k, tgt, ok, positions, self.pos.view(R, C, ps), fill, self.npages.view(R), a, b, self.kind)
 
     # ---- a decode step (device, fixed shapes) -----------------------------------------------------
     def scores(self, q: torch.Tensor, P: int) -> torch.Tensor:

@@ -98,11 +98,16 @@ def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: to
     row's pages) under a rerank's ``rerank_share``: row b keeps its best ``max(k, ceil(share *
     middle_pages[b]))`` pages (``middle_pages`` [B]: the pages row b holds). K = ``max(k, ceil(share * P))``
     depends on the width P only (the longest middle, or the index capacity under static sizing), so a
-    captured step has the eager step's candidates."""
+    captured step has the eager step's candidates. The candidates are a set: on CUDA one Triton top-k with
+    each row's own count (:func:`kvdex.kernels.topk.topk_ids` ``row_k``; ids in index order, ``-1`` after
+    them), elsewhere the best first."""
     width = score.shape[-1]
     kmax = min(width, max(k, math.ceil(share * width)))
+    quota = torch.ceil(middle_pages.to(score.device, torch.float64) * share).long().clamp(min=k)  # [B]
+    fast = _fast_topk(score, kmax, ordered=False) if kmax > 0 else None
+    if fast is not None:  # one kernel: each row's own count of its best, as a set (no sort)
+        return fast(score, kmax, ordered=False, row_k=quota)
     ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
-    quota = torch.ceil(middle_pages.to(ids.device, torch.float64) * share).long().clamp(min=k)  # [B]
     keep = torch.arange(kmax, device=ids.device) < quota[:, None, None]
     return torch.where(keep, ids, -1)
 
@@ -199,6 +204,57 @@ def nearest_pages(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fill: to
     centre = torch.where(live[:, :, None], centre, 0.0)
     d2 = (centre * centre).sum(-1)[:, None, :] - 2 * torch.bmm(keys.float(), centre.transpose(1, 2))  # [R, N, C]
     return d2.masked_fill(~live[:, None, :], float("inf")).argmin(-1)
+
+
+def insert_pages(keys, tgt, ok, positions, pos, fill, npages, a, b, kind: str) -> None:
+    """One window page of keys [R, ps, D] (R = B x H rows) joins its rows' semantic pages, in place (IceCache's
+    ``SemanticPages.insert_device``): each key goes to its page ``tgt`` [R, ps] (its nearest live page,
+    :func:`nearest_pages`) if that page has room (keys of one page in the order they come), else into one new
+    page per row (``npages`` [R], the pages used) with every key of the row that did not fit. ``ok`` [B]:
+    the sequences whose rows take the page (the others are not changed); ``positions`` [B, ps] the keys' token
+    positions. The table: ``pos`` [R, C, ps] int32 (-1 empty), ``fill`` [R, C] int32, the summaries ``a`` /
+    ``b`` [R, C, D] (``"minmax"``: per-channel min / max) or ``a`` the mean [R, C, D] and ``b`` the radius
+    [R, C] fp32 (``"centroid"``: ``r' = max(r + |mu' - mu|, |k - mu'|)``, 0 for a new page); page ``C - 1``
+    is the trash page (never written). Pages no key joined are unchanged. Fixed shapes, no host read
+    (capturable). Twin of :func:`kvdex.kernels.semantic_triton.insert_pages`."""
+    R, ps, D = keys.shape
+    C, H, dev = fill.shape[1], R // ok.shape[0], keys.device
+    k = keys.float()
+    rok = ok.to(dev).repeat_interleave(H)[:, None].expand(R, ps)  # [R, ps]
+    f = fill.long()
+    j = torch.arange(ps, device=dev)
+    earlier = j[None, None, :] < j[None, :, None]
+    rank = ((tgt[:, :, None] == tgt[:, None, :]) & earlier).sum(-1)  # the keys before it that chose its page
+    f_t = f.gather(1, tgt)
+    join = rok & (f_t > 0) & (f_t + rank < ps)  # tgt is live wherever the row has a live page
+    spill = rok & ~join
+    page = torch.where(join, tgt, torch.where(spill, npages[:, None].expand(R, ps), C - 1))
+    slot = torch.where(join, f_t + rank, torch.where(spill, spill.cumsum(1) - 1, 0))
+    flat = (torch.arange(R, device=dev)[:, None] * C + page).flatten()  # row-major page ids
+    put = (join | spill).flatten()
+    pos_in = torch.where(rok, positions.to(dev).int().repeat_interleave(H, 0), -1)  # the trash page keeps -1
+    pos.view(R * C, ps)[flat, slot.flatten()] = pos_in.flatten()
+    f_new = f.flatten().index_add(0, flat, put.long())
+    kf = k.reshape(R * ps, D)
+    if kind == "minmax":
+        m = put[:, None]
+        idx = flat[:, None].expand(-1, D)
+        a.view(R * C, D).scatter_reduce_(0, idx, kf.masked_fill(~m, float("inf")).to(a.dtype), "amin")
+        b.view(R * C, D).scatter_reduce_(0, idx, kf.masked_fill(~m, -float("inf")).to(b.dtype), "amax")
+    else:
+        touched = torch.zeros(R * C, dtype=torch.long, device=dev).index_add(0, flat, put.long()) > 0
+        f0 = f.view(R * C, 1).float()
+        mu0 = a.reshape(R * C, D).float()
+        tot = (mu0 * f0).index_add(0, flat, kf * put[:, None].float())
+        mu1 = torch.where(touched[:, None], tot / f_new.float().view(-1, 1).clamp(min=1), mu0).to(a.dtype)
+        shift = (mu1.float() - mu0).norm(dim=-1)
+        r = b.view(R * C)
+        r1 = torch.where(touched, torch.where(f0.view(-1) > 0, r + shift, 0.0), r)
+        dk = (kf - mu1.float()[flat]).norm(dim=-1) * put.float()
+        a.view(R * C, D).copy_(mu1)
+        r.copy_(r1.scatter_reduce(0, flat, dk, "amax"))
+    fill.view(R * C).copy_(f_new)
+    npages.add_(spill.any(1).long())
 
 
 def nearest_rows(X: torch.Tensor, Xp: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:

@@ -87,11 +87,17 @@ def _topk_kernel(
     LOW_BIT: tl.constexpr,  # bits below this are zero in every key (bf16: 16, fp16: 13, fp32: 0)
     PAIRS: tl.constexpr = 0,  # passes that decide two bits each (bits 30..31-2*PAIRS), then one per pass
     ORDERED: tl.constexpr = True,  # False: the k ids in ascending index order (no sort), -1 where not finite
+    KS=None,  # (PER_ROW) each row's own k: min(KS[row // KDIV], K), the row's slots past it -1
+    KDIV=1,
+    PER_ROW: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     s_row = S + row.to(tl.int64) * stride_s
-    o_row = OUT + row.to(tl.int64) * K
+    o_row = OUT + row.to(tl.int64) * K  # K: the output's row length
     offs = tl.arange(0, BLOCK)
+    if PER_ROW:
+        K_OUT = K
+        K = tl.minimum(tl.maximum(tl.load(KS + row // KDIV).to(tl.int32), 0), K_OUT)
     if TILES == 1:
         key = _keys(s_row, offs, N, LOW_BIT)
 
@@ -167,6 +173,10 @@ def _topk_kernel(
             tl.store(o_row + pos, ids, mask=take)
             base += tl.sum(take_i, axis=0)
             eq_base += tl.sum(eq_i, axis=0)
+    if PER_ROW:  # the row's slots past its own k
+        for t in range(0, K_OUT, BLOCK):
+            o = t + offs
+            tl.store(o_row + o, tl.full([BLOCK], -1, tl.int64), mask=(o >= K) & (o < K_OUT))
     if ORDERED:
         tl.debug_barrier()  # the scattered ids are read back by other threads of this program
 
@@ -210,10 +220,14 @@ def topk_ids(
     bits: int = 2,
     num_warps: int | None = None,
     ordered: bool = True,
+    row_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """score [..., N] (fp32 / bf16 / fp16) -> [..., min(k, N)] int64: the ids of the k largest scores in
     descending score order (ties: lowest index first), ``-1`` where the score is not finite. With
     ``ordered=False`` the same k entries in ascending index order (no sort: for callers that use the set).
+    ``row_k`` (with ``ordered=False``): an integer tensor [L] on the score's device, L dividing the number of
+    rows; row ``r`` of the flattened rows takes its ``min(row_k[r // (rows // L)], k)`` best (a rerank's
+    per-sequence share of its pages) and the rest of its ``k`` slots are ``-1``.
 
     ``block`` (a power of two), ``bits`` (key bits per pass: 1 or 2) and ``num_warps`` are for tests and
     tuning; ``block`` caps the tile of scores a program holds at once."""
@@ -226,6 +240,12 @@ def topk_ids(
     if s.stride(-1) != 1:
         s = s.contiguous()
     rows = s.shape[0]
+    if row_k is not None and (ordered or row_k.dim() != 1 or row_k.numel() == 0 or rows % row_k.numel()
+                              or row_k.device != score.device or row_k.is_floating_point()):  # fmt: skip
+        raise ValueError(
+            f"row_k must be an integer tensor [L] on {score.device}, L dividing the {rows} rows, with "
+            f"ordered=False; got {tuple(row_k.shape)} {row_k.dtype} on {row_k.device}, ordered={ordered}"
+        )
     out = torch.empty(rows, k, dtype=torch.long, device=score.device)
     if rows == 0:
         return out.view(*lead, k)
@@ -235,6 +255,8 @@ def topk_ids(
         s, out, s.stride(0), n, k,
         BLOCK=blk, TILES=triton.cdiv(n, blk), K_BLOCK=max(16, triton.next_power_of_2(k)),
         LOW_BIT=low, PAIRS=(31 - low) // 2 if bits == 2 and n < 1 << 20 else 0, ORDERED=ordered,
+        KS=row_k if row_k is not None else out, KDIV=rows // row_k.numel() if row_k is not None else 1,
+        PER_ROW=row_k is not None,
         num_warps=num_warps or _num_warps(blk),
     )  # fmt: skip
     return out.view(*lead, k)
