@@ -246,6 +246,38 @@ def test_kernel_row_k_is_each_rows_own_count(block):
         tk.topk_ids(score.to(DEV), k, row_k=row_k.to(DEV))  # ordered
 
 
+RADIX_CASES = [(3, 300, 17, 64), (3, 3000, 125, 256), (2, 3000, 700, 512), (1, 5, 5, 64), (2, 1000, 999, 128)] + (
+    [(8, 59000, 2048, 4096), (8, 32768, 2048, 4096), (2, 131072, 2048, 4096)] if CUDA else []
+)
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("r,n,k,tile", RADIX_CASES)
+def test_radix_topk_is_the_unordered_kernels_output(dtype, r, n, k, tile):
+    """The multi-program radix select (kvdex.kernels.topk_radix) returns exactly the one-program kernel's
+    unordered ids (the twin's set in index order, -1 where not finite): ties at the k-th value (lowest index
+    first), NaN / +inf / -0.0, a row with fewer finite scores than k, k close to N, tiles over the row."""
+    tk = _twin()
+    from kvdex.kernels import topk_radix as tr
+
+    g = torch.Generator().manual_seed(n + k)
+    score = torch.randn(r, n, generator=g)
+    score[0, : n // 2] = torch.randint(0, 4, (n // 2,), generator=g).float()  # ties
+    score[-1, 10:] = float("-inf")
+    if n > 20:
+        score[0, 7], score[0, 8], score[0, 9] = float("nan"), -0.0, float("inf")
+    if r > 2:  # exactly k scores above the rest: the k-th is the last key of its digit's bin
+        score[1] = torch.where(torch.randperm(n, generator=g) < k, 5.0, 1.0)
+    score = score.to(dtype)
+    got = tr.topk_ids(score.to(DEV), k, tile=tile).cpu()
+    _assert_index_ordered_set(got, tk.topk_ids_reference(score, k))
+    if n <= tk.MAX_BLOCK:
+        assert torch.equal(got, tk.topk_ids(score.to(DEV), k, ordered=False).cpu())
+    with pytest.raises(ValueError, match="radix top-k"):
+        tr.topk_ids(score.to(DEV).int(), k)
+
+
 # The interpreter runs one program at a time, at a fixed cost per program (rows x segments): on CPU, one
 # case per branch on short rows of 64-score segments; compiled on CUDA, the longer rows too.
 SPLIT_CASES = [
@@ -316,3 +348,24 @@ def test_gpu_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), tk.topk_ids_reference(score.cpu(), 125))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_radix_topk_seam_and_graph_replay():
+    """Unordered calls on rows past MAX_BLOCK go to the radix select (the rerank's candidate tokens); it
+    replays from a CUDA graph with the eager result."""
+    from kvdex.kernels import topk as tk
+
+    score = torch.randn(8, 59000, device="cuda")
+    ids = seam_topk_ids(score, 2048, ordered=False)
+    _assert_index_ordered_set(ids.cpu(), tk.topk_ids_reference(score.cpu(), 2048))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = seam_topk_ids(score, 2048, ordered=False)
+    for seed in range(3):
+        score.copy_(torch.randn(8, 59000, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_index_ordered_set(out.cpu(), tk.topk_ids_reference(score.cpu(), 2048))

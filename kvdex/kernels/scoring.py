@@ -104,7 +104,7 @@ def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: to
     width = score.shape[-1]
     kmax = min(width, max(k, math.ceil(share * width)))
     quota = torch.ceil(middle_pages.to(score.device, torch.float64) * share).long().clamp(min=k)  # [B]
-    fast = _fast_topk(score, kmax, ordered=False) if kmax > 0 else None
+    fast = _fast_topk(score, kmax, ordered=False, per_row=True) if kmax > 0 else None
     if fast is not None:  # one kernel: each row's own count of its best, as a set (no sort)
         return fast(score, kmax, ordered=False, row_k=quota)
     ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
@@ -112,11 +112,13 @@ def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: to
     return torch.where(keep, ids, -1)
 
 
-def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True):
+def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True, per_row: bool = False):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None.
 
     Unordered calls (``ordered=False``: a rerank's candidates and its chosen tokens) of rows up to
-    ``MAX_BLOCK`` scores run the kernel without its final sort (``KVDEX_TOPK_UNORDERED=0``: torch.topk): in
+    ``MAX_BLOCK`` scores run the kernel without its final sort (``KVDEX_TOPK_UNORDERED=0``: torch.topk), longer
+    rows the multi-program radix select of :mod:`kvdex.kernels.topk_radix` (``KVDEX_TOPK_WIDE=0``: torch.topk;
+    ``per_row``: a call with each row's own count, which only the one-program kernel takes): in
     the decode step of the 8B shape at 128k (H200, eager, per-kernel device time) those calls took 3.92 ms
     per step against torch.topk's 4.73 ms for IceCache's token rerank (60 calls over 13-16k scores) and
     2.91 against 3.03 ms for ``quest:rerank=4`` (8192 scores).
@@ -137,8 +139,12 @@ def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True):
     if topk is None:
         return None
     if not ordered and os.environ.get("KVDEX_TOPK_UNORDERED", "1") != "0":
-        ok = score.shape[-1] <= topk.MAX_BLOCK and topk.supported(score, k)
-        return topk.topk_ids if ok else None
+        if score.shape[-1] <= topk.MAX_BLOCK:
+            return topk.topk_ids if topk.supported(score, k) else None
+        wide = triton_kernel("topk_radix", on=score) if not per_row else None
+        if wide is None or os.environ.get("KVDEX_TOPK_WIDE", "1") == "0":
+            return None
+        return lambda s, kk, ordered=False: wide.topk_ids(s, kk)
     long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 0))
     if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
         return None
