@@ -213,6 +213,14 @@ def supported(score: torch.Tensor, k: int) -> bool:
     )
 
 
+def score_rows(score: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Size]:
+    """score [..., N] as rows [R, N] with a unit last stride (a view where it can be), ``min(k, N)`` and the
+    leading shape [...] the ids are returned in: the layout every top-k kernel here reads."""
+    n = score.shape[-1]
+    s = score.reshape(-1, n)
+    return (s if s.stride(-1) == 1 else s.contiguous()), min(k, n), score.shape[:-1]
+
+
 def topk_ids(
     score: torch.Tensor,
     k: int,
@@ -233,13 +241,8 @@ def topk_ids(
     tuning; ``block`` caps the tile of scores a program holds at once."""
     if not supported(score, k):
         raise ValueError(f"triton topk needs float scores and 0 < k <= {MAX_K_BLOCK}, got {score.dtype}, k={k}")
-    n = score.shape[-1]
-    k = min(k, n)
-    lead = score.shape[:-1]
-    s = score.reshape(-1, n)
-    if s.stride(-1) != 1:
-        s = s.contiguous()
-    rows = s.shape[0]
+    s, k, lead = score_rows(score, k)
+    n, rows = s.shape[1], s.shape[0]
     if row_k is not None and (ordered or row_k.dim() != 1 or row_k.numel() == 0 or rows % row_k.numel()
                               or row_k.device != score.device or row_k.is_floating_point()):  # fmt: skip
         raise ValueError(

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.kernels.topk import _finite, _keys, _low_bit
+from kvdex.kernels.topk import _finite, _keys, _low_bit, score_rows
 
 TILE = 2048
 
@@ -113,13 +113,8 @@ def topk_ids(score: torch.Tensor, k: int, tile: int = TILE) -> torch.Tensor:
     order of ``kvdex.kernels.topk.topk_ids(score, k, ordered=False)``. ``tile`` (a power of two) is for tests."""
     if score.dtype not in (torch.float32, torch.bfloat16, torch.float16) or score.dim() < 1 or k <= 0:
         raise ValueError(f"radix top-k needs float scores and k > 0, got {score.dtype}, k={k}")
-    n = score.shape[-1]
-    k = min(k, n)
-    lead = score.shape[:-1]
-    s = score.reshape(-1, n)
-    if s.stride(-1) != 1:
-        s = s.contiguous()
-    rows = s.shape[0]
+    s, k, lead = score_rows(score, k)
+    n, rows = s.shape[1], s.shape[0]
     out = torch.empty(rows, k, dtype=torch.long, device=score.device)
     if rows == 0 or k == 0:
         return out.view(*lead, k)
