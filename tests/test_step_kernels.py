@@ -74,6 +74,37 @@ def test_ring_append_equals_offload_store_append(sink, ps, wp):
         assert torch.equal(fk.cpu(), st.k) and torch.equal(fv.cpu(), st.v)
 
 
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (0, 8, 2), (3, 4, 3)])
+def test_append_join_equals_twin(sink, ps, wp):
+    """DeviceStore.append_join's one launch: the token written, which pages join, their ids, keys and positions
+    (clamped to the buffer) as the PyTorch path computes them, bit for bit; lengths below the sink, in the
+    first window, at a page boundary (a join) and just past it, and at the buffer's end."""
+    from kvdex.storage import Grid
+
+    grid = Grid(sink, ps, wp)
+    g = torch.Generator().manual_seed(ps + wp)
+    S = sink + 6 * ps
+    b, h, d = 6, 3, 48
+    first = sink + wp * ps  # the first length at which a page joins
+    lengths = torch.tensor([0, max(sink - 1, 0), first - 1, first, first + 1, S - 1])
+    for dtype in (torch.float32, torch.float16):
+        kb = torch.randn(b, h, S, d, generator=g).to(dtype)
+        vb = torch.randn(b, h, S, d, generator=g).to(dtype)
+        k = torch.randn(b, h, 1, d, generator=g).to(dtype)
+        v = torch.randn(b, h, 1, d, generator=g).to(dtype)
+        rk, rv = kb.clone(), vb.clone()
+        want = ap.append_join_rows_reference(rk, rv, k, v, lengths, grid)
+        fk, fv = kb.clone().to(DEV), vb.clone().to(DEV)
+        got = ap.append_join_rows(fk, fv, k.to(DEV), v.to(DEV), lengths.to(DEV), grid)
+        assert torch.equal(fk.cpu(), rk) and torch.equal(fv.cpu(), rv)
+        for x, y in zip(got, want, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x.cpu(), y)
+        assert want[0].tolist() == [False, False, False, True, False, False] or sink == 0
+    with pytest.raises(ValueError, match="one row"):
+        ap.append_join_rows(fk, fv, k.to(DEV).expand(-1, -1, 2, -1), v.to(DEV), lengths.to(DEV), grid)
+
+
 def test_append_bad_inputs_raise_value_error():
     kb = torch.zeros(1, 2, 8, 4)
     with pytest.raises(ValueError):

@@ -246,6 +246,41 @@ def test_kernel_row_k_is_each_rows_own_count(block):
         tk.topk_ids(score.to(DEV), k, row_k=row_k.to(DEV))  # ordered
 
 
+@run_kernels
+@pytest.mark.parametrize("kernel", ["one", "one256", "radix256"])
+@pytest.mark.parametrize("share,least", [(1.0, 0), (0.3, 0), (0.3, 12), (0.25, 40)])
+def test_row_share_and_least_are_each_rows_count(kernel, share, least):
+    """``row_k`` with ``row_share`` / ``row_min`` (a rerank's share of each row's pages: ``max(least,
+    ceil(share * pages))``, worked out in the kernel): both kernels keep the twin's best ``row_counts`` ids of
+    each row as a set in index order, ``-1`` after them; one count per row and one per sequence."""
+    from kvdex.kernels.scoring import row_counts
+
+    tk = _twin()
+    from kvdex.kernels import topk_radix as tr
+
+    g = torch.Generator().manual_seed(33)
+    score = torch.randn(3, 2, 700, generator=g)
+    score[1, 0] = torch.randint(0, 4, (700,), generator=g).float()  # ties at every count
+    score[2, 1, 30:] = float("-inf")  # 30 finite scores
+    k = 90
+    for pages in (torch.tensor([17, 0, 130, 299, 10, 400]), torch.tensor([233, 3, 100])):
+        rows = pages.repeat_interleave(6 // pages.numel())
+        own = dict(row_k=pages.to(DEV), row_share=share, row_min=least)
+        if kernel.startswith("one"):
+            block = 256 if kernel == "one256" else None
+            got = tk.topk_ids(score.to(DEV), k, block=block, ordered=False, **own).cpu()
+        else:
+            got = tr.topk_ids(score.to(DEV), k, tile=int(kernel[5:]), **own).cpu()
+        n = row_counts(rows, share, least, k).view(3, 2)
+        assert torch.equal(n.flatten(), torch.ceil(rows * share).long().clamp(min=least).clamp(max=k))
+        want = tk.topk_ids_reference(score, k)
+        for b in range(3):
+            for h in range(2):
+                m = int(n[b, h])
+                _assert_index_ordered_set(got[b, h : h + 1], torch.where(torch.arange(k) < m, want[b, h], -1)[None])
+                assert (got[b, h, m:] == -1).all()
+
+
 RADIX_CASES = [(3, 300, 17, 64), (3, 3000, 125, 256), (2, 3000, 700, 512), (1, 5, 5, 64), (2, 1000, 999, 128)] + (
     [(8, 59000, 2048, 4096), (8, 32768, 2048, 4096), (2, 131072, 2048, 4096)] if CUDA else []
 )

@@ -292,8 +292,16 @@ def test_quest_scores_match_twin_and_bound_every_key(dtype, b, h, g, p, d):
     lengths = torch.tensor([700, 333][:b], device=DEV)
     from_len = qt.page_scores(q, kmin, kmax, lengths=lengths, grid=grid)
     torch.testing.assert_close(from_len, qt.page_scores(q, kmin, kmax, grid.num_middle_pages(lengths)), atol=0, rtol=0)
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="pass one of"):
         qt.page_scores(q, kmin, kmax, npages, lengths=lengths, grid=grid)
+    # from a fill table (semantic pages: a page holding no key, anywhere in the row, gets -inf; the table is
+    # wider than P), the twin's scores where the fill is positive
+    fill = torch.randint(0, 3, (b, h, p + 3), generator=gen, dtype=torch.int32).to(DEV)
+    from_fill = qt.page_scores(q, kmin, kmax, fill=fill)
+    full = qt.page_scores_reference(q, kmin, kmax, torch.full((b,), p, device=DEV))
+    torch.testing.assert_close(from_fill, torch.where(fill[:, :, :p] > 0, full, float("-inf")), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="fill must be"):
+        qt.page_scores(q, kmin, kmax, fill=fill[:, :, : p - 1])
 
 
 # ---- ArkVale digest scores ----------------------------------------------------------------------------
@@ -544,10 +552,11 @@ def test_semantic_nearest_pages_match_twin(kind, r, n, c, d, kdtype):
     keys = torch.randn(r, n, d, generator=gen).to(kdtype)
     keys[0, 1] = keys[0, 0]
     fill[0, 4:6] = fill[0, 4:6].clamp(min=1)  # two live pages with the same centre: the first wins
+    fill[0, c - 1] = fill[0, c - 1].clamp(min=1)  # and a third in another tile of pages
     if kind == "minmax":  # finite bounds, as a live page has
         a[0, 4], b[0, 4] = a[0, 4].clamp(max=0), b[0, 4].clamp(min=0)
-        b[0, 5] = b[0, 4]
-    a[0, 5] = a[0, 4]
+        b[0, 5] = b[0, c - 1] = b[0, 4]
+    a[0, 5] = a[0, c - 1] = a[0, 4]
     got = st.nearest_pages(keys.to(DEV), a.to(DEV), b.to(DEV), fill.to(DEV), kind).cpu()
     want = st.nearest_pages_reference(keys, a, b, fill, kind)
     assert got.dtype == torch.long and got.shape == (r, n)

@@ -200,13 +200,13 @@ class SemanticPages:
     def group_max(self, q: torch.Tensor, P: int) -> torch.Tensor:
         """The largest of :meth:`scores` over each kv head's query heads: [B, H, P] fp32 (the rerank's
         candidate pages). On CUDA the min/max bound runs in Quest's Triton kernel (the same bound, read in
-        the summaries' dtype; ``kvdex.kernels.quest_triton``) instead of fp32 copies and per-head bounds."""
+        the summaries' dtype, the empty pages masked there; ``kvdex.kernels.quest_triton``) instead of fp32
+        copies and per-head bounds."""
         B, Hq, _ = q.shape
         fast = triton_kernel("quest_triton", "page_scores", on=q) if self.kind == "minmax" else None
         if fast is None:
             return self.scores(q, P).view(B, self.H, Hq // self.H, P).amax(2)
-        s = fast(q, self.a[:, :, :P], self.b[:, :, :P], torch.full((B,), P, device=q.device))
-        return torch.where(self.fill[:, :, :P] > 0, s, -_INF)
+        return fast(q, self.a[:, :, :P], self.b[:, :, :P], fill=self.fill)  # -inf where a page holds no key
 
     def select(
         self,

@@ -43,6 +43,10 @@ def _quest_kernel(
     SINK: tl.constexpr = 0,
     PS: tl.constexpr = 16,
     WP: tl.constexpr = 1,
+    FILL=None,  # (FROM_FILL) [B, H, >= P] int: pages holding no key get -inf (semantic pages), NPAGES unread
+    stride_fb=0,
+    stride_fh=0,
+    FROM_FILL: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     pb = tl.program_id(1)
@@ -61,10 +65,14 @@ def _quest_kernel(
         qg = tl.load(Q + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
         ub = tl.sum(tl.maximum(qg[None, :] * kmin, qg[None, :] * kmax), axis=1)
         score = tl.maximum(score, ub)
-    n = tl.load(NPAGES + b)
-    if FROM_LENGTHS:  # Grid.num_middle_pages
-        n = tl.maximum((tl.maximum(n - SINK, 0) + PS - 1) // PS - WP, 0)
-    score = tl.where(offs_p < n, score, float("-inf"))
+    if FROM_FILL:
+        live = tl.load(FILL + b * stride_fb + h * stride_fh + offs_p, mask=pmask, other=0) > 0
+    else:
+        n = tl.load(NPAGES + b)
+        if FROM_LENGTHS:  # Grid.num_middle_pages
+            n = tl.maximum((tl.maximum(n - SINK, 0) + PS - 1) // PS - WP, 0)
+        live = offs_p < n
+    score = tl.where(live, score, float("-inf"))
     tl.store(OUT + bh * P + offs_p, score, mask=pmask)
 
 
@@ -76,14 +84,17 @@ def page_scores(
     *,
     lengths: torch.Tensor | None = None,
     grid=None,
+    fill: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D]; kmin/kmax [B, H, P, D] (any float dtype, last dim contiguous); num_pages [B]
     -> [B, H, P] fp32: per kv head the max over its query heads of Quest's bound, -inf past the middle.
 
     Instead of ``num_pages``, ``lengths`` [B] (tokens) and the store's ``grid`` (a
-    ``kvdex.storage.Grid``) let the kernel compute ``grid.num_middle_pages(lengths)`` itself."""
-    if (num_pages is None) == (lengths is None) or (lengths is not None and grid is None):
-        raise ValueError("pass either num_pages, or lengths and grid")
+    ``kvdex.storage.Grid``) let the kernel compute ``grid.num_middle_pages(lengths)`` itself; or ``fill``
+    [B, H, >= P] (integers, last dim contiguous: IceCache's semantic pages) gives -inf to the pages whose
+    fill is 0."""
+    if sum(x is not None for x in (num_pages, lengths, fill)) != 1 or (lengths is not None and grid is None):
+        raise ValueError("pass one of num_pages, lengths and grid, or fill")
     b, hq, d = q.shape
     if kmin.dim() != 4 or kmin.shape != kmax.shape or kmin.shape[0] != b or kmin.shape[3] != d:
         raise ValueError(f"expected q [B, Hq, D] and kmin/kmax [B, H, P, D], got {tuple(q.shape)}, {tuple(kmin.shape)}")
@@ -98,8 +109,17 @@ def page_scores(
         return out
     g = hq // h
     block_p = 64
-    n = (num_pages if lengths is None else lengths).to(q.device)
-    extra = {} if lengths is None else dict(FROM_LENGTHS=True, SINK=grid.sink, PS=grid.page_size, WP=grid.window_pages)
+    if fill is not None:
+        if fill.shape[:2] != (b, h) or fill.dim() != 3 or fill.shape[2] < p or fill.stride(2) != 1:
+            raise ValueError(f"fill must be [B, H, >= P] = [{b}, {h}, >= {p}] with a unit last stride, got "
+                             f"{tuple(fill.shape)} strides {fill.stride()}")  # fmt: skip
+        n = fill
+        extra = dict(FILL=fill, stride_fb=fill.stride(0), stride_fh=fill.stride(1), FROM_FILL=True)
+    else:
+        n = (num_pages if lengths is None else lengths).to(q.device)
+        extra = {}
+        if lengths is not None:
+            extra = dict(FROM_LENGTHS=True, SINK=grid.sink, PS=grid.page_size, WP=grid.window_pages)
     _quest_kernel[(b * h, triton.cdiv(p, block_p))](
         q, kmin, kmax, n, out, q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), h, p,
         G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),

@@ -96,29 +96,40 @@ def topk_ids(score: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
 def share_candidates(score: torch.Tensor, k: int, share: float, middle_pages: torch.Tensor) -> torch.Tensor:
     """The candidate pages [B, H, K] (``-1`` padded) of the page ``score`` [B, H, P] (``-inf`` past each
     row's pages) under a rerank's ``rerank_share``: row b keeps its best ``max(k, ceil(share *
-    middle_pages[b]))`` pages (``middle_pages`` [B]: the pages row b holds). K = ``max(k, ceil(share * P))``
+    middle_pages[b]))`` pages (``middle_pages`` [B] on the score's device: the pages row b holds; the product
+    in fp32, :func:`row_counts`). K = ``max(k, ceil(share * P))``
     depends on the width P only (the longest middle, or the index capacity under static sizing), so a
-    captured step has the eager step's candidates. The candidates are a set: on CUDA one Triton top-k with
-    each row's own count (:func:`kvdex.kernels.topk.topk_ids` ``row_k``; ids in index order, ``-1`` after
-    them), elsewhere the best first."""
+    captured step has the eager step's candidates. The candidates are a set: on CUDA one Triton top-k that
+    works out each row's count itself (``row_k``, ``row_share``, ``row_min`` of :func:`kvdex.kernels.topk.topk_ids`
+    or, past ``topk_radix.MIN_N`` pages, the radix select's; ids in index order, ``-1`` after them),
+    elsewhere the best first."""
     width = score.shape[-1]
     kmax = min(width, max(k, math.ceil(share * width)))
-    quota = torch.ceil(middle_pages.to(score.device, torch.float64) * share).long().clamp(min=k)  # [B]
     fast = _fast_topk(score, kmax, ordered=False, per_row=True) if kmax > 0 else None
-    if fast is not None:  # one kernel: each row's own count of its best, as a set (no sort)
-        return fast(score, kmax, ordered=False, row_k=quota)
+    if fast is not None:  # one top-k: each row's own count of its best (worked out in the kernel), as a set
+        return fast(score, kmax, ordered=False, row_k=middle_pages.to(score.device), row_share=share, row_min=k)
+    quota = row_counts(middle_pages.to(score.device), share, k, kmax)  # [B] (the kernels' arithmetic)
     ids = topk_ids(score, kmax, ordered=True)  # best first: a row's count of them is its candidates
     keep = torch.arange(kmax, device=ids.device) < quota[:, None, None]
     return torch.where(keep, ids, -1)
 
 
+def row_counts(row_k: torch.Tensor, share: float, least: int, k: int) -> torch.Tensor:
+    """Each row's own count of a top-k call with ``row_k`` (:func:`kvdex.kernels.topk.topk_ids`): ``min(k,
+    max(least, ceil(share * row_k)))``, at least 0, the product in fp32 as the kernels compute it (exact for
+    counts below 2**24 with ``share`` 1)."""
+    n = torch.ceil(row_k.to(torch.float32) * torch.tensor(share, dtype=torch.float32)).long()
+    return n.clamp(min=least).clamp(min=0, max=k)
+
+
 def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True, per_row: bool = False):
     """The Triton top-k (kvdex.kernels.topk) where it applies, else None.
 
-    Unordered calls (``ordered=False``: a rerank's candidates and its chosen tokens) of rows up to
-    ``MAX_BLOCK`` scores run the kernel without its final sort (``KVDEX_TOPK_UNORDERED=0``: torch.topk), longer
-    rows the multi-program radix select of :mod:`kvdex.kernels.topk_radix` (``KVDEX_TOPK_WIDE=0``: torch.topk;
-    ``per_row``: a call with each row's own count, which only the one-program kernel takes): in
+    Unordered calls (``ordered=False``: a rerank's candidates and its chosen tokens; ``per_row``: with each row's
+    own count, a rerank's share) of rows up to ``topk_radix.MIN_N`` scores run the kernel without its final
+    sort (``KVDEX_TOPK_UNORDERED=0``: torch.topk), longer rows the multi-program radix select of
+    :mod:`kvdex.kernels.topk_radix` (``KVDEX_TOPK_WIDE=0``: the one-program kernel up to ``MAX_BLOCK`` scores,
+    torch.topk past it). In
     the decode step of the 8B shape at 128k (H200, eager, per-kernel device time) those calls took 3.92 ms
     per step against torch.topk's 4.73 ms for IceCache's token rerank (60 calls over 13-16k scores) and
     2.91 against 3.03 ms for ``quest:rerank=4`` (8192 scores).
@@ -139,12 +150,11 @@ def _fast_topk(score: torch.Tensor, k: int, ordered: bool = True, per_row: bool 
     if topk is None:
         return None
     if not ordered and os.environ.get("KVDEX_TOPK_UNORDERED", "1") != "0":
-        if score.shape[-1] <= topk.MAX_BLOCK:
-            return topk.topk_ids if topk.supported(score, k) else None
-        wide = triton_kernel("topk_radix", on=score) if not per_row else None
-        if wide is None or os.environ.get("KVDEX_TOPK_WIDE", "1") == "0":
-            return None
-        return lambda s, kk, ordered=False: wide.topk_ids(s, kk)
+        wide = triton_kernel("topk_radix", on=score) if os.environ.get("KVDEX_TOPK_WIDE", "1") != "0" else None
+        n = score.shape[-1]
+        if wide is not None and n > wide.MIN_N:
+            return lambda s, kk, ordered=False, **own: wide.topk_ids(s, kk, **own)
+        return topk.topk_ids if n <= topk.MAX_BLOCK and topk.supported(score, k) else None
     long_row = score.shape[-1] > int(os.environ.get("KVDEX_TOPK_MAX_N", 0))
     if long_row and os.environ.get("KVDEX_TOPK_SPLIT", "0") != "1":
         return None

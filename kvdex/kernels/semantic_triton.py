@@ -158,6 +158,20 @@ def _nearest_kernel(
     tl.store(ARG + (r * N + on) * NB + t, t * BLOCK_C + arg.to(tl.int64), mask=on < N)
 
 
+@triton.jit
+def _first_best_kernel(MIN, ARG, OUT, RN, NB, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per key (row of the [R * N, NB] tile results): the page of the first tile holding its best distance."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = tl.arange(0, BLOCK_T)
+    m = (r[:, None] < RN) & (t[None, :] < NB)
+    best = tl.load(MIN + r[:, None] * NB + t[None, :], mask=m, other=float("inf"))
+    low = tl.min(best, axis=1)
+    first = tl.min(tl.where(best == low[:, None], t[None, :], BLOCK_T), axis=1)  # the first tile at the minimum
+    first = tl.minimum(first, NB - 1)  # a key with no finite distance: its row has no live page, tile 0 says 0
+    first = tl.where(low == float("inf"), 0, first)
+    tl.store(OUT + r, tl.load(ARG + r * NB + first, mask=r < RN, other=0), mask=r < RN)
+
+
 def nearest_pages(
     keys: torch.Tensor,
     a: torch.Tensor,
@@ -199,7 +213,10 @@ def nearest_pages(
         D=D, BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_C=block_c, BLOCK_D=max(16, triton.next_power_of_2(D)),
         MINMAX=minmax, PRECISION=precision, NATIVE=native, num_warps=num_warps,
     )  # fmt: skip
-    return arg.gather(2, best.argmin(2, keepdim=True)).squeeze(2)
+    out = torch.empty(R, N, dtype=torch.long, device=keys.device)
+    _first_best_kernel[(triton.cdiv(R * N, 32),)](best, arg, out, R * N, nb, BLOCK_R=32,
+                                                   BLOCK_T=max(16, triton.next_power_of_2(nb)))  # fmt: skip
+    return out
 
 
 @triton.jit

@@ -10,6 +10,13 @@ writes in one launch: program ``(b * H + h, j)`` copies row ``j`` of the new k a
 device (nothing is baked into a captured step); the caller advances them afterwards as before.
 A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :func:`append_rows_reference`).
 
+**Append with a page join** (:func:`append_join_rows`, twin :func:`append_join_rows_reference`).
+``DeviceStore.append_join`` (a captured step) appends one token and hands the policy the page that joins
+the middle: which sequences' pages join and their page ids (``Grid.num_middle_pages`` before and after, 8
+elementwise kernels), the page's keys (positions, a clamp, a gather: 6 more) and its token positions (4 more
+in the policy). One launch does all of it: program ``b * H + h`` writes the new k/v row and copies head h's
+keys of the joining page; the programs of head 0 write ``joins``, ``start`` and the positions.
+
 **Attended-token counter of a paged decode** (:func:`paged_attended_count_`, twin
 :func:`paged_attended_count_reference`). ``Cache.stats()["attended_tokens_per_step"]`` adds, per
 sparse layer and step, the tokens the paged kernel attended: ``page_size`` per selected page plus the
@@ -114,6 +121,77 @@ def append_rows(
         v.stride(0), v.stride(1), v.stride(2),
         h, D=d, BLOCK_D=triton.next_power_of_2(d), SINK=ring[0] if ring else 0, W=ring[1] if ring else 0,
     )  # fmt: skip
+
+
+@triton.jit
+def _append_join_kernel(
+    K_BUF, V_BUF, K, V, LENS, JOINS, START, KEYS, POS,
+    stride_bb, stride_bh, stride_bs, stride_kb, stride_kh, stride_vb, stride_vh, H, S,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SINK: tl.constexpr, PS: tl.constexpr, WP: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    length = tl.load(LENS + b)
+    row = b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    dst = row + length.to(tl.int64) * stride_bs + offs
+    tl.store(K_BUF + dst, tl.load(K + b * stride_kb + h * stride_kh + offs, mask=m), mask=m)
+    tl.store(V_BUF + dst, tl.load(V + b * stride_vb + h * stride_vh + offs, mask=m), mask=m)
+    tl.debug_barrier()  # the page's keys are read after the write, as the PyTorch path does
+    # Grid.num_middle_pages before and after the token (C division truncates where floor would not: both clamp to 0)
+    before = tl.maximum((length + (PS - 1 - SINK - WP * PS)) // PS, 0)
+    after = tl.maximum((length + 1 + (PS - 1 - SINK - WP * PS)) // PS, 0)
+    j = tl.arange(0, PS)
+    pos = SINK + before * PS + j  # the page's token positions (the window's first page where none joins)
+    slot = tl.minimum(pos, S - 1)
+    keys = tl.load(K_BUF + row + slot.to(tl.int64)[:, None] * stride_bs + offs[None, :], mask=m[None, :])
+    tl.store(KEYS + bh.to(tl.int64) * PS * D + j[:, None] * D + offs[None, :], keys, mask=m[None, :])
+    if h == 0:
+        tl.store(JOINS + b, after > before)
+        tl.store(START + b, before.to(tl.int64))
+        tl.store(POS + b * PS + j, pos.to(tl.int64))
+
+
+def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, grid):
+    """One token per sequence (k/v [B, H, 1, D]) written at ``lengths`` [B] (device) of the buffers [B, H, S, D],
+    and the page that joins the middle with it (``grid``: the store's ``Grid``) -> ``joins`` [B] bool,
+    ``start`` [B] int64 (the page id; the window's first page where none joins), ``keys`` [B, H, 1, ps, D]
+    (read after the write, slots clamped to the buffer) and ``positions`` [B, ps] int64. The caller advances
+    ``lengths``. Same values as :func:`append_join_rows_reference`."""
+    b, h, t, d = k.shape
+    if t != 1 or k_buf.dim() != 4 or k_buf.shape[:2] != (b, h) or k_buf.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"expected buffers [B, H, S, D] and one row [B, H, 1, D], got {tuple(k_buf.shape)}, "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if k_buf.stride() != v_buf.stride() or k_buf.stride(3) != 1 or lengths.shape != (b,):
+        raise ValueError("k_buf / v_buf must share strides with a contiguous last dim; lengths must be [B]")
+    k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+    k = k if k.stride(3) == 1 else k.contiguous()
+    v = v if v.stride(3) == 1 else v.contiguous()
+    ps, dev = grid.page_size, k_buf.device
+    joins = torch.empty(b, dtype=torch.bool, device=dev)
+    start = torch.empty(b, dtype=torch.long, device=dev)
+    keys = torch.empty(b, h, 1, ps, d, dtype=k_buf.dtype, device=dev)
+    pos = torch.empty(b, ps, dtype=torch.long, device=dev)
+    if b * h:
+        _append_join_kernel[(b * h,)](
+            k_buf, v_buf, k, v, lengths, joins, start, keys, pos,
+            k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            h, k_buf.shape[2],
+            D=d, BLOCK_D=triton.next_power_of_2(d), SINK=grid.sink, PS=ps, WP=grid.window_pages,
+        )  # fmt: skip
+    return joins, start, keys, pos
+
+
+def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
+    """The twin: ``DeviceStore.append_join``'s PyTorch path (the writes, ``Grid.num_middle_pages``, a gather)."""
+    append_rows_reference(k_buf, v_buf, k, v, lengths)
+    before = grid.num_middle_pages(lengths)
+    joins = grid.num_middle_pages(lengths + 1) > before
+    pos = (grid.sink + before * grid.page_size)[:, None] + torch.arange(grid.page_size, device=k_buf.device)
+    rows = pos.clamp(max=k_buf.shape[2] - 1)[:, None, :, None].expand(-1, k_buf.shape[1], -1, k_buf.shape[3])
+    return joins, before, k_buf.gather(2, rows)[:, :, None], pos
 
 
 def append_rows_reference(k_buf, v_buf, k, v, lengths):

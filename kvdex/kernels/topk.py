@@ -75,6 +75,15 @@ def _count3(key, c1, c2, c3):
 
 
 @triton.jit
+def _row_k(KS, row, KDIV, K, SHARE, KMIN):
+    """Row ``row``'s own count: ``min(K, max(KMIN, ceil(SHARE * KS[row // KDIV])))`` (the product in fp32), at
+    least 0; the twin is ``kvdex.kernels.scoring.row_counts``."""
+    n = tl.load(KS + row // KDIV).to(tl.float32)
+    kr = tl.maximum(tl.ceil(n * SHARE).to(tl.int32), KMIN)
+    return tl.minimum(tl.maximum(kr, 0), K)
+
+
+@triton.jit
 def _topk_kernel(
     S,
     OUT,
@@ -87,9 +96,11 @@ def _topk_kernel(
     LOW_BIT: tl.constexpr,  # bits below this are zero in every key (bf16: 16, fp16: 13, fp32: 0)
     PAIRS: tl.constexpr = 0,  # passes that decide two bits each (bits 30..31-2*PAIRS), then one per pass
     ORDERED: tl.constexpr = True,  # False: the k ids in ascending index order (no sort), -1 where not finite
-    KS=None,  # (PER_ROW) each row's own k: min(KS[row // KDIV], K), the row's slots past it -1
+    KS=None,  # (PER_ROW) each row's own k (:func:`_row_k`), the row's slots past it -1
     KDIV=1,
     PER_ROW: tl.constexpr = False,
+    SHARE=1.0,
+    KMIN=0,
 ):
     row = tl.program_id(0)
     s_row = S + row.to(tl.int64) * stride_s
@@ -97,7 +108,7 @@ def _topk_kernel(
     offs = tl.arange(0, BLOCK)
     if PER_ROW:
         K_OUT = K
-        K = tl.minimum(tl.maximum(tl.load(KS + row // KDIV).to(tl.int32), 0), K_OUT)
+        K = _row_k(KS, row, KDIV, K_OUT, SHARE, KMIN)
     if TILES == 1:
         key = _keys(s_row, offs, N, LOW_BIT)
 
@@ -229,13 +240,16 @@ def topk_ids(
     num_warps: int | None = None,
     ordered: bool = True,
     row_k: torch.Tensor | None = None,
+    row_share: float = 1.0,
+    row_min: int = 0,
 ) -> torch.Tensor:
     """score [..., N] (fp32 / bf16 / fp16) -> [..., min(k, N)] int64: the ids of the k largest scores in
     descending score order (ties: lowest index first), ``-1`` where the score is not finite. With
     ``ordered=False`` the same k entries in ascending index order (no sort: for callers that use the set).
     ``row_k`` (with ``ordered=False``): an integer tensor [L] on the score's device, L dividing the number of
-    rows; row ``r`` of the flattened rows takes its ``min(row_k[r // (rows // L)], k)`` best (a rerank's
-    per-sequence share of its pages) and the rest of its ``k`` slots are ``-1``.
+    rows; row ``r`` of the flattened rows takes its own count of best ids, ``scoring.row_counts(row_k,
+    row_share, row_min, k)`` (``min(row_k[r // (rows // L)], k)`` by default; a rerank's share of each row's pages), and
+    the rest of its ``k`` slots are ``-1``.
 
     ``block`` (a power of two), ``bits`` (key bits per pass: 1 or 2) and ``num_warps`` are for tests and
     tuning; ``block`` caps the tile of scores a program holds at once."""
@@ -243,12 +257,7 @@ def topk_ids(
         raise ValueError(f"triton topk needs float scores and 0 < k <= {MAX_K_BLOCK}, got {score.dtype}, k={k}")
     s, k, lead = score_rows(score, k)
     n, rows = s.shape[1], s.shape[0]
-    if row_k is not None and (ordered or row_k.dim() != 1 or row_k.numel() == 0 or rows % row_k.numel()
-                              or row_k.device != score.device or row_k.is_floating_point()):  # fmt: skip
-        raise ValueError(
-            f"row_k must be an integer tensor [L] on {score.device}, L dividing the {rows} rows, with "
-            f"ordered=False; got {tuple(row_k.shape)} {row_k.dtype} on {row_k.device}, ordered={ordered}"
-        )
+    check_row_k(row_k, rows, score.device, ordered)
     out = torch.empty(rows, k, dtype=torch.long, device=score.device)
     if rows == 0:
         return out.view(*lead, k)
@@ -259,10 +268,21 @@ def topk_ids(
         BLOCK=blk, TILES=triton.cdiv(n, blk), K_BLOCK=max(16, triton.next_power_of_2(k)),
         LOW_BIT=low, PAIRS=(31 - low) // 2 if bits == 2 and n < 1 << 20 else 0, ORDERED=ordered,
         KS=row_k if row_k is not None else out, KDIV=rows // row_k.numel() if row_k is not None else 1,
-        PER_ROW=row_k is not None,
+        PER_ROW=row_k is not None, SHARE=float(row_share), KMIN=int(row_min),
         num_warps=num_warps or _num_warps(blk),
     )  # fmt: skip
     return out.view(*lead, k)
+
+
+def check_row_k(row_k: torch.Tensor | None, rows: int, device: torch.device, ordered: bool = False) -> None:
+    """``ValueError`` unless ``row_k`` is None or an integer tensor [L] on ``device``, L dividing ``rows``,
+    for an unordered call."""
+    if row_k is not None and (ordered or row_k.dim() != 1 or row_k.numel() == 0 or rows % row_k.numel()
+                              or row_k.device != device or row_k.is_floating_point()):  # fmt: skip
+        raise ValueError(
+            f"row_k must be an integer tensor [L] on {device}, L dividing the {rows} rows, with "
+            f"ordered=False; got {tuple(row_k.shape)} {row_k.dtype} on {row_k.device}, ordered={ordered}"
+        )
 
 
 def topk_ids_split(score: torch.Tensor, k: int, segment: int = 8192, **kw) -> torch.Tensor:

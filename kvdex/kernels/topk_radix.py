@@ -18,6 +18,9 @@ per (row, tile), and the k-th largest score is found digit by digit:
    (``-1`` where the score is not finite), exactly the set and order of
    ``kvdex.kernels.topk.topk_ids(..., ordered=False)``.
 
+With ``row_k`` each row finds its own count the way the one-program kernel does (a rerank's share of each
+row's pages: ``ceil(share * pages)``, at least the rerank's count; the rest of the row ``-1``).
+
 Fixed shapes, no host read: capturable in a CUDA graph. The twin is
 :func:`kvdex.kernels.topk.topk_ids_reference` (its set, in index order).
 """
@@ -28,9 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.kernels.topk import _finite, _keys, _low_bit, score_rows
+from kvdex.kernels.topk import _finite, _keys, _low_bit, _row_k, check_row_k, score_rows
 
 TILE = 2048
+# unordered calls on rows longer than this run here rather than in the one-program kernel. In-graph timings (H200,
+# 8 rows, a quarter of each row's pages as IceCache's share, or k = 2,048): 8,192 scores 25 us here against 21;
+# 12,288 25 against 39; 14,700 (IceCache's page scores at 128k) 26 against 43; 16,384 25 against 39
+MIN_N = 8192
 
 
 @triton.jit
@@ -56,8 +63,13 @@ def _decided(HROW, K, PASSES: tl.constexpr):
 
 
 @triton.jit
-def _digit_kernel(S, HIST, stride_s, N, K, PASS: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
+def _digit_kernel(
+    S, HIST, stride_s, N, K, PASS: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
+    KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
+):  # fmt: skip
     row, t = tl.program_id(0), tl.program_id(1)
+    if PER_ROW:
+        K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
     offs = t * TILE + tl.arange(0, TILE)
     u = _offset(_keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT))
     hrow = HIST + row * 1024
@@ -72,8 +84,13 @@ def _digit_kernel(S, HIST, stride_s, N, K, PASS: tl.constexpr, TILE: tl.constexp
 
 
 @triton.jit
-def _count_kernel(S, HIST, CNT, stride_s, N, K, NT, PASSES: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
+def _count_kernel(
+    S, HIST, CNT, stride_s, N, K, NT, PASSES: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
+    KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
+):  # fmt: skip
     row, t = tl.program_id(0), tl.program_id(1)
+    if PER_ROW:
+        K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
     offs = t * TILE + tl.arange(0, TILE)
     key = _keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT)
     prefix, _ = _decided(HIST + row * 1024, K, PASSES)
@@ -87,8 +104,12 @@ def _count_kernel(S, HIST, CNT, stride_s, N, K, NT, PASSES: tl.constexpr, TILE: 
 def _write_kernel(
     S, HIST, CNT, OUT, stride_s, N, K, NT,
     PASSES: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr, NT_BLOCK: tl.constexpr,
+    KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
 ):  # fmt: skip
     row, t = tl.program_id(0), tl.program_id(1)
+    o_row = OUT + row.to(tl.int64) * K  # K: the output's row length
+    if PER_ROW:
+        K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
     offs = t * TILE + tl.arange(0, TILE)
     key = _keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT)
     prefix, need_eq = _decided(HIST + row * 1024, K, PASSES)  # need_eq: the ties at the k-th key to take
@@ -104,20 +125,35 @@ def _write_kernel(
     take_i = take.to(tl.int32)
     pos = gt_before + tl.minimum(eq_before, need_eq) + tl.cumsum(take_i, axis=0) - take_i
     ids = tl.where(_finite(key), offs.to(tl.int64), -1)
-    tl.store(OUT + row.to(tl.int64) * K + pos, ids, mask=take & (pos < K))
+    tl.store(o_row + pos, ids, mask=take & (pos < K))
 
 
-def topk_ids(score: torch.Tensor, k: int, tile: int = TILE) -> torch.Tensor:
+def topk_ids(
+    score: torch.Tensor,
+    k: int,
+    tile: int = TILE,
+    row_k: torch.Tensor | None = None,
+    row_share: float = 1.0,
+    row_min: int = 0,
+) -> torch.Tensor:
     """score [..., N] (fp32 / bf16 / fp16) -> [..., min(k, N)] int64: the ids of the k largest scores in ascending
     index order (ties at the k-th value: the lowest indices), ``-1`` where the score is not finite; the set and
-    order of ``kvdex.kernels.topk.topk_ids(score, k, ordered=False)``. ``tile`` (a power of two) is for tests."""
+    order of ``kvdex.kernels.topk.topk_ids(score, k, ordered=False)``, and with ``row_k`` / ``row_share`` /
+    ``row_min`` each row's own count as there (the rest of the row ``-1``). ``tile`` (a power of two) is for
+    tests."""
     if score.dtype not in (torch.float32, torch.bfloat16, torch.float16) or score.dim() < 1 or k <= 0:
         raise ValueError(f"radix top-k needs float scores and k > 0, got {score.dtype}, k={k}")
     s, k, lead = score_rows(score, k)
     n, rows = s.shape[1], s.shape[0]
+    check_row_k(row_k, rows, score.device)
+    per_row = row_k is not None
     out = torch.empty(rows, k, dtype=torch.long, device=score.device)
+    if per_row:  # a row writes only its own count
+        out.fill_(-1)
     if rows == 0 or k == 0:
         return out.view(*lead, k)
+    own = dict(KS=row_k if per_row else out, KDIV=rows // row_k.numel() if per_row else 1, SHARE=float(row_share),
+               KMIN=int(row_min), PER_ROW=per_row)  # fmt: skip
     low = _low_bit(score.dtype)
     passes = (39 - low) // 8  # 8-bit digits above the zero low bits: fp32 4, fp16 3, bf16 2
     nt = triton.cdiv(n, tile)
@@ -126,10 +162,11 @@ def topk_ids(score: torch.Tensor, k: int, tile: int = TILE) -> torch.Tensor:
     grid = (rows, nt)
     nw = 8 if tile >= 4096 else 4  # at 2,048-score tiles: 4 warps
     for p in range(passes):
-        _digit_kernel[grid](s, hist, s.stride(0), n, k, PASS=p, TILE=tile, LOW_BIT=low, num_warps=nw)
-    _count_kernel[grid](s, hist, cnt, s.stride(0), n, k, nt, PASSES=passes, TILE=tile, LOW_BIT=low, num_warps=nw)
+        _digit_kernel[grid](s, hist, s.stride(0), n, k, PASS=p, TILE=tile, LOW_BIT=low, num_warps=nw, **own)
+    _count_kernel[grid](s, hist, cnt, s.stride(0), n, k, nt, PASSES=passes, TILE=tile, LOW_BIT=low, num_warps=nw,
+                        **own)  # fmt: skip
     _write_kernel[grid](
         s, hist, cnt, out, s.stride(0), n, k, nt,
-        PASSES=passes, TILE=tile, LOW_BIT=low, NT_BLOCK=max(16, triton.next_power_of_2(nt)), num_warps=nw,
+        PASSES=passes, TILE=tile, LOW_BIT=low, NT_BLOCK=max(16, triton.next_power_of_2(nt)), num_warps=nw, **own,
     )  # fmt: skip
     return out.view(*lead, k)

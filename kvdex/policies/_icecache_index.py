@@ -232,6 +232,4 @@ class IndexJobsMixin:
         sp = self._pages.get(layer)
         if sp is None or self.anchor_of.get(layer) != layer:
             return
-        ps = self.cfg.page_size
-        pos = self.cfg.sink + join.start[:, None] * ps + torch.arange(ps, device=join.start.device)[None, :]
-        sp.insert_device(join.keys[:, :, 0], pos, join.joins)
+        sp.insert_device(join.keys[:, :, 0], join.positions, join.joins)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,18 +52,39 @@ class PageJoin:
 
     Device (what captured work may read): ``joins`` [B] bool -- sequence b's oldest window page joins
     the middle; ``start`` [B] long -- its middle page id (for other rows a valid id that must not be
-    written); ``keys`` / ``values`` [B, H, 1, ps, D] -- its keys / values (junk where not ``joins``).
-    Host (CPU, bookkeeping only, never fed into device work): ``host_start`` / ``host_count`` [B], the
-    same as a :class:`MiddleUpdate`'s ``start`` / ``count``.
+    written); ``keys`` / ``values`` [B, H, 1, ps, D] -- its keys / values (junk where not ``joins``; a store
+    may pass ``values_of`` as a function that gathers them on first use, in the same step: no policy indexes
+    values, and a captured step then has no gather for them); ``positions`` [B, ps] -- its token positions.
+    Host (CPU, bookkeeping only, never fed into
+    device work): ``host_start`` / ``host_count`` [B], the same as a :class:`MiddleUpdate`'s ``start`` /
+    ``count``.
     """
 
     joins: torch.Tensor
     start: torch.Tensor
     keys: torch.Tensor
-    values: torch.Tensor
+    values_of: torch.Tensor | Callable[[], torch.Tensor]
     host_start: torch.Tensor
     host_count: torch.Tensor
     store: LayerStore | None = None
+    positions_of: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, ps] int64: the joining page's token positions (``sink + start * ps + j``)."""
+        if self.positions_of is None:
+            g = self.store.grid
+            self.positions_of = (g.sink + self.start * g.page_size)[:, None] + torch.arange(
+                g.page_size, device=self.start.device
+            )
+        return self.positions_of
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[B, H, 1, ps, D]: the joining page's values."""
+        if callable(self.values_of):
+            self.values_of = self.values_of()
+        return self.values_of
 
     def write(self, buf: torch.Tensor, val: torch.Tensor) -> None:
         """``buf[b, :, start[b]*n : start[b]*n + n] = val[b]`` for every sequence b that joins, in place with
