@@ -21,10 +21,10 @@ layers) those launches, not the work, are what the step waits for.
   distances: at 128k tokens (~14.7k partly filled pages per kv head) a dozen kernels over [R, C, D] fp32 per
   layer. One program per (row, tile of ``BLOCK_C`` pages) reads the summaries in their dtype (only the live
   pages'), forms the centres and distances in registers (fp32 sums; the products of 16-bit keys with 16-bit
-  summaries on the tensor cores, exact; fp32 keys as three TF32 products) and writes each
-  key's best distance and page of its tile; an ``argmin`` over the tiles picks the first best page, as the
-  twin does. Both are fp32 with different summation orders, so a key whose two nearest centres are within
-  rounding of each other may join either.
+  summaries on the tensor cores, exact; fp32 keys as three TF32 products) and writes each key's best
+  distance and page of its tile; a second small kernel picks the first best page over the tiles (in place of
+  an ``argmin`` and a gather), as the twin does. Both are fp32 with different summation orders, so a key whose
+  two nearest centres are within rounding of each other may join either.
 * :func:`insert_pages`: the rest of a join, one program per row: each key's slot in its page or in the row's
   new page, the positions, fills and page count, and the summaries of the pages it joined (min / max, or the
   mean and radius) with the keys of one page folded in the order they come. The twin runs ~40 small kernels
