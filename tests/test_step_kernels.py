@@ -80,6 +80,7 @@ def test_append_join_equals_twin(sink, ps, wp):
     """DeviceStore.append_join's one launch: the token written, which pages join, their ids, keys and positions
     (clamped to the buffer) as the PyTorch path computes them, bit for bit; lengths below the sink, in the
     first window, at a page boundary (a join) and just past it, and at the buffer's end."""
+    from kvdex.kernels.reference import append_join_rows_reference
     from kvdex.storage import Grid
 
     grid = Grid(sink, ps, wp)
@@ -94,7 +95,7 @@ def test_append_join_equals_twin(sink, ps, wp):
         k = torch.randn(b, h, 1, d, generator=g).to(dtype)
         v = torch.randn(b, h, 1, d, generator=g).to(dtype)
         rk, rv = kb.clone(), vb.clone()
-        want = ap.append_join_rows_reference(rk, rv, k, v, lengths, grid)
+        want = append_join_rows_reference(rk, rv, k, v, lengths, grid)
         fk, fv = kb.clone().to(DEV), vb.clone().to(DEV)
         got = ap.append_join_rows(fk, fv, k.to(DEV), v.to(DEV), lengths.to(DEV), grid)
         assert torch.equal(fk.cpu(), rk) and torch.equal(fv.cpu(), rv)

@@ -38,3 +38,24 @@ def ring_push_reference(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q:
     rq.copy_(torch.cat([rq[:, :, 1:], q[:, :, None]], dim=2))
     rp.copy_(torch.cat([rp[:, 1:], pos.to(rp.device)[:, None]], dim=1))
     rv.copy_(torch.cat([rv[:, 1:], torch.ones(rv.shape[0], 1, dtype=torch.bool, device=rv.device)], dim=1))
+
+
+def page_rows(pos: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """The gather index [B, H, ps, D] into ``buf`` [B, H, S, D] of token positions ``pos`` [B, ps] (clamped to S)."""
+    b, h, s, d = buf.shape
+    return pos.clamp(max=s - 1)[:, None, :, None].expand(b, h, -1, d)
+
+
+def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
+    """One token per sequence (k/v [B, H, 1, D]) written at ``lengths`` [B] of the buffers [B, H, S, D], and the
+    page that joins the middle with it (``grid``: the store's ``Grid``) -> ``joins`` [B] bool, ``start`` [B]
+    int64, the page's ``keys`` [B, H, 1, ps, D] (read after the write) and ``positions`` [B, ps]: the PyTorch
+    path of ``DeviceStore.append_join`` (Triton: ``step_triton.append_join_rows``). The caller advances
+    ``lengths``."""
+    bi = torch.arange(k_buf.shape[0], device=k_buf.device)
+    k_buf[bi, :, lengths] = k[:, :, 0].to(k_buf.dtype)
+    v_buf[bi, :, lengths] = v[:, :, 0].to(v_buf.dtype)
+    start = grid.num_middle_pages(lengths)
+    joins = grid.num_middle_pages(lengths + 1) > start
+    pos = grid.page_positions(start)
+    return joins, start, k_buf.gather(2, page_rows(pos, k_buf))[:, :, None], pos

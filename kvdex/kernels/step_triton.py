@@ -10,7 +10,8 @@ writes in one launch: program ``(b * H + h, j)`` copies row ``j`` of the new k a
 device (nothing is baked into a captured step); the caller advances them afterwards as before.
 A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :func:`append_rows_reference`).
 
-**Append with a page join** (:func:`append_join_rows`, twin :func:`append_join_rows_reference`).
+**Append with a page join** (:func:`append_join_rows`, twin
+:func:`kvdex.kernels.reference.append_join_rows_reference`, ``DeviceStore``'s PyTorch path).
 ``DeviceStore.append_join`` (a captured step) appends one token and hands the policy the page that joins
 the middle: which sequences' pages join and their page ids (``Grid.num_middle_pages`` before and after, 8
 elementwise kernels), the page's keys (positions, a clamp, a gather: 6 more) and its token positions (4 more
@@ -159,7 +160,7 @@ def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, 
     and the page that joins the middle with it (``grid``: the store's ``Grid``) -> ``joins`` [B] bool,
     ``start`` [B] int64 (the page id; the window's first page where none joins), ``keys`` [B, H, 1, ps, D]
     (read after the write, slots clamped to the buffer) and ``positions`` [B, ps] int64. The caller advances
-    ``lengths``. Same values as :func:`append_join_rows_reference`."""
+    ``lengths``. Same values as ``kvdex.kernels.reference.append_join_rows_reference``."""
     b, h, t, d = k.shape
     if t != 1 or k_buf.dim() != 4 or k_buf.shape[:2] != (b, h) or k_buf.shape[3] != d or v.shape != k.shape:
         raise ValueError(f"expected buffers [B, H, S, D] and one row [B, H, 1, D], got {tuple(k_buf.shape)}, "
@@ -182,16 +183,6 @@ def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, 
             D=d, BLOCK_D=triton.next_power_of_2(d), SINK=grid.sink, PS=ps, WP=grid.window_pages,
         )  # fmt: skip
     return joins, start, keys, pos
-
-
-def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
-    """The twin: ``DeviceStore.append_join``'s PyTorch path (the writes, ``Grid.num_middle_pages``, a gather)."""
-    append_rows_reference(k_buf, v_buf, k, v, lengths)
-    before = grid.num_middle_pages(lengths)
-    joins = grid.num_middle_pages(lengths + 1) > before
-    pos = (grid.sink + before * grid.page_size)[:, None] + torch.arange(grid.page_size, device=k_buf.device)
-    rows = pos.clamp(max=k_buf.shape[2] - 1)[:, None, :, None].expand(-1, k_buf.shape[1], -1, k_buf.shape[3])
-    return joins, before, k_buf.gather(2, rows)[:, :, None], pos
 
 
 def append_rows_reference(k_buf, v_buf, k, v, lengths):

@@ -63,17 +63,24 @@ def _decided(HROW, K, PASSES: tl.constexpr):
 
 
 @triton.jit
-def _digit_kernel(
-    S, HIST, stride_s, N, K, PASS: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
-    KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
-):  # fmt: skip
+def _tile(S, stride_s, N, K, TILE: tl.constexpr, LOW_BIT: tl.constexpr, KS, KDIV, SHARE, KMIN, PER_ROW: tl.constexpr):
+    """This program's row, tile, the tile's offsets and keys, and the row's k (with PER_ROW its own count)."""
     row, t = tl.program_id(0), tl.program_id(1)
     if PER_ROW:
         K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
     offs = t * TILE + tl.arange(0, TILE)
-    u = _offset(_keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT))
+    return row, t, offs, _keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT), K
+
+
+@triton.jit
+def _digit_kernel(
+    S, HIST, stride_s, N, K, PASS: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
+    KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
+):  # fmt: skip
+    row, t, offs, key, kr = _tile(S, stride_s, N, K, TILE, LOW_BIT, KS, KDIV, SHARE, KMIN, PER_ROW)
+    u = _offset(key)
     hrow = HIST + row * 1024
-    prefix, need = _decided(hrow, K, PASS)
+    prefix, need = _decided(hrow, kr, PASS)
     digit = ((u >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
     m = offs < N
     if PASS > 0:
@@ -88,12 +95,8 @@ def _count_kernel(
     S, HIST, CNT, stride_s, N, K, NT, PASSES: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
     KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
 ):  # fmt: skip
-    row, t = tl.program_id(0), tl.program_id(1)
-    if PER_ROW:
-        K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
-    offs = t * TILE + tl.arange(0, TILE)
-    key = _keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT)
-    prefix, _ = _decided(HIST + row * 1024, K, PASSES)
+    row, t, offs, key, kr = _tile(S, stride_s, N, K, TILE, LOW_BIT, KS, KDIV, SHARE, KMIN, PER_ROW)
+    prefix, _ = _decided(HIST + row * 1024, kr, PASSES)
     thr = prefix.to(tl.int32, bitcast=True) ^ (-2147483647 - 1)
     c = (row * NT + t) * 2
     tl.store(CNT + c, tl.sum((key > thr).to(tl.int32), axis=0))
@@ -106,13 +109,9 @@ def _write_kernel(
     PASSES: tl.constexpr, TILE: tl.constexpr, LOW_BIT: tl.constexpr, NT_BLOCK: tl.constexpr,
     KS=None, KDIV=1, SHARE=1.0, KMIN=0, PER_ROW: tl.constexpr = False,
 ):  # fmt: skip
-    row, t = tl.program_id(0), tl.program_id(1)
+    row, t, offs, key, kr = _tile(S, stride_s, N, K, TILE, LOW_BIT, KS, KDIV, SHARE, KMIN, PER_ROW)
     o_row = OUT + row.to(tl.int64) * K  # K: the output's row length
-    if PER_ROW:
-        K = _row_k(KS, row, KDIV, K, SHARE, KMIN)
-    offs = t * TILE + tl.arange(0, TILE)
-    key = _keys(S + row.to(tl.int64) * stride_s, offs, N, LOW_BIT)
-    prefix, need_eq = _decided(HIST + row * 1024, K, PASSES)  # need_eq: the ties at the k-th key to take
+    prefix, need_eq = _decided(HIST + row * 1024, kr, PASSES)  # need_eq: the ties at the k-th key to take
     thr = prefix.to(tl.int32, bitcast=True) ^ (-2147483647 - 1)
     tiles = tl.arange(0, NT_BLOCK)
     before = tiles < t
@@ -125,7 +124,7 @@ def _write_kernel(
     take_i = take.to(tl.int32)
     pos = gt_before + tl.minimum(eq_before, need_eq) + tl.cumsum(take_i, axis=0) - take_i
     ids = tl.where(_finite(key), offs.to(tl.int64), -1)
-    tl.store(o_row + pos, ids, mask=take & (pos < K))
+    tl.store(o_row + pos, ids, mask=take & (pos < kr))
 
 
 def topk_ids(

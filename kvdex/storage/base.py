@@ -55,9 +55,8 @@ class PageJoin:
     written); ``keys`` / ``values`` [B, H, 1, ps, D] -- its keys / values (junk where not ``joins``; a store
     may pass ``values_of`` as a function that gathers them on first use, in the same step: no policy indexes
     values, and a captured step then has no gather for them); ``positions`` [B, ps] -- its token positions.
-    Host (CPU, bookkeeping only, never fed into
-    device work): ``host_start`` / ``host_count`` [B], the same as a :class:`MiddleUpdate`'s ``start`` /
-    ``count``.
+    Host (CPU, bookkeeping only, never fed into device work): ``host_start`` / ``host_count`` [B], the same
+    as a :class:`MiddleUpdate`'s ``start`` / ``count``.
     """
 
     joins: torch.Tensor
@@ -73,10 +72,7 @@ class PageJoin:
     def positions(self) -> torch.Tensor:
         """[B, ps] int64: the joining page's token positions (``sink + start * ps + j``)."""
         if self.positions_of is None:
-            g = self.store.grid
-            self.positions_of = (g.sink + self.start * g.page_size)[:, None] + torch.arange(
-                g.page_size, device=self.start.device
-            )
+            self.positions_of = self.store.grid.page_positions(self.start)
         return self.positions_of
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.reference import append_join_rows_reference, page_rows
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 
@@ -94,25 +95,13 @@ class DeviceStore(LayerStore):
         if k.shape[2] != 1:
             raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
         self._reserve(int(self.lengths_host.max()) + 1)  # a no-op when reserved ahead (host check only)
-        g, S = self.grid, self.k.shape[2]
         fast = triton_kernel("step_triton", "append_join_rows") if self.k.is_cuda else None
-        if fast is not None:  # one launch: the write, the joining page, its keys and positions
-            joins, start, keys, pos = fast(self.k, self.v, k, v, self.lengths, g)
-        else:
-            joins, start = self._join_pages(self.lengths)
-            bi = torch.arange(self.batch, device=self.device)
-            self.k[bi, :, self.lengths] = k[:, :, 0]
-            self.v[bi, :, self.lengths] = v[:, :, 0]
-            pos = (g.sink + start * g.page_size)[:, None] + torch.arange(g.page_size, device=self.device)[None, :]
-            keys = self.k.gather(2, self._page_rows(pos, S))[:, :, None]
+        join = fast or append_join_rows_reference  # one launch on CUDA: the write, the joining page, its keys
+        joins, start, keys, pos = join(self.k, self.v, k, v, self.lengths, self.grid)
         self.lengths += 1
         host_start, host_count = self._advance_join()
-        values = lambda: self.v.gather(2, self._page_rows(pos, S))[:, :, None]  # noqa: E731 (no policy reads them)
+        values = lambda: self.v.gather(2, page_rows(pos, self.v))[:, :, None]  # noqa: E731 (no policy reads them)
         return PageJoin(joins, start, keys, values, host_start, host_count, self, pos)
-
-    def _page_rows(self, pos: torch.Tensor, S: int) -> torch.Tensor:
-        """The gather index [B, H, ps, D] of a page's token positions [B, ps] (clamped to the buffer)."""
-        return pos.clamp(max=S - 1)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
 
     def attend(self, sel: Selection) -> AttendSet:
         g, dev = self.grid, self.device

@@ -43,6 +43,10 @@ class Grid:
     def page_start(self, page: torch.Tensor | int):
         return self.sink + page * self.page_size
 
+    def page_positions(self, page: torch.Tensor) -> torch.Tensor:
+        """[..., page_size] token positions of the grid pages ``page`` [...] (a tensor)."""
+        return self.page_start(page)[..., None] + torch.arange(self.page_size, device=page.device)
+
 
 def left_padding(attention_mask: torch.Tensor | None, batch: int, width: int) -> torch.Tensor:
     """Number of leading padding positions per sequence from a 2D 0/1 mask [B, >=width].
