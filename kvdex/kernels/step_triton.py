@@ -88,6 +88,21 @@ def _append_kernel(
     tl.store(V_BUF + dst, vr, mask=m)
 
 
+def _new_rows(k_buf, v_buf, k, v, lengths):
+    """The checks of an append's inputs (buffers [B, H, S, D] sharing strides with a contiguous last dim, rows
+    [B, H, t, D], lengths [B]) and the rows in the buffers' dtypes with a contiguous last dim."""
+    b, h, _, d = k.shape
+    if k_buf.dim() != 4 or k_buf.shape[0] != b or k_buf.shape[1] != h or k_buf.shape[3] != d or v.shape != k.shape:
+        raise ValueError(
+            f"expected buffers [B, H, S, D] and rows [B, H, t, D], got {tuple(k_buf.shape)}, {tuple(k.shape)}"
+        )
+    if k_buf.stride() != v_buf.stride() or k_buf.stride(3) != 1 or lengths.shape != (b,):
+        raise ValueError("k_buf / v_buf must share strides with a contiguous last dim; lengths must be [B]")
+    if k_buf.dtype != k.dtype or v_buf.dtype != v.dtype:
+        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+    return (k if k.stride(3) == 1 else k.contiguous()), (v if v.stride(3) == 1 else v.contiguous())
+
+
 def append_rows(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
@@ -100,19 +115,8 @@ def append_rows(
     ``k_buf[b, h, lengths[b] + j] = k[b, h, j]`` (and v) for every b, h, j < t. The caller guarantees
     ``lengths[b] + t <= S``. ``ring=(sink, window)``: the row goes to ``OffloadStore._slot`` of that
     position instead (the sink rows, then the window ring)."""
+    k, v = _new_rows(k_buf, v_buf, k, v, lengths)
     b, h, t, d = k.shape
-    if k_buf.dim() != 4 or k_buf.shape[0] != b or k_buf.shape[1] != h or k_buf.shape[3] != d or v.shape != k.shape:
-        raise ValueError(
-            f"expected buffers [B, H, S, D] and rows [B, H, t, D], got {tuple(k_buf.shape)}, {tuple(k.shape)}"
-        )
-    if k_buf.stride() != v_buf.stride() or k_buf.stride(3) != 1 or lengths.shape != (b,):
-        raise ValueError("k_buf / v_buf must share strides with a contiguous last dim; lengths must be [B]")
-    if k_buf.dtype != k.dtype or v_buf.dtype != v.dtype:
-        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
-    if k.stride(3) != 1:
-        k = k.contiguous()
-    if v.stride(3) != 1:
-        v = v.contiguous()
     if b * h * t == 0:
         return
     _append_kernel[(b * h, t)](
@@ -161,15 +165,10 @@ def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, 
     ``start`` [B] int64 (the page id; the window's first page where none joins), ``keys`` [B, H, 1, ps, D]
     (read after the write, slots clamped to the buffer) and ``positions`` [B, ps] int64. The caller advances
     ``lengths``. Same values as ``kvdex.kernels.reference.append_join_rows_reference``."""
-    b, h, t, d = k.shape
-    if t != 1 or k_buf.dim() != 4 or k_buf.shape[:2] != (b, h) or k_buf.shape[3] != d or v.shape != k.shape:
-        raise ValueError(f"expected buffers [B, H, S, D] and one row [B, H, 1, D], got {tuple(k_buf.shape)}, "
-                         f"{tuple(k.shape)}")  # fmt: skip
-    if k_buf.stride() != v_buf.stride() or k_buf.stride(3) != 1 or lengths.shape != (b,):
-        raise ValueError("k_buf / v_buf must share strides with a contiguous last dim; lengths must be [B]")
-    k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
-    k = k if k.stride(3) == 1 else k.contiguous()
-    v = v if v.stride(3) == 1 else v.contiguous()
+    if k.dim() != 4 or k.shape[2] != 1:
+        raise ValueError(f"expected one row [B, H, 1, D] per sequence, got {tuple(k.shape)}")
+    k, v = _new_rows(k_buf, v_buf, k, v, lengths)
+    b, h, _, d = k.shape
     ps, dev = grid.page_size, k_buf.device
     joins = torch.empty(b, dtype=torch.bool, device=dev)
     start = torch.empty(b, dtype=torch.long, device=dev)
