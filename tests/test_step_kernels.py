@@ -119,32 +119,6 @@ def test_append_bad_inputs_raise_value_error():
 
 
 @run_kernels
-@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 32, 2), (0, 8, 1)])
-@pytest.mark.parametrize("b,h,p", [(1, 8, 300), (3, 2, 7), (2, 2, 0)])  # 300: several programs
-def test_paged_attended_count_equals_twin(sink, ps, wp, b, h, p):
-    g = torch.Generator().manual_seed(b * 100 + p + sink)
-    pages = torch.randint(-1, 50, (b, h, p), generator=g)
-    # lengths below the sink, inside the first window, on / off a page boundary, long
-    lengths = torch.tensor([2, sink + 3, sink + ps * (wp + 3), sink + ps * (wp + 7) + 5, 5000][:b])
-    acc = torch.tensor(1234, dtype=torch.long)
-    want = acc + ap.paged_attended_count_reference(pages, lengths, sink, ps, wp)
-    acc = acc.to(DEV)
-    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp)
-    assert int(acc) == int(want)
-    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp)  # accumulates in place
-    assert int(acc) == int(want) + int(want) - 1234
-    toks = torch.randint(-1, 900, (b, h, 2 * p + 3), generator=g)  # a token selection: each attended once
-    acc = torch.tensor(7, dtype=torch.long)
-    want = acc + ap.paged_attended_count_reference(pages, lengths, sink, ps, wp, tokens=toks)
-    assert int(want) == 7 + int(ap.paged_attended_count_reference(pages, lengths, sink, ps, wp)) + int(
-        (toks >= 0).sum()
-    )
-    acc = acc.to(DEV)
-    ap.paged_attended_count_(acc, pages.to(DEV), lengths.to(DEV), sink, ps, wp, toks.to(DEV))
-    assert int(acc) == int(want)
-
-
-@run_kernels
 @pytest.mark.parametrize("size", [1, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ring_push_equals_twin(size, dtype):
@@ -176,11 +150,6 @@ def test_ring_push_bad_inputs():
     with pytest.raises(ValueError, match="int64"):
         ap.ring_push_(torch.zeros(1, 2, 3, 4), torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool),
                       torch.zeros(1, 2, 4), torch.zeros(1))  # fmt: skip
-
-
-def test_paged_attended_count_bad_inputs():
-    with pytest.raises(ValueError):
-        ap.paged_attended_count_(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 3), torch.zeros(1), 4, 16, 1)
 
 
 def _offload_store(sink, ps, wp, b=2, h=3, d=8, device="cpu"):
@@ -232,22 +201,21 @@ def test_gpu_offload_attend_fast_equals_pytorch(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_graph_decode_attended_count_identical(monkeypatch):
-    """CUDA-graph decode of quest on a device store: the fused counter gives the eager expression's count."""
+def test_gpu_graph_decode_attended_count_identical():
+    """CUDA-graph decode on a device store, pages (quest) and tokens (prkv's reranked tokens): the count the
+    attention kernel adds in place equals the eager decode's PyTorch expression (host lengths)."""
     import kvdex
     from kvdex.bench import runner, shapes
-    from kvdex.engine import step as step_mod
 
     model = shapes.build_model("tiny", torch.bfloat16, "cuda")
     ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
-    stats = []
-    for use in (True, False):
-        if not use:
-            monkeypatch.setattr(step_mod, "_fast_paged_count", lambda: None)
-        cache = kvdex.Cache(model, "quest", 128, dense_layers=1)
-        out = kvdex.generate(model, cache, ids, max_new_tokens=40, cuda_graph=True)
-        stats.append((out, cache.stats()["attended_tokens_per_step"]))
-    assert torch.equal(stats[0][0], stats[1][0]) and stats[0][1] == stats[1][1]
+    for policy in ("quest", "prkv:rerank=4:rerank_group=weight"):
+        stats = []
+        for graph in (True, False):
+            cache = kvdex.Cache(model, policy, 128, dense_layers=1)
+            out = kvdex.generate(model, cache, ids, max_new_tokens=40, cuda_graph=graph)
+            stats.append((out, cache.stats()["attended_tokens_per_step"]))
+        assert torch.equal(stats[0][0], stats[1][0]) and stats[0][1] == stats[1][1], policy
 
 
 @pytest.mark.gpu

@@ -188,6 +188,38 @@ def test_paged_decode_matches_device_store_attend(sink, ps, wp):
         ta.paged_decode_attention(q, store.k, store.v, pages, store.lengths, sink, ps, wp, 0.3, tokens=toks[0])
 
 
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 32, 2), (0, 8, 1)])
+@pytest.mark.parametrize("b,h,p", [(1, 8, 40), (3, 2, 7), (2, 2, 0)])
+def test_paged_decode_count_equals_twin(sink, ps, wp, b, h, p):
+    """``count=``: the kernel adds the slots it attended (pages x page size, the tokens, sink and window rows
+    below each length, every kv head) to the counter in place, as the twin counts them; the output is the
+    same with and without it. Lengths below the sink, in the first window, on / off a page boundary, long."""
+    from kvdex.kernels.reference import paged_attended_count_reference as count_twin
+
+    lengths = torch.tensor([2, sink + 3, sink + ps * (wp + 3), sink + ps * (wp + 7) + 5, 900][:b])
+    q, k, v, _, _ = _inputs(b, h, 2, 1024, 1, 16, torch.float32, seed=b * 100 + p + sink)
+    g = torch.Generator().manual_seed(p + ps)
+    pages = torch.randint(-1, 3, (b, h, p), generator=g)
+    toks = torch.randint(-1, 40, (b, h, 2 * p + 3), generator=g)  # a token selection after the pages
+    for tk in (None, toks):
+        acc = torch.tensor(1234, dtype=torch.long, device=DEV)
+        want = 1234 + int(count_twin(pages, lengths, sink, ps, wp, tokens=tk))
+        args = (q, k, v, pages.to(DEV), lengths.to(DEV), sink, ps, wp, 0.3)
+        tkd = None if tk is None else tk.to(DEV)
+        got = ta.paged_decode_attention(*args, tokens=tkd, count=acc, block_n=16, splits=3)
+        assert int(acc) == want
+        ta.paged_decode_attention(*args, tokens=tkd, count=acc, block_n=16)  # other splits; accumulates in place
+        assert int(acc) == 2 * want - 1234
+        plain = ta.paged_decode_attention(*args, tokens=tkd, block_n=16, splits=3)
+        torch.testing.assert_close(got, plain, atol=0, rtol=0)
+    assert int(count_twin(pages, lengths, sink, ps, wp, tokens=toks)) == int(
+        count_twin(pages, lengths, sink, ps, wp)
+    ) + int((toks >= 0).sum())
+    with pytest.raises(ValueError, match="count"):
+        ta.paged_decode_attention(*args, count=torch.zeros(1, dtype=torch.long, device=DEV))
+
+
 # ---- gathers (UVA from pinned host memory on CUDA; device gather; interpreter on CPU) ------------
 
 

@@ -35,7 +35,6 @@ from kvdex.engine.graphs import GraphService
 from kvdex.engine.reuse import SelectionReuse
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
-from kvdex.kernels.dispatch import triton_kernel
 from kvdex.policies.base import Policy
 from kvdex.selection import Selection
 from kvdex.storage import host_joins, left_padding, strip_left_padding
@@ -252,15 +251,15 @@ class LayerEngine:
         counters, timing, g = host.counters, host.config.timing, store.grid
         tokens = sel.tokens
         pages = sel.pages if sel.pages is not None else tokens[..., :0]  # no pages: an empty view
+        static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
+        acc = counters.attended if static and counters.inplace else None
+        acc = acc if acc is not None and acc.device == q.device else None  # counted by the kernel, in place
         with counters.timed("attention", timing):
             out = paged_decode_attention(
-                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale, tokens
+                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale, tokens, acc
             )
         if out is not None:  # attended tokens: sink + window rows below each length, the pages, the tokens
-            static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
-            fast = _fast_paged_count() if static and counters.inplace else None
-            if fast is not None and counters.attended is not None:  # the same count in one launch, in place
-                fast(counters.attended, pages, store.lengths, g.sink, g.page_size, g.window_pages, tokens)
+            if acc is not None:
                 counters.calls += 1
                 return out
             L = store.lengths if static else store.lengths_host
@@ -293,9 +292,3 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-
-
-def _fast_paged_count():
-    """kvdex.kernels.step_triton.paged_attended_count_ (the attended-token counter of a CUDA-graph paged
-    decode: one launch instead of ~19 elementwise kernels) when triton imports, else None."""
-    return triton_kernel("step_triton", "paged_attended_count_")

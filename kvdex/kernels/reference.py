@@ -59,3 +59,13 @@ def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
     joins = grid.num_middle_pages(lengths + 1) > start
     pos = grid.page_positions(start)
     return joins, start, k_buf.gather(2, page_rows(pos, k_buf))[:, :, None], pos
+
+
+def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages, tokens=None):
+    """The slots ``kvdex.kernels.triton_attention.paged_decode_attention`` attends (its ``count=``) for a page and /
+    or token selection, a 0-dim int64 tensor: ``page_size`` per selected page, each selected token, and the sink and
+    window rows below each length, for every kv head (``LayerEngine._paged_decode``'s expression)."""
+    L = lengths
+    fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
+    toks = 0 if tokens is None else (tokens >= 0).sum()
+    return (pages >= 0).sum() * page_size + toks + fixed * pages.shape[1]

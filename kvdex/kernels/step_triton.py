@@ -18,14 +18,6 @@ elementwise kernels), the page's keys (positions, a clamp, a gather: 6 more) and
 in the policy). One launch does all of it: program ``b * H + h`` writes the new k/v row and copies head h's
 keys of the joining page; the programs of head 0 write ``joins``, ``start`` and the positions.
 
-**Attended-token counter of a paged decode** (:func:`paged_attended_count_`, twin
-:func:`paged_attended_count_reference`). ``Cache.stats()["attended_tokens_per_step"]`` adds, per
-sparse layer and step, the tokens the paged kernel attended: ``page_size`` per selected page plus the
-sink and window rows below each length. On a CUDA-graph step (device lengths) the PyTorch expression
-is ~19 elementwise kernels (Grid.window_start alone is 8); this kernel computes the same integer in
-one launch (a program per 1,024 page ids or token positions, each adding its count atomically: one
-program looping over a token selection's ~16k positions took ~13 us per layer) into the persistent counter.
-
 **Slot list of an offloaded store** (:func:`offload_slot_list`, twin: ``OffloadStore.attend``'s
 PyTorch ops). ``OffloadStore.attend`` for a page selection lists, per (sequence, kv head), the sink
 rows, the window rows (in their ring slots) and the fetched pages' rows (from ``cursor`` on), with
@@ -46,8 +38,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kvdex.kernels.reference import window_start
 
 
 @triton.jit
@@ -191,79 +181,6 @@ def append_rows_reference(k_buf, v_buf, k, v, lengths):
     bi = torch.arange(k_buf.shape[0], device=k_buf.device)[:, None].expand_as(pos)
     k_buf[bi, :, pos] = k.permute(0, 2, 1, 3)
     v_buf[bi, :, pos] = v.permute(0, 2, 1, 3)
-
-
-@triton.jit
-def _paged_count_kernel(
-    ACC,
-    PAGES,
-    LENS,
-    B,
-    NP,
-    H,
-    SINK: tl.constexpr,
-    PS: tl.constexpr,
-    WP: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TOK=None,  # optional token positions [B, H, T] (-1: none), each one attended token
-    NT=0,
-    NPB=1,  # programs over the pages (the rest count the tokens)
-):
-    # program i < NPB counts page block i, the others a block of tokens; program 0 adds the sink and window
-    i = tl.program_id(0)
-    o = tl.arange(0, BLOCK)
-    if i < NPB:
-        p = tl.load(PAGES + i * BLOCK + o, mask=i * BLOCK + o < NP, other=-1)
-        cnt = tl.sum((p >= 0).to(tl.int64), axis=0) * PS
-    else:
-        j = (i - NPB) * BLOCK + o
-        t = tl.load(TOK + j, mask=j < NT, other=-1)
-        cnt = tl.sum((t >= 0).to(tl.int64), axis=0)
-    if i == 0:
-        ob = tl.arange(0, BLOCK_B)
-        L = tl.load(LENS + ob, mask=ob < B, other=0).to(tl.int64)
-        nmid = tl.maximum((tl.maximum(L - SINK, 0) + PS - 1) // PS - WP, 0)  # Grid.num_middle_pages
-        ws = SINK + nmid * PS  # Grid.window_start
-        cnt += tl.sum(tl.minimum(L, SINK) + tl.maximum(L - ws, 0), axis=0) * H
-    tl.atomic_add(ACC, cnt)
-
-
-def paged_attended_count_(
-    acc: torch.Tensor,
-    pages: torch.Tensor,
-    lengths: torch.Tensor,
-    sink: int,
-    page_size: int,
-    window_pages: int,
-    tokens: torch.Tensor | None = None,
-) -> None:
-    """``acc += (pages >= 0).sum() * page_size + (tokens >= 0).sum() + sum_b(min(L_b, sink) + max(L_b -
-    window_start(L_b), 0)) * H`` in place; acc: a 0-dim int64 device tensor, pages [B, H, P] (middle page ids,
-    -1 = none), tokens [B, H, T] (positions, -1 = none; optional), lengths [B]."""
-    if acc.dim() != 0 or acc.dtype != torch.long or pages.dim() != 3 or lengths.shape != (pages.shape[0],):
-        raise ValueError("expected acc: 0-dim int64, pages [B, H, P], lengths [B]")
-    b, h = pages.shape[:2]
-    n = pages.numel()
-    pages = pages.contiguous() if n else lengths  # n == 0: never read
-    nt = 0 if tokens is None else tokens.numel()
-    tokens = tokens.contiguous() if nt else lengths
-    block = 1024
-    npb = max(1, triton.cdiv(n, block))
-    _paged_count_kernel[(npb + triton.cdiv(nt, block),)](
-        acc, pages, lengths, b, n, h,
-        SINK=sink, PS=page_size, WP=window_pages, BLOCK_B=max(2, triton.next_power_of_2(b)),
-        BLOCK=block, TOK=tokens, NT=nt, NPB=npb,
-    )  # fmt: skip
-
-
-def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages, tokens=None):
-    """The twin: the expression of ``LayerEngine._paged_decode`` (kvdex.engine.step; static sizing), a 0-dim
-    int64 tensor."""
-    L = lengths
-    fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
-    toks = 0 if tokens is None else (tokens >= 0).sum()
-    return (pages >= 0).sum() * page_size + toks + fixed * pages.shape[1]
 
 
 @triton.jit

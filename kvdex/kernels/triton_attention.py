@@ -89,6 +89,8 @@ def _split_kernel(
     stride_th=0,
     NPAGES=0,  # MODE 2 with tokens: the pages' count P (the tokens start at index P * PS of the middle)
     HAS_TOK: tl.constexpr = False,
+    CNT=None,  # with HAS_CNT: a 0-dim int64 counter, += the valid slots this program attended
+    HAS_CNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -118,6 +120,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    n_ok = tl.zeros([BLOCK_N], dtype=tl.int32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     for n0 in range(start, end, BLOCK_N):
@@ -148,6 +151,8 @@ def _split_kernel(
             slot = tl.load(IDX + b * stride_ib + h * stride_ih + offs_n, mask=in_range, other=0)
             flag = tl.load(VALID + b * stride_lb + h * stride_lh + offs_n, mask=in_range, other=0)
             ok = in_range & (flag != 0)
+        if HAS_CNT:
+            n_ok += ok.to(tl.int32)
         kv_mask = ok[:, None] & dmask[None, :]
         k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
@@ -165,6 +170,8 @@ def _split_kernel(
     tl.store(L_OUT + row * splits + sid, l_i, mask=gmask)
     acc_ptrs = ACC_OUT + (row[:, None] * splits + sid) * D + offs_d[None, :]
     tl.store(acc_ptrs, acc, mask=gmask[:, None] & dmask[None, :])
+    if HAS_CNT:
+        tl.atomic_add(CNT, tl.sum(n_ok, axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -226,7 +233,7 @@ def _check(q, k, v):
         raise ValueError("k/v must be contiguous in the head dimension")
 
 
-def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None):
+def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None, count=None):
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -262,6 +269,7 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
         SINK=grid[0], PS=grid[1], WP=grid[2],
         **({} if tokens is None else dict(TOK=tokens, stride_tb=tokens.stride(0), stride_th=tokens.stride(1),
                                           NPAGES=idx.shape[2], HAS_TOK=True)),
+        **({} if count is None else dict(CNT=count, HAS_CNT=True)),
     )  # fmt: skip
     _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
@@ -339,6 +347,7 @@ def paged_decode_attention(
     scale: float,
     *,
     tokens: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
     splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -352,6 +361,8 @@ def paged_decode_attention(
     :func:`paged_decode_reference`). ``tokens`` [B, H, T] (middle positions, ``-1`` = none): a token
     selection's (or a selection of pages and tokens: PRKV's static pages with its reranked tokens), listed
     after the pages as ``Selection.token_positions`` lists them; ``pages`` may then be [B, H, 0].
+    ``count`` (a 0-dim int64 tensor on q's device): the attended slots are added into it in place, as
+    :func:`paged_attended_count_reference` counts them (``Cache.stats()``'s attended tokens, no extra launch).
     """
     _check(q, k, v)
     b, h = k.shape[:2]
@@ -368,9 +379,11 @@ def paged_decode_attention(
         if tokens.stride(-1) != 1:
             tokens = tokens.contiguous()
         n += tokens.shape[2]
+    if count is not None and (count.dim() != 0 or count.dtype != torch.long or count.device != q.device):
+        raise ValueError(f"count must be a 0-dim int64 tensor on {q.device}, got {count.dtype} {tuple(count.shape)}")
     lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages),
-                   tokens=tokens)  # fmt: skip
+                   tokens=tokens, count=count)  # fmt: skip
 
 
 def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=None):
