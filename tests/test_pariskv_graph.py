@@ -1,4 +1,4 @@
-"""ParisKV under CUDA-graph decoding (issues 5 and 8): static sizing selects exactly what dynamic sizing
+"""ParisKV under CUDA-graph decoding: static sizing selects exactly what dynamic sizing
 selects, and a replayable step honours the capture contract of tests/test_graph.py (no host read of a
 device value, no host bookkeeping in device work, the same device work for every step of a graph key).
 

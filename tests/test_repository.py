@@ -1,6 +1,7 @@
 """The repository is a product: no work-log words, no paths outside the repository, no binaries.
 
-Checked in README.md, docs/*.md (every folder below docs/) and kvdex/**/*.py: no numbered work
+Checked in README.md, docs/*.md (every folder below docs/), kvdex/**/*.py, scripts/ and tests/ (this file
+aside: it holds the examples): no numbered work
 periods ("session 7", "lane 2", "queue 1"), no "the lead", no issue numbers (those live in git and the
 issue tracker); no path that only exists on the machine kvdex was developed on (``../shared``,
 ``/work/``): data and models are found through options and environment variables. And no binary
@@ -25,7 +26,8 @@ BINARY_SUFFIXES = (".whl", ".gguf", ".bin", ".pt", ".safetensors", ".so")
 
 def _text_files() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "kvdex").rglob("*.py"))]
-    return [f for f in files if f.is_file()]
+    files += [*sorted((ROOT / "scripts").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]
+    return [f for f in files if f.is_file() and f != Path(__file__).resolve()]
 
 
 def _hits(pattern: re.Pattern, files: list[Path]) -> list[str]:

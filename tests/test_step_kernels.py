@@ -1,4 +1,4 @@
-"""Kernels that cut the small kernels of a decode step (issue 8): DeviceStore's one-launch append.
+"""Kernels that cut the small kernels of a decode step: DeviceStore's one-launch append.
 
 The append kernel is a copy: the buffers must end bit-identical to DeviceStore's PyTorch writes
 (its twin), for ragged lengths and several new columns. On CPU it runs through Triton's interpreter
