@@ -35,6 +35,7 @@ from kvdex.engine.graphs import GraphService
 from kvdex.engine.reuse import SelectionReuse
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
+from kvdex.kernels.reference import paged_attended_count_reference as paged_attended_count
 from kvdex.policies.base import Policy
 from kvdex.selection import Selection
 from kvdex.storage import host_joins, left_padding, strip_left_padding
@@ -262,10 +263,8 @@ class LayerEngine:
             if acc is not None:
                 counters.calls += 1
                 return out
-            L = store.lengths if static else store.lengths_host
-            fixed = (L.clamp(max=g.sink) + (L - g.window_start(L)).clamp(min=0)).sum() * store.kv_heads
-            n = (pages >= 0).sum() * g.page_size + (fixed if static else int(fixed))
-            counters.count(n if tokens is None else n + (tokens >= 0).sum())
+            L = store.lengths if static else store.lengths_host  # host lengths: a CPU scalar, no sync
+            counters.count(paged_attended_count(pages, L, g.sink, g.page_size, g.window_pages, tokens))
         return out
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:

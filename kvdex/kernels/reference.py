@@ -64,7 +64,8 @@ def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
 def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages, tokens=None):
     """The slots ``kvdex.kernels.triton_attention.paged_decode_attention`` attends (its ``count=``) for a page and /
     or token selection, a 0-dim int64 tensor: ``page_size`` per selected page, each selected token, and the sink and
-    window rows below each length, for every kv head (``LayerEngine._paged_decode``'s expression)."""
+    window rows below each length, for every kv head (``LayerEngine._paged_decode`` counts with it where the kernel
+    does not). ``lengths`` may be the host copy of device ``pages``: the sum stays on the pages' device, no sync."""
     L = lengths
     fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
     toks = 0 if tokens is None else (tokens >= 0).sum()
