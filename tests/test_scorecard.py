@@ -354,7 +354,8 @@ def test_a_closed_fork_is_collected_only_when_device_memory_fills(monkeypatch, l
 
 def test_against_compares_a_policy_with_the_same_spec_without_the_option(whole, tmp_path):
     """``against=["select_every"]``: quest:select_every=4 against quest, paired over the same prompts (the
-    option's cells here are quest's renamed and rescored, so the two differ prompt by prompt)."""
+    option's cells here are quest's renamed and rescored, so the two differ prompt by prompt); ``against=["quest"]``
+    (a policy spec as the base) gives the same cells."""
     from kvdex.eval.card import report, stats
     from kvdex.eval.card.plan import cell_name
     from kvdex.eval.card.run import scorecard
@@ -383,6 +384,27 @@ def test_against_compares_a_policy_with_the_same_spec_without_the_option(whole, 
     assert (c["ratio"], c["low"], c["high"]) == (round(iv.ratio, 4), round(iv.low, 4), round(iv.high, 4))
     assert c["n"] == len(ids) and c["ratio"] != 1.0
     assert c["base"] == round(sum(ys) / len(ids), 4)
-    assert "## Against the same policy without the option" in (out / "scorecard.md").read_text()
+    assert "## Paired against a base spec" in (out / "scorecard.md").read_text()
+    # a policy spec as the base: every other spec of that policy against it, the same cells as the option's
+    spec = scorecard(_cfg(out, policies=["quest:select_every=4"], report_only=True, against=["quest"]))
+    assert spec["against"] == rep["against"]
+    both = scorecard(_cfg(out, policies=["quest:select_every=4"], report_only=True, against=["quest", "select_every"]))
+    assert both["against"] == rep["against"]  # the same base named twice is compared once
+    assert report.bases("quest:select_every=4", ["prkv", "chess:rerank=4"]) == []  # other policies' specs
+    assert report.bases("quest", ["quest"]) == []  # not against itself
+    assert report.bases("icecache:search=summary", ["icecache", "icecache:search=host"]) == [
+        "icecache",
+        "icecache:search=host",
+    ]
+    assert all(c["partial"] is None for c in rep["against"])
+    # the option's second retrieval batch missing: its cell is over 4 of the 6 prompts, marked partial
+    (second,) = out.glob("cells/retrieval/*/001__quest+select_every=4__b64.json")
+    second.unlink()
+    part = scorecard(_cfg(out, policies=["quest:select_every=4"], report_only=True, against=["quest"]))
+    got = {(c["task"], c["length"]): c for c in part["against"]}
+    assert got[("retrieval", 1024)]["n"] == 4 and got[("retrieval", 1024)]["partial"] == {"of": 6}
+    assert got[("passkey", 1024)]["partial"] is None and "(partial: 4/6)" in (out / "scorecard.md").read_text()
     with pytest.raises(ValueError, match="option names"):
         _cfg(out, against=["select_every=4"]).validate()
+    with pytest.raises(ValueError, match="registered policy"):
+        _cfg(out, against=["nosuchpolicy:rerank=4"]).validate()

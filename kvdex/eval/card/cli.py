@@ -88,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=parse_names,
         default=None,
         help="option names: each policy whose spec sets one is also compared, paired, with the same spec "
-        "without it (e.g. --against select_every: quest:select_every=8 against quest; its cells must exist)",
+        "without it (e.g. --against select_every: quest:select_every=8 against quest); policy specs: every "
+        "other spec of that policy is compared with it (--against icecache: icecache:search=summary against "
+        "icecache); the base's cells must exist",
     )
     g.add_argument("--smoke", action="store_true", help="the CI size: SmolLM2 on the CPU, 512 tokens, 4 policies")
     add_cache_options(p.add_argument_group("cache (kvdex.CacheConfig)"), exclude=CACHE_EXCLUDED)

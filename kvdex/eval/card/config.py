@@ -64,7 +64,9 @@ class ScorecardConfig:
     # were computed by several commands, or on several machines
     report_only: bool = False
     # option names: every policy whose spec sets one is also compared with the same spec without it, paired
-    # over the same prompts (report["against"]; e.g. ["select_every"]: "quest:select_every=8" against "quest")
+    # over the same prompts (report["against"]; e.g. ["select_every"]: "quest:select_every=8" against "quest");
+    # policy specs: every other spec of that policy is compared with it (["icecache"]: "icecache:search=summary"
+    # against "icecache")
     against: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -79,9 +81,14 @@ class ScorecardConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.per_subtask is not None and self.per_subtask < 1:
             raise ValueError(f"per_subtask must be >= 1, got {self.per_subtask}")
+        from kvdex.eval.card.report import is_spec
+
         for opt in self.against:
-            if not isinstance(opt, str) or not opt.isidentifier():
-                raise ValueError(f"against takes policy option names (e.g. select_every), got {opt!r}")
+            if not isinstance(opt, str) or not (opt.isidentifier() or is_spec(opt)):
+                raise ValueError(
+                    f"against takes policy option names (e.g. select_every) or specs of a registered policy "
+                    f"(e.g. icecache, quest:rerank=4), got {opt!r}"
+                )
         if self.speed_warmup < 1:
             raise ValueError(f"speed_warmup must be >= 1 (graphs are captured there), got {self.speed_warmup}")
         if not self.lengths or any(n < 256 for n in self.lengths):

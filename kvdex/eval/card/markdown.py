@@ -67,18 +67,18 @@ def _against(report: dict) -> list[str]:
     cells = report["against"]
     lengths = report["settings"]["lengths"]
     cols = [(t, n) for t in MAIN for n in lengths if any(c["task"] == t and c["length"] == n for c in cells)]
-    by = {(c["policy"], c["budget"], c["task"], c["length"]): c for c in cells}
+    by = {(c["policy"], c["budget"], c["against"], c["task"], c["length"]): c for c in cells}
     rows = list(dict.fromkeys((c["policy"], c["budget"], c["against"]) for c in cells))
     head = ["policy", "budget", "against"] + [f"{t} {_k(n)}" for t, n in cols]
     lines = [
-        "Each cell: the policy's score as a ratio to the same spec's without the option, over the prompts both "
-        "decoded [paired 95% bootstrap interval].",
+        "Each cell: the policy's score as a ratio to the base's (the same spec without the option, or the named "
+        "spec), over the prompts both decoded [paired 95% bootstrap interval].",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
     for policy, budget, base in rows:
-        row = [policy, str(budget), base] + [_fmt(by.get((policy, budget, t, n))) for t, n in cols]
+        row = [policy, str(budget), base] + [_fmt(by.get((policy, budget, base, t, n))) for t, n in cols]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -123,7 +123,7 @@ def render(report: dict, speed_note: str | None) -> str:
             if sub_cols:
                 out += ["", f"## Retrieval by subtask, {_k(n)} tokens", ""] + _table(report, sub_cols, [], None)
     if report.get("against"):
-        out += ["", "## Against the same policy without the option", ""] + _against(report)
+        out += ["", "## Paired against a base spec", ""] + _against(report)
     if report["notes"] or report["failures"]:
         out += ["", "## Notes", ""] + [f"- {x}" for x in report["notes"]]
         out += [

@@ -6,9 +6,10 @@ prompts with its paired 95% bootstrap interval ``[low, high]`` (:mod:`kvdex.eval
 ``score`` and ``full``'s. Tasks: ``retrieval`` (all subtasks pooled, resampled within subtask) and
 ``retrieval/<subtask>``, ``passkey``, ``recall`` (attention mass kept; ``full`` = 1), ``ppl`` (ratio of
 perplexities: above 1 is worse), ``longbench``, and ``tokens_per_s_b<B>`` (speed; no interval).
-With ``against`` (option names), a policy whose spec sets one of them is also compared with the same spec
-without it (:func:`without`), paired over the prompts both decoded: ``report["against"]``, cells with the
-base spec in ``against`` and its score in ``base``.
+With ``against``, a policy is also compared with a base spec (:func:`bases`), paired over the prompts both
+decoded: an option name makes the base the same spec without it (:func:`without`); a policy spec (a registered
+name, with or without options) is the base of every other spec of that policy. ``report["against"]``: cells
+with the base spec in ``against`` and its score in ``base``.
 A (policy, budget) whose batches are not all finished (or ``full``'s) is reported over the prompts that
 both have decoded, marked ``partial`` (with the prompts a complete cell has); one with no such prompt
 is left out of that column ("missing").
@@ -145,25 +146,47 @@ def without(spec: str, option: str) -> str | None:
     return None if len(kept) == len(items) else ":".join([name, *kept])
 
 
+def is_spec(entry: str) -> bool:
+    """An ``against`` entry that names a registered policy (``icecache``, ``quest:rerank=4``), not an option."""
+    from kvdex.policies import policies
+
+    return entry.partition(":")[0] in policies()
+
+
+def bases(policy: str, against: list[str]) -> list[str]:
+    """The specs ``policy`` is compared with: for an option name, ``policy`` without it (when it sets it); for a
+    policy spec of the same registered name, that spec (unless it is ``policy`` itself)."""
+    out = []
+    for entry in against:
+        if is_spec(entry):
+            if entry != policy and entry.partition(":")[0] == policy.partition(":")[0]:
+                out.append(entry)
+        elif (base := without(policy, entry)) is not None:
+            out.append(base)
+    return list(dict.fromkeys(out))
+
+
 def against_cells(plan, resamples: int) -> list[dict]:
-    """Every (policy, budget) whose spec sets an option of ``cfg.against`` against the same spec without
-    it at the same budget, paired over the prompts both have decoded (the base's cells must exist under
-    the output folder, from this or another invocation)."""
+    """Every (policy, budget) against its :func:`bases` at the same budget, paired over the prompts both have
+    decoded (the base's cells must exist under the output folder, from this or another invocation); a cell over
+    fewer prompts than a complete one is ``partial``."""
     out = []
     for length in plan.cfg.lengths:
         for g in plan.groups:
+            totals = _totals(plan, g, length)
             for policy, budget in plan.pairs:
-                bases = [b for b in (without(policy, opt) for opt in plan.cfg.against) if b]
-                recs = _records(plan, g, length, policy, budget)[0] if bases else None
-                for base in bases:
+                bases_ = bases(policy, plan.cfg.against)
+                recs = _records(plan, g, length, policy, budget)[0] if bases_ else None
+                for base in bases_:
                     ref, _ = _records(plan, g, length, base, budget)
                     if not recs or not ref:
                         continue
                     for task, fieldname, strat in _columns(g):
                         c = _cell(task, fieldname, strat, recs, ref, policy, budget, length, resamples)
-                        if c["n"]:
+                        if c["n"]:  # over fewer prompts than a complete cell has: partial, as in cells()
                             c["base"] = c.pop("full")
-                            out.append({**c, "against": base, "partial": None})
+                            of = totals.get(task, c["n"])
+                            out.append({**c, "against": base, "partial": None if c["n"] >= of else {"of": of}})
     return out
 
 
