@@ -11,6 +11,13 @@ PASSKEY_DEPTHS = tuple(range(0, 100, 5))
 ORDERS = ("batches", "pairs")
 
 
+def is_spec(entry: str) -> bool:
+    """An ``against`` entry that names a registered policy (``icecache``, ``quest:rerank=4``), not an option."""
+    from kvdex.policies import policies
+
+    return entry.partition(":")[0] in policies()
+
+
 @dataclass
 class ScorecardConfig:
     """Settings of one scorecard. Sizes are tokens; ``lengths`` are prompt lengths (answers included
@@ -81,8 +88,6 @@ class ScorecardConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.per_subtask is not None and self.per_subtask < 1:
             raise ValueError(f"per_subtask must be >= 1, got {self.per_subtask}")
-        from kvdex.eval.card.report import is_spec
-
         for opt in self.against:
             if not isinstance(opt, str) or not (opt.isidentifier() or is_spec(opt)):
                 raise ValueError(

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvdex.eval.card import stats, tasks
+from kvdex.eval.card.config import is_spec
 from kvdex.eval.card.plan import cell_name, write_json
 from kvdex.eval.runner import environment
 
@@ -144,13 +145,6 @@ def without(spec: str, option: str) -> str | None:
     name, *items = spec.split(":")
     kept = [i for i in items if i.partition("=")[0] != option]
     return None if len(kept) == len(items) else ":".join([name, *kept])
-
-
-def is_spec(entry: str) -> bool:
-    """An ``against`` entry that names a registered policy (``icecache``, ``quest:rerank=4``), not an option."""
-    from kvdex.policies import policies
-
-    return entry.partition(":")[0] in policies()
 
 
 def bases(policy: str, against: list[str]) -> list[str]:
