@@ -37,6 +37,7 @@ if INTERP and not CUDA:
 from kvdex.kernels import attention as ref  # noqa: E402
 from kvdex.kernels import digest_triton as dt  # noqa: E402
 from kvdex.kernels import quest_triton as qt  # noqa: E402
+from kvdex.kernels import reference as twins  # noqa: E402
 from kvdex.kernels import triton_attention as ta  # noqa: E402
 from kvdex.kernels import uva  # noqa: E402
 
@@ -124,7 +125,7 @@ def test_dense_decode_ragged_matches_twin_and_seam_reference():
     q, k, v, _, _ = _inputs(b, h, g, s, 1, d, torch.float32, seed=5)
     lengths = torch.tensor([70, 1, 33], device=DEV)
     got = ta.dense_decode_attention(q, k, v, lengths, 0.25, max_len=70, block_n=16)
-    torch.testing.assert_close(got, ta.dense_decode_reference(q, k, v, lengths, 0.25), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, twins.dense_decode_reference(q, k, v, lengths, 0.25), atol=2e-5, rtol=2e-5)
     pos = (lengths - 1)[:, None]
     mask = torch.arange(s, device=DEV)[None, :] < lengths[:, None]
     seam_ref = ref.dense_attention(q[:, :, None], k, v, pos, mask, 0.25)[:, 0]
@@ -157,7 +158,7 @@ def test_paged_decode_matches_device_store_attend(sink, ps, wp):
     gen = torch.Generator().manual_seed(ps)
     pages = torch.randint(-1, 3, (b, h, 4), generator=gen).to(DEV)
     got = ta.paged_decode_attention(q, k, v, pages, lengths, sink, ps, wp, 0.3, block_n=16)
-    want = ta.paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, 0.3)
+    want = twins.paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, 0.3)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
     from kvdex.selection import Selection
@@ -182,7 +183,7 @@ def test_paged_decode_matches_device_store_attend(sink, ps, wp):
         fused = ta.paged_decode_attention(q, store.k, store.v, pg, store.lengths, sink, ps, wp, 0.3, tokens=toks,
                                           block_n=16)  # fmt: skip
         torch.testing.assert_close(fused, via_store, atol=2e-5, rtol=2e-5)
-        want = ta.paged_decode_reference(q, store.k, store.v, pg, store.lengths, sink, ps, wp, 0.3, tokens=toks)
+        want = twins.paged_decode_reference(q, store.k, store.v, pg, store.lengths, sink, ps, wp, 0.3, tokens=toks)
         torch.testing.assert_close(fused, want, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="tokens"):
         ta.paged_decode_attention(q, store.k, store.v, pages, store.lengths, sink, ps, wp, 0.3, tokens=toks[0])

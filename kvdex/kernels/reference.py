@@ -1,4 +1,4 @@
-"""PyTorch twins that the Triton decode kernels are checked against (and import), plus the page-grid
+"""PyTorch twins that the Triton kernels are checked against (and that the CPU paths call), plus the page-grid
 arithmetic they share with ``kvdex.storage.layout.Grid``, in plain integers so that no kernel imports a store.
 """
 
@@ -70,3 +70,32 @@ def paged_attended_count_reference(pages, lengths, sink, page_size, window_pages
     fixed = (L.clamp(max=sink) + (L - window_start(L, sink, page_size, window_pages)).clamp(min=0)).sum()
     toks = 0 if tokens is None else (tokens >= 0).sum()
     return (pages >= 0).sum() * page_size + toks + fixed * pages.shape[1]
+
+
+def dense_decode_reference(q, k, v, lengths, scale):
+    """PyTorch twin of ``triton_attention.dense_decode_attention`` (the sparse twin with idx = arange, valid = j <
+    length)."""
+    b, h, s, _ = k.shape
+    j = torch.arange(s, device=k.device)
+    idx = j.expand(b, h, s)
+    valid = (j[None, :] < lengths.to(k.device)[:, None])[:, None, :].expand(b, h, s)
+    return sparse_decode_attention_reference(q, k, v, idx, valid, scale)
+
+
+def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=None):
+    """Twin of ``triton_attention.paged_decode_attention``: DeviceStore.attend's slot list + the reference kernel."""
+    b, h = pages.shape[:2]
+    dev = k.device
+    L = lengths.to(dev)
+    fixed = torch.cat([torch.arange(sink, device=dev).expand(b, sink),
+                       window_start(L, sink, page_size, window_pages)[:, None]
+                       + torch.arange(window_pages * page_size, device=dev)[None, :]], dim=1)  # fmt: skip
+    fvalid = fixed < L[:, None]
+    from kvdex.selection import Selection  # the selection's token order (imported when used)
+
+    mid = Selection(pages=pages, tokens=tokens).token_positions(sink, page_size)
+    idx = torch.cat([fixed[:, None].expand(b, h, -1), mid.clamp(min=0)], dim=-1)
+    valid = torch.cat([fvalid[:, None].expand(b, h, -1), mid >= 0], dim=-1)
+    # slots past the buffer are invalid; clamp them so the gather of the reference stays in range
+    idx = idx.clamp(max=k.shape[2] - 1)
+    return sparse_decode_attention_reference(q, k, v, idx, valid, scale)

@@ -39,10 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdex.kernels.reference import sparse_decode_attention_reference as twin
-from kvdex.kernels.reference import window_start
-from kvdex.selection import Selection
-
 _LOG2E = 1.4426950408889634
 
 
@@ -326,15 +322,6 @@ def dense_decode_attention(
     return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
 
 
-def dense_decode_reference(q, k, v, lengths, scale):
-    """PyTorch twin of :func:`dense_decode_attention` (sparse twin with idx = arange, valid = j < length)."""
-    b, h, s, _ = k.shape
-    j = torch.arange(s, device=k.device)
-    idx = j.expand(b, h, s)
-    valid = (j[None, :] < lengths.to(k.device)[:, None])[:, None, :].expand(b, h, s)
-    return twin(q, k, v, idx, valid, scale)
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -358,11 +345,12 @@ def paged_decode_attention(
     ``lengths[b]``), then every token of ``pages[b, h]`` (middle page ids, ``-1`` = none), each valid
     only below ``lengths[b]``; the slot list is computed inside the kernel, in the same order, so
     the result equals ``DeviceStore.attend`` + :func:`sparse_decode_attention` (twin:
-    :func:`paged_decode_reference`). ``tokens`` [B, H, T] (middle positions, ``-1`` = none): a token
-    selection's (or a selection of pages and tokens: PRKV's static pages with its reranked tokens), listed
-    after the pages as ``Selection.token_positions`` lists them; ``pages`` may then be [B, H, 0].
+    :func:`kvdex.kernels.reference.paged_decode_reference`). ``tokens`` [B, H, T] (middle positions, ``-1`` =
+    none): a token selection's (or a selection of pages and tokens: PRKV's static pages with its reranked
+    tokens), listed after the pages as ``Selection.token_positions`` lists them; ``pages`` may then be [B, H, 0].
     ``count`` (a 0-dim int64 tensor on q's device): the attended slots are added into it in place, as
-    :func:`paged_attended_count_reference` counts them (``Cache.stats()``'s attended tokens, no extra launch).
+    :func:`kvdex.kernels.reference.paged_attended_count_reference` counts them (``Cache.stats()``'s attended
+    tokens, no extra launch).
     """
     _check(q, k, v)
     b, h = k.shape[:2]
@@ -384,20 +372,3 @@ def paged_decode_attention(
     lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages),
                    tokens=tokens, count=count)  # fmt: skip
-
-
-def paged_decode_reference(q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=None):
-    """Twin of :func:`paged_decode_attention`: DeviceStore.attend's slot list + the reference kernel."""
-    b, h = pages.shape[:2]
-    dev = k.device
-    L = lengths.to(dev)
-    fixed = torch.cat([torch.arange(sink, device=dev).expand(b, sink),
-                       window_start(L, sink, page_size, window_pages)[:, None]
-                       + torch.arange(window_pages * page_size, device=dev)[None, :]], dim=1)  # fmt: skip
-    fvalid = fixed < L[:, None]
-    mid = Selection(pages=pages, tokens=tokens).token_positions(sink, page_size)
-    idx = torch.cat([fixed[:, None].expand(b, h, -1), mid.clamp(min=0)], dim=-1)
-    valid = torch.cat([fvalid[:, None].expand(b, h, -1), mid >= 0], dim=-1)
-    # slots past the buffer are invalid; clamp them so the gather of the reference stays in range
-    idx = idx.clamp(max=k.shape[2] - 1)
-    return twin(q, k, v, idx, valid, scale)
