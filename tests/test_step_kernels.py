@@ -1,9 +1,11 @@
 """Kernels that cut the small kernels of a decode step: DeviceStore's one-launch append.
 
 The append kernel is a copy: the buffers must end bit-identical to DeviceStore's PyTorch writes
-(its twin), for ragged lengths and several new columns. On CPU it runs through Triton's interpreter
-in a subprocess (as tests/test_triton_kernels.py); ``-m gpu`` runs it compiled and checks a
-GPU DeviceStore decode with the kernel against ``KVDEX_TRITON=0``.
+(its twin), for ragged lengths and several new columns. With ``advance=True`` the appends also advance the
+device lengths in their launch (the last program of each sequence, by ticket): once per sequence, the ticket
+back at zero, and the stores that use them end with the same lengths as their PyTorch path. On CPU it runs
+through Triton's interpreter in a subprocess (as tests/test_triton_kernels.py); ``-m gpu`` runs it compiled
+and checks a GPU DeviceStore decode with the kernel against ``KVDEX_TRITON=0``.
 """
 
 from __future__ import annotations
@@ -119,6 +121,125 @@ def test_append_bad_inputs_raise_value_error():
 
 
 @run_kernels
+@pytest.mark.parametrize("ring", [None, (3, 8)], ids=["slots", "ring"])
+@pytest.mark.parametrize("b,h,t", [(1, 8, 1), (3, 2, 1), (2, 3, 4), (5, 1, 3)])
+def test_append_advances_lengths_once(b, h, t, ring):
+    """advance=True: the buffers of the twin (of the kernel without advance for a ring), every sequence's length
+    advanced by t exactly once, launch after launch (ragged lengths), and the ticket back at zero; without it the
+    lengths are untouched."""
+    g = torch.Generator().manual_seed(b * 100 + h * 10 + t)
+    s, d = 40, 24
+    kb, vb = torch.randn(2, b, h, s, d, generator=g)
+    lengths = torch.randint(0, 21, (b,), generator=g)
+    rk, rv, rl = kb.clone().to(DEV), vb.clone().to(DEV), lengths.to(DEV)  # without advance: the reference
+    fk, fv, fl = kb.clone().to(DEV), vb.clone().to(DEV), lengths.clone().to(DEV)
+    ticket = torch.zeros(b, dtype=torch.int32, device=DEV)
+    for step in range(3):
+        k, v = torch.randn(2, b, h, t, d, generator=g).to(DEV)
+        if ring is None:
+            ap.append_rows_reference(rk, rv, k, v, rl)
+        else:
+            ap.append_rows(rk, rv, k, v, rl, ring=ring)
+        assert torch.equal(rl.cpu(), lengths + step * t)  # untouched by the kernel
+        ap.append_rows(fk, fv, k, v, fl, ring=ring, advance=True, ticket=ticket)
+        rl = rl + t
+        assert torch.equal(fk.cpu(), rk.cpu()) and torch.equal(fv.cpu(), rv.cpu()), step
+        assert torch.equal(fl.cpu(), lengths + (step + 1) * t), step
+        assert not bool(ticket.any()), step
+
+
+@run_kernels
+@pytest.mark.parametrize("b,h", [(1, 1), (6, 3), (4, 8)])
+def test_append_join_advances_lengths_once(b, h):
+    """append_join_rows with advance=True: the outputs and buffers of the twin at the lengths before the token,
+    every length advanced by 1 exactly once, launch after launch across page joins, the ticket back at zero;
+    without it the lengths are untouched."""
+    from kvdex.kernels.reference import append_join_rows_reference
+    from kvdex.storage import Grid
+
+    grid = Grid(4, 8, 1)
+    g = torch.Generator().manual_seed(b * 10 + h)
+    s, d = 4 + 6 * 8, 40
+    kb, vb = torch.randn(2, b, h, s, d, generator=g)
+    lengths = torch.randint(0, 30, (b,), generator=g)
+    lengths[0] = 11  # the next token makes the first page join
+    rk, rv = kb.clone(), vb.clone()
+    fk, fv, fl = kb.clone().to(DEV), vb.clone().to(DEV), lengths.clone().to(DEV)
+    ticket = torch.zeros(b, dtype=torch.int32, device=DEV)
+    for step in range(4):
+        k, v = torch.randn(2, b, h, 1, d, generator=g)
+        rl = lengths + step
+        want = append_join_rows_reference(rk, rv, k, v, rl, grid)
+        got = ap.append_join_rows(fk, fv, k.to(DEV), v.to(DEV), fl, grid, advance=True, ticket=ticket)
+        for x, y in zip(got, want, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x.cpu(), y), step
+        assert torch.equal(fk.cpu(), rk) and torch.equal(fv.cpu(), rv), step
+        assert torch.equal(fl.cpu(), rl + 1) and not bool(ticket.any()), step
+    assert bool(want[0][0]) or step != 0  # a join happened on the first launch
+    before = fl.clone()
+    ap.append_join_rows(fk, fv, k.to(DEV), v.to(DEV), fl, grid)
+    assert torch.equal(fl, before)
+
+
+def test_advance_needs_a_ticket():
+    kb, lengths = torch.zeros(2, 2, 8, 4), torch.zeros(2, dtype=torch.long)
+    k = torch.zeros(2, 2, 1, 4)
+    for ticket in (None, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="ticket"):
+            ap.append_rows(kb, kb.clone(), k, k, lengths, advance=True, ticket=ticket)
+    with pytest.raises(ValueError, match="ticket"):
+        ap.append_join_rows(kb, kb.clone(), k, k, lengths, None, advance=True)
+
+
+def _store_ops(offload: bool, device: str):
+    """A store of ragged lengths after ingest, then appends of one and several tokens and join appends across
+    page joins: per op the device outputs (CPU copies), the device and host lengths; the store."""
+    from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats
+
+    grid, b, h, d = Grid(4, 8, 1), 3, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    args = (grid, b, h, d, torch.float32, device, TransferStats())
+    st = OffloadStore(*args, work_tokens=32) if offload else DeviceStore(*args)
+    lengths = torch.tensor([3, 11, 19])
+    st.ingest(*(torch.randn(b, h, 19, d, generator=gen).to(device) for _ in range(2)), lengths)
+    out, ops = [], ["append1", "append3", *["join"] * 9, "append1", "append2", "join"]
+    for op in ops:
+        t = 1 if op == "join" else int(op[-1])
+        k, v = (torch.randn(b, h, t, d, generator=gen).to(device) for _ in range(2))
+        if op == "join":
+            j = st.append_join(k, v)
+            got = [j.joins, j.start, j.keys, j.values, j.positions, j.host_start, j.host_count]
+        else:
+            u = st.append(k, v)
+            got = [u.start, u.count, u.keys, u.values]
+        out.append([x.cpu() for x in (*got, st.lengths, st.lengths_host, st.k, st.v)])
+        assert torch.equal(st.lengths.cpu(), st.lengths_host), op
+        assert not bool(st.lengths_ticket.any()), op
+    n = sum(1 if op == "join" else int(op[-1]) for op in ops)
+    assert st.lengths_host.tolist() == (lengths + n).tolist()
+    return out
+
+
+@run_kernels
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_store_appends_advance_lengths_once(monkeypatch, offload):
+    """DeviceStore / OffloadStore through the append kernels (the lengths advanced in their launch, no ``+=``) and
+    through the PyTorch path (``+=``): the same outputs, buffers, device and host lengths after every op."""
+    from kvdex.storage import device as dev_mod
+    from kvdex.storage import offload as off_mod
+
+    gates = [(dev_mod, "_fast_append", ap.append_rows), (dev_mod, "_fast_append_join", ap.append_join_rows),
+             (off_mod, "_fast_append", ap.append_rows)]  # fmt: skip
+    runs = []
+    for use in (True, False):
+        for mod, name, f in gates:  # the kernels on any device (the interpreter on CPU), or the PyTorch path
+            monkeypatch.setattr(mod, name, (lambda on=None, f=f: f) if use else (lambda on=None: None))
+        runs.append(_store_ops(offload, DEV if use else "cpu"))
+    for i, (a, r) in enumerate(zip(*runs, strict=True)):
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, r, strict=True)), i
+
+
+@run_kernels
 @pytest.mark.parametrize("size", [1, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ring_push_equals_twin(size, dtype):
@@ -215,6 +336,9 @@ def test_gpu_graph_decode_attended_count_identical():
             cache = kvdex.Cache(model, policy, 128, dense_layers=1)
             out = kvdex.generate(model, cache, ids, max_new_tokens=40, cuda_graph=graph)
             stats.append((out, cache.stats()["attended_tokens_per_step"]))
+            for lay in cache.layers:  # the append kernels advanced the device lengths once per token (replays too)
+                st = lay.store
+                assert torch.equal(st.lengths.cpu(), st.lengths_host) and not bool(st.lengths_ticket.any()), policy
         assert torch.equal(stats[0][0], stats[1][0]) and stats[0][1] == stats[1][1], policy
 
 
@@ -223,7 +347,8 @@ def test_gpu_graph_decode_attended_count_identical():
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_gpu_decode_identical_with_and_without_step_kernels(monkeypatch, offload):
     """Eager decode of quest: the step kernels (append, offload slot list) vs the PyTorch ops, every other
-    kernel the same: bit-identical logits and store buffers."""
+    kernel the same: bit-identical logits and store buffers, the same device and host lengths (the kernels
+    advance the device lengths in their launch, the PyTorch path with ``+=``)."""
     import kvdex
     from kvdex.bench import runner, shapes
     from kvdex.storage import device
@@ -232,18 +357,23 @@ def test_gpu_decode_identical_with_and_without_step_kernels(monkeypatch, offload
     model = shapes.build_model("tiny", torch.bfloat16, "cuda")
     ids = runner._prompt(2, 300, model.config.vocab_size, 0, "cuda")
     gates = {(device, "_fast_append"): device._fast_append(), (off, "_fast_append"): off._fast_append(),
+             (device, "_fast_append_join"): device._fast_append_join(),
              (off, "_fast_slot_list"): off._fast_slot_list()}  # fmt: skip
     assert all(f is not None for f in gates.values())
     outs = []
     for use in (True, False):
         for (mod, name), f in gates.items():
-            monkeypatch.setattr(mod, name, (lambda f=f: f) if use else (lambda: None))
+            monkeypatch.setattr(mod, name, (lambda on=None, f=f: f) if use else (lambda on=None: None))
         cache = kvdex.Cache(model, "quest", 128, dense_layers=1, offload=offload)
         nxt = runner._prefill(model, cache, ids).argmax(-1, keepdim=True)
         logits = []
         for _ in range(40):  # across page boundaries
             nxt, lg = runner._step(model, cache, nxt)
             logits.append(lg)
-        outs.append((torch.stack(logits), [lay.store.k.clone() for lay in cache.layers]))
+        stores = [lay.store for lay in cache.layers]
+        for st in stores:
+            assert torch.equal(st.lengths.cpu(), st.lengths_host) and not bool(st.lengths_ticket.any()), use
+        outs.append((torch.stack(logits), [st.k.clone() for st in stores], [st.lengths.clone() for st in stores]))
     assert torch.equal(outs[0][0], outs[1][0])  # bit-identical decode
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][2], outs[1][2], strict=True))

@@ -7,8 +7,16 @@
 five kernels per layer and step, ~2 us each even inside a CUDA graph. This kernel does the same
 writes in one launch: program ``(b * H + h, j)`` copies row ``j`` of the new k and v of sequence
 ``b``, kv head ``h``, into slot ``lengths[b] + j`` of the buffers. The lengths are read on the
-device (nothing is baked into a captured step); the caller advances them afterwards as before.
-A pure copy: the buffers end bit-identical to the PyTorch path's (the twin, :func:`append_rows_reference`).
+device (nothing is baked into a captured step). A pure copy: the buffers end bit-identical to the
+PyTorch path's (the twin, :func:`append_rows_reference`).
+
+**Advancing the lengths in the same launch** (``advance=True``, both appends; the stores use it on CUDA).
+Without it the caller advances ``lengths`` afterwards, one more tiny kernel per layer and step. Every
+program of sequence b reads ``lengths[b]``, so none may write it before all of them have read it: each
+program, after its reads and writes, draws a ticket (``atomic_add`` on ``ticket[b]``, acquire-release,
+after a barrier of its threads); the one that draws the last (``H * t - 1``) stores ``lengths[b] + t`` and
+puts the ticket back to 0. ``ticket`` is an int32 [B] buffer of zeros that the caller keeps (one per
+store: a captured step bakes its address in) and finds zero again after every launch.
 
 **Append with a page join** (:func:`append_join_rows`, twin
 :func:`kvdex.kernels.reference.append_join_rows_reference`, ``DeviceStore``'s PyTorch path).
@@ -41,12 +49,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _advance_last(LENS, TICKET, b, length, t, programs):
+    """``LENS[b] = length + t`` by the last of sequence b's ``programs`` programs to get here (the ticket pattern
+    of the module docstring): every earlier one has read ``LENS[b]`` by then. Resets ``TICKET[b]`` to 0."""
+    tl.debug_barrier()  # every thread of this program has read LENS[b] and written its rows
+    drawn = tl.atomic_add(TICKET + b, 1, sem="acq_rel")
+    if drawn == programs - 1:
+        tl.store(LENS + b, length + t)
+        tl.store(TICKET + b, 0)
+
+
+@triton.jit
 def _append_kernel(
     K_BUF,
     V_BUF,
     K,
     V,
     LENS,
+    TICKET,
     stride_bb,
     stride_bh,
     stride_bs,
@@ -57,10 +77,12 @@ def _append_kernel(
     stride_vh,
     stride_vt,
     H,
+    T,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SINK: tl.constexpr = 0,
     W: tl.constexpr = 0,  # > 0: an offloaded store's ring (OffloadStore._slot: the sink, then sink + (pos - sink) % W)
+    ADVANCE: tl.constexpr = False,  # the last program of each sequence stores LENS[b] + T (TICKET: _advance_last)
 ):
     bh = tl.program_id(0)
     j = tl.program_id(1)
@@ -68,7 +90,8 @@ def _append_kernel(
     h = bh % H
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    pos = tl.load(LENS + b) + j
+    length = tl.load(LENS + b)
+    pos = length + j
     if W > 0:
         pos = tl.where(pos < SINK, pos, SINK + tl.maximum(pos - SINK, 0) % W)
     dst = b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh + pos.to(tl.int64) * stride_bs + offs
@@ -76,6 +99,19 @@ def _append_kernel(
     vr = tl.load(V + b * stride_vb + h * stride_vh + j * stride_vt + offs, mask=m)
     tl.store(K_BUF + dst, kr, mask=m)
     tl.store(V_BUF + dst, vr, mask=m)
+    if ADVANCE:
+        _advance_last(LENS, TICKET, b, length, T, H * T)
+
+
+def _ticket(lengths, advance: bool, ticket):
+    """The ticket buffer the kernel gets: the caller's (checked) with ``advance``, else ``lengths`` (never read)."""
+    if not advance:
+        return lengths
+    if ticket is None or ticket.dtype != torch.int32 or ticket.shape != lengths.shape or not ticket.is_contiguous():
+        raise ValueError("advance=True needs ticket: a contiguous int32 [B] buffer of zeros (the store's)")
+    if ticket.device != lengths.device or not lengths.is_contiguous():
+        raise ValueError("advance=True needs ticket and contiguous lengths on the same device")
+    return ticket
 
 
 def _new_rows(k_buf, v_buf, k, v, lengths):
@@ -100,29 +136,38 @@ def append_rows(
     v: torch.Tensor,
     lengths: torch.Tensor,
     ring: tuple[int, int] | None = None,
+    *,
+    advance: bool = False,
+    ticket: torch.Tensor | None = None,
 ):
     """k_buf/v_buf [B, H, S, D] (same strides, last dim contiguous); k/v [B, H, t, D]; lengths [B] (device):
     ``k_buf[b, h, lengths[b] + j] = k[b, h, j]`` (and v) for every b, h, j < t. The caller guarantees
     ``lengths[b] + t <= S``. ``ring=(sink, window)``: the row goes to ``OffloadStore._slot`` of that
-    position instead (the sink rows, then the window ring)."""
+    position instead (the sink rows, then the window ring). ``advance=True`` (with ``ticket``, int32 [B]
+    zeros, left zero): ``lengths += t`` in the same launch; without it the caller advances ``lengths``."""
     k, v = _new_rows(k_buf, v_buf, k, v, lengths)
+    tk = _ticket(lengths, advance, ticket)
     b, h, t, d = k.shape
     if b * h * t == 0:
+        if advance and t:
+            lengths += t
         return
     _append_kernel[(b * h, t)](
-        k_buf, v_buf, k, v, lengths,
+        k_buf, v_buf, k, v, lengths, tk,
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        h, D=d, BLOCK_D=triton.next_power_of_2(d), SINK=ring[0] if ring else 0, W=ring[1] if ring else 0,
+        h, t, D=d, BLOCK_D=triton.next_power_of_2(d), SINK=ring[0] if ring else 0, W=ring[1] if ring else 0,
+        ADVANCE=advance,
     )  # fmt: skip
 
 
 @triton.jit
 def _append_join_kernel(
-    K_BUF, V_BUF, K, V, LENS, JOINS, START, KEYS, POS,
+    K_BUF, V_BUF, K, V, LENS, JOINS, START, KEYS, POS, TICKET,
     stride_bb, stride_bh, stride_bs, stride_kb, stride_kh, stride_vb, stride_vh, H, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SINK: tl.constexpr, PS: tl.constexpr, WP: tl.constexpr,
+    ADVANCE: tl.constexpr = False,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // H
@@ -147,17 +192,25 @@ def _append_join_kernel(
         tl.store(JOINS + b, after > before)
         tl.store(START + b, before.to(tl.int64))
         tl.store(POS + b * PS + j, pos.to(tl.int64))
+    if ADVANCE:  # after every read of this program (LENS[b] and the page's keys)
+        _advance_last(LENS, TICKET, b, length, 1, H)
 
 
-def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, grid):
+def append_join_rows(
+    k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, grid,
+    *, advance: bool = False, ticket: torch.Tensor | None = None,
+):  # fmt: skip
     """One token per sequence (k/v [B, H, 1, D]) written at ``lengths`` [B] (device) of the buffers [B, H, S, D],
     and the page that joins the middle with it (``grid``: the store's ``Grid``) -> ``joins`` [B] bool,
     ``start`` [B] int64 (the page id; the window's first page where none joins), ``keys`` [B, H, 1, ps, D]
-    (read after the write, slots clamped to the buffer) and ``positions`` [B, ps] int64. The caller advances
-    ``lengths``. Same values as ``kvdex.kernels.reference.append_join_rows_reference``."""
+    (read after the write, slots clamped to the buffer) and ``positions`` [B, ps] int64, all of the lengths
+    before the token. ``advance=True`` (with ``ticket``, as :func:`append_rows`): ``lengths += 1`` in the same
+    launch; without it the caller advances ``lengths``. Same values as
+    ``kvdex.kernels.reference.append_join_rows_reference``."""
     if k.dim() != 4 or k.shape[2] != 1:
         raise ValueError(f"expected one row [B, H, 1, D] per sequence, got {tuple(k.shape)}")
     k, v = _new_rows(k_buf, v_buf, k, v, lengths)
+    tk = _ticket(lengths, advance, ticket)
     b, h, _, d = k.shape
     ps, dev = grid.page_size, k_buf.device
     joins = torch.empty(b, dtype=torch.bool, device=dev)
@@ -166,11 +219,13 @@ def append_join_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, 
     pos = torch.empty(b, ps, dtype=torch.long, device=dev)
     if b * h:
         _append_join_kernel[(b * h,)](
-            k_buf, v_buf, k, v, lengths, joins, start, keys, pos,
+            k_buf, v_buf, k, v, lengths, joins, start, keys, pos, tk,
             k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             h, k_buf.shape[2],
-            D=d, BLOCK_D=triton.next_power_of_2(d), SINK=grid.sink, PS=ps, WP=grid.window_pages,
+            D=d, BLOCK_D=triton.next_power_of_2(d), SINK=grid.sink, PS=ps, WP=grid.window_pages, ADVANCE=advance,
         )  # fmt: skip
+    elif advance:
+        lengths += 1
     return joins, start, keys, pos
 
 

@@ -154,6 +154,9 @@ class LayerStore(ABC):
         self.stats = stats
         self.lengths_host = torch.zeros(batch, dtype=torch.long)  # real tokens per sequence (CPU)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        # the append kernels' per-sequence counters when they advance ``lengths`` themselves (kvdex.kernels.
+        # step_triton, ``advance=True``): zero between launches; made here, never during a capture
+        self.lengths_ticket = torch.zeros(batch, dtype=torch.int32, device=self.device)
 
     # ---- writes -------------------------------------------------------------------------
     @abstractmethod
@@ -305,9 +308,12 @@ class LayerStore(ABC):
         return 0
 
     # ---- shared helpers -----------------------------------------------------------------
-    def _advance(self, t: int) -> None:
+    def _advance(self, t: int, device: bool = True) -> None:
+        """``t`` tokens appended per sequence: the host lengths, and the device ones unless the append kernel
+        advanced them in its launch (``device=False``)."""
         self.lengths_host += t
-        self.lengths += t
+        if device:
+            self.lengths += t
 
     def _window_slots_positions(self) -> torch.Tensor:
         """[B, W] positions of the window rows (some past the length: invalid)."""

@@ -15,9 +15,15 @@ from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 _GROW_TOKENS = 1024
 
 
-def _fast_append():
-    """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    return triton_kernel("step_triton", "append_rows")
+def _fast_append(on: torch.Tensor | None = None):
+    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
+    CUDA (``KVDEX_TRITON=0``: the PyTorch writes)."""
+    return triton_kernel("step_triton", "append_rows", on=on)
+
+
+def _fast_append_join(on: torch.Tensor | None = None):
+    """kvdex.kernels.step_triton.append_join_rows, as :func:`_fast_append` (else ``append_join_rows_reference``)."""
+    return triton_kernel("step_triton", "append_join_rows", on=on)
 
 
 class DeviceStore(LayerStore):
@@ -74,15 +80,15 @@ class DeviceStore(LayerStore):
         t = k.shape[2]
         before = self.grid.num_middle_pages(self.lengths_host)
         self._reserve(int(self.lengths_host.max()) + t)
-        fast = _fast_append() if self.k.is_cuda else None
-        if fast is not None:  # one Triton launch instead of five kernels (kvdex.kernels.step_triton)
-            fast(self.k, self.v, k, v, self.lengths)
+        fast = _fast_append(self.k)
+        if fast is not None:  # one Triton launch instead of six kernels, lengths advanced (kvdex.kernels.step_triton)
+            fast(self.k, self.v, k, v, self.lengths, advance=True, ticket=self.lengths_ticket)
         else:
             pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]
             bi = torch.arange(self.batch, device=self.device)[:, None].expand_as(pos)
             self.k[bi, :, pos] = k.permute(0, 2, 1, 3)
             self.v[bi, :, pos] = v.permute(0, 2, 1, 3)
-        self._advance(t)
+        self._advance(t, device=fast is None)
         after = self.grid.num_middle_pages(self.lengths_host)
         return self._middle_update(before, after - before, self.k, self.v)
 
@@ -95,10 +101,14 @@ class DeviceStore(LayerStore):
         if k.shape[2] != 1:
             raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
         self._reserve(int(self.lengths_host.max()) + 1)  # a no-op when reserved ahead (host check only)
-        fast = triton_kernel("step_triton", "append_join_rows") if self.k.is_cuda else None
-        join = fast or append_join_rows_reference  # one launch on CUDA: the write, the joining page, its keys
-        joins, start, keys, pos = join(self.k, self.v, k, v, self.lengths, self.grid)
-        self.lengths += 1
+        fast = _fast_append_join(self.k)
+        if fast is not None:  # one launch on CUDA: the write, the joining page, its keys, the lengths advanced
+            joins, start, keys, pos = fast(
+                self.k, self.v, k, v, self.lengths, self.grid, advance=True, ticket=self.lengths_ticket
+            )
+        else:
+            joins, start, keys, pos = append_join_rows_reference(self.k, self.v, k, v, self.lengths, self.grid)
+            self.lengths += 1
         host_start, host_count = self._advance_join()
         values = lambda: self.v.gather(2, page_rows(pos, self.v))[:, :, None]  # noqa: E731 (no policy reads them)
         return PageJoin(joins, start, keys, values, host_start, host_count, self, pos)

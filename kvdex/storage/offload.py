@@ -44,9 +44,10 @@ def _fast_slot_list():
     return triton_kernel("step_triton", "offload_slot_list")
 
 
-def _fast_append():
-    """kvdex.kernels.step_triton.append_rows when triton imports (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    return triton_kernel("step_triton", "append_rows")
+def _fast_append(on: torch.Tensor | None = None):
+    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
+    CUDA (``KVDEX_TRITON=0``: the PyTorch writes)."""
+    return triton_kernel("step_triton", "append_rows", on=on)
 
 
 class OffloadStore(PageCacheMixin, LayerStore):
@@ -147,15 +148,16 @@ class OffloadStore(PageCacheMixin, LayerStore):
                 vp = self.v[b, :, s0 : s0 + g.page_size].clone()
                 self.host.write(b, page, kp[:, None], vp[:, None])
                 evicted[b].append((page, kp, vp))
-            fast = _fast_append() if self.k.is_cuda and g.window else None
-            if fast is not None:  # one Triton launch instead of ~9 kernels (kvdex.kernels.step_triton)
-                fast(self.k, self.v, k[:, :, j : j + 1], v[:, :, j : j + 1], self.lengths, ring=(g.sink, g.window))
+            fast = _fast_append(self.k) if g.window else None
+            if fast is not None:  # one Triton launch instead of ~10 kernels, lengths too (kvdex.kernels.step_triton)
+                kj, vj, ring = k[:, :, j : j + 1], v[:, :, j : j + 1], (g.sink, g.window)
+                fast(self.k, self.v, kj, vj, self.lengths, ring=ring, advance=True, ticket=self.lengths_ticket)
             else:
                 slot = self.window_slots(self.lengths)
                 bi = torch.arange(self.batch, device=self.device)
                 self.k[bi, :, slot] = k[:, :, j]
                 self.v[bi, :, slot] = v[:, :, j]
-            self._advance(1)
+            self._advance(1, device=fast is None)
         return self._evicted_update(evicted)
 
     def reserve_join(self, tokens: int) -> None:
@@ -175,15 +177,15 @@ class OffloadStore(PageCacheMixin, LayerStore):
         rows = rows[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         kp, vp = self.k.gather(2, rows), self.v.gather(2, rows)  # [B, H, ps, D], before the ring slot is reused
         self.host.write_join(torch.where(joins, start, -1), torch.stack([kp, vp], dim=2))
-        fast = _fast_append() if self.k.is_cuda else None
-        if fast is not None:
-            fast(self.k, self.v, k, v, self.lengths, ring=(g.sink, g.window))
+        fast = _fast_append(self.k)
+        if fast is not None:  # the token and the lengths' advance in one launch
+            fast(self.k, self.v, k, v, self.lengths, ring=(g.sink, g.window), advance=True, ticket=self.lengths_ticket)
         else:
             slot = self.window_slots(self.lengths)
             bi = torch.arange(self.batch, device=self.device)
             self.k[bi, :, slot] = k[:, :, 0]
             self.v[bi, :, slot] = v[:, :, 0]
-        self.lengths += 1
+            self.lengths += 1
         host_start, host_count = self._advance_join()
         return PageJoin(joins, start, kp[:, :, None], vp[:, :, None], host_start, host_count, self)
 
