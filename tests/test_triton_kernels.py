@@ -221,6 +221,83 @@ def test_paged_decode_count_equals_twin(sink, ps, wp, b, h, p):
         ta.paged_decode_attention(*args, count=torch.zeros(1, dtype=torch.long, device=DEV))
 
 
+# ---- the merge folded into the split kernel ("last program" ticket) against the two-launch path ---------
+
+
+def _tickets_zero() -> bool:
+    return all(not bool(t.any()) for t in ta._TICKETS.values())
+
+
+def _decode_calls(b, h, g, dtype, splits, seed):
+    """A query and one call of each entry point on it (paged: pages, tokens and count=): (output, count)."""
+    s, d = 96, 16
+    q, k, v, idx, valid = _inputs(b, h, g, s, 45, d, dtype, seed=seed)
+    lengths = torch.tensor([96, 29][:b], device=DEV)
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randint(-1, 3, (b, h, 3), generator=gen).to(DEV)
+    toks = torch.randint(-1, 40, (b, h, 9), generator=gen).to(DEV)
+    kw = dict(splits=splits, block_n=16)
+
+    def paged(x, tokens):
+        count = torch.tensor(7, dtype=torch.long, device=DEV)
+        out = ta.paged_decode_attention(x, k, v, pages, lengths, 4, 16, 1, 0.3, tokens=tokens, count=count, **kw)
+        return out, int(count)
+
+    return q, {
+        "sparse": lambda x: (ta.sparse_decode_attention(x, k, v, idx, valid, 0.3, **kw), None),
+        "dense": lambda x: (ta.dense_decode_attention(x, k, v, lengths, 0.3, max_len=s, **kw), None),
+        "paged": lambda x: paged(x, None),
+        "paged_tokens": lambda x: paged(x, toks),
+    }
+
+
+@run_kernels
+@pytest.mark.parametrize("splits", [1, 2, 3, None], ids=lambda s: f"splits={s}")
+@pytest.mark.parametrize(
+    "b,h,g,dtype",
+    [
+        (1, 2, 1, torch.float32),  # MHA; automatic splits: 2
+        (2, 2, 4, torch.float32),  # GQA 4; automatic: 1
+        (1, 1, 7, torch.float16),  # odd group, half precision; automatic: 4
+    ],
+)
+def test_fused_merge_bitwise_equals_two_launches(monkeypatch, b, h, g, dtype, splits):
+    """By default the split kernel's last program of each row merges the splits (one launch): bit for bit the
+    two-launch result (``KVDEX_FUSED_COMBINE=0``) for every entry point, any splits, and the ticket counters
+    are all zero again afterwards; ``_combine_kernel`` is not launched at all."""
+    q, calls = _decode_calls(b, h, g, dtype, splits, seed=b * 100 + g * 10 + (splits or 0))
+    combine = ta._combine_kernel
+    for name, call in calls.items():
+        monkeypatch.setenv("KVDEX_FUSED_COMBINE", "0")
+        monkeypatch.setattr(ta, "_combine_kernel", combine)
+        want, want_count = call(q)
+        call(-q)  # other partials in the memory the next call's partials may get: none of them may be read
+        monkeypatch.delenv("KVDEX_FUSED_COMBINE")
+        monkeypatch.setattr(ta, "_combine_kernel", None)  # launching it would raise
+        for _ in range(2):  # the counters went back to zero: a second call is right too
+            got, count = call(q)
+            assert torch.equal(got, want), name
+            assert count == want_count, name
+            assert _tickets_zero(), name
+
+
+@run_kernels
+def test_fused_merge_grows_the_ticket_buffer(monkeypatch):
+    """A B*H larger than the cached counters gets a larger zeroed buffer (the old one is kept alive: a captured
+    graph may still use it); the result is still the two-launch one."""
+    q, k, v, idx, valid = _inputs(3, 2, 2, 40, 33, 16, torch.float32, seed=9)
+    small = torch.zeros(4, dtype=torch.int32, device=DEV)
+    monkeypatch.setattr(ta, "_TICKETS", {q.device: small})
+    monkeypatch.setattr(ta, "_RETIRED", [])
+    got = ta.sparse_decode_attention(q, k, v, idx, valid, 0.3, splits=2, block_n=16)
+    buf = ta._TICKETS[q.device]
+    assert buf.numel() >= 6 and buf.dtype == torch.int32 and not bool(buf.any())
+    assert ta._RETIRED == [small]
+    monkeypatch.setenv("KVDEX_FUSED_COMBINE", "0")
+    want = ta.sparse_decode_attention(q, k, v, idx, valid, 0.3, splits=2, block_n=16)
+    assert torch.equal(got, want)
+
+
 # ---- gathers (UVA from pinned host memory on CUDA; device gather; interpreter on CPU) ------------
 
 
@@ -736,3 +813,67 @@ def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
         out.append(got)
     assert torch.equal(out[0].sequences, out[1].sequences)
     torch.testing.assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [None, 64, 1], ids=lambda s: f"splits={s}")
+def test_fused_merge_on_gpu_repeated_and_in_cuda_graphs(monkeypatch, splits):
+    """The ticket merge on the GPU (the programs of a row finish concurrently): 50 calls with a new query each,
+    each against the two-launch path, then inside a captured CUDA graph replayed with new queries; the counters
+    are zero after every call and replay. A capture that would have to allocate the counters runs the two
+    launches instead."""
+    b, h, g, s, d = 2, 8, 4, 4096, 128
+    q, k, v, idx, valid = _inputs(b, h, g, s, 3000, d, torch.bfloat16, seed=11)
+    lengths = torch.tensor([4096, 1500], device=DEV)
+    pages = torch.randint(-1, 200, (b, h, 60), device=DEV)
+    qs = [torch.randn_like(q) for _ in range(50)]
+    kw = dict(splits=splits)
+    calls = {
+        "sparse": lambda x: ta.sparse_decode_attention(x, k, v, idx, valid, 0.1, **kw),
+        "dense": lambda x: ta.dense_decode_attention(x, k, v, lengths, 0.1, max_len=s, **kw),
+        "paged": lambda x: ta.paged_decode_attention(x, k, v, pages, lengths, 16, 16, 2, 0.1, **kw),
+    }
+
+    def two_launch(call, x):
+        monkeypatch.setenv("KVDEX_FUSED_COMBINE", "0")
+        try:
+            return call(x)
+        finally:
+            monkeypatch.delenv("KVDEX_FUSED_COMBINE")
+
+    def check(got, want, name):
+        assert bool(torch.isfinite(got).all()), name
+        diff = (got.float() - want.float()).abs().max().item()
+        assert diff <= 1e-2, f"{name}: max abs diff {diff}"
+
+    for name, call in calls.items():
+        wants = [two_launch(call, x) for x in qs]
+        for x, want in zip(qs, wants, strict=True):
+            check(call(x), want, name)
+        torch.cuda.synchronize()
+        assert _tickets_zero(), name
+        static_q = qs[0].clone()
+        call(static_q)  # warm-up: the counters exist before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(static_q)
+        for x, want in list(zip(qs, wants, strict=True))[:8]:
+            static_q.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            check(out, want, f"{name} (graph)")
+            assert _tickets_zero(), f"{name} (graph)"
+        # no counters and capturing: the capture takes the two launches, allocating nothing
+        tickets = ta._TICKETS
+        monkeypatch.setattr(ta, "_TICKETS", {})
+        graph2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph2):
+            out2 = call(static_q)
+        assert ta._TICKETS == {}, name
+        static_q.copy_(qs[1])
+        graph2.replay()
+        torch.cuda.synchronize()
+        check(out2, wants[1], f"{name} (capture without counters)")
+        assert splits == 1 or torch.equal(out2, wants[1]), name  # one split needs no counters: still one launch
+        monkeypatch.setattr(ta, "_TICKETS", tickets)
