@@ -10,14 +10,8 @@ layer's slot buffers ``k/v [B, H, S, D]`` (only where ``valid``). The PyTorch tw
   K/V rows straight from the slot buffer (the "device gather" is fused into the attention: no copy
   of the selection is made), and keeps an online softmax (running max ``m``, sum ``l``, fp32
   accumulator) over tiles of ``BLOCK_N`` slots. It writes its partial ``(m, l, acc)``.
-* phase 2 (``_merge``): merges the splits of each query head with the usual log-sum-exp rescaling and
-  writes ``acc / l`` in the query dtype. By default phase 1 runs it itself ("last program" ticket): after
-  its partials each program of a row (b, h) takes a ticket (an atomic add on a persistent int32 counter
-  per row, zero between launches) and the one that draws ``splits - 1`` merges the G query heads and
-  resets the counter; one split writes ``acc / l`` directly. The counters are one buffer per device, so
-  fused launches on one device must not overlap (two streams at once). ``KVDEX_FUSED_COMBINE=0`` (read
-  at each call), or a graph capture that would need a larger counter buffer, runs the merge as a second
-  launch instead (``_combine_kernel``, grid ``(B*Hq,)``); both paths compute the same arithmetic.
+* phase 2 (``_combine_kernel``), grid ``(B*Hq,)``: merges the splits with the usual log-sum-exp
+  rescaling and writes ``acc / l`` in the query dtype.
 
 Splitting over the selection (flash-decoding) is what keeps the GPU busy at batch 1: with 8 kv
 heads a kernel with one program per head would run on 8 of 132 SMs. The number of splits aims at
@@ -40,7 +34,6 @@ run through Triton's interpreter on CPU tensors (the CPU tests compare them with
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -51,25 +44,50 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, IDX, VALID, LENS, M_OUT, L_OUT, ACC_OUT,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ih, stride_lb, stride_lh,
-    H, N, chunk, splits, scale_log2,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    VALID,
+    LENS,
+    M_OUT,
+    L_OUT,
+    ACC_OUT,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ib,
+    stride_ih,
+    stride_lb,
+    stride_lh,
+    H,
+    N,
+    chunk,
+    splits,
+    scale_log2,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,  # 0: idx/valid, 1: dense (slot == position < LENS[b]), 2: resident pages
     PREC: tl.constexpr,
-    SINK: tl.constexpr = 0, PS: tl.constexpr = 16, WP: tl.constexpr = 1,
+    SINK: tl.constexpr = 0,
+    PS: tl.constexpr = 16,
+    WP: tl.constexpr = 1,
     TOK=None,  # MODE 2 with tokens: [B, H, T] selected positions (-1: none) listed after the pages
-    stride_tb=0, stride_th=0,
+    stride_tb=0,
+    stride_th=0,
     NPAGES=0,  # MODE 2 with tokens: the pages' count P (the tokens start at index P * PS of the middle)
     HAS_TOK: tl.constexpr = False,
     CNT=None,  # with HAS_CNT: a 0-dim int64 counter, += the valid slots this program attended
     HAS_CNT: tl.constexpr = False,
-    TICKET=None,  # FUSE 1: [>= B*H] int32 counters, zero between launches
-    OUT=None,  # FUSE 1 / 2: the output [B, Hq, D]
-    FUSE: tl.constexpr = 0,  # 0: partials only (_combine_kernel follows); 1: the last program merges; 2: one split
-    BLOCK_S: tl.constexpr = 1,  # FUSE 1: splits, padded to a power of two
-):  # fmt: skip
+):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     b = pid // H
@@ -144,38 +162,36 @@ def _split_kernel(
         m_i = m_new
 
     row = (b * H + h) * G + offs_g  # query head index b*Hq + h*G + g
-    gd_mask = gmask[:, None] & dmask[None, :]
-    if FUSE == 2:  # the merge of one split: m_all = m, w = exp2(0) = 1, o = acc * 1 / (l * 1)
-        tl.store(OUT + row[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=gd_mask)
-    else:
-        tl.store(M_OUT + row * splits + sid, m_i, mask=gmask)
-        tl.store(L_OUT + row * splits + sid, l_i, mask=gmask)
-        tl.store(ACC_OUT + (row[:, None] * splits + sid) * D + offs_d[None, :], acc, mask=gd_mask)
+    tl.store(M_OUT + row * splits + sid, m_i, mask=gmask)
+    tl.store(L_OUT + row * splits + sid, l_i, mask=gmask)
+    acc_ptrs = ACC_OUT + (row[:, None] * splits + sid) * D + offs_d[None, :]
+    tl.store(acc_ptrs, acc, mask=gmask[:, None] & dmask[None, :])
     if HAS_CNT:
         tl.atomic_add(CNT, tl.sum(n_ok, axis=0).to(tl.int64))
-    if FUSE == 1:
-        tl.debug_barrier()  # every thread's partials are stored before the ticket releases them
-        if tl.atomic_add(TICKET + pid, 1, sem="acq_rel") == splits - 1:  # the row's last program: merge
-            for g in tl.static_range(G):  # ".cg": read the other programs' partials from L2, not a stale L1
-                _merge(M_OUT, L_OUT, ACC_OUT, OUT, (b * H + h) * G + g, splits, D, BLOCK_D, BLOCK_S, ".cg")
-            tl.store(TICKET + pid, 0)  # every program of the row has drawn: zero for the next launch
 
 
 @triton.jit
-def _merge(M_IN, L_IN, ACC_IN, OUT, row, splits, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-           CACHE: tl.constexpr):  # fmt: skip
-    """Merges the ``splits`` partials of query head ``row`` (b * Hq + head) and writes ``acc / l``."""
+def _combine_kernel(
+    M_IN,
+    L_IN,
+    ACC_IN,
+    OUT,
+    splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * Hq + query head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     smask = offs_s < splits
     dmask = offs_d < D
-    m = tl.load(M_IN + row * splits + offs_s, mask=smask, other=-1.0e30, cache_modifier=CACHE)
-    l_s = tl.load(L_IN + row * splits + offs_s, mask=smask, other=0.0, cache_modifier=CACHE)
+    m = tl.load(M_IN + row * splits + offs_s, mask=smask, other=-1.0e30)
+    l_s = tl.load(L_IN + row * splits + offs_s, mask=smask, other=0.0)
     acc = tl.load(
         ACC_IN + (row * splits + offs_s)[:, None] * D + offs_d[None, :],
         mask=smask[:, None] & dmask[None, :],
         other=0.0,
-        cache_modifier=CACHE,
     )
     m_all = tl.max(m, axis=0)
     w = tl.exp2(m - m_all)
@@ -184,31 +200,9 @@ def _merge(M_IN, L_IN, ACC_IN, OUT, row, splits, D: tl.constexpr, BLOCK_D: tl.co
     tl.store(OUT + row * D + offs_d, o.to(OUT.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
-def _combine_kernel(M_IN, L_IN, ACC_IN, OUT, splits, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    _merge(M_IN, L_IN, ACC_IN, OUT, tl.program_id(0), splits, D, BLOCK_D, BLOCK_S, "")
-
-
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_TICKETS: dict = {}  # device -> the fused merge's int32 ticket counters (zero between launches)
-_RETIRED: list = []  # counters replaced by larger ones: a captured CUDA graph may still use them
-
-
-def _tickets(dev: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` ticket counters on ``dev``; None where a graph capture would have to allocate them."""
-    buf = _TICKETS.get(dev)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if buf is not None:
-        _RETIRED.append(buf)
-    _TICKETS[dev] = buf = torch.zeros(_pow2(n, 1024), dtype=torch.int32, device=dev)
-    return buf
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -246,17 +240,10 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
     chunk = triton.cdiv(triton.cdiv(max(n, 1), splits), block_n) * block_n
     splits = max(1, triton.cdiv(max(n, 1), chunk))
     dev = q.device
-    fuse, tickets = 0, None  # 0: _combine_kernel merges; 1: the split kernel's last program; 2: one split
-    if os.environ.get("KVDEX_FUSED_COMBINE", "1") != "0":
-        tickets = _tickets(dev, b * h) if splits > 1 else None
-        fuse = 2 if splits == 1 else 0 if tickets is None else 1
+    m_part = torch.empty(b * hq * splits, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(b * hq * splits * d, dtype=torch.float32, device=dev)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
-    if fuse == 2:
-        m_part = l_part = acc_part = out  # no partials: never written
-    else:
-        m_part = torch.empty(b * hq * splits, dtype=torch.float32, device=dev)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(b * hq * splits * d, dtype=torch.float32, device=dev)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if mode == 1:
         idx = valid = lens
@@ -279,11 +266,8 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
         **({} if tokens is None else dict(TOK=tokens, stride_tb=tokens.stride(0), stride_th=tokens.stride(1),
                                           NPAGES=idx.shape[2], HAS_TOK=True)),
         **({} if count is None else dict(CNT=count, HAS_CNT=True)),
-        **({} if not fuse else dict(TICKET=tickets, OUT=out, FUSE=fuse, BLOCK_S=_pow2(splits))),
     )  # fmt: skip
-    if not fuse:
-        _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16),
-                                   BLOCK_S=_pow2(splits))  # fmt: skip
+    _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
 
 
