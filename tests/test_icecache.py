@@ -37,6 +37,19 @@ def test_covering_budget_matches_sdpa(family, offload, n, reuse):
     assert cache.stats()["attended_tokens_per_step"] == pytest.approx(n + NEW / 2)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_exact_parents_at_a_covering_budget_match_sdpa(offload):
+    """parents="exact" builds other trees (the prefill's and the decode-time insertions), the same invariant."""
+    model, _ = shared_pair("llama_gqa")
+    ref_tokens, ref_logits = reference_greedy("llama_gqa", 70, 70, NEW)
+    cache = kvdex.Cache(model, "icecache:parents=exact", budget=256, page_size=PAGE, sink=SINK, window=WINDOW,
+                        offload=offload, dense_layers=1)  # fmt: skip
+    tokens, logits = greedy(model, prompt(70, seed=70), cache=cache, new=NEW)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert cache.policy.params.parents == "exact"
+
+
 def _observe(cache, log):
     def obs(layer, q, store, aset, scale):
         log.append((layer, aset.positions.clone(), aset.valid.clone(), store.lengths_host.clone()))
@@ -306,9 +319,12 @@ def test_registered_and_bad_options_raise():
         dict(query_chunks=-1),
         dict(group_merge="sum"),
         dict(budget_rule="pages"),
+        dict(parents="nearest"),
     ):
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)
+    with pytest.raises(ValueError, match="parents must be one of 'dci', 'exact'"):
+        make_policy("icecache:parents=knn")
     with pytest.raises(TypeError, match="no option"):
         make_policy("icecache", ratio=0.1)
     p = make_policy("icecache:promotion_ratio=0.125:reuse=True")
@@ -412,11 +428,13 @@ def test_forks_with_other_tree_settings_build_their_own():
     other_seed = src.fork(policy="icecache:seed=3", budget=96)
     other_r = src.fork(policy="icecache:promotion_ratio=0.25", budget=96)
     other_grid = src.fork(budget=96, page_size=8, window=32)
-    for c in (src, same, other_seed, other_r, other_grid):
+    exact = src.fork(policy="icecache:parents=exact", budget=96)
+    for c in (src, same, other_seed, other_r, other_grid, exact):
         c.policy.flush()
     assert same.policy.stats()["builds_reused"] == 1 and same.policy.stats()["builds"] == 0
     assert same.policy._trees[2][0] is src.policy._trees[2][0]
-    for c in (other_seed, other_r, other_grid):
+    assert exact.policy._trees[2][0].params.parents == "exact" and src.policy._trees[2][0].params.parents == "dci"
+    for c in (other_seed, other_r, other_grid, exact):
         assert c.policy.stats()["builds"] == 1 and c.policy.stats()["builds_reused"] == 0
         assert c.policy._trees[2][0] is not src.policy._trees[2][0]
     assert not torch.equal(other_seed.policy._trees[2][0].top, src.policy._trees[2][0].top)

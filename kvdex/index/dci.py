@@ -44,6 +44,7 @@ import torch
 from kvdex.index.search import children, dedupe, pdci
 
 _QUERY_CHUNK = 4096  # queries per batched search during construction (bounds memory)
+PARENTS = ("dci", "exact")  # DCIParams.parents
 
 
 # ---- the transform (eq. 2 / eq. 3) ------------------------------------------------------------------
@@ -84,6 +85,10 @@ class DCIParams:
     page_size: int = 16
     norm_margin: float = 1.25  # c = norm_margin * max |k| of the keys the tree is built from
     seed: int = 0
+    # how a point finds its parent on the level above: "dci" = the tree's own approximate search
+    # (Algorithm 2, with construction_fov / construction_prop), "exact" = the largest inner product
+    # among all points of that level (one matrix product per chunk; not the paper's construction)
+    parents: str = "dci"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.promotion_ratio < 1.0:
@@ -96,6 +101,8 @@ class DCIParams:
             raise ValueError(f"construction_prop must be in (0, 1], got {self.construction_prop}")
         if self.norm_margin < 1.0:
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
+        if self.parents not in PARENTS:
+            raise ValueError(f"parents must be one of {', '.join(map(repr, PARENTS))}, got {self.parents!r}")
 
 
 # ---- the tree -------------------------------------------------------------------------------------
@@ -274,9 +281,16 @@ class DCITree:
         )
 
     def _parents_of(self, Xq: torch.Tensor, level: int) -> torch.Tensor:
-        """Nearest point of ``level`` for each transformed key (1-NN by the tree's own search)."""
+        """Nearest point of ``level`` for each transformed key (1-NN by the tree's own search, or exactly
+        with ``parents="exact"``: transformed keys have one norm, so the nearest is the largest inner product)."""
         out = []
         p = self.params
+        if p.parents == "exact":
+            pts = torch.nonzero(self.top >= level).flatten()
+            Xl = self.X[pts]
+            for s in range(0, Xq.shape[0], _QUERY_CHUNK):
+                out.append(pts[(Xq[s : s + _QUERY_CHUNK] @ Xl.T).argmax(1)])
+            return torch.cat(out)
         for s in range(0, Xq.shape[0], _QUERY_CHUNK):
             ids, _ = self.search(Xq[s : s + _QUERY_CHUNK], 1, level, p.construction_fov, p.construction_prop)
             out.append(ids[:, 0])

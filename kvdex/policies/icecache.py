@@ -49,7 +49,7 @@ from functools import partial
 
 import torch
 
-from kvdex.index.dci import DCIParams, DCITree, transform_queries
+from kvdex.index.dci import PARENTS, DCIParams, DCITree, transform_queries
 from kvdex.index.device_search import DeviceSearch
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
@@ -74,6 +74,10 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     num_simp: int = 4  # random projections per composite index (p)
     construction_fov: int = 10
     construction_prop: float = 0.25
+    # a point's parent on the level above: "dci" = the tree's own search (Algorithm 2, the paper), "exact" = the
+    # nearest point of that level by one matrix product (kvdex option: the leaf nodes of build="device"; ~30x
+    # faster host builds, docs/policies/icecache.md, "Exact parents")
+    parents: str = "dci"
     query_fov: int = 0  # points kept per level when selecting; 0 -> topk
     query_prop: float = 0.8
     topk: int = 0  # keys retrieved per query head (Alg. 3's k); 0 -> the budget (docs: "budget 64")
@@ -132,6 +136,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         if self.norm_margin < 1.0:
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
+        if self.parents not in PARENTS:
+            raise ValueError(f"parents must be one of {', '.join(map(repr, PARENTS))}, got {self.parents!r}")
         if self.group_merge not in MERGES:
             raise ValueError(f"group_merge must be one of {', '.join(MERGES)}, got {self.group_merge!r}")
         if self.budget_rule not in ("tokens", "keys"):
@@ -178,7 +184,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     def bind(self, info) -> None:
         super().bind(info)
         ps = self.cfg.page_size
-        same = ("num_comp", "num_simp", "construction_fov", "construction_prop", "norm_margin", "seed")
+        same = ("num_comp", "num_simp", "construction_fov", "construction_prop", "norm_margin", "seed", "parents")
         self.params = DCIParams(
             promotion_ratio=self.promotion_ratio or 1.0 / ps, page_size=ps, **{f: getattr(self, f) for f in same}
         )
