@@ -75,7 +75,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     construction_fov: int = 10
     construction_prop: float = 0.25
     # a point's parent on the level above: "dci" = the tree's own search (Algorithm 2, the paper), "exact" = the
-    # nearest point of that level by one matrix product (kvdex option: the leaf nodes of build="device"; ~30x
+    # nearest point of that level by one matrix product (kvdex option: the leaf nodes of build="device"; ~20x
     # faster host builds, docs/policies/icecache.md, "Exact parents")
     parents: str = "dci"
     query_fov: int = 0  # points kept per level when selecting; 0 -> topk
