@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.layout import Grid
 
@@ -124,6 +125,13 @@ class TransferStats:
     d2h_bytes: int = 0
     h2d_calls: int = 0
     fields: dict = field(default_factory=dict)
+
+
+def fast_append(on: torch.Tensor | None = None):
+    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
+    CUDA (``KVDEX_TRITON=0``: the PyTorch writes). The device and offloaded stores' gate, imported by each as
+    ``_fast_append`` (tests switch it per module)."""
+    return triton_kernel("step_triton", "append_rows", on=on)
 
 
 class LayerStore(ABC):

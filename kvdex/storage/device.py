@@ -9,16 +9,11 @@ from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import append_join_rows_reference, page_rows
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage.base import fast_append as _fast_append
 
 # Capacity grows in steps of at least this many tokens (and 25%), so a decode step
 # almost never reallocates.
 _GROW_TOKENS = 1024
-
-
-def _fast_append(on: torch.Tensor | None = None):
-    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
-    CUDA (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    return triton_kernel("step_triton", "append_rows", on=on)
 
 
 def _fast_append_join(on: torch.Tensor | None = None):

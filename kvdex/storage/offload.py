@@ -35,6 +35,7 @@ import torch
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage.base import fast_append as _fast_append
 from kvdex.storage.host import _GROW_PAGES, HostPages
 from kvdex.storage.page_cache import PageCacheMixin
 
@@ -42,12 +43,6 @@ from kvdex.storage.page_cache import PageCacheMixin
 def _fast_slot_list():
     """kvdex.kernels.step_triton.offload_slot_list when triton imports (``KVDEX_TRITON=0``: the PyTorch ops)."""
     return triton_kernel("step_triton", "offload_slot_list")
-
-
-def _fast_append(on: torch.Tensor | None = None):
-    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
-    CUDA (``KVDEX_TRITON=0``: the PyTorch writes)."""
-    return triton_kernel("step_triton", "append_rows", on=on)
 
 
 class OffloadStore(PageCacheMixin, LayerStore):
