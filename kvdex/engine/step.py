@@ -202,8 +202,8 @@ class LayerEngine:
         with counters.timed("selection", timing):
             view = LayerView.of(self.layer_idx, store, scale, host.config, host.graphs)
             if every > 1 and host.reuse.reuse and self._held is not None:  # attend the last selection
-                policy.reused(q, view)
-                sel = self._held
+                fresh = policy.reused(q, view)  # or a selection the policy made from what it held (pool_every)
+                sel = self._held if fresh is None else on_device(fresh, store.device)
             else:
                 sel = on_device(policy.select(q, view), store.device)
                 if host.on_select is not None:

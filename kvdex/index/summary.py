@@ -208,6 +208,45 @@ class SemanticPages:
             return self.scores(q, P).view(B, self.H, Hq // self.H, P).amax(2)
         return fast(q, self.a[:, :, :P], self.b[:, :, :P], fill=self.fill)  # -inf where a page holds no key
 
+    def candidates(self, q, P: int, k: int, share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rerank's candidate pages of the queries q [B, Hq, D] among the first ``P`` pages of every row:
+        the ``k`` best by summary (the group's max), with ``share`` > 0 at least that share of each row's
+        pages (:func:`kvdex.kernels.scoring.share_candidates`). Returns their page ids [R, Pc] (``-1``: none)
+        and their token positions [R, Pc * ps] int32 (``-1``: an empty slot), R = B x kv heads."""
+        R = self.B * self.H
+        bound = self.group_max(q, P).view(R, 1, P)
+        if share:  # at least that share of each row's pages (npages: the device count)
+            cand = share_candidates(bound, k, share, self.npages.view(R))[:, 0]
+        else:
+            cand = topk_ids(bound, k, ordered=False)[:, 0]  # [R, Pc] a set
+        ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels
+        return cand, ops.candidate_slots(cand, self.pos.view(R, -1, self.ps), self.ps)
+
+    def rerank_tokens(self, q, slots, room: int, keys=None, token_scores=None, scores_out: list | None = None):
+        """``rerank_unit="token"``: token positions [B, H, T] (``-1`` padded) of the ``room`` best candidate
+        tokens at ``slots`` [R, N] (int32 positions, ``-1``: none) by the group's max q.k read from ``keys``
+        [B, H, S, D], or by ``token_scores`` (slots [B, H, N] -> scores [B, H, N], ``-inf`` where none).
+        ``scores_out``: a list the candidates' scores [R, N] are appended to (:meth:`narrow`)."""
+        B, H, ps = self.B, self.H, self.ps
+        R = B * H
+        by = token_scores or (lambda s: exact_scores(q, keys, s, "max"))  # the group's max q.k by default
+        score = by(slots.view(B, H, -1)).view(R, -1)  # [R, N]
+        if scores_out is not None:
+            scores_out.append(score)
+        ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1: fewer live tokens
+        ops = triton_kernel("semantic_triton", on=score) or scoring
+        return ops.pick_tokens(ids, slots, ps, self.counts).view(B, H, -1)
+
+    def narrow(self, slots: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
+        """The ``k`` candidate pages of ``slots`` [R, Pc * ps] whose best token ``score`` [R, Pc * ps] is
+        highest (``pool_every``: the pool the steps until the next refresh rerank): their slots [R, min(k,
+        Pc) * ps] int32, page-aligned as :meth:`rerank_tokens` counts them, ``-1`` for a missing page."""
+        R, ps = slots.shape[0], self.ps
+        page = score.view(R, 1, -1, ps).amax(-1)  # [R, 1, Pc] the page's best token (-inf: no live token)
+        ids = topk_ids(page, k, ordered=False)[:, 0]  # [R, K] a set, -1 where fewer pages hold a token
+        got = slots.view(R, -1, ps).gather(1, ids.clamp(min=0)[..., None].expand(-1, -1, ps))
+        return torch.where((ids >= 0)[..., None], got, -1).reshape(R, -1)
+
     def select(
         self,
         q,
@@ -238,18 +277,9 @@ class SemanticPages:
             return torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
         cand = None  # page id of each scored column (None: column == page)
         if rerank:
-            bound = self.group_max(q, P).view(R, 1, P)
-            if share:  # at least that share of each row's pages (npages: the device count)
-                cand = share_candidates(bound, rerank * cap, share, self.npages.view(R))[:, 0]
-            else:
-                cand = topk_ids(bound, rerank * cap, ordered=False)[:, 0]  # [R, Pc] a set
-            ops = triton_kernel("semantic_triton", on=q) or scoring  # on CUDA the index arithmetic in two kernels
-            slots = ops.candidate_slots(cand, self.pos.view(R, -1, ps), ps)  # [R, Pc * ps] int32
+            cand, slots = self.candidates(q, P, rerank * cap, share)
             if unit == "token":
-                by = token_scores or (lambda s: exact_scores(q, keys, s, "max"))  # the group's max q.k by default
-                score = by(slots.view(B, H, -1)).view(R, -1)  # [R, Pc * ps]
-                ids = topk_ids(score[:, None], room, ordered=False)[:, 0]  # [R, T] a set, -1: fewer live tokens
-                return ops.pick_tokens(ids, slots, ps, self.counts).view(B, H, -1)
+                return self.rerank_tokens(q, slots, room, keys, token_scores)
             cand = cand.clamp(min=0)
             slots = slots.view(B, H, -1)
             s = exact_scores(q, keys, slots, "heads").view(R, G, -1, ps).amax(-1)  # [R, G, Pc]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def check_select_every(every) -> None:
-    """ValueError unless ``every`` (``select_every``) is an int >= 1."""
+def check_select_every(every, name: str = "select_every") -> None:
+    """ValueError unless ``every`` (``select_every``, or the option ``name`` of the same schedule) is an int >= 1."""
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        what = "select" if name == "select_every" else "refresh the candidates"
         raise ValueError(
-            f"select_every must be an int >= 1 (1: select every decode step; N: select every N steps and "
-            f"attend the last selection in between), got {every!r}"
+            f"{name} must be an int >= 1 (1: {what} every decode step; N: {what} every N steps), got {every!r}"
         )
 
 

@@ -131,8 +131,12 @@ class Policy:
         """Before a step (host): select although the step could reuse the last selection. Default False."""
         return False
 
-    def reused(self, q: torch.Tensor, view: LayerView) -> None:
-        """A step of ``view.layer`` attending its last selection: ``select``'s per-step bookkeeping."""
+    def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
+        """A step of ``view.layer`` that the schedule marks as a reuse step (:mod:`kvdex.engine.reuse`):
+        ``select``'s per-step bookkeeping. None (the default): the layer attends its last selection; a
+        :class:`~kvdex.selection.Selection` (fixed shapes, made from what the last select step kept, such as
+        IceCache's ``pool_every`` candidates): the layer attends that instead."""
+        return None
 
     def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""

@@ -114,6 +114,10 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
     rerank_share: float = 0.0
+    # rerank_unit="token": choose the candidates (the bounds' pass, the share) every N decode steps and whenever a
+    # page joins, keeping the rerank x max_pages best of them by that step's token scores; every step still
+    # ranks the held candidates' tokens by its own query (kvdex option: docs/policies/icecache.md, "A held pool")
+    pool_every: int = 1
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
     build: str = "tree"
@@ -157,6 +161,10 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
             raise ValueError("rerank_group='weight' ranks the candidates' tokens: add rerank_unit=token")
         check_share(self.rerank, self.rerank_share)
         check_select_every(self.select_every)
+        check_select_every(self.pool_every, "pool_every")
+        if self.pool_every > 1 and (self.rerank_unit != "token" or self.select_every > 1):
+            raise ValueError("pool_every=N reranks a held pool's tokens every step: it needs search=summary, rerank=N "
+                             "and rerank_unit=token, and select_every=1 (it replaces select_every)")  # fmt: skip
         if self.rerank_share and self.search != "summary":
             raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
         if self.build not in ("tree", "device"):
@@ -206,6 +214,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees
         self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
         self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
+        self._pools: dict[int, torch.Tensor] = {}  # pool_every: layer -> the held candidates' positions [R, N]
         self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
         self._build_times: list = []  # build="device": seconds, or CUDA events around each build
         self._promotions: dict = {}  # build="device": (layer, n, D) -> future of the next layer's promotions
@@ -293,8 +302,14 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
             keys = store.k if self.rerank else None
             qd = q.detach()
             by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
-            tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
-                                  unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
+            if self.pool_every > 1:  # the candidates, the step's tokens among them, and the pool held for reuse
+                _, slots = pages.candidates(qd, P, self.rerank * cap, self.rerank_share)
+                got: list = []
+                tokens = pages.rerank_tokens(qd, slots, room, keys, by, got)
+                self._hold_pool(layer, pages.narrow(slots, got[0], self.rerank * cap))
+            else:
+                tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
+                                      unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self._sync(layer, store)
         trees = self._trees.get(layer)
@@ -339,6 +354,31 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
         return self._selected(layer, sel, t1)  # query_s: tree searches + page choice, on the CPU
 
+    def reuse_steps(self) -> int:
+        return self.pool_every if self.pool_every > 1 else self.select_every
+
+    def reused(self, q, view) -> Selection | None:
+        """``pool_every``: a step between refreshes ranks the held pool's tokens by its own query."""
+        if self.pool_every <= 1:
+            return None
+        layer, anchor = view.layer, self.anchor_of[view.layer]
+        if anchor != layer and anchor in self._last:
+            return self._last[anchor]
+        t0 = time.perf_counter()
+        qd = q.detach()
+        by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
+        tokens = self._pages[layer].rerank_tokens(qd, self._pools[layer], view.retrieval_tokens, view.store.k, by)
+        return self._selected(layer, Selection(tokens=tokens), t0)
+
+    def _hold_pool(self, layer: int, pool: torch.Tensor) -> None:
+        """The pool into the layer's buffer in place when it has its shape (a captured refresh step writes where
+        a captured step between refreshes reads), else a new buffer (a new graph key)."""
+        held = self._pools.get(layer)
+        if held is not None and held.shape == pool.shape and held.device == pool.device:
+            held.copy_(pool)
+        else:
+            self._pools[layer] = pool.clone()
+
     def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
         """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
         replayed through ``view.graphs``): the host path's M-DCI / P-DCI and page choice, no host sync."""
@@ -371,7 +411,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         selection reads, with its shape."""
         if any(self._jobs.values()):
             return None
-        return tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items()))
+        pools = tuple((lay, id(t), *t.shape) for lay, t in sorted(self._pools.items()))
+        return tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items())) + pools
 
     def _graph_replayed(self) -> None:
         self._stats["queries"] += len(self._pages)
