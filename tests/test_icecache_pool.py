@@ -28,7 +28,9 @@ def _cache(model, spec, budget, offload=False):
                        window=WINDOW)  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", [POOL, POOL + ":rerank_group=weight", BASE + ":pool_every=3"])
+@pytest.mark.parametrize(
+    "spec", [POOL, POOL + ":rerank_group=weight", BASE + ":pool_every=3", POOL + ":pool_pages=all"]
+)
 def test_full_budget_equals_dense(spec):
     model, _ = shared_pair("llama_gqa")
     ref_tokens, ref_logits = reference_greedy("llama_gqa", 70, 70, 40)
@@ -74,7 +76,7 @@ def test_a_pool_of_every_page_selects_what_every_step_selects():
     torch.testing.assert_close(pooled, every, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("group", ["max", "weight"])
+@pytest.mark.parametrize("group", ["max", "weight", "max:pool_pages=all"])
 def test_steps_between_refreshes_take_the_best_tokens_of_the_held_pool(group):
     """A step between refreshes attends the ``room`` tokens of the held pool with the group's best q.k (``max``;
     brute force), or a subset of the pool (``weight``: its own softmax criterion, tested with the rerank); the
@@ -83,6 +85,8 @@ def test_steps_between_refreshes_take_the_best_tokens_of_the_held_pool(group):
     _, cache = _decode(POOL + f":rerank_group={group}", 96, log=log)
     policy = cache.policy
     cap = policy.rerank * policy._max_pages()
+    if policy.pool_pages == "all":  # every candidate: the share's count of the capacity (static width)
+        cap = None
     reused = cache.stats()["selection_steps"]["reused"]
     assert reused > 10
     checked = 0
@@ -91,15 +95,19 @@ def test_steps_between_refreshes_take_the_best_tokens_of_the_held_pool(group):
         B, H, S, D = k.shape
         if not reuse:  # a refresh step ranks the whole candidate set (the share's), then holds its best pages
             continue
-        assert pool is not None and pool.shape == (B * H, cap * PAGE)
         middle = policy._pages[layer].npages.view(-1)
-        assert bool((middle > cap).all())  # the pool is a strict part of the middle's pages
+        if cap is None:  # every candidate of the share: more pages than the narrowed pool, fewer than the middle
+            live = (pool.view(B * H, -1, PAGE) >= 0).any(-1).sum(-1)
+            assert bool((live > policy.rerank * policy._max_pages()).all()) and bool((live < middle).all())
+        else:
+            assert pool is not None and pool.shape == (B * H, cap * PAGE)
+            assert bool((middle > cap).all())  # the pool is a strict part of the middle's pages
         for r in range(B * H):
             slots = pool[r][pool[r] >= 0].long()
             chosen = tokens.view(B * H, -1)[r]
             chosen = chosen[chosen >= 0]
             assert set(chosen.tolist()) <= set(slots.tolist())  # every step picks among the held pool
-            if group == "max":
+            if group.startswith("max"):
                 b, h = divmod(r, H)
                 G = q.shape[1] // H
                 s = torch.einsum("gd,nd->gn", q[b, h * G : (h + 1) * G].float(), k[b, h, slots].float()).amax(0)

@@ -118,6 +118,9 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     # page joins, keeping the rerank x max_pages best of them by that step's token scores; every step still
     # ranks the held candidates' tokens by its own query (kvdex option: docs/policies/icecache.md, "A held pool")
     pool_every: int = 1
+    # pool_every > 1: the pool held between refreshes. "rerank" = the rerank x max_pages best candidate pages by the
+    # refresh step's token scores; "all" = every candidate (with rerank_share, that share of the middle's pages)
+    pool_pages: str = "rerank"
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
     build: str = "tree"
@@ -165,6 +168,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         if self.pool_every > 1 and (self.rerank_unit != "token" or self.select_every > 1):
             raise ValueError("pool_every=N reranks a held pool's tokens every step: it needs search=summary, rerank=N "
                              "and rerank_unit=token, and select_every=1 (it replaces select_every)")  # fmt: skip
+        if self.pool_pages not in ("rerank", "all"):
+            raise ValueError(f"pool_pages must be 'rerank' or 'all', got {self.pool_pages!r}")
         if self.rerank_share and self.search != "summary":
             raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
         if self.build not in ("tree", "device"):
@@ -306,7 +311,9 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
                 _, slots = pages.candidates(qd, P, self.rerank * cap, self.rerank_share)
                 got: list = []
                 tokens = pages.rerank_tokens(qd, slots, room, keys, by, got)
-                self._hold_pool(layer, pages.narrow(slots, got[0], self.rerank * cap))
+                self._hold_pool(
+                    layer, slots if self.pool_pages == "all" else pages.narrow(slots, got[0], self.rerank * cap)
+                )
             else:
                 tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
                                       unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
