@@ -158,6 +158,21 @@ def window_start(n: int, sink: int = SINK, page: int = PAGE, window: int = WINDO
 
 
 @functools.cache
+def span_pages(keys: torch.Tensor, ps: int, cap: int, rows=None):
+    """IceCache's device semantic pages (``kvdex.index.summary.SemanticPages``, min/max, fp32, CPU) of keys
+    [B, H, n, D] with one page per ``ps`` consecutive positions (an empty table spills every page that joins);
+    ``rows(j)``: [B] bool, the sequences page j joins (default: all). ``bound`` set to the pages held."""
+    from kvdex.index.summary import SemanticPages
+
+    B, H, n, D = keys.shape
+    pages = SemanticPages(B, H, D, ps, cap, "minmax", torch.float32, "cpu")
+    for j in range(n // ps):
+        ok = torch.ones(B, dtype=torch.bool) if rows is None else rows(j)
+        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None].expand(B, -1), ok)
+    pages.bound = int(pages.npages.max())
+    return pages
+
+
 def reference_greedy(family: str, n: int, seed: int, new: int):
     """Greedy tokens and logits of the sdpa reference for prompt(n, seed) (computed once)."""
     _, ref = _cached_pair(family)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair, span_pages
 
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
-from kvdex.index.summary import SemanticPages
 
 BASE = "icecache:search=summary:build=device:rerank=1:rerank_unit=token"
 POOL = BASE + ":rerank_share=0.5:pool_every=4"
@@ -123,10 +122,7 @@ def test_the_pool_is_the_refresh_steps_best_candidate_pages():
     g = torch.Generator().manual_seed(3)
     B, H, G, D, ps, n = 1, 2, 2, 8, 4, 96
     keys = torch.randn(B, H, n, D, generator=g)
-    pages = SemanticPages(B, H, D, ps, 32, "minmax", torch.float32, "cpu")
-    for j in range(n // ps):
-        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
-    pages.bound = int(pages.npages.max())
+    pages = span_pages(keys, ps, 32)
     q = torch.randn(B, H * G, D, generator=g)
     cand, slots = pages.candidates(q, pages.bound, 20)
     got: list = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, span_pages
 
 import kvdex
 from kvdex import cache_kwargs
@@ -73,10 +73,7 @@ def test_rerank_ranks_the_candidate_pages_by_their_exact_max():
     g = torch.Generator().manual_seed(0)
     B, H, G, D, ps, n = 1, 1, 2, 8, 4, 64
     keys = torch.randn(B, H, n, D, generator=g)
-    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
-    for j in range(n // ps):  # consecutive positions, one page each (an empty table spills every page)
-        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
-    pages.bound = int(pages.npages.max())
+    pages = span_pages(keys, ps, 16)  # consecutive positions, one page each
     q = torch.randn(B, H * G, D, generator=g)
     got = pages.select(q, pages.bound, 2 * ps, 2, "max", 1.0, keys, rerank=8)
     page_max = torch.einsum("gd,nd->gn", q[0], keys[0, 0]).view(G, -1, ps).amax(-1).amax(0)
@@ -91,10 +88,7 @@ def test_token_rerank_takes_the_best_tokens_of_every_candidate():
     g = torch.Generator().manual_seed(1)
     B, H, G, D, ps, n, room = 1, 1, 2, 8, 4, 64, 10
     keys = torch.randn(B, H, n, D, generator=g)
-    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
-    for j in range(n // ps):
-        pages.insert(keys[:, :, j * ps : (j + 1) * ps], torch.arange(j * ps, (j + 1) * ps)[None], torch.tensor([True]))
-    pages.bound = int(pages.npages.max())
+    pages = span_pages(keys, ps, 16)
     q = torch.randn(B, H * G, D, generator=g)
     got = pages.select(q, pages.bound, room, 2, "max", 1.0, keys, rerank=8, unit="token")
     want = torch.topk(torch.einsum("gd,nd->gn", q[0], keys[0, 0]).amax(0), room).indices
@@ -110,14 +104,7 @@ def test_rerank_share_makes_every_page_a_candidate():
     g = torch.Generator().manual_seed(2)
     B, H, G, D, ps, n, room = 2, 1, 2, 8, 4, 64, 10
     keys = torch.randn(B, H, n, D, generator=g)
-    pages = SemanticPages(B, H, D, ps, 16, "minmax", torch.float32, "cpu")
-    for j in range(n // ps):
-        pages.insert(
-            keys[:, :, j * ps : (j + 1) * ps],
-            torch.arange(j * ps, (j + 1) * ps)[None].expand(B, -1),
-            torch.tensor([True, j < 10]),
-        )  # fmt: skip  (row 1 holds 10 pages)
-    pages.bound = int(pages.npages.max())
+    pages = span_pages(keys, ps, 16, rows=lambda j: torch.tensor([True, j < 10]))  # row 1 holds 10 pages
     q = torch.randn(B, H * G, D, generator=g)
     got = pages.select(q, pages.bound, room, 1, "max", 1.0, keys, rerank=2, unit="token", share=1.0)
     small = pages.select(q, pages.bound, room, 1, "max", 1.0, keys, rerank=2, unit="token")
