@@ -159,6 +159,24 @@ def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):
     assert len([x for x in w if "per-layer step graphs are off" in str(x.message)]) == 1
 
 
+def test_whole_step_backend_with_a_graph_break_decodes_per_layer(model, monkeypatch):
+    """A graph break (here a hook; accelerate's device_map hooks, or dynamo's fallback after too many
+    recompilations, do the same) splits the compiled step into several graphs: the whole-step plan would run
+    once per part (page joins decided twice, a step counted twice), so the per-layer step graphs decide."""
+    from kvdex.hf.step_backend import SPLIT, Backend
+
+    hook = model.model.layers[2].register_forward_pre_hook(lambda m, a: torch._dynamo.graph_break())
+    try:
+        ref, c_ref, _ = _generate(model, "quest")
+        got, c, _ = _generate(model, "quest", Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
+    finally:
+        hook.remove()
+    assert torch.equal(ref, got)
+    assert c.whole_step.reason == SPLIT and c.whole_step.counts["captures"] == 0
+    assert c.step_graphs.counts["replays"] >= (c.step - 10) * len(c.layers), c.step_graphs.counts
+    assert [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
+
+
 def test_enable_sets_kvdex_compile_config_unless_the_user_did():
     from kvdex.hf.step_backend import Backend
 

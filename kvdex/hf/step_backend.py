@@ -65,7 +65,8 @@ class Backend:
         if handle is None or handle not in places:
             return self._compile(gm, example_inputs, cudagraphs=True)
         mutated = [i for i, n in enumerate(places) if any(_in_place(u, n) for u in n.users)]
-        return _Step(self._compile(gm, example_inputs, cudagraphs=False), places.index(handle), mutated)
+        layers = frozenset(n.args[3] for n in appends)
+        return _Step(self._compile(gm, example_inputs, cudagraphs=False), places.index(handle), mutated, layers)
 
     def _compile(self, gm, example_inputs, cudagraphs: bool):
         if self.inner == "eager":
@@ -86,16 +87,20 @@ def _in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 
 class _Step:
     """The compiled decode step of kvdex's caches: finds the call's cache by its handle, lets its
-    :class:`WholeStep` run the call."""
+    :class:`WholeStep` run the call. ``layers``: the layer indices whose appends the graph holds (fewer
+    than the cache's layers where a graph break splits the step into several graphs)."""
 
-    def __init__(self, inner, handle_at: int, mutated: list[int]) -> None:
-        self.inner, self.handle_at, self.mutated = inner, handle_at, mutated
+    def __init__(self, inner, handle_at: int, mutated: list[int], layers: frozenset = frozenset()) -> None:
+        self.inner, self.handle_at, self.mutated, self.layers = inner, handle_at, mutated, layers
 
     def __call__(self, *args):
         cache = compiled_ops.cache_of(args[self.handle_at])
         if cache is None:
             raise RuntimeError("kvdex: the kvdex.Cache of this compiled decode step was garbage-collected")
         return cache.whole_step.run(self, args)
+
+
+SPLIT = "the compiled decode step is split into several graphs (a graph break); per-layer step graphs decide"
 
 
 class WholeStep(StepPlan):
@@ -120,6 +125,10 @@ class WholeStep(StepPlan):
     def run(self, step: _Step, args: tuple):
         if not self._checked:
             self._prepare()
+        if self.reason is None and len(step.layers) != len(self.cache.layers):
+            # a graph break split the step (a hook, accelerate's device_map, dynamo's fallback after too many
+            # recompilations): the step plan, taken once per call, would run once per part
+            self.reason = SPLIT
         if self.reason is not None:  # the cache's per-layer step graphs decide (and warn why they are off)
             return step.inner(*args)
         graphs_mod.free_deferred()
