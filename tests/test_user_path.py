@@ -25,8 +25,12 @@ from kvdex.hf.testing import tiny_llama
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 
 POLICIES = ["quest", "chess", "prkv:refresh=8"]  # per-layer graphs (pariskv, full: test_graph.py)
-# select_every (kvdex/engine/reuse.py): a select step and a reuse step are two graph variants of a step
-REUSE = ["quest:select_every=4", "prkv:refresh=8:select_every=3"]
+# select_every / pool_every (kvdex/engine/reuse.py): a select step and a reuse step are two graph variants of a step
+REUSE = [
+    "quest:select_every=4",
+    "prkv:refresh=8:select_every=3",
+    "prkv:refresh=8:rerank=2:rerank_share=0.5:pool_every=3",
+]
 NEW = 60  # three page joins (page 16) and CHESS / PRKV host-side work
 
 
@@ -99,7 +103,7 @@ def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatc
     assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
     assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
     assert c.stats().get("selection_steps") == c_ref.stats().get("selection_steps")  # select_every: same schedule
-    assert "select_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
+    assert "_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
 
 
 @pytest.mark.parametrize("spec", ["quest", "full"])
@@ -143,7 +147,7 @@ def test_whole_step_backend_equals_eager(model, spec, monkeypatch):
     assert c.stats()["attended_tokens_per_step"] == pytest.approx(c_ref.stats()["attended_tokens_per_step"])
     assert c.step == c_ref.step and [lay.seen for lay in c.layers] == [lay.seen for lay in c_ref.layers]
     assert c.stats().get("selection_steps") == c_ref.stats().get("selection_steps")  # select_every: same schedule
-    assert "select_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
+    assert "_every" not in spec or c.stats()["selection_steps"]["reused"] > NEW // 2
 
 
 def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):

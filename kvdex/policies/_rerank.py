@@ -37,6 +37,12 @@ fixed multiple of the budget covers less of the middle as the context grows (``r
 (docs/results.md, "What the rerank's pool must hold"). Static shapes: the page top-k is as wide as the
 share of every page the policy scores (its index capacity under CUDA-graph decoding) and each row keeps its
 own count of the best, so captured and eager steps choose the same candidates.
+
+``pool_every=N`` (quest, arkvale, prkv; ``rerank_unit="token"``; IceCache's summary search has its own): the
+page scores choose the candidates every ``N`` decode steps and whenever a page joins the middle (the
+``select_every`` schedule, :mod:`kvdex.engine.reuse`), and the layer holds them; every step, refresh or not,
+ranks the held candidates' tokens by its own query. What a step between refreshes saves is the page
+scoring and the candidates' top-k; the rerank, the step's main cost with ``rerank_share``, runs every step.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.scoring import candidate_scores, slot_scores, topk_ids
+from kvdex.policies._reuse import check_select_every
 from kvdex.selection import Selection
 
 RERANK_GROUPS = ("max", "weight")
@@ -96,6 +103,42 @@ class RerankOption:
     def granularity(self) -> str:
         """``"token"`` with ``rerank`` and the token unit (the selection names tokens), else ``"page"``."""
         return "token" if self.rerank and self.rerank_unit == "token" else "page"
+
+
+@dataclass
+class PoolOption:
+    """The ``pool_every`` option of a page policy with ``rerank`` (a base before
+    :class:`~kvdex.policies.base.Policy`): the candidate pages a refresh step chose, held per layer in one
+    buffer rewritten in place (a captured refresh step writes where a captured step between refreshes reads)."""
+
+    pool_every: int = 1  # 1: choose the candidates every step; N: every N steps (and at page joins)
+
+    def check_pool(self) -> None:
+        """ValueError unless ``pool_every`` is an int >= 1, above 1 only with the token rerank, no ``select_every``."""
+        check_select_every(self.pool_every, "pool_every")
+        if self.pool_every > 1 and not (self.rerank and self.rerank_unit == "token" and self.select_every == 1):
+            raise ValueError(
+                "pool_every=N ranks the tokens of held candidate pages every step: it needs rerank=N (e.g. 4) with "
+                "rerank_unit=token, and select_every=1 (it replaces select_every)"
+            )
+
+    def hold_pool(self, layer: int, pages: torch.Tensor) -> None:
+        """``pages`` [B, H, C] (a refresh step's candidates) into the layer's buffer: in place when it has
+        their shape, else a new buffer (a new :meth:`pool_key`)."""
+        pools = self.__dict__.setdefault("_pools", {})
+        held = pools.get(layer)
+        if held is not None and held.shape == pages.shape and held.device == pages.device:
+            held.copy_(pages)
+        else:
+            pools[layer] = pages.clone()
+
+    def held_pool(self, layer: int) -> torch.Tensor | None:
+        """The candidate pages [B, H, C] the layer's last refresh step held (None: none yet)."""
+        return self.__dict__.get("_pools", {}).get(layer)
+
+    def pool_key(self) -> tuple:
+        """What a captured step reads of the held pools (ids and shapes): part of the policy's graph key."""
+        return tuple((lay, id(t), *t.shape) for lay, t in sorted(self.__dict__.get("_pools", {}).items()))
 
 
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:

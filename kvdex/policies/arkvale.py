@@ -74,7 +74,9 @@ class ArkValePolicy(PageScoringPolicy):
     # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it
     # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
     def graph_key(self, stores) -> tuple:
-        return ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled)
+        return (
+            ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled) + self.pool_key()
+        )
 
     def graph_replayed(self) -> None:
         self.lookups += self._lookups_per_step

@@ -50,7 +50,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_pages, rerank_tokens
+from kvdex.policies._rerank import PoolOption, RerankOption, candidate_pages, rerank_pages, rerank_tokens
 from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies._spec import coerce_option, parse_policy_spec
 from kvdex.selection import Selection
@@ -215,7 +215,7 @@ class IndexFreePolicy(JoinFreePolicy):
 
 
 @dataclass
-class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
+class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
     ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages
@@ -230,7 +230,8 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
     top pages; ``N > 0`` takes ``N x`` as many pages as the token budget (:meth:`token_budget`) fills as
     candidates and attends the best tokens of them by exact ``q.k`` (the group combined by
     ``rerank_group``): a token selection; ``rerank_share`` > 0 makes the candidates at least that share of
-    each sequence's middle pages."""
+    each sequence's middle pages; ``pool_every=N`` chooses those candidates every N steps and at page joins,
+    and ranks the held candidates' tokens every step (:class:`~kvdex.policies._rerank.PoolOption`)."""
 
     group: ClassVar[str] = "max"
     scores_masked: ClassVar[bool] = False
@@ -238,6 +239,7 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
     def __post_init__(self) -> None:
         super().__post_init__()  # RerankOption's check
         check_select_every(self.select_every)
+        self.check_pool()
         if self.rerank_share and self.group == "heads":
             raise ValueError(
                 "rerank_share sizes one ranking of pages per kv head; group='heads' ranks per query head: "
@@ -261,7 +263,17 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, Policy):
 
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         pages, score = self.top_pages(q, view)
+        if self.pool_every > 1 and score is not None:
+            self.hold_pool(view.layer, pages)
         return self.chosen(q, view, pages, score)
+
+    def reuse_steps(self) -> int:
+        return self.pool_every if self.pool_every > 1 else self.select_every
+
+    def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
+        """``pool_every``: a step between refreshes ranks the tokens of the held candidates by its own query."""
+        pages = self.held_pool(view.layer) if self.pool_every > 1 else None
+        return None if pages is None else self.chosen(q, view, pages, None)
 
     def top_pages(self, q: torch.Tensor, view: LayerView) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The top pages [B, H, k] (``-1`` padded) and the masked scores they were chosen from (per kv

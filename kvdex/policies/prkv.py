@@ -268,11 +268,13 @@ class PRKVPolicy(PageScoringPolicy):
                 return True
         return False
 
-    def reused(self, q, view) -> None:
-        """``select_every``: the step is counted and its query joins the ring as ``select`` does."""
+    def reused(self, q, view) -> Selection | None:
+        """``select_every`` / ``pool_every``: the step is counted and its query joins the ring as ``select``
+        does; ``pool_every``: the held candidates' tokens ranked by this query, after the static region."""
         self.steps[view.layer] = self.steps.get(view.layer, 0) + 1
         if self.n_static or self.auto:
             self.rings[view.layer].push(q, view.lengths - 1)
+        return super().reused(q, view)
 
     def page_budget(self, view) -> int:
         return self.layer_split(view.layer)[1]
@@ -364,7 +366,7 @@ class PRKVPolicy(PageScoringPolicy):
         static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))
         static += tuple((lay, r.ids()) for lay, r in sorted(self.regions.items()))
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
-        return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius)
+        return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pool_key()
 
     def graph_replayed(self) -> None:
         for layer in self.info.sparse_layers:

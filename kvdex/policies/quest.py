@@ -91,8 +91,10 @@ class QuestPolicy(PageScoringPolicy):
 
     # CUDA-graph decoding (kvdex.hf.graph): static select reads only device tensors
     def graph_key(self, stores) -> tuple:
-        return tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items())) + tuple(
-            (lay, id(t)) for lay, t in sorted(self.kmax.items())
+        return (
+            tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items()))
+            + tuple((lay, id(t)) for lay, t in sorted(self.kmax.items()))
+            + self.pool_key()
         )
 
     def page_scores(self, q, view):
