@@ -24,6 +24,14 @@ from kvdex.view import CaptureError
 STAND_IN = None
 
 
+def on_device(device: torch.device):
+    """``device`` as the current CUDA device (nothing on another device type): a capture records only the
+    work launched on its stream, which ``torch.cuda.graph`` makes on the current device. A model on
+    ``cuda:1`` while ``cuda:0`` is current launches its kernels outside a capture begun there, so a replay
+    skipped them (wrong tokens, seen on two H200s); its replays and captures run with its own device current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def gc_paused():
     """Python's cyclic garbage collector paused (restored after) for a CUDA graph capture. A collection that

@@ -314,7 +314,8 @@ class StepGraphs:
         return out
 
     def _replay(self, ent) -> None:
-        ent[0].replay()
+        with graphs_mod.on_device(ent[1].device):
+            ent[0].replay()
         self.counts["replays"] += 1
 
     def _host_side(self, layer, delta) -> None:
@@ -340,17 +341,19 @@ class StepGraphs:
         cuda = sq.device.type == "cuda"
         if cuda:
             if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+                with graphs_mod.on_device(sq.device):
+                    self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(sq.device)
-            ctx = torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local")
         else:
             g = graphs_mod.STAND_IN(sq)
-            ctx = _StandInCapture(g, c)
         try:
-            with graphs_mod.gc_paused(), ctx:  # no finalizer inside the capture (kvdex.engine.graphs.gc_paused)
-                eng.append(sk, sv)
-                out = eng.decode(sq[:, :, 0], scale).unsqueeze(1)
+            # no finalizer inside the capture (kvdex.engine.graphs.gc_paused); the capture on the layers' device
+            with graphs_mod.on_device(sq.device), graphs_mod.gc_paused():
+                ctx = torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local") if cuda else None
+                with ctx or _StandInCapture(g, c):
+                    eng.append(sk, sv)
+                    out = eng.decode(sq[:, :, 0], scale).unsqueeze(1)
         except RuntimeError as e:
             raise CaptureError(f"layer {layer.layer_idx}: {e}") from e
         delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.counters.calls - before[2])
