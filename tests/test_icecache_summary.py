@@ -145,7 +145,9 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
                 true = qk.amax(-1)  # [4, C]
                 live = fill[b, h] > 0
                 assert bool((bound[b, h][:, ~live] == -torch.inf).all())
-                slack = 0.0 if summary == "minmax" else 1e-4 * float(true[:, live].abs().max())
+                # minmax: exact but for float32 rounding (the bound sums its terms in another order than q.k:
+                # 3.8e-6 under a true max of 85 seen); centroid: a relative 1e-4
+                slack = (1e-6 if summary == "minmax" else 1e-4) * float(true[:, live].abs().max())
                 assert bool((bound[b, h][:, live] >= true[:, live] - slack).all()), (layer, b, h)
 
 
