@@ -42,7 +42,7 @@ def _decode(spec: str, budget: int, steps: int = 40, log=None):
     if log is not None:
 
         def observe(layer, q, store, aset, scale):
-            held = cache.policy.held_pool(layer)
+            held = cache.policy.pools.get(layer)
             pos = torch.where(aset.valid, aset.positions, -1)
             ws = store.grid.window_start(store.lengths_host)  # [B] the middle's end
             log.append((layer, cache.reuse.reuse, q.clone(), store.k.clone(), None if held is None else held.clone(),

@@ -108,8 +108,8 @@ class RerankOption:
 @dataclass
 class PoolOption:
     """The ``pool_every`` option of a page policy with ``rerank`` (a base before
-    :class:`~kvdex.policies.base.Policy`): the candidate pages a refresh step chose, held per layer in one
-    buffer rewritten in place (a captured refresh step writes where a captured step between refreshes reads)."""
+    :class:`~kvdex.policies.base.Policy`); the candidate pages a refresh step chose are held in the policy's
+    :class:`~kvdex.policies._reuse.HeldPools` (``pools``, made in ``bind``)."""
 
     pool_every: int = 1  # 1: choose the candidates every step; N: every N steps (and at page joins)
 
@@ -121,24 +121,6 @@ class PoolOption:
                 "pool_every=N ranks the tokens of held candidate pages every step: it needs rerank=N (e.g. 4) with "
                 "rerank_unit=token, and select_every=1 (it replaces select_every)"
             )
-
-    def hold_pool(self, layer: int, pages: torch.Tensor) -> None:
-        """``pages`` [B, H, C] (a refresh step's candidates) into the layer's buffer: in place when it has
-        their shape, else a new buffer (a new :meth:`pool_key`)."""
-        pools = self.__dict__.setdefault("_pools", {})
-        held = pools.get(layer)
-        if held is not None and held.shape == pages.shape and held.device == pages.device:
-            held.copy_(pages)
-        else:
-            pools[layer] = pages.clone()
-
-    def held_pool(self, layer: int) -> torch.Tensor | None:
-        """The candidate pages [B, H, C] the layer's last refresh step held (None: none yet)."""
-        return self.__dict__.get("_pools", {}).get(layer)
-
-    def pool_key(self) -> tuple:
-        """What a captured step reads of the held pools (ids and shapes): part of the policy's graph key."""
-        return tuple((lay, id(t), *t.shape) for lay, t in sorted(self.__dict__.get("_pools", {}).items()))
 
 
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 def check_select_every(every, name: str = "select_every") -> None:
     """ValueError unless ``every`` (``select_every``, or the option ``name`` of the same schedule) is an int >= 1."""
@@ -27,3 +29,27 @@ class SelectEveryOption:
 
     def reuse_steps(self) -> int:
         return self.select_every
+
+
+class HeldPools:
+    """What a refresh step keeps for the steps between refreshes (``pool_every``: the rerank's candidates), one
+    tensor per layer, rewritten in place while its shape holds: a captured refresh step writes where a captured
+    step between refreshes reads. A new shape or device gets a new tensor, and :meth:`key` (part of the policy's
+    graph key) changes with it."""
+
+    def __init__(self) -> None:
+        self._by_layer: dict[int, torch.Tensor] = {}
+
+    def hold(self, layer: int, t: torch.Tensor) -> None:
+        held = self._by_layer.get(layer)
+        if held is not None and held.shape == t.shape and held.device == t.device:
+            held.copy_(t)
+        else:
+            self._by_layer[layer] = t.clone()
+
+    def get(self, layer: int) -> torch.Tensor | None:
+        return self._by_layer.get(layer)
+
+    def key(self) -> tuple:
+        """Ids and shapes of the held tensors, by layer."""
+        return tuple((lay, id(t), *t.shape) for lay, t in sorted(self._by_layer.items()))

@@ -75,7 +75,7 @@ class ArkValePolicy(PageScoringPolicy):
     # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
     def graph_key(self, stores) -> tuple:
         return (
-            ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled) + self.pool_key()
+            ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled) + self.pools.key()
         )
 
     def graph_replayed(self) -> None:

@@ -51,7 +51,7 @@ import torch
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
 from kvdex.policies._rerank import PoolOption, RerankOption, candidate_pages, rerank_pages, rerank_tokens
-from kvdex.policies._reuse import SelectEveryOption, check_select_every
+from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.policies._spec import coerce_option, parse_policy_spec
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
@@ -240,6 +240,10 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
         super().__post_init__()  # RerankOption's check
         check_select_every(self.select_every)
         self.check_pool()
+
+    def bind(self, info: PolicyInfo) -> None:
+        super().bind(info)
+        self.pools = HeldPools()  # pool_every: layer -> the candidate pages [B, H, C] of its last refresh step
         if self.rerank_share and self.group == "heads":
             raise ValueError(
                 "rerank_share sizes one ranking of pages per kv head; group='heads' ranks per query head: "
@@ -264,7 +268,7 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         pages, score = self.top_pages(q, view)
         if self.pool_every > 1 and score is not None:
-            self.hold_pool(view.layer, pages)
+            self.pools.hold(view.layer, pages)
         return self.chosen(q, view, pages, score)
 
     def reuse_steps(self) -> int:
@@ -272,7 +276,7 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
 
     def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """``pool_every``: a step between refreshes ranks the tokens of the held candidates by its own query."""
-        pages = self.held_pool(view.layer) if self.pool_every > 1 else None
+        pages = self.pools.get(view.layer) if self.pool_every > 1 else None
         return None if pages is None else self.chosen(q, view, pages, None)
 
     def top_pages(self, q: torch.Tensor, view: LayerView) -> tuple[torch.Tensor, torch.Tensor | None]:

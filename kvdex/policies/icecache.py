@@ -56,7 +56,7 @@ from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
 from kvdex.policies._rerank import RERANK_UNITS, check_share, slot_weights
-from kvdex.policies._reuse import SelectEveryOption, check_select_every
+from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
@@ -219,7 +219,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees
         self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
         self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
-        self._pools: dict[int, torch.Tensor] = {}  # pool_every: layer -> the held candidates' positions [R, N]
+        self._pools = HeldPools()  # pool_every: layer -> the held candidates' positions [R, N]
         self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
         self._build_times: list = []  # build="device": seconds, or CUDA events around each build
         self._promotions: dict = {}  # build="device": (layer, n, D) -> future of the next layer's promotions
@@ -311,7 +311,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
                 _, slots = pages.candidates(qd, P, self.rerank * cap, self.rerank_share)
                 got: list = []
                 tokens = pages.rerank_tokens(qd, slots, room, keys, by, got)
-                self._hold_pool(
+                self._pools.hold(
                     layer, slots if self.pool_pages == "all" else pages.narrow(slots, got[0], self.rerank * cap)
                 )
             else:
@@ -374,17 +374,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         t0 = time.perf_counter()
         qd = q.detach()
         by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
-        tokens = self._pages[layer].rerank_tokens(qd, self._pools[layer], view.retrieval_tokens, view.store.k, by)
+        tokens = self._pages[layer].rerank_tokens(qd, self._pools.get(layer), view.retrieval_tokens, view.store.k, by)
         return self._selected(layer, Selection(tokens=tokens), t0)
-
-    def _hold_pool(self, layer: int, pool: torch.Tensor) -> None:
-        """The pool into the layer's buffer in place when it has its shape (a captured refresh step writes where
-        a captured step between refreshes reads), else a new buffer (a new graph key)."""
-        held = self._pools.get(layer)
-        if held is not None and held.shape == pool.shape and held.device == pool.device:
-            held.copy_(pool)
-        else:
-            self._pools[layer] = pool.clone()
 
     def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
         """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
@@ -418,8 +409,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         selection reads, with its shape."""
         if any(self._jobs.values()):
             return None
-        pools = tuple((lay, id(t), *t.shape) for lay, t in sorted(self._pools.items()))
-        return tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items())) + pools
+        pages = tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items()))
+        return pages + self._pools.key()
 
     def _graph_replayed(self) -> None:
         self._stats["queries"] += len(self._pages)

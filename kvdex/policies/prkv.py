@@ -366,7 +366,7 @@ class PRKVPolicy(PageScoringPolicy):
         static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))
         static += tuple((lay, r.ids()) for lay, r in sorted(self.regions.items()))
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
-        return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pool_key()
+        return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pools.key()
 
     def graph_replayed(self) -> None:
         for layer in self.info.sparse_layers:

@@ -94,7 +94,7 @@ class QuestPolicy(PageScoringPolicy):
         return (
             tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items()))
             + tuple((lay, id(t)) for lay, t in sorted(self.kmax.items()))
-            + self.pool_key()
+            + self.pools.key()
         )
 
     def page_scores(self, q, view):
