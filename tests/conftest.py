@@ -133,6 +133,30 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def teacher_forced(model, cache, steps: int = 40) -> torch.Tensor:
+    """Logits [steps, V] of a 300-token prompt (seed 2) prefilled into ``cache``, then ``steps`` random tokens
+    (seed 1) fed one at a time."""
+    ids = prompt(300, seed=2)
+    toks = torch.randint(2, model.config.vocab_size, (1, steps), generator=torch.Generator().manual_seed(1))
+    out = []
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache), use_cache=True)
+        for i in range(steps):
+            out.append(model(toks[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
+    return torch.cat(out)
+
+
+def tiny_graph_check(spec: str, steps: int = 40) -> dict:
+    """``kvdex.bench.runner.check_graph`` of ``spec`` GPU-resident on the tiny bench shape (CUDA, float32, budget
+    80, a 150-token context, one dense layer): its result (``ok``, ``counts``)."""
+    from kvdex.bench import runner, shapes
+
+    model = shapes.build_model("tiny", torch.float32, "cuda")
+    cfg = runner.BenchConfig(shape="tiny", dtype="float32", device="cuda", budget=80, check_context=150,
+                             dense_layers=1, storages=("device",))  # fmt: skip
+    return runner.check_graph(model, cfg, [f"{spec}/device+graph"], steps=steps)[0]
+
+
 def greedy(model, ids, mask=None, cache=None, new=56, **kw):
     """Greedy generate returning (sequences, logits [steps, B, V])."""
     out = model.generate(

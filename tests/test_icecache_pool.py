@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair, span_pages
+from conftest import (
+    PAGE,
+    SINK,
+    WINDOW,
+    greedy,
+    prompt,
+    reference_greedy,
+    shared_pair,
+    span_pages,
+    teacher_forced,
+    tiny_graph_check,
+)
 
 import kvdex
-from kvdex import cache_kwargs
-from kvdex.bench import runner, shapes
 
 BASE = "icecache:search=summary:build=device:rerank=1:rerank_unit=token"
 POOL = BASE + ":rerank_share=0.5:pool_every=4"
@@ -48,14 +57,7 @@ def _decode(spec: str, budget: int, steps: int = 40, log=None):
     cache = _cache(model, spec, budget)
     if log is not None:
         cache.observer = lambda layer, q, store, aset, scale: log.append(_state(cache, layer, q, store))
-    ids = prompt(300, seed=2)
-    toks = torch.randint(2, model.config.vocab_size, (1, steps), generator=torch.Generator().manual_seed(1))
-    out = []
-    with torch.no_grad():
-        model(ids, **cache_kwargs(cache), use_cache=True)
-        for i in range(steps):
-            out.append(model(toks[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
-    return torch.cat(out), cache
+    return teacher_forced(model, cache, steps), cache
 
 
 def _state(cache, layer, q, store):
@@ -142,12 +144,9 @@ def test_the_pool_is_the_refresh_steps_best_candidate_pages():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_decoding_matches_eager_on_gpu(spec):
     """Refresh steps and the steps between are two graph variants: 40 captured steps give eager's logits."""
-    model = shapes.build_model("tiny", torch.float32, "cuda")
-    cfg = runner.BenchConfig(shape="tiny", dtype="float32", device="cuda", budget=80, check_context=150,
-                             dense_layers=1, storages=("device",))  # fmt: skip
-    res = runner.check_graph(model, cfg, [f"{spec}/device+graph"], steps=40)
-    assert res[0]["ok"], res
-    c = res[0]["counts"]
+    res = tiny_graph_check(spec)
+    assert res["ok"], res
+    c = res["counts"]
     assert c["replays"] >= 20 and c["captures"] >= 2, c
 
 

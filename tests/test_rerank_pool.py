@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair
+from conftest import PAGE, SINK, WINDOW, greedy, prompt, reference_greedy, shared_pair, teacher_forced, tiny_graph_check
 
 import kvdex
-from kvdex import cache_kwargs
-from kvdex.bench import runner, shapes
 
 SHARE = "rerank=1:rerank_share=0.5:pool_every=4"
 SPECS = [f"quest:{SHARE}", f"prkv:{SHARE}:rerank_group=weight", f"arkvale:{SHARE}"]
@@ -49,14 +47,7 @@ def _decode(spec: str, budget: int, steps: int = 40, log=None):
                         pos.clone(), ws))  # fmt: skip
 
         cache.observer = observe
-    ids = prompt(300, seed=2)
-    toks = torch.randint(2, model.config.vocab_size, (1, steps), generator=torch.Generator().manual_seed(1))
-    out = []
-    with torch.no_grad():
-        model(ids, **cache_kwargs(cache), use_cache=True)
-        for i in range(steps):
-            out.append(model(toks[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
-    return torch.cat(out), cache
+    return teacher_forced(model, cache, steps), cache
 
 
 @pytest.mark.parametrize("policy", ["quest", "prkv:rerank_group=weight", "arkvale"])
@@ -110,12 +101,9 @@ def test_steps_between_refreshes_take_the_best_tokens_of_the_held_candidates():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_decoding_matches_eager_on_gpu(spec):
     """Refresh steps and the steps between are two graph variants: 40 captured steps give eager's logits."""
-    model = shapes.build_model("tiny", torch.float32, "cuda")
-    cfg = runner.BenchConfig(shape="tiny", dtype="float32", device="cuda", budget=80, check_context=150,
-                             dense_layers=1, storages=("device",))  # fmt: skip
-    res = runner.check_graph(model, cfg, [f"{spec}/device+graph"], steps=40)
-    assert res[0]["ok"], res
-    c = res[0]["counts"]
+    res = tiny_graph_check(spec)
+    assert res["ok"], res
+    c = res["counts"]
     assert c["replays"] >= 20 and c["captures"] >= 2, c
 
 
