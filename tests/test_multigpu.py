@@ -407,18 +407,15 @@ def test_a_layer_on_another_gpu_runs_with_that_gpu_current(monkeypatch):
     device, so the engine makes the layer's GPU current around its append and attention (two H200s: an illegal
     memory access without it)."""
     import contextlib
-    from types import SimpleNamespace
 
-    from kvdex.engine import step
+    from kvdex.engine.graphs import as_current
 
     entered = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
-    other = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
-    same = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    with step._current_device(other):
+    with as_current(torch.device("cuda", 1)):
         pass
     assert entered == [torch.device("cuda", 1)]
-    assert isinstance(step._current_device(same), contextlib.nullcontext)
-    assert isinstance(step._current_device(torch.zeros(1)), contextlib.nullcontext)
+    assert isinstance(as_current(torch.device("cuda", 0)), contextlib.nullcontext)
+    assert isinstance(as_current(torch.zeros(1).device), contextlib.nullcontext)
     assert entered == [torch.device("cuda", 1)]

@@ -24,12 +24,14 @@ from kvdex.view import CaptureError
 STAND_IN = None
 
 
-def on_device(device: torch.device):
-    """``device`` as the current CUDA device (nothing on another device type): a capture records only the
-    work launched on its stream, which ``torch.cuda.graph`` makes on the current device. A model on
-    ``cuda:1`` while ``cuda:0`` is current launches its kernels outside a capture begun there, so a replay
-    skipped them (wrong tokens, seen on two H200s); its replays and captures run with its own device current."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def as_current(device: torch.device):
+    """``device`` as the current CUDA device while the block runs (nothing where it is current already, or not a
+    CUDA device). Triton launches a kernel on the current device, and ``torch.cuda.graph`` captures on a stream
+    of the current device: a layer (``device_map``) or a whole model on ``cuda:1`` while ``cuda:0`` is current
+    hit an illegal memory access, and its replays skipped the model's kernels (wrong tokens; two H200s)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -112,7 +114,7 @@ class GraphService:
             self.graphs[key] = ent
             self.captures += 1
         ent[2].copy_(qd)
-        with torch.cuda.device(qd.device) if qd.device.type == "cuda" else contextlib.nullcontext():
+        with as_current(qd.device):
             ent[1].replay()  # on the graph's own device (a device_map may put this layer on another GPU)
         self.replays += 1
         return tuple(t.clone() for t in ent[3])

@@ -22,7 +22,6 @@ indexes the prompt. The engine reads the policy, the configuration, the counters
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from typing import Protocol
@@ -31,7 +30,7 @@ import torch
 
 from kvdex.config import CacheConfig
 from kvdex.engine.counters import StepCounters
-from kvdex.engine.graphs import GraphService
+from kvdex.engine.graphs import GraphService, as_current
 from kvdex.engine.reuse import SelectionReuse
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
@@ -66,15 +65,6 @@ class EngineHost(Protocol):
     def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor): ...
 
 
-def _current_device(t: torch.Tensor):
-    """The layer's GPU as the current device while its step runs: a ``device_map`` may put this layer on
-    another GPU than the current one, and Triton launches its kernels on the current device (an illegal
-    memory access on the other GPU's tensors, seen on two H200s)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 class LayerEngine:
     """One layer's store and its step: prefill ingest, append, decode attention."""
 
@@ -98,7 +88,7 @@ class LayerEngine:
     # ---- append ----------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new k/v [B, H, T, D] after the prompt; pages joining the middle are indexed."""
-        with _current_device(k):
+        with as_current(k.device):
             self._append(k, v)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -168,7 +158,7 @@ class LayerEngine:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         """q [B, Hq, T, D]; k/v the new keys/values [B, H, T, D]; key_mask [B, L] (prefill). Returns [B, T, Hq, D]."""
-        with _current_device(q):
+        with as_current(q.device):
             return self._attention(q, k, v, key_mask, scale)
 
     def _attention(

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvdex.engine.graphs import free_deferred, free_with, gc_paused, on_device
+from kvdex.engine.graphs import as_current, free_deferred, free_with, gc_paused
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.compiled_layers import CompiledLayers, _compile_mode
@@ -164,7 +164,7 @@ class GraphDecoder(StepPlan):
             # page joins: Policy.joined runs in _join_host, before every step (a replay runs no Python)
             c.joins_external = self._joins
             c.decoder_active = True  # the cache's own per-layer step graphs stay out of this step
-            with on_device(self.device):
+            with as_current(self.device):
                 return self._step(ids)
         finally:  # the cache used without the decoder decides page joins itself again
             c.join_step, c.joins_external, c.decoder_active = None, False, False

@@ -135,7 +135,7 @@ class WholeStep(StepPlan):
         c = self.cache
         c.joins_external, c.decoder_active = self._joins, True  # the per-layer step graphs stay out
         try:
-            with graphs_mod.on_device(c.layers[0].store.device):
+            with graphs_mod.as_current(c.layers[0].store.device):
                 return self._step(step, args)
         finally:
             c.join_step, c.joins_external, c.decoder_active = None, False, False

@@ -314,7 +314,7 @@ class StepGraphs:
         return out
 
     def _replay(self, ent) -> None:
-        with graphs_mod.on_device(ent[1].device):
+        with graphs_mod.as_current(ent[1].device):
             ent[0].replay()
         self.counts["replays"] += 1
 
@@ -341,15 +341,14 @@ class StepGraphs:
         cuda = sq.device.type == "cuda"
         if cuda:
             if self._pool is None:
-                with graphs_mod.on_device(sq.device):
-                    self._pool = torch.cuda.graph_pool_handle()
+                self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(sq.device)
         else:
             g = graphs_mod.STAND_IN(sq)
         try:
             # no finalizer inside the capture (kvdex.engine.graphs.gc_paused); the capture on the layers' device
-            with graphs_mod.on_device(sq.device), graphs_mod.gc_paused():
+            with graphs_mod.as_current(sq.device), graphs_mod.gc_paused():
                 ctx = torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local") if cuda else None
                 with ctx or _StandInCapture(g, c):
                     eng.append(sk, sv)
