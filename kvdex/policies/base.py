@@ -240,15 +240,15 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
         super().__post_init__()  # RerankOption's check
         check_select_every(self.select_every)
         self.check_pool()
-
-    def bind(self, info: PolicyInfo) -> None:
-        super().bind(info)
-        self.pools = HeldPools()  # pool_every: layer -> the candidate pages [B, H, C] of its last refresh step
         if self.rerank_share and self.group == "heads":
             raise ValueError(
                 "rerank_share sizes one ranking of pages per kv head; group='heads' ranks per query head: "
                 "use group='max' or 'sum' with rerank_share, or drop rerank_share"
             )
+
+    def bind(self, info: PolicyInfo) -> None:
+        super().bind(info)
+        self.pools = HeldPools()  # pool_every: layer -> the candidate pages [B, H, C] of its last refresh step
 
     def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
         """Scores of the first P middle pages of ``view.layer`` (P: e.g. ``view.score_width(capacity)``):
