@@ -802,6 +802,56 @@ def test_triton_rerank_scores_per_head(g):
 
 
 @kernel_test
+@pytest.mark.parametrize("n,nsub,g,levels", [(700, 16, 4, K.SCORE_LEVELS), (63, 8, 7, K.SCORE_LEVELS), (300, 4, 1, 6)])
+def test_triton_collision_scores_packs_heads_and_counts_the_histogram(n, nsub, g, levels):
+    """The heads' vote tables packed into int64 words (7 heads of 8 x 32 votes: two words) score as the twin
+    does, and the histogram that comes with them is the twin's histogram of those scores."""
+    from kvdex.kernels import pariskv as twin
+    from kvdex.kernels import pariskv_triton as T
+
+    gg = gen(n + 10 * g)
+    max_score = levels * nsub
+    ids = torch.randint(0, 256, (3, n, nsub), generator=gg).to(torch.uint8).to(DEV)
+    votes = torch.randint(0, levels + 1, (3, g, nsub, 256), generator=gg).int()
+    votes[0, :, :, :] = levels  # every key at the maximum: the fields must not carry into each other
+    votes = (votes if g > 1 else votes[:, 0]).to(DEV)
+    live = torch.tensor([n, 0, n // 3]).to(DEV)
+    got, hist = T.collision_scores(ids, votes, live, max_score, block=64)
+    want, want_hist = twin.collision_scores(ids, votes, live, max_score)
+    assert torch.equal(got, want) and bool((want[0, :n] == max_score).all())
+    assert torch.equal(hist, want_hist) and int(hist[1].sum()) == 0 and int(hist[2].sum()) == n // 3
+    assert T.collision_scores(ids, votes, live)[1] is None
+    k = n // 4
+    assert torch.equal(T.bucket_topk(got, k, max_score, hist=hist), K.bucket_topk(want, k, max_score))
+    with pytest.raises(ValueError, match="hist must be int32"):
+        T.bucket_topk(got, k, max_score, hist=hist.long())
+
+
+@kernel_test
+@pytest.mark.parametrize("g,m,d", [(4, 8, 128), (7, 8, 64), (2, 4, 64)])
+def test_triton_rerank_combined_is_the_twins_combination(g, m, d):
+    """The heads' estimates with each head's running max (an atomic per block), then their combination, in two
+    kernels: the twin's combine_heads of rerank_scores, rows without candidates -inf."""
+    from kvdex.kernels import pariskv_triton as T
+
+    gg = gen(g + m)
+    n, c = 600, 200
+    signs = K.srht_signs(d, 1)
+    t, cen = K.magnitude_levels(m)
+    _, codes, w = K.encode_keys(torch.randn(3, n, d, generator=gg) * 2 + 0.5, signs, m, t, cen)
+    qb, qn = K.encode_query(torch.randn(3, g, d, generator=gg) * 3, signs, m)
+    cand = torch.randint(-1, n, (3, c), generator=gg)
+    cand[2] = -1  # no candidate at all
+    args = [x.to(DEV) for x in (cand, codes, w, qb, qn, cen)]
+    want = K.rerank_combined(*args, m, d**-0.5)
+    got = T.rerank_combined(*args, m, d**-0.5, block=32)
+    assert got.shape == want.shape == (3, c)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and bool(torch.isinf(got[2]).all())
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-5, rtol=1e-4)
+
+
+@kernel_test
 @pytest.mark.parametrize("d,ps,t", [(64, 16, 50), (128, 4, 7), (48, 8, 33)])
 def test_triton_gather_rows(d, ps, t):
     from kvdex.kernels import pariskv_triton as T

@@ -257,6 +257,15 @@ def collision_votes(ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor |
     return torch.where(torch.arange(n, device=ids.device)[None, :] < live[:, None], score, -1)
 
 
+def collision_scores(
+    ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None, max_score: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`collision_votes` and, with ``max_score``, the scores' histogram [R, max_score + 1] (int32;
+    :func:`bucket_topk` takes it: the Triton kernel counts it while it scores)."""
+    score = collision_votes(ids, votes, live)
+    return score, None if max_score is None else score_histogram(score, max_score).int()
+
+
 def cluster_counts(ids: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """Keys per centroid: ids uint8 [R, N, B], valid bool [R, N] -> int32 [R, B, K]."""
     r, n, b = ids.shape
@@ -289,19 +298,27 @@ def threshold_from_hist(hist: torch.Tensor, k: int | torch.Tensor) -> tuple[torc
     return thr, take
 
 
-def bucket_topk(scores: torch.Tensor, k: int, max_score: int, row_k: torch.Tensor | None = None) -> torch.Tensor:
+def bucket_topk(
+    scores: torch.Tensor,
+    k: int,
+    max_score: int,
+    row_k: torch.Tensor | None = None,
+    hist: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Indices of the k highest integer scores per row, without a sort: scores int [R, N] -> int64 [R, k].
 
     A histogram over the score values finds the threshold; every key above it and the first
     (lowest-index) keys at it are taken. Output is in ascending index order, ``-1`` padded when a
     row has fewer than k valid (>= 0) scores. Ties are broken by index, so the result is
     deterministic and the Triton kernel reproduces it exactly. ``row_k`` [R] (<= k): take only
-    that many in row r (a ragged batch: each sequence its own candidate count).
+    that many in row r (a ragged batch: each sequence its own candidate count). ``hist``: the scores'
+    histogram [R, max_score + 1] when the caller has it (:func:`collision_scores`).
     """
     r, n = scores.shape
     k = min(k, n)
     rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
-    thr, take = threshold_from_hist(score_histogram(scores, max_score), rk)
+    hist = score_histogram(scores, max_score) if hist is None else hist.long()
+    thr, take = threshold_from_hist(hist, rk)
     gt = scores > thr[:, None]
     eq = (scores == thr[:, None]) & (scores >= 0)
     eq_rank = eq.long().cumsum(1) - 1
@@ -360,6 +377,21 @@ def combine_heads(est: torch.Tensor, scale: float) -> torch.Tensor:
     for g in range(1, est.shape[1]):
         out = out + w[:, g]
     return out.masked_fill(~(est > float("-inf")).any(1), float("-inf"))
+
+
+def rerank_combined(
+    cand: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    qb: torch.Tensor,
+    qnorm: torch.Tensor,
+    centers: torch.Tensor,
+    m: int,
+    scale: float,
+) -> torch.Tensor:
+    """One score per candidate of a row's G query heads: :func:`combine_heads` of :func:`rerank_scores`;
+    qb [R, G, B, m], qnorm [R, G] -> [R, C]."""
+    return combine_heads(rerank_scores(cand, codes, weight, qb, qnorm, centers, m), scale)
 
 
 # ---- fetch ------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels import pariskv as K
+from kvdex.kernels.scoring import topk_ids
 from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
 from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
 from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
@@ -273,12 +274,17 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         return Selection(tokens=torch.where(cand >= 0, cand + view.sink, -1))
 
     def votes(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
-        """Coarse stage: collision scores of the first n middle tokens.
+        """Coarse stage: collision scores of the first n middle tokens (:meth:`scored`, without the histogram)."""
+        score, _, qb, qn = self.scored(layer, q, n, nmid)
+        return score, qb, qn
 
-        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, rotated query blocks, query norms);
-        R = B * H. ``group="mean"``: the query is the mean of the GQA group (authors' code), blocks
-        [R, nsub, m] and norms [R]; ``"heads"``: every query head of the group votes (a key scores its
-        best head's sum), blocks [R, G, nsub, m] and norms [R, G].
+    def scored(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
+        """Coarse stage: collision scores of the first n middle tokens and their histogram.
+
+        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, their histogram int32 [R, max_votes
+        + 1], rotated query blocks, query norms); R = B * H. ``group="mean"``: the query is the mean of the
+        GQA group (authors' code), blocks [R, nsub, m] and norms [R]; ``"heads"``: every query head of the
+        group votes (a key scores its best head's sum), blocks [R, G, nsub, m] and norms [R, G].
         """
         idx = self.index_[layer]
         b, hq, d = q.shape
@@ -299,10 +305,11 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
             votes = ops.cluster_votes(cscore, counts.reshape(r * g, self.num_sub, -1), quotas)
             votes = votes.view(r, g, self.num_sub, -1)
         votes = votes if g > 1 else votes[:, 0]  # one table per row: the paper's kernel path
-        score = ops.collision_votes(idx.ids[:, :, :n].reshape(r, n, -1), votes, rows.n_row)  # -1 past n_row
+        ids = idx.ids[:, :, :n].reshape(r, n, -1)
+        score, hist = ops.collision_scores(ids, votes, rows.n_row, self.max_votes)  # -1 past n_row
         if g > 1:
-            return score, qb.reshape(r, g, self.num_sub, self.m), qn.reshape(r, g)
-        return score, qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+            return score, hist, qb.reshape(r, g, self.num_sub, self.m), qn.reshape(r, g)
+        return score, hist, qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
 
     def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
         """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Recomputed only when the
@@ -377,14 +384,18 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         r = b * h
         if static:
             n = idx.ids.shape[2]
-        score, qb, qn = self.votes(layer, q, n, nmid)
+        score, hist, qb, qn = self.scored(layer, q, n, nmid)
         rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
         c = self.pool_width(n, k, int(nmid.min())) if static else rows.width
-        cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
+        cand = ops.bucket_topk(score, c, self.max_votes, rows.pool, hist=hist)  # [R, C], -1 past a row's count
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
-        est = ops.rerank_scores(cand, codes, weight, qb, qn, self.consts(q.device)[2], self.m)
-        if est.dim() == 3:  # group="heads": [R, G, C] -> one score per candidate
-            est = K.combine_heads(est, self.info.head_dim**-0.5 if scale is None else scale)
-        val, top = torch.topk(est, min(k, c), dim=-1)
-        final = torch.where(val > float("-inf"), cand.gather(1, top), -1)  # -inf: no candidate (1 kernel, not 4)
+        cen = self.consts(q.device)[2]
+        if qb.dim() == 4:  # group="heads": the heads' estimates combined into one score per candidate
+            sc = self.info.head_dim**-0.5 if scale is None else scale
+            est = ops.rerank_combined(cand, codes, weight, qb, qn, cen, self.m, sc)
+        else:
+            est = ops.rerank_scores(cand, codes, weight, qb, qn, cen, self.m)
+        # the best k candidates; on CUDA as a set (an unordered Triton top-k, ascending ids); -1: no candidate
+        top = topk_ids(est, min(k, c), ordered=not est.is_cuda)
+        final = torch.where(top >= 0, cand.gather(1, top.clamp(min=0)), -1)
         return final.view(b, h, -1), cand.view(b, h, -1)
