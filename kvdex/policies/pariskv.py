@@ -1,3 +1,4 @@
+# Over 400 lines: the policy's two stages, their static sizing for CUDA graphs and its options read as one.
 """``pariskv``: ParisKV (Qi et al., ICML 2026, arXiv 2602.07721) -- drift-robust top-k token retrieval.
 
 Index (``index``, at prefill and whenever a window page joins the middle): every middle key is
@@ -49,7 +50,7 @@ from kvdex.kernels.scoring import topk_ids
 from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
 from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
 from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
-from kvdex.policies._reuse import SelectEveryOption, check_select_every
+from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 
@@ -128,9 +129,15 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
     # summed vote is a 1-bit estimate of <q, k/|k|>; "tiers" is the paper's (the authors' kernel) six rank
     # tiers over a quota of collision_ratio * n keys (collision_ratio is unused with "scores").
     coarse: str = "scores"
+    # kvdex option, off by default (not in the paper): the coarse stage (votes, the pool's bucket top-k) runs
+    # every N steps and at page joins; the steps between rerank the held pool by their own query
+    pool_every: int = 1
 
     def __post_init__(self) -> None:
         check_select_every(self.select_every)
+        check_select_every(self.pool_every, "pool_every")
+        if self.pool_every > 1 and self.select_every > 1:
+            raise ValueError("pariskv: pool_every=N replaces select_every: pass one of them (the other 1)")
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -162,6 +169,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         self._consts: dict[torch.device, tuple] = {}
         self._rows: dict[tuple, _Rows] = {}
         self._done_dev: dict[int, torch.Tensor] = {}  # center=True, page joins: the means set, on the device
+        self.pools = HeldPools()  # pool_every: layer -> the coarse stage's candidates [R, C] of its last refresh
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(SRHT signs, magnitude thresholds, centers, centroid codebook, SRHT matrix) on ``device`` (copied once)."""
@@ -245,7 +253,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         if mode != "empty":  # the sizes of this middle length, before the step (no page joins in it)
             self.rows(nmid, st.kv_heads, k, next(iter(self.index_.values())).ids.device)
         widths = tuple(self.pool_width(i.ids.shape[2], k, int(nmid.min())) for _, i in sorted(self.index_.items()))
-        return (mode, widths, self._graph_buffers())
+        return (mode, widths, self._graph_buffers(), self.pools.key())
 
     def _graph_buffers(self) -> tuple:
         """Identity and shape of every persistent tensor select reads (a re-allocation is a new key)."""
@@ -257,12 +265,24 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         return idx, rows
 
     # ---- select ------------------------------------------------------------------------------
+    def reuse_steps(self) -> int:
+        return self.pool_every if self.pool_every > 1 else self.select_every
+
+    def reused(self, q, view) -> Selection | None:
+        """``pool_every``: a step between refreshes reranks the held candidates by its own query."""
+        cand = self.pools.get(view.layer) if self.pool_every > 1 else None
+        if cand is None:
+            return None  # the layer attends its last selection (the whole middle, or nothing yet)
+        final = self.fine(view.layer, q, cand, view.retrieval_tokens, view.scale)
+        return Selection(tokens=torch.where(final >= 0, final + view.sink, -1))
+
     def select(self, q, view) -> Selection:
         layer, k = view.layer, view.retrieval_tokens
         b, h = view.batch, view.kv_heads
         static = view.static
         nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU
         n = int(nmid.max())
+        self.pools.drop(layer)  # held again below when the coarse stage runs (a new prompt may fit the budget)
         if layer not in self.index_ or n == 0:
             return Selection(tokens=view.no_ids(q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
@@ -290,9 +310,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         b, hq, d = q.shape
         h = idx.ids.shape[1]
         r, g = b * h, (hq // h if self.group == "heads" else 1)
-        qg = q.float().view(b, h, hq // h, d)
-        qv = qg if self.group == "heads" else qg.mean(2)  # [B, H, G, d] or [B, H, d]
-        qb, qn = K.encode_query_matrix(qv, self.consts(q.device)[4], self.m)  # == encode_query, fewer kernels
+        qv, qb, qn = self._query(q, h)
         rows = self.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
         ops = self.ops(q.device)
         if self.coarse == "scores":
@@ -307,9 +325,26 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         votes = votes if g > 1 else votes[:, 0]  # one table per row: the paper's kernel path
         ids = idx.ids[:, :, :n].reshape(r, n, -1)
         score, hist = ops.collision_scores(ids, votes, rows.n_row, self.max_votes)  # -1 past n_row
+        return (score, hist, *self._rows_of(qb, qn, r, g))
+
+    def _query(self, q: torch.Tensor, h: int):
+        """q [B, Hq, D] -> (the searching query [B, H, G, d] or [B, H, d] by ``group``, its rotated blocks, norms)."""
+        b, hq, d = q.shape
+        qg = q.float().view(b, h, hq // h, d)
+        qv = qg if self.group == "heads" else qg.mean(2)  # [B, H, G, d] or [B, H, d]
+        qb, qn = K.encode_query_matrix(qv, self.consts(q.device)[4], self.m)  # == encode_query, fewer kernels
+        return qv, qb, qn
+
+    def _rows_of(self, qb: torch.Tensor, qn: torch.Tensor, r: int, g: int):
         if g > 1:
-            return score, hist, qb.reshape(r, g, self.num_sub, self.m), qn.reshape(r, g)
-        return score, hist, qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+            return qb.reshape(r, g, self.num_sub, self.m), qn.reshape(r, g)
+        return qb.reshape(r, self.num_sub, self.m), qn.reshape(r)
+
+    def query_blocks(self, q: torch.Tensor, h: int):
+        """The rotated query blocks and norms the rerank reads: [R, G, nsub, m] and [R, G] (``group="heads"``)
+        or [R, nsub, m] and [R]; R = B * H."""
+        _, qb, qn = self._query(q, h)
+        return self._rows_of(qb, qn, q.shape[0] * h, q.shape[1] // h if self.group == "heads" else 1)
 
     def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
         """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Recomputed only when the
@@ -381,13 +416,26 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         idx = self.index_[layer]
         ops = self.ops(q.device)
         b, h = q.shape[0], idx.ids.shape[1]
-        r = b * h
         if static:
             n = idx.ids.shape[2]
         score, hist, qb, qn = self.scored(layer, q, n, nmid)
         rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
         c = self.pool_width(n, k, int(nmid.min())) if static else rows.width
         cand = ops.bucket_topk(score, c, self.max_votes, rows.pool, hist=hist)  # [R, C], -1 past a row's count
+        if self.pool_every > 1:
+            self.pools.hold(layer, cand)
+        return self.fine(layer, q, cand, k, scale, qb, qn), cand.view(b, h, -1)
+
+    def fine(self, layer: int, q, cand, k: int, scale: float | None = None, qb=None, qn=None) -> torch.Tensor:
+        """Fine stage: the best k of the candidates ``cand`` [R, C] (middle offsets, ``-1`` padded) by the 4-bit
+        estimate -> [B, H, min(k, C)] middle offsets (``-1`` padded). ``qb``, ``qn``: the rotated query blocks
+        and norms when the coarse stage made them (else from ``q`` [B, Hq, D])."""
+        idx = self.index_[layer]
+        ops = self.ops(q.device)
+        b, h, n = q.shape[0], idx.ids.shape[1], idx.ids.shape[2]
+        r, c = b * h, cand.shape[1]
+        if qb is None:
+            qb, qn = self.query_blocks(q, h)
         codes, weight = idx.codes[:, :, :n].reshape(r, n, -1), idx.weight[:, :, :n].reshape(r, n, -1)
         cen = self.consts(q.device)[2]
         if qb.dim() == 4:  # group="heads": the heads' estimates combined into one score per candidate
@@ -398,4 +446,4 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         # the best k candidates; on CUDA as a set (an unordered Triton top-k, ascending ids); -1: no candidate
         top = topk_ids(est, min(k, c), ordered=not est.is_cuda)
         final = torch.where(top >= 0, cand.gather(1, top.clamp(min=0)), -1)
-        return final.view(b, h, -1), cand.view(b, h, -1)
+        return final.view(b, h, -1)
