@@ -50,10 +50,6 @@ class HeldPools:
     def get(self, layer: int) -> torch.Tensor | None:
         return self._by_layer.get(layer)
 
-    def drop(self, layer: int) -> None:
-        """Forget what ``layer`` held (a refresh step that keeps nothing: the steps after it reuse its selection)."""
-        self._by_layer.pop(layer, None)
-
     def key(self) -> tuple:
         """Ids and shapes of the held tensors, by layer."""
         return tuple((lay, id(t), *t.shape) for lay, t in sorted(self._by_layer.items()))

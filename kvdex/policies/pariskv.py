@@ -271,7 +271,8 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
     def reused(self, q, view) -> Selection | None:
         """``pool_every``: a step between refreshes reranks the held candidates by its own query."""
         cand = self.pools.get(view.layer) if self.pool_every > 1 else None
-        if cand is None:
+        nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU, as select sees it
+        if cand is None or view.layer not in self.index_ or int(nmid.max()) <= view.retrieval_tokens:
             return None  # the layer attends its last selection (the whole middle, or nothing yet)
         final = self.fine(view.layer, q, cand, view.retrieval_tokens, view.scale)
         return Selection(tokens=torch.where(final >= 0, final + view.sink, -1))
@@ -282,7 +283,6 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         static = view.static
         nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU
         n = int(nmid.max())
-        self.pools.drop(layer)  # held again below when the coarse stage runs (a new prompt may fit the budget)
         if layer not in self.index_ or n == 0:
             return Selection(tokens=view.no_ids(q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
