@@ -54,6 +54,7 @@ SPECS = [
     "quest:select_every=4",
     "oracle:select_every=3",
     "pariskv:select_every=4",
+    "pariskv:pool_every=4",  # the coarse stage held for 4 steps, the rerank every step
     "prkv:rerank=1:rerank_group=weight:rerank_share=0.5:select_every=4",
     "icecache:search=summary:select_every=4",
     # the rerank's page unit: the candidates' best pages by their keys' exact scores
