@@ -236,12 +236,15 @@ def score_votes(scores: torch.Tensor, levels: int = SCORE_LEVELS) -> torch.Tenso
     return torch.round((scores + m) * (levels / (2 * m))).to(torch.int32)
 
 
-def collision_votes(ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+def collision_votes(
+    ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None, max_score: int | None = None
+) -> torch.Tensor:
     """Integer score of every key: ids uint8 [R, N, B], votes int32 [R, B, K] -> int32 [R, N].
 
     score[n] = sum_b votes[b, ids[n, b]] (the paper's collision count, tier-weighted). ``live`` [R]
     (optional): slots n >= live[r] score -1 (past the row's middle: never selected). ``votes`` may be
     [R, G, B, K], one table per query head of the row's group: then a key scores its best head's sum.
+    ``max_score`` bounds a key's sum; the Triton kernel packs the heads' tables by it (unused here).
     """
     r, n, b = ids.shape
     k = votes.shape[-1]
@@ -255,15 +258,6 @@ def collision_votes(ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor |
     if live is None:
         return score
     return torch.where(torch.arange(n, device=ids.device)[None, :] < live[:, None], score, -1)
-
-
-def collision_scores(
-    ids: torch.Tensor, votes: torch.Tensor, live: torch.Tensor | None = None, max_score: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`collision_votes` and, with ``max_score``, the scores' histogram [R, max_score + 1] (int32;
-    :func:`bucket_topk` takes it: the Triton kernel counts it while it scores)."""
-    score = collision_votes(ids, votes, live)
-    return score, None if max_score is None else score_histogram(score, max_score).int()
 
 
 def cluster_counts(ids: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -298,27 +292,19 @@ def threshold_from_hist(hist: torch.Tensor, k: int | torch.Tensor) -> tuple[torc
     return thr, take
 
 
-def bucket_topk(
-    scores: torch.Tensor,
-    k: int,
-    max_score: int,
-    row_k: torch.Tensor | None = None,
-    hist: torch.Tensor | None = None,
-) -> torch.Tensor:
+def bucket_topk(scores: torch.Tensor, k: int, max_score: int, row_k: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k highest integer scores per row, without a sort: scores int [R, N] -> int64 [R, k].
 
     A histogram over the score values finds the threshold; every key above it and the first
     (lowest-index) keys at it are taken. Output is in ascending index order, ``-1`` padded when a
     row has fewer than k valid (>= 0) scores. Ties are broken by index, so the result is
     deterministic and the Triton kernel reproduces it exactly. ``row_k`` [R] (<= k): take only
-    that many in row r (a ragged batch: each sequence its own candidate count). ``hist``: the scores'
-    histogram [R, max_score + 1] when the caller has it (:func:`collision_scores`).
+    that many in row r (a ragged batch: each sequence its own candidate count).
     """
     r, n = scores.shape
     k = min(k, n)
     rk = k if row_k is None else row_k.to(scores.device).long().clamp(max=k)
-    hist = score_histogram(scores, max_score) if hist is None else hist.long()
-    thr, take = threshold_from_hist(hist, rk)
+    thr, take = threshold_from_hist(score_histogram(scores, max_score), rk)
     gt = scores > thr[:, None]
     eq = (scores == thr[:, None]) & (scores >= 0)
     eq_rank = eq.long().cumsum(1) - 1

@@ -294,17 +294,12 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         return Selection(tokens=torch.where(cand >= 0, cand + view.sink, -1))
 
     def votes(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
-        """Coarse stage: collision scores of the first n middle tokens (:meth:`scored`, without the histogram)."""
-        score, _, qb, qn = self.scored(layer, q, n, nmid)
-        return score, qb, qn
+        """Coarse stage: collision scores of the first n middle tokens.
 
-    def scored(self, layer: int, q: torch.Tensor, n: int, nmid: torch.Tensor):
-        """Coarse stage: collision scores of the first n middle tokens and their histogram.
-
-        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, their histogram int32 [R, max_votes
-        + 1], rotated query blocks, query norms); R = B * H. ``group="mean"``: the query is the mean of the
-        GQA group (authors' code), blocks [R, nsub, m] and norms [R]; ``"heads"``: every query head of the
-        group votes (a key scores its best head's sum), blocks [R, G, nsub, m] and norms [R, G].
+        q [B, Hq, D] -> (scores int32 [R, n] with -1 past ``nmid[b]``, rotated query blocks, query norms);
+        R = B * H. ``group="mean"``: the query is the mean of the GQA group (authors' code), blocks
+        [R, nsub, m] and norms [R]; ``"heads"``: every query head of the group votes (a key scores its
+        best head's sum), blocks [R, G, nsub, m] and norms [R, G].
         """
         idx = self.index_[layer]
         b, hq, d = q.shape
@@ -324,8 +319,8 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
             votes = votes.view(r, g, self.num_sub, -1)
         votes = votes if g > 1 else votes[:, 0]  # one table per row: the paper's kernel path
         ids = idx.ids[:, :, :n].reshape(r, n, -1)
-        score, hist = ops.collision_scores(ids, votes, rows.n_row, self.max_votes)  # -1 past n_row
-        return (score, hist, *self._rows_of(qb, qn, r, g))
+        score = ops.collision_votes(ids, votes, rows.n_row, self.max_votes)  # -1 past n_row
+        return (score, *self._rows_of(qb, qn, r, g))
 
     def _query(self, q: torch.Tensor, h: int):
         """q [B, Hq, D] -> (the searching query [B, H, G, d] or [B, H, d] by ``group``, its rotated blocks, norms)."""
@@ -418,10 +413,10 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         b, h = q.shape[0], idx.ids.shape[1]
         if static:
             n = idx.ids.shape[2]
-        score, hist, qb, qn = self.scored(layer, q, n, nmid)
+        score, qb, qn = self.votes(layer, q, n, nmid)
         rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
         c = self.pool_width(n, k, int(nmid.min())) if static else rows.width
-        cand = ops.bucket_topk(score, c, self.max_votes, rows.pool, hist=hist)  # [R, C], -1 past a row's count
+        cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         if self.pool_every > 1:
             self.pools.hold(layer, cand)
         return self.fine(layer, q, cand, k, scale, qb, qn), cand.view(b, h, -1)
