@@ -157,6 +157,15 @@ def tiny_graph_check(spec: str, steps: int = 40) -> dict:
     return runner.check_graph(model, cfg, [f"{spec}/device+graph"], steps=steps)[0]
 
 
+def assert_refresh_graphs_match_eager(spec: str) -> None:
+    """``pool_every``: refresh steps and the steps between are two graph variants; :func:`tiny_graph_check`'s 40
+    captured steps give eager's logits, with at least two captures and 20 replays."""
+    res = tiny_graph_check(spec)
+    assert res["ok"], res
+    c = res["counts"]
+    assert c["replays"] >= 20 and c["captures"] >= 2, c
+
+
 def greedy(model, ids, mask=None, cache=None, new=56, **kw):
     """Greedy generate returning (sequences, logits [steps, B, V])."""
     out = model.generate(
