@@ -304,6 +304,86 @@ def test_offload_slot_list_equals_store_attend(sink, ps, wp, p):
     assert torch.equal(idx.cpu(), a.idx) and torch.equal(valid.cpu(), a.valid) and torch.equal(pos.cpu(), a.positions)
 
 
+def _device_store(sink, ps, wp, b=3, h=2, d=8, device="cpu"):
+    from kvdex.storage import DeviceStore, Grid, TransferStats
+
+    g = torch.Generator().manual_seed(sink + ps + wp)
+    st = DeviceStore(Grid(sink, ps, wp), b, h, d, torch.float32, device, TransferStats())
+    lengths = torch.tensor([sink + ps * (wp + 5) + 3, 3, sink + ps * wp + 1][:b])
+    n = int(lengths.max())
+    kv = [torch.randn(b, h, n, d, generator=g).to(device) for _ in range(2)]
+    st.ingest(*kv, lengths)
+    return st
+
+
+@run_kernels
+@pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 8, 2), (0, 8, 1), (3, 4, 3)])
+@pytest.mark.parametrize("parts", ["pages", "tokens", "both", "expanded"])
+def test_device_slot_list_equals_store_attend(sink, ps, wp, parts):
+    """DeviceStore.attend's lists in one launch: pages, tokens (-1 padded), both, and a page list expanded over
+    the kv heads (stride 0, as PRKV's static pages), equal to the store's PyTorch ops."""
+    from kvdex.selection import Selection
+
+    st = _device_store(sink, ps, wp)
+    g = torch.Generator().manual_seed(len(parts))
+    nmid = int(st.grid.num_middle_pages(st.lengths_host).max())
+    ws = int(st.grid.window_start(st.lengths_host).max())
+    pages = torch.randint(-1, nmid, (st.batch, st.kv_heads, 5), generator=g)
+    tokens = torch.randint(-1, ws, (st.batch, st.kv_heads, 7), generator=g)
+    sel = {
+        "pages": Selection(pages=pages),
+        "tokens": Selection(tokens=tokens),
+        "both": Selection(pages=pages, tokens=tokens),
+        "expanded": Selection(pages=pages[:, :1].expand(-1, st.kv_heads, -1)),
+    }[parts]
+    a = st.attend(sel)  # the PyTorch ops (CPU store)
+    on = lambda x: None if x is None else x.to(DEV)  # noqa: E731
+    idx, valid = ap.device_slot_list(st.lengths.to(DEV), on(sel.pages), on(sel.tokens), sink, ps, wp)
+    assert idx.dtype == a.idx.dtype and valid.dtype == a.valid.dtype
+    assert torch.equal(idx.cpu(), a.idx) and torch.equal(valid.cpu(), a.valid)
+
+
+@run_kernels
+@pytest.mark.parametrize("prefix", [None, "one", "heads"])
+def test_rerank_slots_equals_twin(prefix):
+    """A rerank's chosen ids -> slots (-1 ids and -1 candidate pages give -1) behind a prefix shared by the kv
+    heads (PRKV's static positions) or per head: equal to the twin."""
+    from kvdex.kernels.reference import rerank_slots_reference
+
+    g = torch.Generator().manual_seed(3)
+    b, h, c, ps, t = 2, 3, 5, 4, 9
+    pages = torch.randint(-1, 40, (b, h, c), generator=g)
+    ids = torch.randint(-1, c * ps, (b, h, t), generator=g)
+    pre = {None: None, "one": torch.randint(-1, 30, (b, 1, 6), generator=g),
+           "heads": torch.randint(-1, 30, (b, h, 6), generator=g)}[prefix]  # fmt: skip
+    want = rerank_slots_reference(ids, pages, 7, ps, pre)
+    got = ap.rerank_slots(ids.to(DEV), pages.to(DEV), 7, ps, None if pre is None else pre.to(DEV))
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+    assert (want[..., -t:][ids < 0] == -1).all()
+
+
+def test_device_slot_list_needs_a_selection():
+    with pytest.raises(ValueError, match="pages"):
+        ap.device_slot_list(torch.zeros(1, dtype=torch.long), None, None, 4, 16, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_device_attend_fast_equals_pytorch(monkeypatch):
+    from kvdex.selection import Selection
+    from kvdex.storage import device
+
+    st = _device_store(4, 16, 2, device="cuda")
+    st2 = _device_store(4, 16, 2, device="cuda")
+    nmid = int(st.grid.num_middle_pages(st.lengths_host).max())
+    pages = torch.randint(-1, nmid, (st.batch, st.kv_heads, 6), device="cuda")
+    a = st.attend(Selection(pages=pages))
+    monkeypatch.setattr(device, "_fast_slot_list", lambda on=None: None)
+    r = st2.attend(Selection(pages=pages))
+    for x, y in zip((a.k, a.v, a.idx, a.valid, a.positions), (r.k, r.v, r.idx, r.valid, r.positions), strict=True):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_offload_attend_fast_equals_pytorch(monkeypatch):

@@ -40,6 +40,16 @@ def ring_push_reference(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q:
     rv.copy_(torch.cat([rv[:, 1:], torch.ones(rv.shape[0], 1, dtype=torch.bool, device=rv.device)], dim=1))
 
 
+def rerank_slots_reference(ids, pages, sink: int, page_size: int, prefix=None):
+    """Twin of ``step_triton.rerank_slots``: the slots [B, H, S + T] of ids [B, H, T] into the flattened candidate
+    ``pages`` [B, H, C] (``-1``: none), behind ``prefix`` [B, 1 or H, S] when given."""
+    pid = pages.gather(2, ids.clamp(min=0) // page_size)
+    slot = torch.where((ids >= 0) & (pid >= 0), sink + pid * page_size + ids % page_size, -1)
+    if prefix is None:
+        return slot
+    return torch.cat([prefix.long().expand(ids.shape[0], ids.shape[1], -1), slot], dim=-1)
+
+
 def page_rows(pos: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """The gather index [B, H, ps, D] into ``buf`` [B, H, S, D] of token positions ``pos`` [B, ps] (clamped to S)."""
     b, h, s, d = buf.shape

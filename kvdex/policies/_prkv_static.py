@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdex.selection import Selection
+
 
 @dataclass
 class StaticRegion:
@@ -14,11 +16,13 @@ class StaticRegion:
     ``pages`` [B, 1, f] (-1 padded; the same for every kv head), its ragged tail ``tokens`` [B, 1, t]
     (positions, -1 padded; None when t = 0) and ``partial`` [B], the index of its partly filled
     page (n // page_size; also the first dynamic candidate). Widths f = n_static // page_size and
-    t = min(page_size - 1, n_static) under static sizing, else (``tight``) the largest count's."""
+    t = min(page_size - 1, n_static) under static sizing, else (``tight``) the largest count's.
+    ``positions`` [B, 1, f * page_size + t]: the region's token positions (-1 padded), a token rerank's prefix."""
 
     pages: torch.Tensor
     tokens: torch.Tensor | None
     partial: torch.Tensor
+    positions: torch.Tensor
 
     @classmethod
     def of(cls, n: torch.Tensor, n_static: int, grid, tight: bool = False) -> StaticRegion:
@@ -32,14 +36,16 @@ class StaticRegion:
         if t:
             offs = torch.arange(t, device=n.device)[None, :]
             tokens = torch.where(offs < tail[:, None], grid.sink + (full * ps)[:, None] + offs, -1)[:, None, :]
-        return cls(sp, tokens, full)
+        positions = Selection(pages=sp, tokens=tokens).token_positions(grid.sink, ps)
+        return cls(sp, tokens, full, positions)
 
     def copy_(self, other: StaticRegion) -> None:
         """In place (a captured CUDA graph reads these buffers)."""
         self.pages.copy_(other.pages)
         self.partial.copy_(other.partial)
+        self.positions.copy_(other.positions)
         if self.tokens is not None:
             self.tokens.copy_(other.tokens)
 
     def ids(self) -> tuple:
-        return tuple(id(t) for t in (self.pages, self.tokens, self.partial))
+        return tuple(id(t) for t in (self.pages, self.tokens, self.partial, self.positions))

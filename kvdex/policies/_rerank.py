@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
+from kvdex.kernels.reference import rerank_slots_reference
 from kvdex.kernels.scoring import candidate_scores, slot_scores, topk_ids
 from kvdex.policies._reuse import check_select_every
 from kvdex.selection import Selection
@@ -135,56 +136,61 @@ def rerank_tokens(
     tokens: int,
     group: str = "max",
     first: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``tokens`` best middle slots [B, H, min(tokens, C * ps)] (``-1`` padded) of the candidate
     ``pages`` [B, H, C] (slot pages, ``-1`` padded) by the exact ``q.k`` of the query heads q [B, Hq, D],
     combined per kv head by ``group``. ``first`` [B] (optional, device): slots below it are not
-    candidates (PRKV's static tokens, attended apart). ``view``: the layer's
-    :class:`~kvdex.view.LayerView` (its store, scale, grid, lengths)."""
+    candidates (PRKV's static tokens, attended apart). ``prefix`` [B, 1 or H, S] (optional): positions put
+    before them (PRKV's static tokens). ``view``: the layer's :class:`~kvdex.view.LayerView` (its store, scale,
+    grid, lengths)."""
     if pages.shape[-1] == 0 or tokens <= 0:
-        return view.no_ids(q.device)
-    score, slot = _candidate_scores(q, view, pages.to(q.device), group, first)
+        none = view.no_ids(q.device)
+        return none if prefix is None else prefix.to(q.device).expand(view.batch, view.kv_heads, -1)
+    pages = pages.to(q.device)
+    score = _candidate_scores(q, view, pages, group, first)
     ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
-    return torch.where(ids >= 0, slot.flatten(2).gather(2, ids.clamp(min=0)), -1)
+    slots = triton_kernel("step_triton", "rerank_slots", on=q) or rerank_slots_reference  # one launch on CUDA
+    return slots(ids, pages, view.sink, view.page_size, None if prefix is None else prefix.to(q.device))
 
 
 def rerank_pages(
     q: torch.Tensor, view, pages: torch.Tensor, n: int, group: str = "max", first: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The ``n`` best of the candidate ``pages`` [B, H, C] (``-1`` padded) by their keys' exact scores:
-    page ids [B, H, min(n, C)], best first, ``-1`` padded (``rerank_unit="page"``). A page's score is its
-    tokens' combined as the group's are: ``"max"`` the largest ``q.k`` of the group over its tokens,
+    """The ``n`` best of the candidate ``pages`` [B, H, C] (``-1`` padded) by their keys' exact scores: page
+    ids [B, H, min(n, C)] (a set; best first on the CPU), ``-1`` padded (``rerank_unit="page"``). A page's score
+    is its tokens' combined as the group's are: ``"max"`` the largest ``q.k`` of the group over its tokens,
     ``"weight"`` the sum of its tokens' group-summed softmax weights (the page's attention mass). Arguments
     as :func:`rerank_tokens`'."""
     b, c, ps = pages.shape[0], pages.shape[-1], view.page_size
     if c == 0 or n <= 0:
         return view.no_ids(q.device)
     pages = pages.to(q.device)
-    score, _ = _candidate_scores(q, view, pages, group, first)
+    score = _candidate_scores(q, view, pages, group, first)
     score = score.reshape(b, view.kv_heads, c, ps)
     if group == "max":
         page = score.amax(-1)
     else:  # the mass of a page's candidate tokens; a page without one (padding, past the middle) is never chosen
         held = torch.isfinite(score)
         page = torch.where(held.any(-1), torch.where(held, score, 0.0).sum(-1), float("-inf"))
-    ids = topk_ids(page, n)  # [B, H, min(n, C)] best first: the order the attention visits them
+    ids = topk_ids(page, n, ordered=not page.is_cuda)  # [B, H, min(n, C)]: a set (best first on the CPU)
     return torch.where(ids >= 0, pages.gather(2, ids.clamp(min=0)), -1)
 
 
-def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch.Tensor]:
-    """(score [B, H, C * ps] of every slot of the candidate ``pages`` [B, H, C] on q's device, ``-inf``
-    where no candidate middle key; their slots [B, H, C, ps])."""
+def _candidate_scores(q, view, pages, group, first) -> torch.Tensor:
+    """score [B, H, C * ps] of every slot of the candidate ``pages`` [B, H, C] on q's device, ``-inf`` where no
+    candidate middle key."""
     ps = view.page_size
     store = view.store
-    slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
     if store.positional_slots and triton_kernel("rerank_triton", on=q) is not None:
         # the candidates' keys read in place by kvdex.kernels.rerank_triton; "weight": logits, each tile's
         # softmax statistics and the group's weights in two kernels
         kw = dict(sink=view.sink, page_size=ps, scale=view.scale, first=first)
         if group == "max":
-            return triton_kernel("rerank_triton", "candidate_scores")(q, store.k, pages, view.window_start, **kw), slot
+            return triton_kernel("rerank_triton", "candidate_scores")(q, store.k, pages, view.window_start, **kw)
         weights = triton_kernel("rerank_triton", "candidate_weights")
-        return weights(q, store.k, pages, view.window_start, view.lengths, window=view.window, **kw), slot
+        return weights(q, store.k, pages, view.window_start, view.lengths, window=view.window, **kw)
+    slot = view.sink + pages[..., None] * ps + torch.arange(ps, device=q.device)  # [B, H, C, ps]
     live = (pages[..., None] >= 0) & (slot < view.window_start.to(q.device)[:, None, None, None])
     if first is not None:
         live = live & (slot >= first.to(q.device)[:, None, None, None])
@@ -192,9 +198,9 @@ def _candidate_scores(q, view, pages, group, first) -> tuple[torch.Tensor, torch
     keys = store.page_keys(pages).to(q.device).flatten(2, 3)  # [B, H, N, D]
     s = candidate_scores(q, keys, live, group, view.scale)
     if group == "max":
-        return s, slot
+        return s
     # "weight": the group's summed softmax weights over sink + window + the candidates
-    return group_weights(q, s, view).masked_fill(~live, float("-inf")), slot
+    return group_weights(q, s, view).masked_fill(~live, float("-inf"))
 
 
 def slot_weights(q: torch.Tensor, view, slots: torch.Tensor) -> torch.Tensor:

@@ -335,11 +335,8 @@ class PRKVPolicy(PageScoringPolicy):
             first = view.sink + self._static_count(view, q.device)  # the static tokens are no candidates
             if self.rerank_unit == "page":  # the best candidate pages, composed below as PRKV's own
                 pages = self.reranked_pages(q, view, pages, first)
-            else:
-                dynamic = self.reranked(q, view, pages, first)
-                static = Selection(pages=region.pages, tokens=region.tokens).token_positions(view.sink, view.page_size)
-                static = static.to(dynamic.device).expand(view.batch, view.kv_heads, -1)
-                return Selection(tokens=torch.cat([static, dynamic], dim=-1))
+            else:  # the static region's positions, then the best dynamic tokens
+                return Selection(tokens=self.reranked(q, view, pages, first, prefix=region.positions))
         tokens = region.tokens
         if tokens is not None:  # [B, H, 1]: the partial page is a chosen dynamic page (static pages are below it)
             whole = (pages == region.partial[:, None, None]).any(-1, keepdim=True)

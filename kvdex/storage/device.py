@@ -21,6 +21,11 @@ def _fast_append_join(on: torch.Tensor | None = None):
     return triton_kernel("step_triton", "append_join_rows", on=on)
 
 
+def _fast_slot_list(on: torch.Tensor | None = None):
+    """kvdex.kernels.step_triton.device_slot_list on CUDA (``KVDEX_TRITON=0``: the PyTorch ops of ``attend``)."""
+    return triton_kernel("step_triton", "device_slot_list", on=on)
+
+
 class DeviceStore(LayerStore):
     """k/v: [B, H, capacity, D]; slot == token position (left padding stripped)."""
 
@@ -111,6 +116,14 @@ class DeviceStore(LayerStore):
     def attend(self, sel: Selection) -> AttendSet:
         g, dev = self.grid, self.device
         b, h = self.batch, self.kv_heads
+        fast = (
+            _fast_slot_list(self.k)
+            if not sel.everything and (sel.pages is not None or sel.tokens is not None)
+            else None
+        )
+        if fast is not None:  # the lists below in one launch on CUDA (kvdex.kernels.step_triton)
+            idx, valid = fast(self.lengths, sel.pages, sel.tokens, g.sink, g.page_size, g.window_pages)
+            return AttendSet(self.k, self.v, idx, valid, idx)
         sink = torch.arange(g.sink, device=dev).expand(b, g.sink)
         win = self._window_slots_positions()
         fixed = torch.cat([sink, win], dim=1)  # [B, sink + window]
