@@ -191,6 +191,7 @@ def _weight_kernel(
 
 
 BLOCK_N = 64  # candidate tokens per program of the candidate kernel
+WARPS = 4  # its warps
 
 
 def _check(q, k, idx, group: str, groups: tuple[str, str], window_start=None):
@@ -229,7 +230,7 @@ def _launch(q, k, idx, n: int, per_head: bool, scale: float, bounds=None, part=N
         h, n, float(scale),
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=BLOCK_N, MAX=not per_head, IEEE=k.dtype == torch.float32,
-        PMAX=pmax, PSUM=psum, NB=triton.cdiv(n, BLOCK_N), PART=part is not None, **consts,
+        PMAX=pmax, PSUM=psum, NB=triton.cdiv(n, BLOCK_N), PART=part is not None, num_warps=WARPS, **consts,
     )  # fmt: skip
     return out
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies.base import PageScoringPolicy, register_policy
+from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
 from kvdex.selection import Selection
 
 
@@ -136,9 +136,9 @@ class ArkValePolicy(PageScoringPolicy):
         b, h, p = score.shape
         cached = self.cached[layer][:, :, :p]
         # the selected pages as a mask; the -1 padding lands in the extra column p (so never on page 0)
-        sel = torch.zeros(b, h, p + 1, dtype=torch.bool, device=cached.device)
-        sel.scatter_(2, pages.masked_fill(pages < 0, p), True)
-        sel = sel[:, :, :p]
+        mark = torch.zeros(b, h, p + 1, dtype=torch.bool, device=cached.device)
+        mark.scatter_(2, pages.masked_fill(pages < 0, p), True)
+        sel = mark[:, :, :p]
         self.recalled[layer].add_((sel > cached).sum())  # selected, not cached; in place: a graph replays it
         self.lookups += b * h
         self._lookup_layers.add(layer)
@@ -148,9 +148,10 @@ class ArkValePolicy(PageScoringPolicy):
             # keep the top ``capacity`` cached pages, the selected ones first (a finite rank above any
             # score); a non-finite rank (an uncached page, or a cached one scored -inf) is not kept
             rank = torch.where(cached, score, float("-inf")).masked_fill_(sel, torch.finfo(score.dtype).max)
-            val, keep = torch.topk(rank, self.capacity, dim=-1)
-            cached.zero_()
-            cached.scatter_(2, keep, val.abs() < float("inf"))
+            keep = topk_ids(rank, self.capacity, ordered=not rank.is_cuda)  # a set; -1: not finite, not kept
+            mark.zero_()  # now the kept pages; -1 lands in the extra column p
+            mark.scatter_(2, keep.masked_fill(keep < 0, p), True)
+            cached.copy_(mark[:, :, :p])
 
 
 def _ids(*tables: dict) -> tuple:
