@@ -31,7 +31,9 @@ keys of the joining page; the programs of head 0 write ``joins``, ``start`` and 
 ops). A store's ``attend`` lists, per (sequence, kv head), the sink rows, the window rows and the selection's
 rows, with their validity (and positions): 15-40 small kernels per layer (window start, ``token_positions``,
 ``cat``, clamps). One launch writes the same tensors; offloaded (``RING``): the window in its ring slots and
-the fetched pages' rows from ``cursor`` on; GPU-resident: slot == position, pages then tokens.
+the fetched pages' rows from ``cursor`` on; GPU-resident: slot == position, pages then tokens. (A GPU-resident
+decode step builds its list inside the paged attention kernel; ``DeviceStore.attend`` serves the steps that
+hand the attended set to an observer: the evaluation's recall and needle diagnostics, H2O's scores.)
 
 **A rerank's chosen slots** (:func:`rerank_slots`, twin :func:`kvdex.kernels.reference.rerank_slots_reference`).
 A token rerank (``kvdex/policies/_rerank.py``) picks ids into its candidates' flattened pages; their slots
