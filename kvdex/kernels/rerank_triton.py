@@ -190,8 +190,7 @@ def _weight_kernel(
     tl.store(OUT + bh * N + offs_n, tl.where(live, w, float("-inf")), mask=nmask)
 
 
-BLOCK_N = 64  # candidate tokens per program of the candidate kernel
-WARPS = 4  # its warps
+BLOCK_N, WARPS = 64, 4  # candidate tokens per program of the candidate kernel, and its warps
 
 
 def _check(q, k, idx, group: str, groups: tuple[str, str], window_start=None):

@@ -116,11 +116,7 @@ class DeviceStore(LayerStore):
     def attend(self, sel: Selection) -> AttendSet:
         g, dev = self.grid, self.device
         b, h = self.batch, self.kv_heads
-        fast = (
-            _fast_slot_list(self.k)
-            if not sel.everything and (sel.pages is not None or sel.tokens is not None)
-            else None
-        )
+        fast = None if sel.everything or sel.empty else _fast_slot_list(self.k)
         if fast is not None:  # the lists below in one launch on CUDA (kvdex.kernels.step_triton)
             idx, valid = fast(self.lengths, sel.pages, sel.tokens, g.sink, g.page_size, g.window_pages)
             return AttendSet(self.k, self.v, idx, valid, idx)
