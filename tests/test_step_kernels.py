@@ -257,11 +257,12 @@ def test_ring_push_equals_twin(size, dtype):
     for step in range(size + 2):
         q = torch.randn(b, d, hq, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, D], strided
         pos = torch.tensor([1000 + step, 2000 + step])
-        ring_push_reference(*want, q, pos)
-        ap.ring_push_(*got, q.to(DEV), pos.to(DEV))
+        off = -(step % 2)  # odd steps: pos are lengths, the position one before (offset=-1)
+        ring_push_reference(*want, q, pos, off)
+        ap.ring_push_(*got, q.to(DEV), pos.int().to(DEV), off)
         for w, x in zip(want, got, strict=True):
             assert torch.equal(w, x.cpu()), step
-    assert bool(want[2].all()) and int(want[1][0, -1]) == 1000 + size + 1
+    assert bool(want[2].all()) and int(want[1][0, -1]) == 1000 + size + 1 - (size + 1) % 2
 
 
 def test_ring_push_bad_inputs():

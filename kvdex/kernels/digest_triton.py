@@ -111,14 +111,14 @@ def page_scores(
     out = torch.empty(b, h, p, dtype=torch.float32, device=q.device)
     if p == 0:
         return out
-    block_p = 64
+    block_p = 16  # with 8 warps: 22.7 us at 128k (8 kv heads x 10,236 fp32 cuboids) against 64 / 4 warps' 27.6 (H200)
     lengths = lengths.to(q.device)
     _digest_kernel[(b * h, triton.cdiv(p, block_p))](
         q, centre, radius, lengths, lengths if first is None else first.to(q.device), out,
         q.stride(0), q.stride(1), centre.stride(0), centre.stride(1), centre.stride(2),
         radius.stride(0), radius.stride(1), radius.stride(2), h, p,
         G=hq // h, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=block_p, SPHERE=sphere,
-        HAS_FIRST=first is not None, SINK=grid.sink, PS=grid.page_size, WP=grid.window_pages,
+        HAS_FIRST=first is not None, SINK=grid.sink, PS=grid.page_size, WP=grid.window_pages, num_warps=8,
     )  # fmt: skip
     return out
 

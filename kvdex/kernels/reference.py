@@ -31,12 +31,14 @@ def window_start(lengths: torch.Tensor, sink: int, page_size: int, window_pages:
     return sink + (grid_pages - window_pages).clamp(min=0) * page_size
 
 
-def ring_push_reference(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor):
+def ring_push_reference(
+    rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor, offset: int = 0
+):
     """A query ring's push in place (``kvdex.policies._obs.QueryRing``; Triton: ``step_triton.ring_push_``): the
     ring rq [B, Hq, S, D], positions rp [B, S] and validity rv [B, S] shift by one row, q [B, Hq, D] at
-    positions pos [B] becomes the newest (valid) row."""
+    positions pos + offset [B] becomes the newest (valid) row."""
     rq.copy_(torch.cat([rq[:, :, 1:], q[:, :, None]], dim=2))
-    rp.copy_(torch.cat([rp[:, 1:], pos.to(rp.device)[:, None]], dim=1))
+    rp.copy_(torch.cat([rp[:, 1:], pos.to(rp.device, torch.long)[:, None] + offset], dim=1))
     rv.copy_(torch.cat([rv[:, 1:], torch.ones(rv.shape[0], 1, dtype=torch.bool, device=rv.device)], dim=1))
 
 

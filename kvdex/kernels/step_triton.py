@@ -403,6 +403,7 @@ def _ring_push_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OFFSET: tl.constexpr = 0,
 ):
     r = tl.program_id(0)  # b * HQ + hq
     b = r // HQ
@@ -420,13 +421,16 @@ def _ring_push_kernel(
     tl.store(RQ + r * S * D + (S - 1) * D + od, new, mask=od < D)
     tl.store(RP + b * S + os, p_old, mask=ms)
     tl.store(RV + b * S + os, v_old, mask=ms)
-    tl.store(RP + b * S + S - 1, tl.load(POS + b).to(tl.int64), mask=first)
+    tl.store(RP + b * S + S - 1, tl.load(POS + b).to(tl.int64) + OFFSET, mask=first)
     tl.store(RV + b * S + S - 1, tl.full([], 1, tl.int1), mask=first)
 
 
-def ring_push_(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor) -> None:
+def ring_push_(
+    rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor, offset: int = 0
+) -> None:
     """Shift the ring ``rq`` [B, Hq, S, D], ``rp`` [B, S] (int64), ``rv`` [B, S] (bool) by one row (the oldest
-    leaves) and write q [B, Hq, D] at positions ``pos`` [B] as the newest (valid) row, in place."""
+    leaves) and write q [B, Hq, D] at positions ``pos + offset`` [B] as the newest (valid) row, in place
+    (``offset=-1`` with the sequence lengths as ``pos``: the new token's position, without a launch for it)."""
     b, hq, size, d = rq.shape
     ring = (rq, rp, rv)
     if not all(t.is_contiguous() for t in ring) or rp.shape != (b, size) or rv.shape != (b, size):
@@ -439,5 +443,5 @@ def ring_push_(rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Te
         q = q.contiguous()
     _ring_push_kernel[(b * hq,)](
         rq, rp, rv, q, pos.to(rq.device), q.stride(0), q.stride(1), hq,
-        S=size, D=d, BLOCK_S=triton.next_power_of_2(size), BLOCK_D=triton.next_power_of_2(d),
+        S=size, D=d, BLOCK_S=triton.next_power_of_2(size), BLOCK_D=triton.next_power_of_2(d), OFFSET=offset,
     )  # fmt: skip

@@ -132,12 +132,13 @@ class QueryRing:
         self.pos[:, self.size - take :] = pos[:, w - take :].to(q.device)
         self.valid[:, self.size - take :] = valid[:, w - take :].to(q.device)
 
-    def push(self, q: torch.Tensor, pos: torch.Tensor) -> None:
-        """One decode query per sequence: q [B, Hq, D] at positions pos [B]."""
+    def push(self, q: torch.Tensor, pos: torch.Tensor, offset: int = 0) -> None:
+        """One decode query per sequence: q [B, Hq, D] at positions pos + offset [B] (the sequence lengths with
+        ``offset=-1``: the new token's)."""
         if self.q is None:
             b, hq, d = q.shape
             self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
         # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.hf.graph)
         # that pushes reads and writes the same ring on every replay; on CUDA one Triton launch
         push = triton_kernel("step_triton", "ring_push_", on=q) or ring_push_reference
-        push(self.q, self.pos, self.valid, q, pos)
+        push(self.q, self.pos, self.valid, q, pos, offset)

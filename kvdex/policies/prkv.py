@@ -249,7 +249,7 @@ class PRKVPolicy(PageScoringPolicy):
                 self.rings[layer].load(*prompt_rows(self.pending.pop(layer), view.lengths - 1))
                 self._restructure(layer, store, scale)
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
-            ring.push(q, view.lengths - 1)
+            ring.push(q, view.lengths, offset=-1)
             if step and step % self.refresh == 0:
                 self._restructure(layer, store, scale)
                 self.refreshes.setdefault(layer, []).append(step)
@@ -273,7 +273,7 @@ class PRKVPolicy(PageScoringPolicy):
         does; ``pool_every``: the held candidates' tokens ranked by this query, after the static region."""
         self.steps[view.layer] = self.steps.get(view.layer, 0) + 1
         if self.n_static or self.auto:
-            self.rings[view.layer].push(q, view.lengths - 1)
+            self.rings[view.layer].push(q, view.lengths, offset=-1)
         return super().reused(q, view)
 
     def page_budget(self, view) -> int:

@@ -145,7 +145,7 @@ class SnapKVPolicy(JoinFreePolicy):
             self._choose(layer, store, scale)
         if self.refresh:
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
-            ring.push(q, view.lengths - 1)
+            ring.push(q, view.lengths, offset=-1)
             if step and step % self.refresh == 0:
                 self._choose(layer, store, scale)
                 self.refreshes.setdefault(layer, []).append(step)
