@@ -46,7 +46,8 @@ and validity [B, S], oldest first) and pushes the step's query into it on every 
 ``select_every`` reuse step too: in PyTorch a ``cat`` and a ``copy_`` per buffer plus a ``ones``
 (~8 kernels per layer and step). This kernel shifts the three buffers by one row and writes the new
 row in one launch (a program per (sequence, query head) row, with a barrier between its loads and
-its stores: the shift is in place). A pure copy: bit-identical to the twin.
+its stores: the shift is in place); it reads the sequence lengths and writes ``length - 1`` as the new
+row's position itself (``offset=-1``), so no kernel computes it first. A pure copy: bit-identical to the twin.
 """
 
 from __future__ import annotations
