@@ -212,8 +212,8 @@ def _store_ops(offload: bool, device: str):
         else:
             u = st.append(k, v)
             got = [u.start, u.count, u.keys, u.values]
-        # snapshots: .cpu() of a CPU tensor is the tensor itself, which later ops change in place
-        out.append([x.cpu().clone() for x in (*got, st.lengths, st.lengths_host, st.k, st.v)])
+        # snapshots (one copy on any device): .cpu() of a CPU tensor is the tensor itself, which later ops change
+        out.append([x.to("cpu", copy=True) for x in (*got, st.lengths, st.lengths_host, st.k, st.v)])
         assert torch.equal(st.lengths.cpu(), st.lengths_host), op
         assert not bool(st.lengths_ticket.any()), op
     n = sum(1 if op == "join" else int(op[-1]) for op in ops)
