@@ -6,6 +6,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 
 def _script():
     path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
@@ -26,3 +28,11 @@ def test_profile_step_reports_each_policy(capsys):
     assert [p for p, _ in totals] == ["quest", "quest:rerank=4"], out
     assert all(int(t) > 0 for _, t in totals)
     assert len(re.findall(r"^\s+[\d.]+ us\s+x", out, re.M)) == 6  # --top 3 kernels for each policy
+
+
+def test_captured_needs_cuda(capsys):
+    """--captured replays CUDA graphs: on the CPU the command line refuses it and says what to do."""
+    with pytest.raises(SystemExit) as err:
+        _script().main("--shape tiny --device cpu --captured".split())
+    assert err.value.code == 2
+    assert "needs --device cuda" in capsys.readouterr().err
