@@ -24,17 +24,6 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 B, H, D, PS = 2, 3, 8, 4
 GRID = Grid(sink=4, page_size=PS, window_pages=2)
 
-if INTERP and not torch.cuda.is_available():  # the same triton 3.6 interpreter shim as test_triton_kernels.py
-    from triton.runtime import interpreter as _itp
-
-    _orig_patch = _itp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _itp._patch_lang_tensor = _patch_lang_tensor
-
 
 def _store(page_cache, lengths=(90, 77), seed=0, uva=False):
     st = OffloadStore(GRID, B, H, D, torch.float32, "cpu", TransferStats(), work_tokens=4 * PS, page_cache=page_cache)

@@ -22,16 +22,6 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if CUDA else "cpu"
 run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
-if INTERP and not CUDA:  # the test-only shim of tests/test_triton_kernels.py
-    from triton.runtime import interpreter as _itp
-
-    _orig_patch = _itp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _itp._patch_lang_tensor = _patch_lang_tensor
 
 from kvdex.kernels import step_triton as ap  # noqa: E402
 

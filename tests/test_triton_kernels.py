@@ -21,18 +21,6 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if CUDA else "cpu"
 run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
-if INTERP and not CUDA:
-    # triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them in loop
-    # bounds, which numpy >= 2.? rejects; read the element instead (test-only compatibility shim).
-    from triton.runtime import interpreter as _itp
-
-    _orig_patch = _itp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _itp._patch_lang_tensor = _patch_lang_tensor
 
 from kvdex.kernels import attention as ref  # noqa: E402
 from kvdex.kernels import digest_triton as dt  # noqa: E402

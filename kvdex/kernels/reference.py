@@ -42,6 +42,41 @@ def ring_push_reference(
     rv.copy_(torch.cat([rv[:, 1:], torch.ones(rv.shape[0], 1, dtype=torch.bool, device=rv.device)], dim=1))
 
 
+_Q_CHUNK = 16  # observation queries scored at a time by attention_mass_reference (bounds its [.., chunk, L] weights)
+
+
+def attention_mass_reference(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    key_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Summed softmax weights per query head, by key slot (Triton: ``obs_triton.attention_mass``): q [B, Hq, W, D]
+    at positions q_pos [B, W] (valid rows q_valid [B, W]), keys k [B, H, L, D] whose slot j holds position
+    ``key_pos[b, h, j]`` (None: j) -> [B, Hq, L] fp32. Key slot j is seen by query i iff its position is
+    ``<= q_pos[i]`` and ``j < lengths``."""
+    b, hq, w, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    kf = k.float()
+    j = torch.arange(L, device=k.device)
+    live = j[None, :] < lengths.to(k.device)[:, None]  # [B, L]
+    kpos = j[None, None, :] if key_pos is None else key_pos.to(k.device)  # [1 or B, 1 or H, L]
+    out = torch.zeros(b, h, hq // h, L, device=k.device)
+    for i0 in range(0, w, _Q_CHUNK):
+        qc = q[:, :, i0 : i0 + _Q_CHUNK].float().view(b, h, hq // h, -1, d)
+        s = torch.einsum("bhgwd,bhld->bhgwl", qc, kf) * scale
+        qp = q_pos[:, i0 : i0 + _Q_CHUNK].to(k.device)  # [B, c]
+        vis = (kpos[:, :, None, :] <= qp[:, None, :, None]) & live[:, None, None, :]  # [B, 1 or H, c, L]
+        s = s.masked_fill(~vis[:, :, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p = p * q_valid[:, i0 : i0 + _Q_CHUNK].to(p)[:, None, None, :, None]
+        out += p.sum(3)
+    return out.reshape(b, hq, L)
+
+
 def rerank_slots_reference(ids, pages, sink: int, page_size: int, prefix=None):
     """Twin of ``step_triton.rerank_slots``: the slots [B, H, S + T] of ids [B, H, T] into the flattened candidate
     ``pages`` [B, H, C] (``-1``: none), behind ``prefix`` [B, 1 or H, S] when given."""

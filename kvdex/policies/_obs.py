@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.reference import ring_push_reference
+from kvdex.kernels.reference import attention_mass_reference, ring_push_reference
 
 POOLINGS = ("max", "avg")
-_Q_CHUNK = 16  # observation queries scored at a time (bounds the [B, Hq, chunk, L] weights)
 
 
 def check_pooling(kernel: int, pooling: str) -> None:
@@ -32,28 +31,23 @@ def check_pooling(kernel: int, pooling: str) -> None:
 
 
 def attention_mass(
-    q: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    key_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed softmax weights per query head: q [B, Hq, W, D] at positions q_pos [B, W] (valid rows
-    q_valid [B, W]), keys k [B, H, L, D] with slot == position -> [B, Hq, L] (fp32).
+    q_valid [B, W]), keys k [B, H, L, D] -> [B, Hq, L] (fp32), by key slot. Slot j holds the key of position
+    ``key_pos[b, h, j]`` (PRKV's relocated middle) or, without ``key_pos``, of position j.
 
-    Key j is visible to query i iff ``j <= q_pos[i]`` and ``j < lengths``.
+    Key slot j is visible to query i iff its position is ``<= q_pos[i]`` and ``j < lengths``. On CUDA two
+    Triton kernels (:mod:`kvdex.kernels.obs_triton`), else the PyTorch twin.
     """
-    b, hq, w, d = q.shape
-    h, L = k.shape[1], k.shape[2]
-    kf = k.float()
-    j = torch.arange(L, device=k.device)
-    live = j[None, :] < lengths.to(k.device)[:, None]  # [B, L]
-    out = torch.zeros(b, h, hq // h, L, device=k.device)
-    for i0 in range(0, w, _Q_CHUNK):
-        qc = q[:, :, i0 : i0 + _Q_CHUNK].float().view(b, h, hq // h, -1, d)
-        s = torch.einsum("bhgwd,bhld->bhgwl", qc, kf) * scale
-        vis = (j[None, None, :] <= q_pos[:, i0 : i0 + _Q_CHUNK, None].to(k.device)) & live[:, None, :]  # [B, c, L]
-        s = s.masked_fill(~vis[:, None, None], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        p = p * q_valid[:, i0 : i0 + _Q_CHUNK].to(p)[:, None, None, :, None]
-        out += p.sum(3)
-    return out.reshape(b, hq, L)
+    fast = triton_kernel("obs_triton", "attention_mass", on=k)
+    return (fast or attention_mass_reference)(q, q_pos, q_valid, k, lengths, scale, key_pos)
 
 
 def middle_scores(
@@ -67,19 +61,30 @@ def middle_scores(
     kernel: int = 1,
     pooling: str = "max",
     per_query_head: bool = False,
+    origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Observation-window score of every middle token per kv head: [B, H, M], M = the longest middle
-    (``per_query_head``: [B, Hq, M], before the group average).
+    """Observation-window score of every middle token per kv head, by position: [B, H, M], M = the longest
+    middle (``per_query_head``: [B, Hq, M], before the group average).
 
     Mean softmax weight over the valid window queries, pooled along the sequence (SnapKV's
-    clustering; ``kernel=1`` for none) per query head, then averaged over the group. Keys must be
-    in position order (slot == position). Entries past a sequence's middle are ``-inf``.
+    clustering; ``kernel=1`` for none) per query head, then averaged over the group. The keys are in
+    position order (slot == position), or ``origin`` [B, H, M] gives the position - sink of the key in
+    each middle slot (PRKV's relocation; the slots outside the middle hold their own positions). Entries
+    past a sequence's middle are ``-inf``.
     """
-    h = k.shape[1]
+    h, L = k.shape[1], k.shape[2]
     end = grid.window_start(lengths.to(k.device))  # [B]
     m = int(grid.num_middle_pages(lengths.cpu()).max()) * grid.page_size
     s0 = grid.sink
-    mass = attention_mass(q, q_pos, q_valid, k, lengths, scale)[:, :, s0 : s0 + m]  # [B, Hq, M]
+    key_pos = None
+    if origin is not None and m:
+        origin = origin[:, :, :m].to(k.device)
+        key_pos = torch.arange(L, device=k.device).repeat(k.shape[0], h, 1)
+        key_pos[:, :, s0 : s0 + m] = origin + s0
+    mass = attention_mass(q, q_pos, q_valid, k, lengths, scale, key_pos)[:, :, s0 : s0 + m]  # [B, Hq, M] by slot
+    if key_pos is not None:  # by position: slot j's mass to position - sink origin[j]
+        idx = origin.repeat_interleave(q.shape[1] // h, dim=1)
+        mass = torch.zeros_like(mass).scatter_(2, idx, mass)
     mass = mass / q_valid.sum(-1).clamp(min=1).to(mass)[:, None, None]
     inside = (s0 + torch.arange(m, device=k.device))[None, :] < end[:, None]  # [B, M]
     mass = mass * inside[:, None, :]  # SnapKV pools the prefix only: nothing past the middle leaks in

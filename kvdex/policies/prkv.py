@@ -170,20 +170,17 @@ class PRKVPolicy(PageScoringPolicy):
         m = int(g.num_middle_pages(store.lengths_host).max()) * g.page_size
         if m == 0 or ((not self.auto or layer in self.split) and not self.layer_split(layer)[0]):
             return
-        origin = self._origin(layer, store, m)
+        origin = self._origin(layer, store, m)  # the keys are scored where they are, by their positions
         k, _ = store.dense()
-        kpos = k.clone()  # keys in position order: position sink + origin[j] <- slot sink + j
-        dst = (origin + g.sink)[..., None].expand(-1, -1, -1, k.shape[-1])
-        kpos.scatter_(2, dst, k[:, :, g.sink : g.sink + m])
         ring = self.rings[layer]
         if self.auto and layer not in self.split:
-            self.split[layer] = self._auto_split(ring, kpos, store, scale)
+            self.split[layer] = self._auto_split(ring, k, origin, store, scale)
         n_static = self.layer_split(layer)[0]
         if not n_static:
             return
         heads = self.static_group == "heads"
-        score = middle_scores(ring.q, ring.pos, ring.valid, kpos, store.lengths, g, scale, self.kernel, self.pooling,
-                              per_query_head=heads)  # fmt: skip
+        score = middle_scores(ring.q, ring.pos, ring.valid, k, store.lengths, g, scale, self.kernel, self.pooling,
+                              per_query_head=heads, origin=origin)  # fmt: skip
         if self.obs_tokens == "last":
             score = _demote_observed(score, ring, g.sink)
         # [B, H, n] positions - sink, -1 padded
@@ -215,7 +212,7 @@ class PRKVPolicy(PageScoringPolicy):
         nmid = g.num_middle_pages(store.lengths_host)
         self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
 
-    def _auto_split(self, ring, kpos, store, scale) -> tuple[int, int]:
+    def _auto_split(self, ring, k, origin, store, scale) -> tuple[int, int]:
         """Appendix G: overlap of the top-r middle tokens of the first and the last window query."""
         g, r = store.grid, self.cfg.retrieval_tokens
         overlaps = []
@@ -227,8 +224,8 @@ class PRKVPolicy(PageScoringPolicy):
             for i in (rows[0], rows[-1]):
                 one = torch.zeros_like(ring.valid[b : b + 1])
                 one[0, i] = True
-                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, kpos[b : b + 1],
-                                  store.lengths[b : b + 1], g, scale, per_query_head=True)  # fmt: skip
+                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, k[b : b + 1], store.lengths[b : b + 1],
+                                  g, scale, per_query_head=True, origin=origin[b : b + 1])  # fmt: skip
                 picks.append(topk_ids(s, r))  # [1, Hq, r]
             for h in range(picks[0].shape[1]):
                 a, c = set(picks[0][0, h].tolist()) - {-1}, set(picks[1][0, h].tolist()) - {-1}
