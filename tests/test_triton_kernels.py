@@ -354,6 +354,33 @@ def test_digest_scores_match_twin(kind, b, h, g, p, d):
         dt.page_scores(q, c, torch.zeros(b, h, p, 2, device=DEV), lengths, grid)
 
 
+@run_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max",
+                                  "sphere-center"])  # fmt: skip
+@pytest.mark.parametrize("shape", [(2, 3, 9, 16, 32), (1, 2, 6, 5, 24)])  # [B, H, pages, ps, D]; odd ps and D
+def test_digest_summary_matches_twin(dtype, kind, shape):
+    """The digests of full pages (PRKV's refresh recomputes every middle page's) == the PyTorch twin, from keys
+    in the model's dtype, contiguous or a slice of a store's key buffer [B, H, S, D] viewed as pages; an empty
+    batch of pages; a bad kind refused."""
+    from kvdex.kernels.scoring import digest_summary
+
+    b, h, p, ps, d = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    buf = (torch.randn(b, h, 3 + p * ps + 7, d, generator=gen) * 3).to(dtype).to(DEV)  # sink 3, 7 spare slots
+    sliced = buf[:, :, 3 : 3 + p * ps].reshape(b, h, p, ps, d)  # a view, not contiguous
+    for keys in (sliced.contiguous(), sliced):
+        c, r = dt.summarize(keys, kind)
+        wc, wr = digest_summary(keys, kind)
+        assert c.shape == wc.shape and r.shape == wr.shape and c.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(c, wc, atol=0, rtol=0)  # the box's centre: exact
+        torch.testing.assert_close(r, wr, atol=1e-5, rtol=1e-5)
+    c0, r0 = dt.summarize(sliced[:, :, :0], kind)
+    assert c0.shape == (*shape[:2], 0, shape[-1]) and r0.shape[:3] == (*shape[:2], 0)
+    with pytest.raises(ValueError, match="digest"):
+        dt.summarize(sliced, "box-mean")
+
+
 # ---- rerank: exact scores of candidate tokens ----------------------------------------------------------
 
 

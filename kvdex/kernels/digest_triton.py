@@ -1,4 +1,4 @@
-"""ArkVale's digest scoring in one Triton kernel (``arkvale``, and ``prkv``'s dynamic pages).
+"""ArkVale's digests in Triton (``arkvale``, and ``prkv``'s dynamic pages): scoring them, and computing them.
 
 The twin (:func:`page_scores_reference`, ``kvdex.kernels.scoring.digest_page_scores``) is the PyTorch path
 of those policies: the estimate of every page per query head (``digest_scores``: two matrix products and
@@ -11,6 +11,12 @@ Per (sequence, kv head, tile of pages), for each of the G query heads of the gro
 ``sum_d q_d c_d + |q_d| r_d``, sphere ``sum_d q_d c_d + |q| r``, in fp32; then the max over g; pages at
 or past the middle's page count (derived from the token lengths, ``Grid.num_middle_pages``) or before
 ``first[b]`` get -inf.
+
+:func:`summarize` computes the digests of full pages (twin: ``kvdex.kernels.scoring.digest_summary``), one
+program per few pages: the keys read once in their dtype, the box's centre, each key's distance and the
+radius in fp32 registers. The twin converts every key to fp32 and runs about ten kernels over the copies;
+PRKV recomputes the digests of every middle page at each refresh of its static set (about 1 ms a layer
+at 128k in PyTorch, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import triton
 import triton.language as tl
 
 from kvdex.kernels.scoring import digest_page_scores
+
+RADII = {"max": 0, "center": 1, "mean": 2}
+PAGES_PER_PROGRAM = 4  # pages summarised per program of _summary_kernel
 
 
 @triton.jit
@@ -126,3 +135,83 @@ def page_scores(
 def page_scores_reference(q, centre, radius, lengths, grid, first=None):
     """The twin: the PyTorch path of the arkvale / prkv policies."""
     return digest_page_scores(q, centre, radius, grid.num_middle_pages(lengths), first)
+
+
+@triton.jit
+def _radius(dist, live, RADIUS: tl.constexpr, PS: tl.constexpr):
+    """The radius over axis 0 of the distances ``dist`` (``live``: real keys): max (0), center (1) or mean (2)."""
+    top = tl.max(tl.where(live, dist, float("-inf")), axis=0)
+    if RADIUS == 0:
+        r = top
+    elif RADIUS == 1:
+        r = (top + tl.min(tl.where(live, dist, float("inf")), axis=0)) / 2
+    else:
+        r = tl.sum(tl.where(live, dist, 0.0), axis=0) / PS
+    return r
+
+
+@triton.jit
+def _summary_kernel(
+    K,
+    C,
+    R,
+    N,
+    P,
+    stride_ko,
+    stride_kp,
+    PS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPHERE: tl.constexpr,
+    RADIUS: tl.constexpr,
+    PAGES: tl.constexpr,
+):
+    """Pages [PAGES * pid, + PAGES) of the N = O x P pages of K [O, P, PS, D] (each page's [PS, D] contiguous) ->
+    centre C [N, D], radius R [N, D or 1]."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < PS
+    dmask = offs_d < D
+    mask = smask[:, None] & dmask[None, :]
+    for i in tl.static_range(PAGES):
+        page = tl.program_id(0) * PAGES + i
+        if page < N:
+            base = (page // P).to(tl.int64) * stride_ko + (page % P).to(tl.int64) * stride_kp
+            k = tl.load(K + base + offs_s[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            lo = tl.min(tl.where(mask, k, float("inf")), axis=0)
+            hi = tl.max(tl.where(mask, k, float("-inf")), axis=0)
+            c = (lo + hi) / 2
+            diff = tl.where(mask, k - c[None, :], 0.0)
+            if SPHERE:
+                r = _radius(tl.sqrt(tl.sum(diff * diff, axis=1)), smask, RADIUS, PS)  # over the keys' distances
+                tl.store(R + page, r)
+            else:
+                r = _radius(tl.abs(diff), mask, RADIUS, PS)  # per dimension
+                tl.store(R + page.to(tl.int64) * D + offs_d, r, mask=dmask)
+            tl.store(C + page.to(tl.int64) * D + offs_d, c, mask=dmask)
+
+
+def summarize(keys: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The digests of full pages, keys [..., ps, D] -> (centre [..., D], radius [..., D] (cuboid) or [..., 1]
+    (sphere)), fp32, for ``kind`` "<cuboid|sphere>-<max|center|mean>" (the twin's values up to the order of the
+    fp32 sums of ``mean`` and of a sphere's distances)."""
+    shape, radius = kind.split("-")
+    if shape not in ("cuboid", "sphere") or radius not in RADII or keys.dim() < 2:
+        raise ValueError(f"expected keys [..., ps, D] and a digest <cuboid|sphere>-<max|center|mean>, got {kind!r}")
+    lead, (ps, d) = keys.shape[:-2], keys.shape[-2:]
+    sphere = shape == "sphere"
+    if keys.numel() == 0:
+        none = keys.new_empty(*lead, d, dtype=torch.float32)
+        return none, keys.new_empty(*lead, 1 if sphere else d, dtype=torch.float32)
+    k = keys.reshape(-1, *keys.shape[-3:]) if keys.dim() > 3 else keys.reshape(1, -1, ps, d)  # [O, P, ps, D]
+    if k.stride(3) != 1 or k.stride(2) != d:  # each page's keys contiguous (a slice of a store's buffer is)
+        k = k.contiguous()
+    n = k.shape[0] * k.shape[1]
+    c = torch.empty(n, d, dtype=torch.float32, device=keys.device)
+    r = torch.empty(n, 1 if sphere else d, dtype=torch.float32, device=keys.device)
+    _summary_kernel[(triton.cdiv(n, PAGES_PER_PROGRAM),)](
+        k, c, r, n, k.shape[1], k.stride(0), k.stride(1), PS=ps, BLOCK_S=max(16, triton.next_power_of_2(ps)), D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), SPHERE=sphere, RADIUS=RADII[radius], PAGES=PAGES_PER_PROGRAM,
+    )  # fmt: skip
+    return c.reshape(*lead, d), r.reshape(*lead, r.shape[-1])

@@ -301,6 +301,35 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n
     return mask_pages(group_reduce(page_bounds(q, kmin, kmax), kmin.shape[1], "max"), num_pages)
 
 
+def digest_summary(
+    keys: torch.Tensor, kind: str, count: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ArkVale's digest of pages (``kvdex.policies._digest.summarize``; Triton: ``digest_triton.summarize``):
+    keys [..., ps, D] -> (centre [..., D], radius [..., D] (cuboid) or [..., 1] (sphere)), fp32, for ``kind``
+    "<cuboid|sphere>-<max|center|mean>". ``count`` (optional, broadcastable to keys[..., 0, 0]): the real
+    keys of each page (the first ``count``)."""
+    shape, radius = kind.split("-")
+    k = keys.float()
+    if count is not None:
+        live = torch.arange(k.shape[-2], device=k.device) < count[..., None]  # [..., ps]
+        live = live[..., None]
+        lo = torch.where(live, k, float("inf")).amin(-2)
+        hi = torch.where(live, k, float("-inf")).amax(-2)
+    else:
+        live = None
+        lo, hi = k.amin(-2), k.amax(-2)
+    c = (lo + hi) / 2
+    dist = (k - c[..., None, :]).abs() if shape == "cuboid" else (k - c[..., None, :]).norm(dim=-1, keepdim=True)
+    if live is not None:
+        dist_max = torch.where(live, dist, float("-inf")).amax(-2)
+        dist_min = torch.where(live, dist, float("inf")).amin(-2)
+        dist_mean = torch.where(live, dist, 0.0).sum(-2) / live.sum(-2).clamp(min=1)
+    else:
+        dist_max, dist_min, dist_mean = dist.amax(-2), dist.amin(-2), dist.mean(-2)
+    r = {"max": dist_max, "center": (dist_min + dist_max) / 2, "mean": dist_mean}[radius]
+    return c, r
+
+
 def digest_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
     """Estimated importance per query head and page: q [B, Hq, D], centre [B, H, P, D],
     radius [B, H, P, D] (cuboid) or [B, H, P, 1] (sphere) -> [B, Hq, P] (fp32).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import digest_page_scores, digest_scores
+from kvdex.kernels.scoring import digest_page_scores, digest_scores, digest_summary
 
 DIGESTS = ("cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center")
 _GROW = 256  # pages of index capacity added at a time
@@ -34,31 +34,15 @@ def check_digest(kind: str) -> None:
 
 
 def summarize(keys: torch.Tensor, kind: str, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Digest of pages: keys [..., ps, D] -> (centre [..., D], radius [..., D] (cuboid) or [..., 1] (sphere)).
+    """Digest of pages: keys [..., ps, D] -> (centre [..., D], radius [..., D] (cuboid) or [..., 1] (sphere)), fp32.
 
     ``count`` (optional, broadcastable to keys[..., 0, 0]) is the number of real keys of each page
-    (a page is full once it joins the middle, so callers leave it None).
+    (a page is full once it joins the middle, so callers leave it None). Full pages on CUDA: one Triton
+    kernel (:func:`kvdex.kernels.digest_triton.summarize`); else the PyTorch twin
+    (:func:`kvdex.kernels.scoring.digest_summary`).
     """
-    shape, radius = kind.split("-")
-    k = keys.float()
-    if count is not None:
-        live = torch.arange(k.shape[-2], device=k.device) < count[..., None]  # [..., ps]
-        live = live[..., None]
-        lo = torch.where(live, k, float("inf")).amin(-2)
-        hi = torch.where(live, k, float("-inf")).amax(-2)
-    else:
-        live = None
-        lo, hi = k.amin(-2), k.amax(-2)
-    c = (lo + hi) / 2
-    dist = (k - c[..., None, :]).abs() if shape == "cuboid" else (k - c[..., None, :]).norm(dim=-1, keepdim=True)
-    if live is not None:
-        dist_max = torch.where(live, dist, float("-inf")).amax(-2)
-        dist_min = torch.where(live, dist, float("inf")).amin(-2)
-        dist_mean = torch.where(live, dist, 0.0).sum(-2) / live.sum(-2).clamp(min=1)
-    else:
-        dist_max, dist_min, dist_mean = dist.amax(-2), dist.amin(-2), dist.mean(-2)
-    r = {"max": dist_max, "center": (dist_min + dist_max) / 2, "mean": dist_mean}[radius]
-    return c, r
+    fast = triton_kernel("digest_triton", "summarize", on=keys) if count is None else None
+    return fast(keys, kind) if fast is not None else digest_summary(keys, kind, count)
 
 
 class DigestIndex:

@@ -195,11 +195,15 @@ class PRKVPolicy(PageScoringPolicy):
         key = torch.where(is_static, origin, m + j)
         key = torch.where(j < own, key, 2 * m + j)
         order = key.argsort(dim=-1, stable=True)
-        # page representations of the restructured pages, from the keys already on the device. Taken
-        # before the store is permuted: a device store's dense() is a view of its buffer, which
-        # permute_middle reorders in place (gathering after it would apply the order twice).
-        moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
-        store.permute_middle(order)
+        # page representations of the restructured pages, from the keys already on the device: a store whose
+        # buffers hold every token (dense() is a view of them) holds the moved keys once permute_middle has
+        # reordered them in place; from another store's dense copy they are gathered before.
+        if store.positional_slots:
+            store.permute_middle(order)
+            moved = store.k[:, :, g.sink : g.sink + m]
+        else:
+            moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
+            store.permute_middle(order)
         self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
         count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
         if layer in self.static:  # in place: a captured CUDA graph reads this buffer
