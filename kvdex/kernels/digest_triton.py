@@ -28,7 +28,7 @@ import triton.language as tl
 from kvdex.kernels.scoring import digest_page_scores
 
 RADII = {"max": 0, "center": 1, "mean": 2}
-PAGES_PER_PROGRAM = 4  # pages summarised per program of _summary_kernel
+PAGES_PER_PROGRAM, SUMMARY_WARPS = 4, 1  # per program of _summary_kernel: the fastest of a sweep of both
 
 
 @triton.jit
@@ -213,5 +213,6 @@ def summarize(keys: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor
     _summary_kernel[(triton.cdiv(n, PAGES_PER_PROGRAM),)](
         k, c, r, n, k.shape[1], k.stride(0), k.stride(1), PS=ps, BLOCK_S=max(16, triton.next_power_of_2(ps)), D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), SPHERE=sphere, RADIUS=RADII[radius], PAGES=PAGES_PER_PROGRAM,
+        num_warps=SUMMARY_WARPS,
     )  # fmt: skip
     return c.reshape(*lead, d), r.reshape(*lead, r.shape[-1])
