@@ -356,3 +356,22 @@ def test_warm_up_runs_until_a_page_of_steps_captures_nothing():
     assert warm_up(step, 0, 4, counts, quiet=8, most=32) == (36, 36)  # never quiet: at most 32 more
     step, _ = stepper(set())
     assert warm_up(step, 0, 4) == (4, 4)  # no graph decoder: --warmup steps
+
+
+@pytest.mark.parametrize("steps,want", [(3, 0), (8, 2)])
+def test_periodic_rebuilds_among_the_timed_steps_are_counted(monkeypatch, steps, want):
+    """PRKV rebuilds its static set every ``refresh`` steps, eagerly: the record says how many of its rebuilds
+    the timed steps span (the ones the policy itself recorded after the warm-up), and the line warns when none."""
+    made = []
+    make = runner.make_cache
+    monkeypatch.setattr(runner, "make_cache", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
+    lines = []  # budget 80: a static part of 16 tokens
+    cfg = _cfg(policies=("prkv:static_ratio=0.5:refresh=4",), storages=("device",), batches=(1,), baselines=(),
+               steps=steps, split_steps=0, budget=80)  # fmt: skip
+    (rec,) = runner.run(cfg, log=lines.append)["results"]
+    assert rec["rebuild_every"] == 4 and rec["rebuilds_timed"] == want
+    layer = made[-1].policy.info.sparse_layers[0]
+    done = made[-1].policy.refreshes.get(layer, [])
+    assert made[-1].policy.n_static == 16 and sum(s >= rec["warmup_steps"] for s in done) == want
+    line = next(s for s in lines if s.startswith("prkv"))
+    assert f"rebuilds {want} (every 4 steps)" in line and (("NOT in the timing" in line) == (want == 0))

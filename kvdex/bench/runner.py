@@ -122,6 +122,11 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         rec["ms_mean"] = statistics.fmean(ms)
         rec["tokens_per_s"] = batch * cfg.steps / wall
         rec["steps"] = cfg.steps
+        period = cache.policy.rebuild_period() if isinstance(cache, kvdex.Cache) else 0
+        if period:  # the policy's periodic rebuilds (decode steps T, 2T, ...) among the timed steps
+            first = rec["warmup_steps"]  # the timed steps are decode steps first ... first + steps - 1
+            rec["rebuild_every"] = period
+            rec["rebuilds_timed"] = (first + cfg.steps - 1) // period - (first - 1) // period
         if device.type == "cuda":
             rec["decode_peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         h2d = h2d_bytes(cache) - h2d0
@@ -314,4 +319,15 @@ def _line(r: dict) -> str:
         + f"  H2D {r['h2d_bytes_per_step'] / 1e6:.1f} MB/step"
         + ("" if hit is None else f"  page-cache hits {hit:.3f}")
         + ("" if r.get("eager_steps") is None else f"  eager {r['eager_steps']}/{r['steps']} steps")
+        + _rebuilds(r)
     )
+
+
+def _rebuilds(r: dict) -> str:
+    """The policy's periodic rebuilds among the timed steps, and a warning when there are none."""
+    every = r.get("rebuild_every")
+    if not every:
+        return ""
+    n = r["rebuilds_timed"]
+    hint = "" if n else f" -- NOT in the timing: use --steps >= {every} (with the warm-up) to include its cost"
+    return f"  rebuilds {n} (every {every} steps){hint}"

@@ -127,6 +127,12 @@ class Policy:
         """Decode steps one selection serves (``select_every``; :mod:`kvdex.engine.reuse`). Default 1."""
         return 1
 
+    def rebuild_period(self) -> int:
+        """Decode steps between the policy's periodic rebuilds that run outside the captured step (PRKV's and
+        SnapKV+'s ``refresh``; steps ``T, 2T, ...``): a benchmark's timed steps must span one to count its
+        cost (``kvdex bench`` records how many they span). 0 (the default): none."""
+        return 0
+
     def must_select(self) -> bool:
         """Before a step (host): select although the step could reuse the last selection. Default False."""
         return False

@@ -269,6 +269,10 @@ class PRKVPolicy(PageScoringPolicy):
                 return True
         return False
 
+    def rebuild_period(self) -> int:
+        """Algorithm 1 runs eagerly every ``refresh`` steps (when the budget has a static part)."""
+        return self.refresh if getattr(self, "n_static", 0) or getattr(self, "auto", False) else 0
+
     def reused(self, q, view) -> Selection | None:
         """``select_every`` / ``pool_every``: the step is counted and its query joins the ring as ``select``
         does; ``pool_every``: the held candidates' tokens ranked by this query, after the static region."""

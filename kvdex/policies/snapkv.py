@@ -87,6 +87,10 @@ class SnapKVPolicy(JoinFreePolicy):
     # with every page.
     _KEPT_GROW = 256
 
+    def rebuild_period(self) -> int:
+        """SnapKV+ re-selects eagerly every ``refresh`` steps."""
+        return self.refresh
+
     def graph_key(self, stores) -> tuple | None:
         if self.pending:
             return None
