@@ -16,7 +16,7 @@ or past the middle's page count (derived from the token lengths, ``Grid.num_midd
 program per few pages: the keys read once in their dtype, the box's centre, each key's distance and the
 radius in fp32 registers. The twin converts every key to fp32 and runs about ten kernels over the copies;
 PRKV recomputes the digests of every middle page at each refresh of its static set (about 1 ms a layer
-at 128k in PyTorch, ``docs/benchmarks.md``).
+at 128k in PyTorch: ``scripts/profile_step.py --policies prkv:refresh=1`` on an H200).
 """
 
 from __future__ import annotations
