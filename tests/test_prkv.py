@@ -120,6 +120,14 @@ def test_permute_middle_rejects_bad_orders(cls):
         store.permute_middle(tail)
     with pytest.raises(ValueError, match="integer tensor"):
         store.permute_middle(ok.float())
+    out = ok.clone()
+    out[0, 1, 2] = m  # names a slot that does not exist (and leaves slot 2 out)
+    with pytest.raises(ValueError, match="permutation"):
+        store.permute_middle(out)
+    neg = ok.clone()
+    neg[1, 1, 0] = -1
+    with pytest.raises(ValueError, match="permutation"):
+        store.permute_middle(neg)
 
 
 # ---- S = 0 and S = 1 -------------------------------------------------------------------------------

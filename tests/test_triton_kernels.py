@@ -24,6 +24,7 @@ run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels ne
 
 from kvdex.kernels import attention as ref  # noqa: E402
 from kvdex.kernels import digest_triton as dt  # noqa: E402
+from kvdex.kernels import permute_triton as pt  # noqa: E402
 from kvdex.kernels import quest_triton as qt  # noqa: E402
 from kvdex.kernels import reference as twins  # noqa: E402
 from kvdex.kernels import triton_attention as ta  # noqa: E402
@@ -751,3 +752,19 @@ def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
         out.append(got)
     assert torch.equal(out[0].sequences, out[1].sequences)
     torch.testing.assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits), atol=1e-4, rtol=1e-4)
+
+
+@run_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 80])
+def test_permute_slots_matches_twin(dtype, d):
+    """PRKV's relocation of a store's middle: the same buffer as the twin, bit for bit, rows outside the range
+    untouched (a buffer with spare capacity, so the range is not contiguous across heads)."""
+    gen = torch.Generator().manual_seed(d)
+    b, h, cap, start, m = 2, 3, 300, 16, 250
+    x = torch.randn(b, h, cap, d, generator=gen).to(DEV, dtype)
+    order = torch.stack([torch.randperm(m, generator=gen) for _ in range(b * h)]).view(b, h, m).to(DEV)
+    want = x.clone()
+    twins.permute_slots_reference(want, order, start)
+    pt.permute_slots_(x, order, start)
+    assert torch.equal(x, want)

@@ -8,8 +8,9 @@ Llama-3.1-8B shape (128k, ``W`` = 64) that was about 7 ms of device time a layer
 step (``scripts/profile_step.py --policies prkv:refresh=1``). Here, flash-attention style:
 
 1. per (sequence, kv head, tile of ``BLOCK_L`` keys): every query row of the group against the tile, one
-   ``tl.dot`` per query head (fp32 accumulation), the tile's max and sum of exponentials per row;
-2. the rows' log-sum-exp from the tiles' statistics (a few small PyTorch ops over [rows, tiles]);
+   ``tl.dot`` per query head (fp32 accumulation), the tile's max and sum of exponentials per row (in base 2:
+   ``exp(s) = 2^(s log2 e)``), stored [tiles, rows] so that a program's rows are written side by side;
+2. the rows' log-sum-exp from the tiles' statistics (a few small PyTorch ops over [tiles, rows]);
 3. the same products again, each weight ``exp(s - lse)`` of a valid query row summed over the window into
    the key's mass per query head.
 
@@ -25,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_L, BLOCK_W, WARPS = 64, 64, 4  # keys per program, query rows per product, warps per program
+# keys per program, query rows per product, warps and pipeline stages per program: the fastest launch tried at
+# the Llama-3.1-8B shape (128k keys, 64 window queries, groups of 4). Head dims above 128: tiles of 64 keys.
+BLOCK_L, BLOCK_W, WARPS, STAGES = 128, 64, 4, 1
 
 
 @triton.jit
@@ -51,7 +54,7 @@ def _mass_kernel(
     H,
     L,
     W,
-    NB,
+    ROWS,
     scale,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -62,8 +65,9 @@ def _mass_kernel(
     STATS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """STATS: each query row's max and sum of exp over this tile of keys -> PMAX / PSUM [rows, NB]. Else: the
-    tile's keys' summed weights ``exp(s - LSE[row])`` over the valid rows, per query head -> OUT [B, Hq, L]."""
+    """STATS: each query row's max and sum of 2^x over this tile of keys (x: the logit times log2 e) -> PMAX /
+    PSUM [tiles, rows]. Else: the tile's keys' summed weights ``2^(x - LSE[row])`` over the valid rows, per
+    query head -> OUT [B, Hq, L] (accumulated over the window's blocks of rows)."""
     bh = tl.program_id(0)
     nb = tl.program_id(1)
     b = bh // H
@@ -77,34 +81,37 @@ def _mass_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kp = K + b * stride_kb + h * stride_kh + offs_l[:, None].to(tl.int64) * stride_ks + offs_d[None, :]
-    k = tl.load(kp, mask=lmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
-    for g in tl.static_range(G):
-        acc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for w0 in range(0, W, BLOCK_W):
-            offs_w = w0 + tl.arange(0, BLOCK_W)
-            wmask = offs_w < W
+    kt = tl.trans(tl.load(kp, mask=lmask[:, None] & dmask[None, :], other=0.0))  # [BLOCK_D, BLOCK_L]
+    sc = scale * 1.4426950408889634  # exp(x) = 2^(x log2 e)
+    for w0 in range(0, W, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        wmask = offs_w < W
+        qpos = tl.load(QPOS + b * W + offs_w, mask=wmask, other=-1)
+        vis = wmask[:, None] & lmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        if not STATS:
+            valid = tl.load(QVALID + b * W + offs_w, mask=wmask, other=0) != 0
+            vis = vis & valid[:, None]
+        for g in tl.static_range(G):
             qp = Q + b * stride_qb + (h * G + g) * stride_qh + offs_w[:, None] * stride_qw + offs_d[None, :]
-            q = tl.load(qp, mask=wmask[:, None] & dmask[None, :], other=0.0).to(k.dtype)  # [BLOCK_W, BLOCK_D]
+            q = tl.load(qp, mask=wmask[:, None] & dmask[None, :], other=0.0).to(kt.dtype)  # [BLOCK_W, BLOCK_D]
             if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = tl.dot(q, kt, input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
-            qpos = tl.load(QPOS + b * W + offs_w, mask=wmask, other=-1)
-            vis = wmask[:, None] & lmask[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(vis, s * scale, float("-inf"))  # [BLOCK_W, BLOCK_L]
+                s = tl.dot(q, kt)
+            s = tl.where(vis, s * sc, float("-inf"))  # [BLOCK_W, BLOCK_L]
             rows = (bh * G + g) * W + offs_w
             if STATS:
                 m = tl.max(s, axis=1)
-                e = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
-                tl.store(PMAX + rows * NB + nb, m, mask=wmask)
-                tl.store(PSUM + rows * NB + nb, e, mask=wmask)
+                e = tl.sum(tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
+                tl.store(PMAX + nb * ROWS + rows, m, mask=wmask)  # [tiles, rows]: one program's rows side by side
+                tl.store(PSUM + nb * ROWS + rows, e, mask=wmask)
             else:
                 lse = tl.load(LSE + rows, mask=wmask, other=0.0)
-                valid = tl.load(QVALID + b * W + offs_w, mask=wmask, other=0) != 0
-                p = tl.where(vis & valid[:, None], tl.exp(s - lse[:, None]), 0.0)
-                acc += tl.sum(p, axis=0)
-        if not STATS:
-            tl.store(OUT + (bh * G + g) * L + offs_l, acc, mask=offs_l < L)
+                acc = tl.sum(tl.exp2(s - lse[:, None]), axis=0)
+                op = OUT + (bh * G + g) * L + offs_l
+                if w0 > 0:
+                    acc += tl.load(op, mask=offs_l < L, other=0.0)
+                tl.store(op, acc, mask=offs_l < L)
 
 
 def attention_mass(
@@ -144,23 +151,25 @@ def attention_mass(
     kpos = None if key_pos is None else key_pos.to(device=dev, dtype=torch.int64)
     if kpos is not None and kpos.stride(2) != 1:
         kpos = kpos.contiguous()
-    nb = triton.cdiv(L, BLOCK_L)
-    pmax = torch.empty(b * hq * w, nb, dtype=torch.float32, device=dev)
+    block_l = BLOCK_L if d <= 128 else BLOCK_L // 2
+    nb = triton.cdiv(L, block_l)
+    rows = b * hq * w
+    pmax = torch.empty(nb, rows, dtype=torch.float32, device=dev)
     psum = torch.empty_like(pmax)
     grid = (b * h, nb)
     args = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         0 if kpos is None else kpos.stride(0), 0 if kpos is None else kpos.stride(1),
-        h, L, w, nb, float(scale),
+        h, L, w, rows, float(scale),
     )  # fmt: skip
     consts = dict(
         G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_W=min(BLOCK_W, max(16, triton.next_power_of_2(w))),
-        BLOCK_L=BLOCK_L, HAS_KPOS=kpos is not None, IEEE=k.dtype == torch.float32, num_warps=WARPS,
+        BLOCK_L=block_l, HAS_KPOS=kpos is not None, IEEE=k.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     kp = lens if kpos is None else kpos  # never read without HAS_KPOS
     _mass_kernel[grid](q, qpos, qvalid, k, kp, lens, pmax, pmax, psum, out, *args, STATS=True, **consts)
-    top = pmax.amax(-1, keepdim=True)
+    top = pmax.amax(0, keepdim=True)  # per row, over the tiles (base 2)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    lse = (top + torch.log((psum * torch.exp(pmax - top)).sum(-1, keepdim=True))).flatten()  # -inf: a row sees nothing
+    lse = (top + torch.log2((psum * torch.exp2(pmax - top)).sum(0, keepdim=True))).flatten()  # -inf: sees nothing
     _mass_kernel[grid](q, qpos, qvalid, k, kp, lens, lse, pmax, psum, out, *args, STATS=False, **consts)
     return out

@@ -77,6 +77,16 @@ def attention_mass_reference(
     return out.reshape(b, hq, L)
 
 
+def permute_slots_reference(x: torch.Tensor, order: torch.Tensor, start: int) -> None:
+    """Twin of ``permute_triton.permute_slots_``: in place, slot ``start + j`` of x [B, H, C, D] takes what slot
+    ``start + order[b, h, j]`` held (order [B, H, M])."""
+    m = order.shape[2]
+    if m == 0:
+        return
+    idx = (order.to(x.device) + start)[..., None].expand(-1, -1, -1, x.shape[3])
+    x[:, :, start : start + m] = x.gather(2, idx)  # gather copies before the write
+
+
 def rerank_slots_reference(ids, pages, sink: int, page_size: int, prefix=None):
     """Twin of ``step_triton.rerank_slots``: the slots [B, H, S + T] of ids [B, H, T] into the flattened candidate
     ``pages`` [B, H, C] (``-1``: none), behind ``prefix`` [B, 1 or H, S] when given."""

@@ -224,11 +224,19 @@ class LayerStore(ABC):
             want = f"[{self.batch}, {self.kv_heads}, {m}]"
             raise ValueError(f"order must be an integer tensor {want}, got {tuple(order.shape)} {order.dtype}")
         ar = torch.arange(m, device=order.device)
-        if not torch.equal(order.sort(dim=-1).values, ar.expand_as(order)):
-            raise ValueError("order must be a permutation of the middle slots 0..M-1 in every row")
+        # one host sync for both checks, no sort: every slot is named once (in range, each counted once) ...
+        inside = (order >= 0) & (order < m)
+        seen = torch.zeros(order.shape, dtype=torch.int32, device=order.device)
+        seen.scatter_add_(2, order.clamp(0, max(m - 1, 0)).long(), inside.to(torch.int32))
+        bad_perm = ~inside.all() | (seen != 1).any()
+        # ... and the slots past a sequence's own middle stay where they are
         own = (g.num_middle_pages(self.lengths_host) * g.page_size).to(order.device)  # [B]
         tail = ar[None, None, :] >= own[:, None, None]
-        if bool((tail & (order != ar)).any()):
+        bad_tail = (tail & (order != ar)).any()
+        bad = torch.stack([bad_perm, bad_tail]).tolist()
+        if bad[0]:
+            raise ValueError("order must be a permutation of the middle slots 0..M-1 in every row")
+        if bad[1]:
             raise ValueError("order must leave the slots past a sequence's own middle in place")
         return m
 

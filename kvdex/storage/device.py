@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.reference import append_join_rows_reference, page_rows
+from kvdex.kernels.reference import append_join_rows_reference, page_rows, permute_slots_reference
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.base import fast_append as _fast_append
@@ -148,10 +148,9 @@ class DeviceStore(LayerStore):
         m = self._check_middle_order(order)
         if m == 0:
             return
-        s = self.grid.sink
-        idx = (order.to(self.device) + s)[..., None].expand(-1, -1, -1, self.head_dim)
-        self.k[:, :, s : s + m] = self.k.gather(2, idx)  # gather copies before the write
-        self.v[:, :, s : s + m] = self.v.gather(2, idx)
+        permute = triton_kernel("permute_triton", "permute_slots_", on=self.k) or permute_slots_reference
+        permute(self.k, order, self.grid.sink)
+        permute(self.v, order, self.grid.sink)
 
     def dense(self):
         # static (set by a CUDA-graph decode, kvdex.bench.graph): the whole buffer, so no length is
