@@ -62,6 +62,7 @@ def middle_scores(
     pooling: str = "max",
     per_query_head: bool = False,
     origin: torch.Tensor | None = None,
+    lengths_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Observation-window score of every middle token per kv head, by position: [B, H, M], M = the longest
     middle (``per_query_head``: [B, Hq, M], before the group average).
@@ -70,11 +71,12 @@ def middle_scores(
     clustering; ``kernel=1`` for none) per query head, then averaged over the group. The keys are in
     position order (slot == position), or ``origin`` [B, H, M] gives the position - sink of the key in
     each middle slot (PRKV's relocation; the slots outside the middle hold their own positions). Entries
-    past a sequence's middle are ``-inf``.
+    past a sequence's middle are ``-inf``. ``lengths_host``: the same lengths on the CPU (the store's), which
+    spares a host sync for the middle's size.
     """
     h, L = k.shape[1], k.shape[2]
     end = grid.window_start(lengths.to(k.device))  # [B]
-    m = int(grid.num_middle_pages(lengths.cpu()).max()) * grid.page_size
+    m = int(grid.num_middle_pages(lengths.cpu() if lengths_host is None else lengths_host).max()) * grid.page_size
     s0 = grid.sink
     key_pos = None
     if origin is not None and m:

@@ -180,7 +180,7 @@ class PRKVPolicy(PageScoringPolicy):
             return
         heads = self.static_group == "heads"
         score = middle_scores(ring.q, ring.pos, ring.valid, k, store.lengths, g, scale, self.kernel, self.pooling,
-                              per_query_head=heads, origin=origin)  # fmt: skip
+                              per_query_head=heads, origin=origin, lengths_host=store.lengths_host)  # fmt: skip
         if self.obs_tokens == "last":
             score = _demote_observed(score, ring, g.sink)
         # [B, H, n] positions - sink, -1 padded

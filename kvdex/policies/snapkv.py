@@ -121,7 +121,7 @@ class SnapKVPolicy(JoinFreePolicy):
     def _choose(self, layer, store, scale) -> None:
         ring = self.rings[layer]
         s = middle_scores(ring.q, ring.pos, ring.valid, store.dense()[0], store.lengths, store.grid, scale,
-                          self.kernel, self.pooling)  # fmt: skip
+                          self.kernel, self.pooling, lengths_host=store.lengths_host)  # fmt: skip
         if self.refresh == 0 and layer in self.kept_from:
             # SnapKV compresses the prompt's middle only: positions from kept_from on are kept by _kept
             # (when the first decode token starts a page, the middle already reaches past kept_from;
