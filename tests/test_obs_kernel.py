@@ -53,6 +53,7 @@ CASES = [  # b, hq, h, w, L, d
     (1, 4, 2, 16, 100, 32),
     (2, 8, 2, 70, 300, 64),  # two chunks of query rows, L not a multiple of the key tile
     (2, 4, 4, 5, 130, 16),  # G = 1, a short window
+    (1, 2, 1, 8, 150, 256),  # head dim above 128: tiles of 64 keys
 ]
 
 
