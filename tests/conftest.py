@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +40,11 @@ if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _itp._patch_lang_tensor = _patch_lang_tensor
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist (``-n``): the workers share the cores; torch's intra-op threads would otherwise each take
+    # them all, and OpenMP threads spinning on an oversubscribed core slow every worker many times over
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 VOCAB = 128
 PAGE = 16
@@ -240,12 +247,43 @@ def smollm2_cpu():
     return eval_models.load("smollm2", device="cpu", dtype="float32")
 
 
+# pytest-xdist with ``--dist loadfile`` (README's test command): a file runs whole on one worker (its module-scoped
+# fixtures are built once), files are handed out in collection order, so the longest start first and the
+# workers end together. Measured on the 2-core CI machine; the rest keep their order.
+LONG_FILES_FIRST = [
+    "test_graph_joins.py",
+    "test_graph.py",
+    "test_user_path.py",
+    "test_compile.py",
+    "test_real_model.py",
+    "test_equivalence.py",
+    "test_lmeval.py",
+    "test_scorecard.py",
+    "test_contract.py",
+    "test_bench.py",
+    "test_icecache_batched.py",
+    "test_icecache_summary.py",
+    "test_icecache.py",
+    "test_multigpu.py",
+    "test_pariskv_graph.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config, "workerinput", None) is None:
+        return  # one process: collection order
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
 # ---- kernel tests under Triton's interpreter (CPU) ------------------------------------------------------
 # triton reads TRITON_INTERPRET when it is first imported, long before these modules in a test session, so
 # their kernel tests run again in a fresh interpreter with the variable set: one subprocess for every such
 # module of the session (one start-up of torch, transformers and pytest), and each module's
 # ``test_interpreter_suite`` checks its own tests there. The subprocess starts when collection ends and
-# runs (one thread) beside the rest of the session; the first check waits for it. Module -> the -k
+# runs (one thread) beside the rest of the session; the first check waits for it. Under pytest-xdist
+# (``-n``) the controller starts it, once, when the first worker has collected, and the checks, on whichever
+# worker runs them, read its results from the folder the controller handed every worker. Module -> the -k
 # selection of its kernel tests (None: the whole module).
 INTERPRETER_SUITES = {
     "test_obs_kernel.py": "triton_",
@@ -255,40 +293,75 @@ INTERPRETER_SUITES = {
     "test_topk.py": None,
     "test_triton_kernels.py": None,
 }
-_SUITE_RUN: dict = {}  # the background run of this session: names, process, junit path, temporary folder
+SUITE_TIMEOUT_S = 900
+# this process's part: "tmp" (the folder, where this process owns it), "proc" (where it started the run)
+_SUITE_RUN: dict = {}
 
 
-def _start_interpreter_suites(items) -> None:
+def _suite_folder(config) -> Path:
+    """The folder of this session's interpreter run: the controller's (handed to xdist workers), else our own."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        return Path(worker["kvdex_interpreter_suites"])
+    if "tmp" not in _SUITE_RUN:
+        _SUITE_RUN["tmp"] = tempfile.TemporaryDirectory(prefix="kvdex-interpreter-")
+    return Path(_SUITE_RUN["tmp"].name)
+
+
+def _start_interpreter_suites(folder: Path, collected) -> None:
+    """Start the subprocess for the modules whose ``test_interpreter_suite`` was collected (``collected``:
+    (file name, test name) pairs). It writes into ``folder``: names (its modules), output.txt, junit.xml, and
+    done (its exit status) once it has ended."""
     import importlib.util
-    import os
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
+    import threading
 
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
-        return  # the kernel tests run in this session itself
+    if "proc" in _SUITE_RUN or os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        return  # started already, or the kernel tests run in this session itself
     if importlib.util.find_spec("triton") is None:
         return
-    wanted = {item.path.name for item in items if item.name == "test_interpreter_suite"}
+    wanted = {file for file, test in collected if test == "test_interpreter_suite"}
     names = sorted(n for n in INTERPRETER_SUITES if n in wanted)
     if not names:
         return
     here = Path(__file__).parent
     select = " or ".join(n if INTERPRETER_SUITES[n] is None else f"({n} and {INTERPRETER_SUITES[n]})" for n in names)
-    tmp = tempfile.TemporaryDirectory()
-    xml = Path(tmp.name) / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", *(str(here / n) for n in names), "-q", "-p", "no:cacheprovider"]
-    cmd += ["-m", "not gpu", "-k", select, f"--junitxml={xml}"]
+    cmd += ["-m", "not gpu", "-k", select, f"--junitxml={folder / 'junit.xml'}"]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    log = open(Path(tmp.name) / "output.txt", "w")  # a file, not a pipe: nothing waits for a reader
-    proc = subprocess.Popen(cmd, env=env, cwd=here.parent, stdout=log, stderr=subprocess.STDOUT)
-    log.close()  # the child holds its own handle
-    _SUITE_RUN.update(names=names, proc=proc, xml=xml, tmp=tmp)
+    with open(folder / "output.txt", "w") as log:  # a file, not a pipe: nothing waits for a reader
+        proc = subprocess.Popen(cmd, env=env, cwd=here.parent, stdout=log, stderr=subprocess.STDOUT)
+    (folder / "names").write_text("\n".join(names))
+    _SUITE_RUN["proc"] = proc
+
+    def mark_done() -> None:
+        rc = proc.wait()
+        try:
+            (folder / "done.tmp").write_text(str(rc))
+            os.replace(folder / "done.tmp", folder / "done")  # readers see it whole or not at all
+        except OSError:  # the session ended first and removed the folder
+            pass
+
+    threading.Thread(target=mark_done, daemon=True).start()
 
 
 def pytest_collection_finish(session):
-    _start_interpreter_suites(session.items)
+    if getattr(session.config, "workerinput", None) is None:  # not an xdist worker: the controller starts it
+        _start_interpreter_suites(_suite_folder(session.config), [(i.path.name, i.name) for i in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, per worker: the folder of the session's interpreter run."""
+    node.workerinput["kvdex_interpreter_suites"] = str(_suite_folder(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller (no items of its own): start the run from the first worker's collection."""
+    collected = [(Path(i.split("::")[0]).name, i.split("::")[-1]) for i in ids]
+    _start_interpreter_suites(_suite_folder(node.config), collected)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -296,31 +369,36 @@ def pytest_sessionfinish(session, exitstatus):
     if proc is not None and proc.poll() is None:  # the session ended before a check waited for it
         proc.kill()
         proc.wait()
+    if getattr(session.config, "workerinput", None) is None and "tmp" in _SUITE_RUN:
+        _SUITE_RUN.pop("tmp").cleanup()
 
 
 @pytest.fixture(scope="session")
-def interpreter_suite():
+def interpreter_suite(request):
     """``check(__file__)``: asserts that the module's kernel tests passed under ``TRITON_INTERPRET=1``
     (at least one, none failed), in the subprocess this session started after collection (one for
     the modules of ``INTERPRETER_SUITES`` whose ``test_interpreter_suite`` it collected)."""
+    import time
     import xml.etree.ElementTree as ET
-    from pathlib import Path
 
+    folder = _suite_folder(request.config)
     outcomes: dict[str, dict] = {}
 
     def collect() -> None:
-        import subprocess
-
-        proc = _SUITE_RUN["proc"]
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + SUITE_TIMEOUT_S
+        while not (folder / "done").is_file() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        proc = _SUITE_RUN.get("proc")
+        if proc is not None and proc.poll() is None:  # started here and still running: end it
             proc.kill()
             proc.wait()
-        tail = (Path(_SUITE_RUN["tmp"].name) / "output.txt").read_text(errors="replace")[-6000:]
-        for n in _SUITE_RUN["names"]:
+        out = folder / "output.txt"
+        tail = out.read_text(errors="replace")[-6000:] if out.is_file() else ""
+        if not (folder / "done").is_file():
+            tail = f"[not finished after {SUITE_TIMEOUT_S} s]\n{tail}"
+        for n in (folder / "names").read_text().split():
             outcomes[n] = {"passed": 0, "failed": [], "tail": tail}
-        xml = _SUITE_RUN["xml"]
+        xml = folder / "junit.xml"
         cases = ET.parse(xml).getroot().iter("testcase") if xml.is_file() else []
         for case in cases:
             name = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
@@ -330,12 +408,12 @@ def interpreter_suite():
                 outcomes[name]["failed"].append(case.get("name"))
             elif case.find("skipped") is None:
                 outcomes[name]["passed"] += 1
-        _SUITE_RUN["tmp"].cleanup()
 
     def check(module_file: str) -> None:
         name = Path(module_file).name
         assert name in INTERPRETER_SUITES, f"{name} is not in conftest.INTERPRETER_SUITES"
-        assert name in _SUITE_RUN.get("names", ()), "the interpreter suites did not start (see conftest)"
+        started = (folder / "names").is_file() and name in (folder / "names").read_text().split()
+        assert started, "the interpreter suites did not start (see conftest)"
         if not outcomes:
             collect()
         got = outcomes[name]

@@ -81,6 +81,17 @@ def _generate(model, spec, compile_backend=None, stand_in=False, monkeypatch=Non
     return out, cache, rec.seen
 
 
+_EAGER: dict = {}
+
+
+def _eager(model, spec):
+    """``_generate(model, spec)``: plain eager generation, the reference of several tests below; run once per
+    spec on this module's model (a worker's share of them under pytest-xdist). Do not mutate the cache."""
+    if spec not in _EAGER:
+        _EAGER[spec] = _generate(model, spec)
+    return _EAGER[spec]
+
+
 def test_cache_is_compileable(model):
     cache = kvdex.Cache(model, "quest")
     assert cache.is_compileable
@@ -90,7 +101,7 @@ def test_cache_is_compileable(model):
 
 @pytest.mark.parametrize("spec", POLICIES + REUSE)
 def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatch):
-    ref, c_ref, _ = _generate(model, spec)
+    ref, c_ref, _ = _eager(model, spec)
     assert c_ref.step_graphs.reason == "it needs a CUDA device"  # CPU without the stand-in: eager steps
     got, c, graphs = _generate(model, spec, "eager", stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got)
@@ -109,14 +120,14 @@ def test_compiled_generate_with_step_graphs_equals_eager(model, spec, monkeypatc
 @pytest.mark.parametrize("spec", ["quest", "full"])
 def test_step_graphs_without_compile_equal_eager(model, spec, monkeypatch):
     """Plain eager generate (no compile): kvdex's per-layer step still replays its graphs."""
-    ref, _, _ = _generate(model, spec)
+    ref, _, _ = _eager(model, spec)
     got, c, _ = _generate(model, spec, stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got) and c.step_graphs.counts["replays"] > 0
 
 
 def test_inductor_compiled_generate_equals_eager(model, monkeypatch):
     """The compiler transformers uses on CUDA (inductor; CUDA graphs are CUDA-only): the same tokens."""
-    ref, _, _ = _generate(model, "quest")
+    ref, _, _ = _eager(model, "quest")
     got, c, graphs = _generate(model, "quest", "inductor", stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got) and graphs[-1] == graphs[1]
 
@@ -137,7 +148,7 @@ def test_whole_step_backend_equals_eager(model, spec, monkeypatch):
     tokens and host state as eager generation, and the per-layer step graphs stay out."""
     from kvdex.hf.step_backend import Backend
 
-    ref, c_ref, _ = _generate(model, spec)
+    ref, c_ref, _ = _eager(model, spec)
     got, c, graphs = _generate(model, spec, Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got)
     n = c.whole_step.counts
@@ -154,7 +165,7 @@ def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):
     """A policy that cannot be captured: the compiled step runs as it is, the per-layer path warns once."""
     from kvdex.hf.step_backend import Backend
 
-    ref, _, _ = _generate(model, "icecache")
+    ref, _, _ = _eager(model, "icecache")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         got, c, _ = _generate(model, "icecache", Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
