@@ -249,9 +249,7 @@ def smollm2_cpu():
 
 # pytest-xdist with ``--dist loadfile`` (README's test command): a file runs whole on one worker (its module-scoped
 # fixtures are built once), files are handed out in collection order, so the longest start first and the
-# workers end together (measured on the 2-core CI machine); the rest keep their order, except the modules of
-# INTERPRETER_SUITES (below), last: their ``test_interpreter_suite`` waits for the background run, which by
-# then has ended, instead of holding a worker idle while it runs.
+# workers end together. Measured on the 2-core CI machine; the rest keep their order.
 LONG_FILES_FIRST = [
     "test_graph_joins.py",
     "test_graph.py",
@@ -275,8 +273,7 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config, "workerinput", None) is None:
         return  # one process: collection order
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    last = len(rank) + 1
-    items.sort(key=lambda item: last if item.path.name in INTERPRETER_SUITES else rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
 # ---- kernel tests under Triton's interpreter (CPU) ------------------------------------------------------
