@@ -10,6 +10,8 @@ attention; bad options raise ValueError.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_greedy, shared_pair, window_start
@@ -268,11 +270,11 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     assert pol.static[1].tolist() == [n_static, n_static]
 
 
-def _window_scores(pol, layer, store, scale, per_query_head=False):
-    """The observation scores of PRKV's ring over the middle with the keys put back in position order
-    (sequence 0), computed here from the store; returns (scores [1, H, L] or, ``per_query_head``,
-    [1, Hq, L], origin of each middle slot)."""
-    ring = pol.rings[layer]
+def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
+    """The observation scores of PRKV's ring (or ``ring``: a (q, pos, valid) copy) over the middle with the
+    keys put back in position order (sequence 0), computed here from the store; returns (scores [1, H, L]
+    or, ``per_query_head``, [1, Hq, L], origin of each middle slot)."""
+    ring = pol.rings[layer] if ring is None else ring
     k, _ = store.dense()
     org = pol.origin[layer]
     m = org.shape[2]
@@ -285,20 +287,69 @@ def _window_scores(pol, layer, store, scale, per_query_head=False):
     return s, org
 
 
+def _ring_copy(pol, layer):
+    """The ring of ``layer`` as it is now (the queries the next step's refresh reads: it runs before the
+    step, or in ``select`` before the step's query joins the ring when a page joins the middle then)."""
+    ring = pol.rings[layer]
+    return SimpleNamespace(q=ring.q.clone(), pos=ring.pos.clone(), valid=ring.valid.clone())
+
+
+@pytest.mark.parametrize("name, opts", [("prkv", {"static_ratio": 0.5}), ("snapkv", {})])
+def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts):
+    """The refresh of decode step t (t = T, 2T, ...) runs in ``before_step``, on the host before the step's
+    first layer -- once, however often it is asked -- so that the step's graph key exists (the step
+    replays); when a page joins the middle in step t, ``select`` runs it after the join (no key: eager).
+    Asking early changes nothing: the same tokens and logits as a run that is not asked."""
+    from kvdex.policies._obs import page_joins
+
+    model, _ = shared_pair("llama_gqa")
+    T, W, last = 5, 8, 2
+    ids = prompt(140, seed=1)  # a page joins the middle at decode steps 4 and 20
+    runs, kinds = [], {}
+    for ask in (False, True):
+        cache = kvdex.Cache(model, name, budget=BUDGET, dense_layers=1, refresh=T, obs=W, **opts)
+        pol = cache.policy
+
+        def observer(layer, q, store, aset, scale, pol=pol, cache=cache):
+            step = pol.steps[layer] - 1
+            if layer != last or (step + 1) % T:
+                return
+            stores = [lay.store for lay in cache.layers]
+            joins = page_joins(stores, pol.info.sparse_layers)
+            for _ in range(2):
+                pol.before_step(stores)
+            done = [pol.refreshes[lay][-1] == step + 1 for lay in pol.info.sparse_layers]
+            assert done == [not joins] * len(done), (step, joins)
+            assert (pol.graph_key(stores) is None) == joins
+            kinds[step + 1] = joins
+
+        if ask:
+            cache.observer = observer
+        runs.append(greedy(model, ids, cache=cache, new=22))
+        assert all(pol.refreshes[lay] == [5, 10, 15, 20] for lay in pol.info.sparse_layers)
+    assert kinds == {5: False, 10: False, 15: False, 20: True}
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=0, rtol=0)
+
+
 def test_static_set_is_topk_of_window_scores():
     """After a refresh, the front of the middle holds exactly the top-k_s tokens by the observation
-    scores of the last W queries (keys in position order)."""
+    scores of the last W queries (keys in position order). The refresh of step t reads the queries up
+    to step t - 1 (the ring after step t - 1) and the middle of step t (a page joins it at step 20)."""
     model, _ = shared_pair("llama_gqa")
     T, W = 5, 8
     cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, static_ratio=0.5, refresh=T, obs=W)
     pol = cache.policy
-    checked = []
+    checked, before = [], {}
 
     def observer(layer, q, store, aset, scale):
         step = pol.steps[layer] - 1
+        if (step + 1) % T == 0:
+            before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % T:
             return
-        s, org = _window_scores(pol, layer, store, scale)
+        assert pol.refreshes[layer][-1] == step
+        s, org = _window_scores(pol, layer, store, scale, ring=before.pop(layer))
         ns = int(pol.static[layer][0])
         for h in range(store.kv_heads):
             front = set((org[0, h, :ns] + SINK).tolist())
@@ -324,15 +375,17 @@ def test_obs_tokens_last_ranks_the_windows_own_tokens_last(obs_tokens):
     opts = dict(static_ratio=1.0, refresh=T, obs=W, obs_tokens=obs_tokens)
     cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, **opts)
     pol = cache.policy
-    late_static = []
+    late_static, before = [], {}
 
     def observer(layer, q, store, aset, scale):
         step = pol.steps[layer] - 1
+        if (step + 1) % T == 0:
+            before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % T:
             return
-        ring = pol.rings[layer]
+        ring = before.pop(layer)
         first = int(ring.pos[0][ring.valid[0]].min())
-        s, org = _window_scores(pol, layer, store, scale)
+        s, org = _window_scores(pol, layer, store, scale, ring=ring)
         ns = int(pol.static[layer][0])
         assert first - SINK > ns  # enough earlier tokens: "last" never needs a late one
         for h in range(store.kv_heads):

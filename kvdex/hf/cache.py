@@ -208,6 +208,7 @@ class Cache(HFCache):
             self._in_forward = True
             first = self.layers[0]
             if key_states.shape[2] == 1 and first.store is not None:  # a decode step (the step plans may have decided)
+                self.policy.before_step([lay.store for lay in self.layers])
                 self.reuse.decide(self.policy.reuse_steps(), first.seen, first.store, self.policy.must_select)
             else:  # a prefill or several tokens at once: the middle may have changed
                 self.reuse.reset()

@@ -168,6 +168,7 @@ class StepPlan:
         ``extra``: what the step's graphs depend on besides the policy and the stores (part of the key).
         Sets the cache's ``join_step`` for this step."""
         c = self.cache
+        c.policy.before_step(self._stores())  # periodic index work (PRKV's refresh): the step then replays
         joining = self._join_host() if self._joins else False
         first = c.layers[0]
         reuse = c.reuse.decide(self._every, first.seen, first.store, c.policy.must_select)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import attention_mass_reference, ring_push_reference
+from kvdex.storage import host_joins
 
 POOLINGS = ("max", "avg")
 
@@ -149,3 +150,12 @@ class QueryRing:
         # that pushes reads and writes the same ring on every replay; on CUDA one Triton launch
         push = triton_kernel("step_triton", "ring_push_", on=q) or ring_push_reference
         push(self.q, self.pos, self.valid, q, pos, offset)
+
+
+def page_joins(stores, layers) -> bool:
+    """Whether a page joins the middle of any sequence in the coming decode step (the stores of ``layers``
+    hold the same lengths; False without sparse layers)."""
+    if not layers:
+        return False
+    st = stores[layers[0]]
+    return bool((host_joins(st.grid, st.lengths_host)[1] > 0).any())

@@ -128,14 +128,20 @@ class Policy:
         return 1
 
     def rebuild_period(self) -> int:
-        """Decode steps between the policy's periodic rebuilds that run outside the captured step (PRKV's and
-        SnapKV+'s ``refresh``; steps ``T, 2T, ...``): a benchmark's timed steps must span one to count its
-        cost (``kvdex bench`` records how many they span). 0 (the default): none."""
+        """Decode steps between the policy's periodic rebuilds, run before the step (:meth:`before_step`;
+        PRKV's and SnapKV+'s ``refresh``; steps ``T, 2T, ...``): a benchmark's timed steps must span one to
+        count its cost (``kvdex bench`` records how many they span). 0 (the default): none."""
         return 0
 
     def must_select(self) -> bool:
         """Before a step (host): select although the step could reuse the last selection. Default False."""
         return False
+
+    def before_step(self, stores: list) -> None:
+        """Before each decode step, on the host, before its first layer runs (an eager step, per-layer and
+        whole-step CUDA graphs alike; called again for the same step it does nothing): periodic index work
+        with data-dependent shapes, done here so that the step itself can replay its graph (PRKV's and
+        SnapKV+'s ``refresh``). ``stores``: every layer's store, by layer index. Default: nothing."""
 
     def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """A step of ``view.layer`` that the schedule marks as a reuse step (:mod:`kvdex.engine.reuse`):

@@ -26,7 +26,9 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
   candidate like the pages after it: chosen, it is attended whole instead of its tail, so no middle token
   is out of reach and a budget covering the context attends all of it at any budget;
 * the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
-  the prefill's static set is computed at the layer's first decode step (when the store is there);
+  the prefill's static set is computed at the layer's first decode step (when the store is there); the
+  refresh of decode step ``t`` (``t = T, 2T, ...``) runs before that step (``Policy.before_step``), on the
+  queries up to step ``t - 1``, so the step itself replays its CUDA graph;
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
   its position), so the static choice never depends on a previous relocation;
 * GQA, dynamic pages: ArkVale's rule, a page's estimate for a kv head is the max over its query heads
@@ -55,7 +57,7 @@ import torch
 
 from kvdex.kernels.scoring import check_group, group_topk, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows, page_joins
 from kvdex.policies._prkv_static import StaticRegion
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
@@ -131,6 +133,7 @@ class PRKVPolicy(PageScoringPolicy):
         self.pending: dict[int, object] = {}
         self.steps: dict[int, int] = {}
         self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which the static set was rebuilt
+        self.scales: dict[int, float] = {}  # layer -> attention scale (a refresh before the step scores with it)
 
     def stats(self) -> dict:
         if self.auto:
@@ -240,20 +243,40 @@ class PRKVPolicy(PageScoringPolicy):
         return static, (r - static) // ps
 
     # ---- per step ----------------------------------------------------------------------------------
+    def _refresh_due(self, layer: int, step: int) -> bool:
+        """Algorithm 1 refreshes ``layer`` before its decode step ``step`` (T, 2T, ...) and has not yet."""
+        done = self.refreshes.get(layer)
+        return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
+
+    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
+        self._restructure(layer, store, scale)
+        self.refreshes.setdefault(layer, []).append(step)
+
+    def before_step(self, stores) -> None:
+        """The refresh of every layer that is due, before the step's first layer (its graph then replays).
+        Not when a page joins the middle in this step: the refresh then runs in ``select``, after the join,
+        so that the joining page is restructured with the rest (at ``S = 1`` no dynamic page could reach it)."""
+        if not (self.n_static or self.auto) or self.pending or page_joins(stores, self.info.sparse_layers):
+            return
+        for layer in self.info.sparse_layers:
+            step = self.steps.get(layer, 0)
+            if self._refresh_due(layer, step):
+                self._refresh(layer, stores[layer], self.scales[layer], step)
+
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
+        self.scales[layer] = scale
         if self.n_static or self.auto:
             if layer in self.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
                 self.rings[layer] = QueryRing(self.obs)
                 self.rings[layer].load(*prompt_rows(self.pending.pop(layer), view.lengths - 1))
                 self._restructure(layer, store, scale)
+            elif self._refresh_due(layer, step):  # before_step did not run (the policy driven directly)
+                self._refresh(layer, store, scale, step)
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
             ring.push(q, view.lengths, offset=-1)
-            if step and step % self.refresh == 0:
-                self._restructure(layer, store, scale)
-                self.refreshes.setdefault(layer, []).append(step)
         self.pending.pop(layer, None)
         return super().select(q, view)  # the dynamic pages (PageScoringPolicy), then chosen: the static part
 
@@ -270,7 +293,7 @@ class PRKVPolicy(PageScoringPolicy):
         return False
 
     def rebuild_period(self) -> int:
-        """Algorithm 1 runs eagerly every ``refresh`` steps (when the budget has a static part)."""
+        """Algorithm 1 runs every ``refresh`` steps, before the step (when the budget has a static part)."""
         return self.refresh if getattr(self, "n_static", 0) or getattr(self, "auto", False) else 0
 
     def reused(self, q, view) -> Selection | None:
@@ -350,8 +373,9 @@ class PRKVPolicy(PageScoringPolicy):
         return Selection(pages=torch.cat([static_pages, pages], dim=-1), tokens=tokens)
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
-    # A step replays when it does not restructure (the first decode step and every refresh-th step
-    # run eagerly: Algorithm 1 permutes the store with data-dependent shapes). Otherwise select pushes
+    # A step replays unless it restructures (the first decode step runs eagerly: Algorithm 1 permutes
+    # the store with data-dependent shapes; every refresh-th step's refresh runs before it, in
+    # before_step, and the step replays). Otherwise select pushes
     # the query into the ring (in place) and scores the digests over the index capacity; the static
     # region is attended through fixed widths (n_static // page_size pages and up to page_size - 1
     # tail tokens, -1 padded) read from the device count, which a refresh rewrites in place.
@@ -362,7 +386,7 @@ class PRKVPolicy(PageScoringPolicy):
         if restructures:
             for layer in self.info.sparse_layers:
                 step = self.steps.get(layer, 0)
-                if layer not in self.rings or (step and step % self.refresh == 0):
+                if layer not in self.rings or self._refresh_due(layer, step):
                     return None
         rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
         static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))

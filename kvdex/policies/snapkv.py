@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows
+from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows, page_joins
 from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
 from kvdex.selection import Selection
 
@@ -74,21 +74,23 @@ class SnapKVPolicy(JoinFreePolicy):
         self._kept_w: dict[int, int] = {}  # layer -> static width of the kept tokens (CUDA-graph decoding)
         self.steps: dict[int, int] = {}
         self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which it re-selected
+        self.scales: dict[int, float] = {}  # layer -> attention scale (a re-selection before the step uses it)
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
-    # The first decode step (the prompt's votes) and every refresh-th step (SnapKV+) run eagerly; the
-    # others only push the query into the ring (in place) and read the chosen tokens (a buffer that a
+    # The first decode step (the prompt's votes) runs eagerly; every refresh-th step (SnapKV+) re-selects
+    # before the step (before_step, on the queries up to the step before) and replays like the
+    # others, which only push the query into the ring (in place) and read the chosen tokens (a buffer that a
     # refresh rewrites in place) and, with refresh=0, the tokens kept since the prefill: a -1-padded
     # width computed from host lengths that grows in steps of >= 256 tokens (a new graph key), not
     # with every page.
     _KEPT_GROW = 256
 
     def rebuild_period(self) -> int:
-        """SnapKV+ re-selects eagerly every ``refresh`` steps."""
+        """SnapKV+ re-selects every ``refresh`` steps, before the step."""
         return self.refresh
 
     def graph_key(self, stores) -> tuple | None:
@@ -96,7 +98,7 @@ class SnapKVPolicy(JoinFreePolicy):
             return None
         for layer in self.info.sparse_layers:
             step = self.steps.get(layer, 0)
-            if self.refresh and (layer not in self.rings or (step and step % self.refresh == 0)):
+            if self.refresh and (layer not in self.rings or self._refresh_due(layer, step)):
                 return None
             if self.refresh == 0 and layer in self.kept_from:
                 self._kept_width(layer, stores[layer], ahead=1)
@@ -136,10 +138,29 @@ class SnapKVPolicy(JoinFreePolicy):
         else:
             self.chosen[layer] = chosen
 
+    def _refresh_due(self, layer: int, step: int) -> bool:
+        """SnapKV+ re-selects ``layer`` before its decode step ``step`` (T, 2T, ...) and has not yet."""
+        done = self.refreshes.get(layer)
+        return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
+
+    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
+        self._choose(layer, store, scale)
+        self.refreshes.setdefault(layer, []).append(step)
+
+    def before_step(self, stores) -> None:
+        """SnapKV+: the re-selection of every layer that is due, before the step (its graph then replays)."""
+        if not self.refresh or self.pending or page_joins(stores, self.info.sparse_layers):
+            return  # a page joins in this step: the re-selection runs in select, after the join (PRKV's rule)
+        for layer in self.info.sparse_layers:
+            step = self.steps.get(layer, 0)
+            if self._refresh_due(layer, step):
+                self._refresh(layer, stores[layer], self.scales[layer], step)
+
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
+        self.scales[layer] = scale
         if layer in self.pending:  # first decode step: the prompt is lengths - 1 tokens
             prompt = view.lengths - 1
             self.kept_from[layer] = view.grid.window_start(prompt)
@@ -148,11 +169,10 @@ class SnapKVPolicy(JoinFreePolicy):
             ring.load(*prompt_rows(self.pending.pop(layer), prompt))
             self._choose(layer, store, scale)
         if self.refresh:
+            if self._refresh_due(layer, step):  # before_step did not run (the policy driven directly)
+                self._refresh(layer, store, scale, step)
             ring = self.rings.setdefault(layer, QueryRing(self.obs))
             ring.push(q, view.lengths, offset=-1)
-            if step and step % self.refresh == 0:
-                self._choose(layer, store, scale)
-                self.refreshes.setdefault(layer, []).append(step)
         chosen = self.chosen.get(layer, view.no_ids(q.device))
         if self.refresh == 0 and layer in self.kept_from:
             chosen = torch.cat([chosen, self._kept(view)], dim=-1)
