@@ -28,7 +28,9 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 * the refresh uses the last ``obs`` queries of the sequence (prompt rows first, then decode queries),
   the prefill's static set is computed at the layer's first decode step (when the store is there); the
   refresh of decode step ``t`` (``t = T, 2T, ...``) runs before that step (``Policy.before_step``), on the
-  queries up to step ``t - 1``, so the step itself replays its CUDA graph;
+  queries up to step ``t - 1`` and the middle as it stands, so the step itself replays its CUDA graph (a
+  page joining the middle in step ``t`` is a dynamic candidate; at ``S = 1`` the refresh then runs after
+  the join, in ``select``, that step eagerly);
 * scores are computed with the keys put back in position order (``origin`` maps each middle slot to
   its position), so the static choice never depends on a previous relocation;
 * GQA, dynamic pages: ArkVale's rule, a page's estimate for a kv head is the max over its query heads
@@ -254,14 +256,21 @@ class PRKVPolicy(PageScoringPolicy):
 
     def before_step(self, stores) -> None:
         """The refresh of every layer that is due, before the step's first layer (its graph then replays).
-        Not when a page joins the middle in this step: the refresh then runs in ``select``, after the join,
-        so that the joining page is restructured with the rest (at ``S = 1`` no dynamic page could reach it)."""
-        if not (self.n_static or self.auto) or self.pending or page_joins(stores, self.info.sparse_layers):
+        When a page joins the middle in this step it is a dynamic candidate like any page that joins between
+        refreshes -- unless the layer has no dynamic pages (``S = 1``, SnapKV+): then its refresh runs in
+        ``select``, after the join, so that the joining page is restructured with the rest (that step eager)."""
+        if not (self.n_static or self.auto) or self.pending:
             return
+        joins = None
         for layer in self.info.sparse_layers:
             step = self.steps.get(layer, 0)
-            if self._refresh_due(layer, step):
-                self._refresh(layer, stores[layer], self.scales[layer], step)
+            if not self._refresh_due(layer, step):
+                continue
+            if not self.layer_split(layer)[1]:
+                joins = page_joins(stores, self.info.sparse_layers) if joins is None else joins
+                if joins:
+                    continue
+            self._refresh(layer, stores[layer], self.scales[layer], step)
 
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
