@@ -204,11 +204,11 @@ class PRKVPolicy(PageScoringPolicy):
         # buffers hold every token (dense() is a view of them) holds the moved keys once permute_middle has
         # reordered them in place; from another store's dense copy they are gathered before.
         if store.positional_slots:
-            store.permute_middle(order)
+            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
             moved = store.k[:, :, g.sink : g.sink + m]
         else:
             moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
-            store.permute_middle(order)
+            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
         self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
         count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
         if layer in self.static:  # in place: a captured CUDA graph reads this buffer

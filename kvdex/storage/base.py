@@ -205,24 +205,28 @@ class LayerStore(ABC):
         return rows.view(b, h, p, g.page_size, k.shape[-1])
 
     # ---- restructuring (PRKV) -----------------------------------------------------------
-    def permute_middle(self, order: torch.Tensor) -> None:
+    def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
         """Reorder the middle tokens of every (sequence, kv head) in place (PRKV's relocation).
 
         ``order`` [B, H, M], M = the longest middle in tokens: afterwards middle slot j of (b, h)
         holds what was in middle slot ``order[b, h, j]`` (slot j == position sink + j before any
         reordering). Each row must be a permutation of 0..M-1 that leaves the slots past the
-        sequence's own middle in place. Keys carry their rotary position already, so attention over
-        a reordered store is unchanged; only which slot holds which token moves.
+        sequence's own middle in place (``ValueError`` otherwise; ``validate=False`` checks the shape
+        only, without the check's host sync, for a caller whose order is one by construction). Keys
+        carry their rotary position already, so attention over a reordered store is unchanged; only
+        which slot holds which token moves.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot reorder its middle tokens")
 
-    def _check_middle_order(self, order: torch.Tensor) -> int:
-        """Validate a :meth:`permute_middle` order; returns M."""
+    def _check_middle_order(self, order: torch.Tensor, validate: bool = True) -> int:
+        """Validate a :meth:`permute_middle` order (``validate=False``: its shape only); returns M."""
         g = self.grid
         m = int(g.num_middle_pages(self.lengths_host).max()) * g.page_size
         if order.dim() != 3 or tuple(order.shape) != (self.batch, self.kv_heads, m) or order.is_floating_point():
             want = f"[{self.batch}, {self.kv_heads}, {m}]"
             raise ValueError(f"order must be an integer tensor {want}, got {tuple(order.shape)} {order.dtype}")
+        if not validate:
+            return m
         ar = torch.arange(m, device=order.device)
         # one host sync for both checks, no sort: every slot is named once (in range, each counted once) ...
         inside = (order >= 0) & (order < m)

@@ -144,8 +144,8 @@ class DeviceStore(LayerStore):
         valid = torch.cat([fixed_valid, mid_valid], dim=-1)
         return AttendSet(self.k, self.v, idx, valid, idx)
 
-    def permute_middle(self, order: torch.Tensor) -> None:
-        m = self._check_middle_order(order)
+    def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
+        m = self._check_middle_order(order, validate)
         if m == 0:
             return
         permute = triton_kernel("permute_triton", "permute_slots_", on=self.k) or permute_slots_reference

@@ -319,9 +319,9 @@ class OffloadStore(PageCacheMixin, LayerStore):
         like :meth:`attend`'s), not the whole middle as :meth:`dense` would copy."""
         return self.host.fetch_pages(pages.clamp(min=0))[:, :, :, 0]
 
-    def permute_middle(self, order: torch.Tensor) -> None:
+    def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
         """The middle lives in host memory only: the pages are reordered there."""
-        m = self._check_middle_order(order)
+        m = self._check_middle_order(order, validate)
         if m:
             self.host.permute_tokens(order.cpu())
             self._page_cache_flush()  # the pool's pages no longer hold what their ids say
