@@ -248,8 +248,11 @@ def smollm2_cpu():
 
 
 # pytest-xdist with ``--dist loadfile`` (README's test command): a file runs whole on one worker (its module-scoped
-# fixtures are built once), files are handed out in collection order, so the longest start first and the
-# workers end together. Measured on the 2-core CI machine; the rest keep their order.
+# fixtures are built once), files are handed out in collection order (pytest_configure turns off xdist's own
+# reordering by test count, which would put the many-parametrised kernel modules first), so the longest start
+# first and the workers end together (measured on the 2-core CI machine); the rest keep their order, except the
+# modules of INTERPRETER_SUITES (below), last: their ``test_interpreter_suite`` waits for the background run,
+# which by then has ended, instead of holding a worker idle while it runs.
 LONG_FILES_FIRST = [
     "test_graph_joins.py",
     "test_graph.py",
@@ -273,7 +276,16 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config, "workerinput", None) is None:
         return  # one process: collection order
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    last = len(rank) + 1
+    # stable: each file keeps its order
+    items.sort(key=lambda item: last if item.path.name in INTERPRETER_SUITES else rank.get(item.path.name, len(rank)))
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", None):
+        # xdist (--dist loadfile) sorts files by their number of tests unless told not to: keep the order
+        # pytest_collection_modifyitems gives (the controller schedules from the workers' collection order)
+        config.option.loadscopereorder = False
 
 
 # ---- kernel tests under Triton's interpreter (CPU) ------------------------------------------------------
