@@ -281,7 +281,8 @@ def test_token_selections_bypass_the_pool_and_stay_exact():
 @pytest.mark.parametrize("c,chunk", [(6, 32), (9, 32), (9, 2), (14, 4)])
 def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
     """The fused bookkeeping kernel (KVDEX_PC_FUSED=1) takes the twin's decisions: same rows, same pool
-    contents, same tags / stamps / counts, step after step (with eviction)."""
+    contents, same tags / stamps / counts, step after step (with eviction). 12 steps (was 25): every cache
+    size still has a row that misses more pages than it holds, so it evicts (asserted below)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("store-level comparison on host tensors: interpreter only (the CUDA end-to-end test covers GPU)")
@@ -292,7 +293,7 @@ def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
     twin, kern = _store(c), _store(c, uva=True)
     twin.host._uva = None
     assert kern._pc_fused() is not None and twin._pc_fused() is None
-    for sel in _selections(25, 6):
+    for sel in _selections(12, 6):
         a, b = twin.attend(Selection(pages=sel)), kern.attend(Selection(pages=sel))
         assert torch.equal(a.idx, b.idx) and torch.equal(a.valid, b.valid)
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
@@ -300,3 +301,4 @@ def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
         assert torch.equal(twin.pc_stamp[..., :c], kern.pc_stamp[..., :c])
         assert torch.equal(twin.pc_count, kern.pc_count)
     assert int(kern.pc_count[..., 0].sum()) > 0 and int(kern.pc_count[..., 1].sum()) > 0
+    assert int(kern.pc_count[..., 1].max()) > c  # a row missed more pages than the cache holds: it evicted
