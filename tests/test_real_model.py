@@ -71,3 +71,31 @@ def test_streaming_misses_a_needle_in_the_middle(smollm2):
     key, completion, stats = _answer(smollm2, 0.5, "streaming")
     assert stats["attended_tokens_per_step"] <= BUDGET
     assert not passkey.score(key, completion), completion
+
+
+# ---- ``kvdex scorecard --smoke`` on the same model (here rather than in tests/test_scorecard.py: a test
+# process under pytest-xdist runs a whole file, so this one loads SmolLM2 once for both) --------------------
+
+
+def test_smoke_smollm2(smollm2_cpu, tmp_path, monkeypatch):
+    """The ``--smoke`` size on the real SmolLM2 (CPU, about two minutes on two cores)."""
+    from test_scorecard import _records
+
+    from kvdex.eval import scorecard
+    from kvdex.eval.card import smoke
+    from kvdex.eval.card.report import table
+
+    monkeypatch.delenv("KVDEX_DATA", raising=False)  # the same prompts whether or not a data folder is set
+    # the model as the smoke config loads it (device cpu, float32), loaded once for the session
+    model, tok = smollm2_cpu
+    cfg = smoke(out=str(tmp_path), progress=False)
+    assert (cfg.model, cfg.device, cfg.dtype) == ("smollm2", "cpu", "float32")
+    rep = scorecard(cfg, model=model, tokenizer=tok)
+    assert rep["complete"], rep["failures"]
+    t = table(rep)
+    assert all((c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0) for c in t[("full", None)].values())
+    assert t[("full", None)][("passkey", 512)]["full"] > 0  # the model does the task at all
+    recs = _records(tmp_path)
+    for task in ("retrieval", "passkey"):
+        assert recs[(task, "oracle", 1024)] == recs[(task, "full", None)]
+    assert set(t) == {("full", None), ("oracle", 64), ("oracle", 1024), ("quest", 64), ("streaming", 64)}

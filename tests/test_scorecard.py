@@ -1,8 +1,9 @@
 """``kvdex scorecard``: the interval code on hand-computed counts, ``full`` against itself, ``oracle`` at a
 budget covering the context against ``full``, and a resumed run against an uninterrupted one.
 
-The structural tests run a tiny random Llama with a byte tokenizer (fast); ``test_smoke_smollm2`` runs the
-``--smoke`` size on the real SmolLM2 (CPU, about two minutes on two cores)."""
+The structural tests run a tiny random Llama with a byte tokenizer (fast); the ``--smoke`` size on the real
+SmolLM2 is ``tests/test_real_model.py::test_smoke_smollm2`` (beside the other SmolLM2 tests, so one
+test process loads the model once for both)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdex.eval.card import ScorecardConfig, smoke
+from kvdex.eval.card import ScorecardConfig
 from kvdex.eval.card.report import table
 from kvdex.eval.card.stats import Interval, mcnemar_p, paired_ratio
 from kvdex.hf.testing import byte_tokenizer, tiny_llama
@@ -299,28 +300,6 @@ def test_scorecard_on_cuda_replays_graphs_and_times_speed(tmp_path):
     speed = [c for c in rep["cells"] if c["task"].startswith("tokens_per_s")]
     assert {c["task"] for c in speed} == {"tokens_per_s_b1", "tokens_per_s_b2"} and len(speed) == 2 * 5
     assert all(c["score"] > 0 for c in speed) and all(c["ratio"] == 1.0 for c in speed if c["policy"] == "full")
-
-
-# ---- the smoke size on the real model -------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_smoke_smollm2(smollm2_cpu, tmp_path):
-    from kvdex.eval import scorecard
-
-    # the model as the smoke config loads it (device cpu, float32), loaded once for the session
-    model, tok = smollm2_cpu
-    cfg = smoke(out=str(tmp_path), progress=False)
-    assert (cfg.model, cfg.device, cfg.dtype) == ("smollm2", "cpu", "float32")
-    rep = scorecard(cfg, model=model, tokenizer=tok)
-    assert rep["complete"], rep["failures"]
-    t = table(rep)
-    assert all((c["ratio"], c["low"], c["high"]) == (1.0, 1.0, 1.0) for c in t[("full", None)].values())
-    assert t[("full", None)][("passkey", 512)]["full"] > 0  # the model does the task at all
-    recs = _records(tmp_path)
-    for task in ("retrieval", "passkey"):
-        assert recs[(task, "oracle", 1024)] == recs[(task, "full", None)]
-    assert set(t) == {("full", None), ("oracle", 64), ("oracle", 1024), ("quest", 64), ("streaming", 64)}
 
 
 def test_task_left_out_for_missing_data_is_noted(tmp_path):
