@@ -136,20 +136,24 @@ def test_heads_attends_every_query_heads_best_page(spec):
 
 def test_prkv_static_heads_holds_every_heads_top_tokens():
     """static_group="heads": after a refresh (Algorithm 1), the static front holds every query head's
-    top ``k_s // G`` tokens by its own window score (keys in position order)."""
-    from test_prkv import _window_scores
+    top ``k_s // G`` tokens by its own window score (keys in position order) -- the scores of the ring
+    the refresh read (after the step before it) over the middle it restructured."""
+    from test_prkv import _ring_copy, _window_scores
 
     model, _ = shared_pair("llama_gqa")
     cache = kvdex.Cache(model, "prkv", budget=BUDGET, dense_layers=1, static_ratio=0.5, refresh=5, obs=8,
                          static_group="heads")  # fmt: skip
     pol = cache.policy
-    checked = []
+    checked, before = [], {}
 
     def observer(layer, q, store, aset, scale):
         step = pol.steps[layer] - 1
+        if (step + 1) % 5 == 0:
+            before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % 5:
             return
-        s, org = _window_scores(pol, layer, store, scale, per_query_head=True)
+        s, org = _window_scores(pol, layer, store, scale, per_query_head=True, ring=before.pop(layer))
+        s = s[..., : org.shape[2]]
         ns = int(pol.static[layer][0])
         g = q.shape[1] // store.kv_heads
         assert ns >= g
