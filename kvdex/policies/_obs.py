@@ -159,3 +159,48 @@ def page_joins(stores, layers) -> bool:
         return False
     st = stores[layers[0]]
     return bool((host_joins(st.grid, st.lengths_host)[1] > 0).any())
+
+
+class ObsRefresh:
+    """The periodic refresh of a policy that re-scores the middle from its query ring every ``refresh`` decode
+    steps (PRKV's Algorithm 1, SnapKV+). The refresh of step t (t = T, 2T, ...) runs in ``before_step``, before
+    the step's first layer, so that the step replays its CUDA graph; ``select`` runs it where ``before_step`` did
+    not (the policy driven directly) or waited: a layer that :meth:`_waits_for_joins` refreshes after a page
+    joins the middle in that step. The policy holds ``refresh``, ``steps``, ``refreshes``, ``scales``,
+    ``rings``, ``pending`` and ``info`` and defines :meth:`_refreshing`, :meth:`_rebuild` and
+    :meth:`_waits_for_joins`."""
+
+    def _refreshing(self) -> bool:
+        raise NotImplementedError
+
+    def _rebuild(self, layer: int, store, scale: float) -> None:
+        raise NotImplementedError
+
+    def _waits_for_joins(self, layer: int) -> bool:
+        """A page that joins the middle in a refresh step must be part of ``layer``'s refresh (no later
+        selection could reach it before the next one)."""
+        raise NotImplementedError
+
+    def _refresh_due(self, layer: int, step: int) -> bool:
+        """``layer`` refreshes before its decode step ``step`` (T, 2T, ...) and has not yet."""
+        done = self.refreshes.get(layer)
+        return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
+
+    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
+        self._rebuild(layer, store, scale)
+        self.refreshes.setdefault(layer, []).append(step)
+
+    def before_step(self, stores) -> None:
+        """The refresh of every layer that is due, before the step's first layer (its graph then replays)."""
+        if not self._refreshing() or self.pending:
+            return
+        joins = None
+        for layer in self.info.sparse_layers:
+            step = self.steps.get(layer, 0)
+            if not self._refresh_due(layer, step):
+                continue
+            if self._waits_for_joins(layer):
+                joins = page_joins(stores, self.info.sparse_layers) if joins is None else joins
+                if joins:
+                    continue  # select refreshes it, after the join (that step eagerly)
+            self._refresh(layer, stores[layer], self.scales[layer], step)

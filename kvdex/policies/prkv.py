@@ -1,3 +1,4 @@
+# Over 400 lines: Algorithm 1 (static set, relocation), the dynamic pages and their CUDA-graph sizing read as one.
 """``prkv``: PRKV (page restructured KV cache) -- a static token set plus dynamically chosen pages.
 
 The retrieval budget ``r = budget - sink - window`` per kv head is split in two (PRKV §3.5, §4.1):
@@ -59,7 +60,7 @@ import torch
 
 from kvdex.kernels.scoring import check_group, group_topk, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows, page_joins
+from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies._prkv_static import StaticRegion
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
@@ -80,7 +81,7 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
 
 @register_policy
 @dataclass
-class PRKVPolicy(PageScoringPolicy):
+class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     name = "prkv"
     capturable = True
     relocates = True
@@ -244,33 +245,17 @@ class PRKVPolicy(PageScoringPolicy):
         static = min(r, ps * math.floor(mean / ps))
         return static, (r - static) // ps
 
-    # ---- per step ----------------------------------------------------------------------------------
-    def _refresh_due(self, layer: int, step: int) -> bool:
-        """Algorithm 1 refreshes ``layer`` before its decode step ``step`` (T, 2T, ...) and has not yet."""
-        done = self.refreshes.get(layer)
-        return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
+    # ---- per step (the refresh schedule: _obs.ObsRefresh) -------------------------------------------
+    def _refreshing(self) -> bool:
+        return bool(self.n_static or self.auto)
 
-    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
+    def _rebuild(self, layer: int, store, scale: float) -> None:
         self._restructure(layer, store, scale)
-        self.refreshes.setdefault(layer, []).append(step)
 
-    def before_step(self, stores) -> None:
-        """The refresh of every layer that is due, before the step's first layer (its graph then replays).
-        When a page joins the middle in this step it is a dynamic candidate like any page that joins between
-        refreshes -- unless the layer has no dynamic pages (``S = 1``, SnapKV+): then its refresh runs in
-        ``select``, after the join, so that the joining page is restructured with the rest (that step eager)."""
-        if not (self.n_static or self.auto) or self.pending:
-            return
-        joins = None
-        for layer in self.info.sparse_layers:
-            step = self.steps.get(layer, 0)
-            if not self._refresh_due(layer, step):
-                continue
-            if not self.layer_split(layer)[1]:
-                joins = page_joins(stores, self.info.sparse_layers) if joins is None else joins
-                if joins:
-                    continue
-            self._refresh(layer, stores[layer], self.scales[layer], step)
+    def _waits_for_joins(self, layer: int) -> bool:
+        """A page that joins the middle in a refresh step is a dynamic candidate like any page that joins
+        between refreshes -- unless the layer has no dynamic pages (``S = 1``, SnapKV+)."""
+        return not self.layer_split(layer)[1]
 
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale

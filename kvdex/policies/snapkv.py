@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import QueryRing, check_pooling, middle_scores, obs_rows, page_joins
+from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
 from kvdex.selection import Selection
 
@@ -46,7 +46,7 @@ def prompt_rows(update, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @register_policy
 @dataclass
-class SnapKVPolicy(JoinFreePolicy):
+class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
     name = "snapkv"
     capturable = True
     # JoinFreePolicy: a page joining the middle needs no index work (the prompt's choice is fixed; with
@@ -138,23 +138,16 @@ class SnapKVPolicy(JoinFreePolicy):
         else:
             self.chosen[layer] = chosen
 
-    def _refresh_due(self, layer: int, step: int) -> bool:
-        """SnapKV+ re-selects ``layer`` before its decode step ``step`` (T, 2T, ...) and has not yet."""
-        done = self.refreshes.get(layer)
-        return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
+    # SnapKV+'s re-selection schedule (_obs.ObsRefresh): a page that joins the middle in a refresh step is
+    # re-selected with the rest (nothing else would reach it before the next refresh)
+    def _refreshing(self) -> bool:
+        return bool(self.refresh)
 
-    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
+    def _rebuild(self, layer: int, store, scale: float) -> None:
         self._choose(layer, store, scale)
-        self.refreshes.setdefault(layer, []).append(step)
 
-    def before_step(self, stores) -> None:
-        """SnapKV+: the re-selection of every layer that is due, before the step (its graph then replays)."""
-        if not self.refresh or self.pending or page_joins(stores, self.info.sparse_layers):
-            return  # a page joins in this step: the re-selection runs in select, after the join (PRKV's rule)
-        for layer in self.info.sparse_layers:
-            step = self.steps.get(layer, 0)
-            if self._refresh_due(layer, step):
-                self._refresh(layer, stores[layer], self.scales[layer], step)
+    def _waits_for_joins(self, layer: int) -> bool:
+        return True
 
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
