@@ -40,10 +40,10 @@ SPECS = [
     "chess:preset=moderate:trigger=interval:interval=7",
     "arkvale",
     "arkvale:cache_pages=3",
-    "prkv:refresh=8",
-    "prkv:static_ratio=0.5:refresh=6",
-    "prkv:static_ratio=0",
-    "prkv:static_ratio='auto':refresh=8",
+    "prkv:refresh=8:rerank=0",  # the paper's selection (prkv's default reuses its selection: select_every)
+    "prkv:static_ratio=0.5:refresh=6:rerank=0",
+    "prkv:static_ratio=0:rerank=0",
+    "prkv:static_ratio='auto':refresh=8:rerank=0",
     "snapkv",
     "snapkv:refresh=8",
     "h2o",
@@ -327,7 +327,7 @@ def test_replayable_steps_issue_identical_device_work(tiny, spec):
 
 
 WHOLE = ["quest", "streaming", "oracle", "chess:trigger=interval:interval=5", "arkvale",
-         "prkv:static_ratio=0.5:refresh=6", "snapkv", "snapkv:refresh=8", "h2o", "full",
+         "prkv:static_ratio=0.5:refresh=6:rerank=0", "snapkv", "snapkv:refresh=8", "h2o", "full",
          "quest:rerank=2:rerank_group=weight", "prkv:static_ratio=0.5:refresh=6:rerank=2",
          "quest:rerank=1:rerank_share=0.5"]  # fmt: skip
 
@@ -342,7 +342,7 @@ def test_whole_cache_side_of_a_replayable_step(tiny, spec):
 
 
 @pytest.mark.parametrize("spec,what", [("h2o", "read on the host"), ("quest", "different device work"),
-                                       ("prkv:static_ratio=0.5:refresh=6", "read on the host")])  # fmt: skip
+                                       ("prkv:static_ratio=0.5:refresh=6:rerank=0", "read on the host")])  # fmt: skip
 def test_contract_check_catches_dynamic_sizing(tiny, spec, what):
     """The check above is not vacuous: with dynamic sizing, H2O and PRKV read device values on the host
     (``int(ws.max())``, ``int(full.max())``) and Quest slices its index by the host's middle page

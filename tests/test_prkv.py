@@ -141,7 +141,7 @@ def test_s0_is_arkvale_exactly(family, offload):
     model, _ = shared_pair(family)
     ids, mask, _ = left_padded([130, 90], seed=5)
     out = {}
-    for name, opts in (("arkvale", {}), ("prkv", {"static_ratio": 0.0, "refresh": 8})):
+    for name, opts in (("arkvale", {}), ("prkv", {"static_ratio": 0.0, "refresh": 8, "rerank": 0})):
         cache = kvdex.Cache(model, name, budget=BUDGET, offload=offload, dense_layers=1, **opts)
         out[name] = greedy(model, ids, mask, cache=cache, new=40)
     assert torch.equal(out["prkv"][1], out["arkvale"][1])  # bit for bit
@@ -478,7 +478,7 @@ def test_partly_filled_static_page_is_attended_whole_or_as_tail():
     and never over the budget; the page's slots after the tail are reachable (chosen on some steps)."""
     model, _ = shared_pair("llama_gqa")
     budget = 119  # r = 71: S = 0.25 -> 16 + 7 static tokens, 3 dynamic pages
-    cache = kvdex.Cache(model, "prkv", budget=budget, dense_layers=1, static_ratio=0.25)
+    cache = kvdex.Cache(model, "prkv", budget=budget, dense_layers=1, static_ratio=0.25, rerank=0)
     pol = cache.policy
     assert (pol.n_static, pol.n_dynamic) == (23, 3)
     seen = {"whole": 0, "tail": 0}
@@ -562,3 +562,34 @@ def test_auto_covering_budget_matches_sdpa(offload):
     tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=new)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     assert torch.equal(tokens, ref_tokens)
+
+
+# ---- the default selection and the paper's ------------------------------------------------------------------
+
+SELECTION_KEYS = ("group", "rerank", "rerank_group", "rerank_share", "rerank_unit", "select_every", "pool_every")
+
+
+def _selection(spec: str) -> dict:
+    pol = kvdex.make_policy(spec)
+    return {k: getattr(pol, k) for k in SELECTION_KEYS}
+
+
+def test_default_selection_and_the_papers():
+    """``prkv`` alone (or with options outside the selection's) is kvdex's selection; naming any selection
+    option starts the rest from the paper's, so ``prkv:rerank=0`` is the paper's and an older spec that named
+    the rerank keeps its meaning (the token unit, selecting every step)."""
+    default = {"group": "max", "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25, "rerank_unit": "page",
+               "select_every": 16, "pool_every": 1}  # fmt: skip
+    paper = {"group": "max", "rerank": 0, "rerank_group": "max", "rerank_share": 0.0, "rerank_unit": "token",
+             "select_every": 1, "pool_every": 1}  # fmt: skip
+    assert _selection("prkv") == default
+    assert _selection("prkv:refresh=8:static_ratio=0.5") == default
+    assert _selection("prkv:rerank=0") == paper
+    assert _selection("prkv:select_every=8") == {**paper, "select_every": 8}
+    assert _selection("prkv:group=heads") == {**paper, "group": "heads"}
+    assert _selection("prkv:rerank=4:rerank_group=weight:rerank_share=0.25") == {
+        **paper, "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25}  # fmt: skip
+    assert _selection("prkv:rerank=4:rerank_group=weight:rerank_share=0.25:pool_every=16")["rerank_unit"] == "token"
+    assert kvdex.make_policy("prkv").granularity == "page" and kvdex.make_policy("prkv").reuse_steps() == 16
+    with pytest.raises(ValueError, match="rerank_unit='page'"):
+        kvdex.make_policy("prkv:rerank_unit=page")  # named alone: the paper's rerank=0, which cannot rank pages

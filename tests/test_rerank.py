@@ -186,7 +186,9 @@ def test_selection_within_budget_middle_and_unique(spec):
     assert any(int((c >= 0).sum(-1).max()) == T for c in calls)  # the budget is used
 
 
-@pytest.mark.parametrize("spec", ["quest", "arkvale", "prkv:static_ratio=0.5:refresh=6", "chess", "chess:scope=shared"])
+@pytest.mark.parametrize(
+    "spec", ["quest", "arkvale", "prkv:static_ratio=0.5:refresh=6:select_every=1", "chess", "chess:scope=shared"]
+)
 def test_rerank_one_attends_the_pages_tokens(spec):
     """Candidates = the pages the policy chooses without rerank, and the budget holds all their tokens."""
     a, b = _run(spec), _run(f"{spec}:rerank=1")
@@ -199,8 +201,10 @@ def test_rerank_one_attends_the_pages_tokens(spec):
 
 def test_rerank_keeps_the_paper_configuration():
     assert make_policy("quest").rerank == 0 and make_policy("quest").granularity == "page"
-    for name in ("arkvale", "prkv", "chess"):
+    for name in ("arkvale", "prkv:rerank=0", "chess"):
         assert make_policy(name).rerank == 0 and make_policy(name).granularity == "page", name
+    # prkv's default reranks (kvdex's selection, docs/policies/prkv.md) and still attends pages
+    assert make_policy("prkv").rerank == 4 and make_policy("prkv").granularity == "page"
 
 
 @pytest.mark.parametrize(

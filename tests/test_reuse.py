@@ -118,7 +118,7 @@ def test_prkv_refresh_steps_select():
     """PRKV restructures its static region every ``refresh`` steps: those steps select (must_select), and
     the queries of reuse steps still join its ring (``reused``), so the refreshes fall on the same steps."""
     selects, _, cache = _run("prkv:static_ratio=0.5:refresh=6:select_every=5", budget=96)
-    ref_selects, _, ref = _run("prkv:static_ratio=0.5:refresh=6", budget=96)
+    ref_selects, _, ref = _run("prkv:static_ratio=0.5:refresh=6:select_every=1", budget=96)
     assert all(ref_selects)
     assert cache.policy.refreshes == ref.policy.refreshes and cache.policy.refreshes
     for steps in cache.policy.refreshes.values():

@@ -27,8 +27,8 @@ tiny = G.tiny
 # spec -> kernels per sparse layer of select (budget 176: 128 retrieved tokens, prkv: 32 static + 6 pages)
 BOUNDS = {
     "arkvale": 34,  # digest scores 15 (1 on CUDA), top-k 3, ArkVale's cache bookkeeping 15
-    "prkv": 34,  # query ring 8, digest scores 18 (1 on CUDA), top-k 3, the static region 4
-    "prkv:static_ratio=0": 19,  # ArkVale's selection without its cache bookkeeping
+    "prkv:rerank=0": 34,  # the paper's selection: query ring 8, digest scores 18 (1 on CUDA), top-k 3, static region 4
+    "prkv:rerank=0:static_ratio=0": 19,  # ArkVale's selection without its cache bookkeeping
 }
 
 
@@ -70,7 +70,7 @@ def test_select_kernels_per_layer_are_bounded(tiny, spec):
 
 def test_the_count_sees_the_selection(tiny):
     """Not vacuous: the static region's ops (PRKV's tail tokens) are counted, and a non-kernel op is not."""
-    with_static = select_kernels(tiny, "prkv")[0]
-    without = select_kernels(tiny, "prkv:static_ratio=0")[0]
+    with_static = select_kernels(tiny, "prkv:rerank=0")[0]
+    without = select_kernels(tiny, "prkv:rerank=0:static_ratio=0")[0]
     assert "cat" in with_static and "any" in with_static and "any" not in without
     assert "topk" in with_static and "view" not in with_static

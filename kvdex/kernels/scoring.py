@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
@@ -118,7 +119,8 @@ def row_counts(row_k: torch.Tensor, share: float, least: int, k: int) -> torch.T
     """Each row's own count of a top-k call with ``row_k`` (:func:`kvdex.kernels.topk.topk_ids`): ``min(k,
     max(least, ceil(share * row_k)))``, at least 0, the product in fp32 as the kernels compute it (exact for
     counts below 2**24 with ``share`` 1)."""
-    n = torch.ceil(row_k.to(torch.float32) * torch.tensor(share, dtype=torch.float32)).long()
+    # share rounded to fp32 on the host: no tensor is made per call (a captured step reads no host buffer)
+    n = torch.ceil(row_k.to(torch.float32) * float(np.float32(share))).long()
     return n.clamp(min=least).clamp(min=0, max=k)
 
 

@@ -172,7 +172,7 @@ def rerank_pages(
         page = score.amax(-1)
     else:  # the mass of a page's candidate tokens; a page without one (padding, past the middle) is never chosen
         held = torch.isfinite(score)
-        page = torch.where(held.any(-1), torch.where(held, score, 0.0).sum(-1), float("-inf"))
+        page = score.masked_fill(~held, 0.0).sum(-1).masked_fill(~held.any(-1), float("-inf"))  # no scalar tensors
     ids = topk_ids(page, n, ordered=not page.is_cuda)  # [B, H, min(n, C)]: a set (best first on the CPU)
     return torch.where(ids >= 0, pages.gather(2, ids.clamp(min=0)), -1)
 

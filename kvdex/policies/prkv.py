@@ -45,10 +45,15 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
   the top-r tokens of the first and the last observation query of query head h (r = the retrieval
   budget), ``k_s = page_size * floor(mean_h C_h / page_size)`` (eq. 5), averaged over the batch.
 
-``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options, default 0: the paper): the digests choose
-``rerank x`` the dynamic pages (``rerank_share``: at least that share of the middle's pages) as candidates and
-the best ``r - k_s`` tokens of them by exact q.k are attended after the static tokens
-(:mod:`kvdex.policies._rerank`; the static region's partly filled page is a candidate without its static tokens).
+**The dynamic part's selection: kvdex's default and the paper's.** By default (not the paper's, measured in
+docs/policies/prkv.md, "Default configuration") the digests choose candidate pages, at least a quarter of the
+middle's (``rerank=4``, ``rerank_share=0.25``), the dynamic pages attended are the candidates' best by their keys'
+exact softmax weights (``rerank_group="weight"``, ``rerank_unit="page"``; :mod:`kvdex.policies._rerank`), and one
+selection serves 16 decode steps (``select_every=16``; a page joining the middle or a refresh selects anew). The
+paper's selection -- the digests' top pages, every step -- is ``prkv:rerank=0``. Naming any of these options
+(``group``, ``rerank``, ``rerank_group``, ``rerank_share``, ``rerank_unit``, ``select_every``, ``pool_every``)
+starts the others from the paper's values (:data:`PAPER_SELECTION`), so a spec means the paper's selection plus
+what it names; naming none gives :data:`DEFAULT_SELECTION`. The static part (Algorithm 1) is the paper's either way.
 """
 
 from __future__ import annotations
@@ -69,6 +74,25 @@ from kvdex.selection import Selection
 
 OBS_TOKENS = ("score", "last")
 STATIC_GROUPS = ("mean", "heads")  # static tokens: the group's mean score (Algorithm 1) or every head's own top
+
+
+# The dynamic part's selection. kvdex's default: the digests choose a quarter of the middle's pages as
+# candidates, the candidates' keys' exact softmax weights pick the dynamic pages, one selection serves 16 decode
+# steps (docs/policies/prkv.md, "Default configuration"). The paper's: the digests' top pages, every step.
+DEFAULT_SELECTION = {"group": "max", "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25, "rerank_unit": "page",
+                     "select_every": 16, "pool_every": 1}  # fmt: skip
+PAPER_SELECTION = {"group": "max", "rerank": 0, "rerank_group": "max", "rerank_share": 0.0, "rerank_unit": "token",
+                   "select_every": 1, "pool_every": 1}  # fmt: skip
+
+
+def resolve_selection_options(policy) -> None:
+    """Fill the selection options left at None: all of them unnamed -> :data:`DEFAULT_SELECTION`; any named
+    (``prkv:rerank=0`` is the paper's selection) -> the others take :data:`PAPER_SELECTION`'s values, so a spec
+    means what it names on top of the paper's selection."""
+    named = any(getattr(policy, key) is not None for key in DEFAULT_SELECTION)
+    for key, value in (PAPER_SELECTION if named else DEFAULT_SELECTION).items():
+        if getattr(policy, key) is None:
+            setattr(policy, key, value)
 
 
 def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
@@ -100,10 +124,19 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     # GQA (kvdex options): how a kv head's query heads combine when ranking the dynamic pages -- "max"
     # (ArkVale's rule), "sum", or "heads" (each head ranks; union round-robin, kernels.scoring.group_topk);
     # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
-    group: str = "max"
+    group: str | None = None  # None: resolved with the selection options below ("max" in both)
     static_group: str = "mean"
+    # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options):
+    # None everywhere -> DEFAULT_SELECTION; any of them named -> the others from PAPER_SELECTION
+    rerank: int | None = None
+    rerank_group: str | None = None
+    rerank_share: float | None = None
+    rerank_unit: str | None = None
+    select_every: int | None = None
+    pool_every: int | None = None
 
     def __post_init__(self) -> None:
+        resolve_selection_options(self)
         super().__post_init__()
         s = self.static_ratio
         if s != "auto" and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0):
