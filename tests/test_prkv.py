@@ -305,7 +305,7 @@ def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts, late):
     S = 1, SnapKV+), ``select`` runs it after the join (no key: eager); with dynamic pages the joining page
     is one of their candidates and the refresh still runs before the step.
     Asking early changes nothing: the same tokens and logits as a run that is not asked."""
-    from kvdex.policies._obs import page_joins
+    from kvdex.policies._obs import step_joins
 
     model, _ = shared_pair("llama_gqa")
     T, W, last = 5, 8, 2
@@ -320,7 +320,7 @@ def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts, late):
             if layer != last or (step + 1) % T:
                 return
             stores = [lay.store for lay in cache.layers]
-            joins = page_joins(stores, pol.info.sparse_layers)
+            joins = step_joins(stores, pol.info.sparse_layers)
             for _ in range(2):
                 pol.before_step(stores)
             done = [pol.refreshes[lay][-1] == step + 1 for lay in pol.info.sparse_layers]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvdex.storage import host_joins
+from kvdex.storage import page_joins
 
 
 class SelectionReuse:
@@ -47,7 +47,7 @@ class SelectionReuse:
         if step == self._step:
             return self.reuse
         self._step = step
-        joins = bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
+        joins = page_joins(store)
         self.reuse = 0 <= self.age < every - 1 and not joins and not (must_select is not None and must_select())
         self.age = self.age + 1 if self.reuse else 0
         self.reused += self.reuse

@@ -37,7 +37,7 @@ from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.reference import paged_attended_count_reference as paged_attended_count
 from kvdex.policies.base import Policy
 from kvdex.selection import Selection
-from kvdex.storage import host_joins, left_padding, strip_left_padding
+from kvdex.storage import left_padding, page_joins, strip_left_padding
 from kvdex.view import LayerView
 
 # Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
@@ -110,8 +110,8 @@ class LayerEngine:
         if k.shape[2] != 1 or not store.static or not host.policy.capturable_index:
             return False
         if host.join_step is None:
-            return bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
-        if not host.join_step and bool((host_joins(store.grid, store.lengths_host)[1] > 0).any()):
+            return page_joins(store)
+        if not host.join_step and page_joins(store):
             raise RuntimeError("a page joins the middle in a step the decoder did not mark as a join step")
         return host.join_step
 

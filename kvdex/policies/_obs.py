@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import attention_mass_reference, ring_push_reference
-from kvdex.storage import host_joins
+from kvdex.storage import page_joins
 
 POOLINGS = ("max", "avg")
 
@@ -152,13 +152,10 @@ class QueryRing:
         push(self.q, self.pos, self.valid, q, pos, offset)
 
 
-def page_joins(stores, layers) -> bool:
+def step_joins(stores, layers) -> bool:
     """Whether a page joins the middle of any sequence in the coming decode step (the stores of ``layers``
     hold the same lengths; False without sparse layers)."""
-    if not layers:
-        return False
-    st = stores[layers[0]]
-    return bool((host_joins(st.grid, st.lengths_host)[1] > 0).any())
+    return bool(layers) and page_joins(stores[layers[0]])
 
 
 class ObsRefresh:
@@ -200,7 +197,7 @@ class ObsRefresh:
             if not self._refresh_due(layer, step):
                 continue
             if self._waits_for_joins(layer):
-                joins = page_joins(stores, self.info.sparse_layers) if joins is None else joins
+                joins = step_joins(stores, self.info.sparse_layers) if joins is None else joins
                 if joins:
                     continue  # select refreshes it, after the join (that step eagerly)
             self._refresh(layer, stores[layer], self.scales[layer], step)

@@ -7,6 +7,7 @@ from kvdex.storage.base import (
     PageJoin,
     TransferStats,
     host_joins,
+    page_joins,
     strip_left_padding,
 )
 from kvdex.storage.device import DeviceStore
@@ -23,6 +24,7 @@ __all__ = [
     "PageJoin",
     "TransferStats",
     "host_joins",
+    "page_joins",
     "left_padding",
     "strip_left_padding",
 ]

@@ -104,6 +104,12 @@ def host_joins(grid: Grid, lengths_host: torch.Tensor, t: int = 1) -> tuple[torc
     return torch.where(count > 0, before, 0), count
 
 
+def page_joins(store) -> bool:
+    """Whether a page joins the middle of any sequence of ``store`` when one token is appended (host lengths
+    only: no device value is read)."""
+    return bool((host_joins(store.grid, store.lengths_host)[1] > 0).any())
+
+
 @dataclass
 class AttendSet:
     """Device-resident K/V buffers and, per (sequence, kv head), the slots to attend.
