@@ -192,7 +192,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="picks the pass key (default %(default)s)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated (default %(default)s)")
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated names or specs with options, e.g. prkv:rerank=0 (default %(default)s)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16, help="(default %(default)s)")
     p.add_argument(
         "--threads",
@@ -211,10 +215,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    known = kvdex.policies()
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid policies: {', '.join(known)}")
+    if not names:
+        raise ValueError(f"--policies names none; valid policies: {', '.join(kvdex.policies())}")
+    for name in names:  # a name or a spec with options (prkv:rerank=0); a bad one fails before the slow model load
+        kvdex.make_policy(name)
     cache_args = cache_config_from_args(args).to_dict()  # validated before the slow model load
     del cache_args["budget"]
     if args.threads is not None:

@@ -193,7 +193,10 @@ def test_unknown_policy_option_and_missing_prompt_file_exit_2(tiny_model_dir, tm
 
 def test_demo_rejects_unknown_policy_before_loading(capsys):
     assert cli.main(["demo", "--policies", "full,nope"]) == 2
-    assert "unknown policy nope" in capsys.readouterr().err
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    # a spec with options is a policy name (it reaches the option check), and a bad option fails as early
+    assert cli.main(["demo", "--policies", "full,prkv:rerank=0:bogus=1"]) == 2
+    assert "has no option(s) bogus" in capsys.readouterr().err
 
 
 def test_prompt_is_required():
