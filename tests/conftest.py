@@ -237,8 +237,9 @@ def reference_greedy(family: str, n: int, seed: int, new: int):
 @pytest.fixture(scope="session")
 def smollm2_cpu():
     """SmolLM2-135M-Instruct (``kvdex models fetch smollm2``) as ``kvdex scorecard --smoke`` loads it: CPU,
-    float32, through ``kvdex.eval.models.load``; loaded once for the session (its tokenizer alone takes
-    seconds to build from the GGUF file). Returns (model, tokenizer); do not mutate them."""
+    float32, through ``kvdex.eval.models.load``: the folder ``kvdex models fetch`` converted it into, where
+    there is one (a second), else the GGUF file (tens of seconds); loaded once for the session. Returns
+    (model, tokenizer); do not mutate them."""
     from kvdex import models
     from kvdex.eval import models as eval_models
 

@@ -282,7 +282,8 @@ SMOL = "~/.cache/kvdex/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.g
 
 
 def test_bench_real_model_with_text(tmp_path):
-    """``--model`` (a GGUF through kvdex.load) with ``--text`` prompts: the run checks and measures."""
+    """``--model`` (a GGUF through kvdex.load) with ``--text`` prompts: the run checks and measures. (The suite's
+    load of SmolLM2 from its GGUF file itself, ``gguf_file=``: the known name loads the converted folder.)"""
     import os
 
     path = os.path.expanduser(SMOL)

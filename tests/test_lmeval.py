@@ -49,7 +49,7 @@ def runs(task_manager):
         models.default_model()
     except ValueError as exc:
         pytest.skip(f"SmolLM2 is not available: {exc}")
-    # the string path: kvdex's alias -> the GGUF file, loaded by HFLM
+    # the string path: kvdex's alias -> its converted folder (else the GGUF file), loaded by HFLM
     full = KVDexLM(pretrained="smollm2", policy="full", batch_size=BATCH, device="cpu", dtype="float32")
     plain_model = copy.deepcopy(full.model)
     plain_model.set_attn_implementation("sdpa")

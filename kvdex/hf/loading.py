@@ -86,7 +86,8 @@ def load(
 
     ``model``: a Hugging Face id, a local directory, a ``.gguf`` file (loaded through transformers'
     own GGUF support, which needs the ``gguf`` package), or a name ``kvdex models list`` knows
-    (``"smollm2"``, ``"qwen05b"``: installed by ``kvdex models fetch NAME``). Returns
+    (``"smollm2"``, ``"qwen05b"``: installed by ``kvdex models fetch NAME``, which also converts them to
+    transformers' format for fast loading: :func:`kvdex.models.convert`). Returns
     ``(model, tokenizer)``; the tokenizer pads on the left, which batched generation needs.
     """
     from kvdex import models
@@ -96,7 +97,7 @@ def load(
     if str(model) in models.KNOWN and not Path(model).exists():
         if gguf_file is not None:
             raise ValueError(f"{model!r} names a GGUF file already; drop gguf_file")
-        model = models.model_path(str(model))
+        model, gguf_file = models.known_model(str(model))  # its converted folder, else its GGUF file
     path = Path(model).expanduser()
     if not path.exists() and models.looks_like_path(str(model)):
         raise ValueError(models.missing_dir_message(model))
