@@ -78,7 +78,11 @@ def test_streaming_misses_a_needle_in_the_middle(smollm2):
 
 
 def test_smoke_smollm2(smollm2_cpu, tmp_path, monkeypatch):
-    """The ``--smoke`` size on the real SmolLM2 (CPU, about two minutes on two cores)."""
+    """The ``--smoke`` configuration on the real SmolLM2 (CPU, about a minute on two cores), with one prompt
+    per retrieval subtask instead of two: the four subtasks fill one batch of 4 (the smoke size's 8 make two
+    batches, which doubles the retrieval prefill and decode). Every policy, budget, task and subtask still runs
+    and every assertion below is the same; runs over several batches are tested on the tiny models in
+    tests/test_scorecard.py (test_resumed_run_gives_the_same_table: 3 batches)."""
     from test_scorecard import _records
 
     from kvdex.eval import scorecard
@@ -88,8 +92,8 @@ def test_smoke_smollm2(smollm2_cpu, tmp_path, monkeypatch):
     monkeypatch.delenv("KVDEX_DATA", raising=False)  # the same prompts whether or not a data folder is set
     # the model as the smoke config loads it (device cpu, float32), loaded once for the session
     model, tok = smollm2_cpu
-    cfg = smoke(out=str(tmp_path), progress=False)
-    assert (cfg.model, cfg.device, cfg.dtype) == ("smollm2", "cpu", "float32")
+    cfg = smoke(out=str(tmp_path), progress=False, per_subtask=1)
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.batch, len(cfg.subtasks)) == ("smollm2", "cpu", "float32", 4, 4)
     rep = scorecard(cfg, model=model, tokenizer=tok)
     assert rep["complete"], rep["failures"]
     t = table(rep)
