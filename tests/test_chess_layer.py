@@ -25,7 +25,14 @@ LAYER_Q = "chess:anchor_from=query:scope=layer"
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2"])
 @pytest.mark.parametrize(
-    "opts", ["trigger=always", "trigger=uncertainty", "rho_g=1.0:rho_c=1.0:rho_p=1.0:trigger=always", "group=sum"]
+    "opts",
+    [
+        "trigger=always",
+        "trigger=uncertainty",
+        "rho_g=1.0:rho_c=1.0:rho_p=1.0:trigger=always",
+        "group=sum",
+        "rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=0.25",
+    ],  # fmt: skip
 )
 def test_covering_budget_is_dense(family, opts, offload):
     """A budget above the context (budget mode, whatever the trigger: the covering selection takes
@@ -284,3 +291,36 @@ def test_graph_decoding_matches_eager_on_gpu(spec, storage):
     assert res[0]["ok"], res
     c = res[0]["counts"]
     assert c["replays"] >= 20 and c["captures"] >= 1, c
+
+
+PAGE_UNIT = "rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=1.0"
+
+
+def test_page_unit_build_picks_the_candidates_best_pages():
+    """``rerank_unit=page`` (kvdex option): a build takes the hierarchy's candidates (with the share 1.0 and a
+    flat hierarchy, every middle page) and attends their best pages by the keys' exact softmax weights, as
+    Quest's page unit does over every page: the first decode step attends the same tokens in every (layer,
+    kv head); between rebuilds the layer keeps them."""
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([300, 230], seed=4)
+    attended = {}
+    for spec in (f"{LAYER_Q}:chunk_pages=1:grid_chunks=1:trigger=never:{PAGE_UNIT}", f"quest:{PAGE_UNIT}"):
+        cache = kvdex.Cache(model, spec, 112, dense_layers=1)
+        seen = attended[spec.split(":")[0]] = []
+
+        def observer(layer, q, store, aset, scale, seen=seen):
+            seen.append([[set(r[v].tolist()) for r, v in zip(p, w, strict=True)]
+                         for p, w in zip(aset.positions, aset.valid, strict=True)])  # fmt: skip
+
+        cache.observer = observer
+        greedy(model, ids, mask, cache=cache, new=6)
+        assert cache.policy.granularity == "page"
+    chess, quest = attended["chess"], attended["quest"]
+    layers = len(cache.policy.info.sparse_layers)
+    assert len(chess) == len(quest) == 5 * layers  # 5 decode steps (the first token comes from the prefill)
+    assert chess[:layers] == quest[:layers]  # the first decode step: the same pages
+    for i in range(layers, len(chess)):  # kept between rebuilds (trigger=never): the middle's pages do not move
+        before, now = chess[i - layers], chess[i]
+        for b, heads in enumerate(now):
+            for h, slots in enumerate(heads):
+                assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}

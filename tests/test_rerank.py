@@ -221,10 +221,10 @@ def test_rerank_keeps_the_paper_configuration():
         ("arkvale:rerank=2:rerank_share=1.5", "rerank_share must be a number in"),
         ("prkv:rerank=2:rerank_share='all'", "option rerank_share='all': expected float"),
         ("quest:rerank=2:rerank_share=0.25:group=heads", "use group='max' or 'sum' with rerank_share"),
-        ("chess:rerank=2:rerank_share=0.25", "rerank_share is an option of the page scoring policies"),
+        ("chess:rerank=2:rerank_share=0.25", "rerank_share needs rerank_unit='page'"),
         ("quest:rerank_unit=page", "it needs rerank >= 1"),
         ("prkv:rerank=2:rerank_unit=pages", "rerank_unit must be one of token, page"),
-        ("chess:rerank=2:rerank_unit=page", "rerank_unit='page' is an option of the page scoring policies"),
+        ("chess:scope=shared:rerank=2:rerank_unit=page", "rerank_unit='page' picks each layer's pages at its build"),
     ],
 )
 def test_bad_values_raise(spec, match):

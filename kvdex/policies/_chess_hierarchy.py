@@ -157,13 +157,14 @@ class HierarchyMixin:
         cn = -(-pages // nc)
         return s_all[:, : -(-cn // ng)], s_all[:, g : g + cn], s_all[:, g + c : g + c + pages]
 
-    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor):
+    def select_pages(self, s_g, s_c, s_p, npages: torch.Tensor, k: int | None = None):
         """Top-down masking (Alg. 1 l. 5-18) for sequences with ``npages`` [B] middle pages.
 
         Returns the kept masks (grids [B, G], chunks [B, C], pages [B, P]); a chunk is scored only
-        under a kept grid and a page only under a kept chunk.
+        under a kept grid and a page only under a kept chunk. ``k``: the pages kept in budget mode
+        (default ``budget_pages``).
         """
         return top_down(
             s_g, s_c, s_p, npages, nc=self.chunk_pages, ng=self.grid_chunks, ratios=self.ratios,
-            k=self.budget_pages, shape=self.shape,
+            k=self.budget_pages if k is None else k, shape=self.shape,
         )  # fmt: skip

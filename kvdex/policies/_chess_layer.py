@@ -24,12 +24,14 @@ scores, so no score is all-reduced (the shared scope all-reduces its flattened d
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from kvdex.kernels.scoring import group_reduce
 from kvdex.policies._chess_levels import mask_to_ids, pad, trim, window_anchor, window_keys
+from kvdex.policies._rerank import candidate_pages, rerank_pages
 from kvdex.selection import Selection
 
 
@@ -62,8 +64,9 @@ class LayerScope:
         self.todo = set(self.p.info.sparse_layers)
 
     # ---- a build, inside select ----------------------------------------------------------------------
-    def build(self, layer: int, q: torch.Tensor, store) -> None:
+    def build(self, layer: int, q: torch.Tensor, view) -> None:
         p = self.p
+        store = view.store
         timing = p.cfg.timing
         if timing:
             sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
@@ -88,9 +91,18 @@ class LayerScope:
             cn = -(-n // nc)
             levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
             rows = [x.reshape(b * h, -1) for x in levels]
-            mask = p.select_pages(*rows, npages.repeat_interleave(h))[2]
-            ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
-            kept = mask.sum(1).view(b, h).cpu()
+            if p.rerank and p.rerank_unit == "page":  # candidates, then their best pages by exact scores
+                k = candidate_pages(p.cfg.retrieval_tokens, view.page_size, p.rerank)
+                k = max(k, math.ceil(p.rerank_share * n))  # rerank_share: of this build's middle
+                mask = p.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
+                cand = mask_to_ids(mask).view(b, h, -1).to(store.device)
+                best = rerank_pages(q, view, cand, p.cfg.retrieval_pages, p.rerank_group)  # a set, -1 padded
+                ids = trim(best.sort(dim=-1, descending=True).values)  # the chosen ids first
+                kept = (ids >= 0).sum(-1).cpu()
+            else:
+                mask = p.select_pages(*rows, npages.repeat_interleave(h))[2]
+                ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
+                kept = mask.sum(1).view(b, h).cpu()
         rows = self.pending
         old = self.pages.get(layer)
         if old is not None and rows is not None and not bool(rows.all()):
@@ -152,7 +164,7 @@ class LayerScope:
     def select(self, q: torch.Tensor, view) -> Selection:
         layer, store = view.layer, view.store
         if self.pending is not None and layer in self.todo:
-            self.build(layer, q, store)
+            self.build(layer, q, view)
         ids = self.pages.get(layer)
         if ids is None:
             return Selection(pages=view.no_ids(q.device))

@@ -151,14 +151,14 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
         super().__post_init__()  # RerankOption's check
-        if self.rerank_share:
+        if self.rerank_unit == "page" and self.scope != "layer":
+            raise ValueError("rerank_unit='page' picks each layer's pages at its build: it needs scope='layer'")
+        if self.rerank_share and self.rerank_unit != "page":
             raise ValueError(
-                "chess keeps its candidate pages between rebuilds, sized once by its budget: rerank_share is an "
-                "option of the page scoring policies (quest, arkvale, prkv); use rerank=N to widen chess's pool"
+                "chess keeps its token rerank's candidate pages between rebuilds, sized once by its budget: "
+                "rerank_share needs rerank_unit='page' (the candidates sized at each build), or use rerank=N "
+                "to widen chess's pool"
             )
-        if self.rerank_unit != "token":
-            raise ValueError("chess ranks its candidates' tokens (rerank_unit='token'); rerank_unit='page' is an "
-                             "option of the page scoring policies (quest, arkvale, prkv)")  # fmt: skip
         if self.rerank and self.ratios is not None:
             raise ValueError(
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
@@ -183,7 +183,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         self.dim = len(info.sparse_layers) * self._hd  # F
         self._every = self.check_every or self.cfg.page_size
         r, ps = self.cfg.retrieval_tokens, self.cfg.page_size
-        self.budget_pages = candidate_pages(r, ps, self.rerank) if self.rerank else self.cfg.retrieval_pages
+        token_rerank = self.rerank and self.rerank_unit == "token"  # the candidates are the selection
+        self.budget_pages = candidate_pages(r, ps, self.rerank) if token_rerank else self.cfg.retrieval_pages
         self._interval = self.interval or DEFAULT_INTERVAL_PAGES * self.cfg.page_size
         self._stores: dict = {}
         self._vall = None  # [B, Gcap + Ccap + Pcap, F] fp32: grids | chunks | pages
@@ -336,7 +337,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
 
     def select(self, q, view) -> Selection:
         sel = self._page_selection(q, view)
-        if self.rerank:  # the chosen pages are candidates: their best tokens by exact q.k, every step
+        if self.rerank and self.rerank_unit == "token":  # the chosen pages are candidates: their best tokens
+            # by exact q.k, every step (the page unit picked its pages at the build: _chess_layer)
             return Selection(tokens=rerank_tokens(q, view, sel.pages, view.retrieval_tokens, self.rerank_group))
         return sel
 
