@@ -128,13 +128,18 @@ def find(name: str) -> Path | None:
     return _package_file(package, m.file) if package else None
 
 
+def _complete(folder: Path, sha256: str) -> bool:
+    """Whether ``folder`` holds a finished conversion of the GGUF file with ``sha256`` (its stamp, written last)."""
+    stamp = folder / CONVERTED_FROM
+    return stamp.is_file() and stamp.read_text().strip() == sha256
+
+
 def converted(name: str) -> Path | None:
     """The complete ``transformers`` folder :func:`convert` wrote for known model ``name``, or None."""
     m = _known(name)
     for d in _search_dirs():
         folder = d / m.subdir / CONVERTED
-        stamp = folder / CONVERTED_FROM
-        if stamp.is_file() and stamp.read_text().strip() == m.sha256:
+        if _complete(folder, m.sha256):
             return folder
     return None
 
@@ -144,8 +149,7 @@ def convert(name: str, gguf: Path, log=print) -> Path:
     (:func:`kvdex.hf.convert.convert_gguf`), unless one is complete there. Returns the folder."""
     m = _known(name)
     folder = gguf.parent / CONVERTED
-    stamp = folder / CONVERTED_FROM
-    if stamp.is_file() and stamp.read_text().strip() == m.sha256:
+    if _complete(folder, m.sha256):
         log(f"have {folder}")
         return folder
     from kvdex.hf.convert import convert_gguf  # torch and transformers: only here
