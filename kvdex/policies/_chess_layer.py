@@ -91,18 +91,19 @@ class LayerScope:
             cn = -(-n // nc)
             levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
             rows = [x.reshape(b * h, -1) for x in levels]
-            if p.rerank and p.rerank_unit == "page":  # candidates, then their best pages by exact scores
+            page_unit = p.rerank and p.rerank_unit == "page"  # the hierarchy's pages are candidates
+            k = None  # the hierarchy keeps budget_pages
+            if page_unit:  # rerank x the budget's pages, at least rerank_share of this build's middle
                 k = candidate_pages(p.cfg.retrieval_tokens, view.page_size, p.rerank)
-                k = max(k, math.ceil(p.rerank_share * n))  # rerank_share: of this build's middle
-                mask = p.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
-                cand = mask_to_ids(mask).view(b, h, -1).to(store.device)
-                best = rerank_pages(q, view, cand, p.cfg.retrieval_pages, p.rerank_group)  # a set, -1 padded
+                k = max(k, math.ceil(p.rerank_share * n))
+            mask = p.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
+            ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
+            kept = mask.sum(1).view(b, h)
+            if page_unit:  # the candidates' best pages by their keys' exact scores (a set, -1 padded)
+                best = rerank_pages(q, view, ids, p.cfg.retrieval_pages, p.rerank_group)
                 ids = trim(best.sort(dim=-1, descending=True).values)  # the chosen ids first
-                kept = (ids >= 0).sum(-1).cpu()
-            else:
-                mask = p.select_pages(*rows, npages.repeat_interleave(h))[2]
-                ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
-                kept = mask.sum(1).view(b, h).cpu()
+                kept = (ids >= 0).sum(-1)
+            kept = kept.cpu()
         rows = self.pending
         old = self.pages.get(layer)
         if old is not None and rows is not None and not bool(rows.all()):
