@@ -32,6 +32,8 @@ LAYER_Q = "chess:anchor_from=query:scope=layer"
         "rho_g=1.0:rho_c=1.0:rho_p=1.0:trigger=always",
         "group=sum",
         "rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=0.25",
+        "units=digest:trigger=always",
+        "units=digest:rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=0.25",
     ],  # fmt: skip
 )
 def test_covering_budget_is_dense(family, opts, offload):
@@ -93,7 +95,7 @@ def _planted_keys(kv_heads=2, group=3, pages=48, d=16, page=8, seed=0):
     return q, keys, plant
 
 
-def _bind(keys, heads=slice(None), group=3, tp=None, spec=LAYER_Q + ":trigger=never"):
+def _bind(keys, heads=slice(None), group=3, tp=None, spec=LAYER_Q + ":trigger=never:rerank=0"):
     """A policy bound to layers (1, 2) holding ``keys`` (the kv heads ``heads``), a rebuild requested."""
     k0 = keys[1][:, heads]
     kv, pages, page, d = k0.shape[1], k0.shape[2], k0.shape[3], k0.shape[4]
@@ -141,7 +143,7 @@ def test_first_decode_step_builds_from_its_own_queries(llama):
     pages with that step's queries. Flat hierarchy (one page per chunk and grid): exactly the top-K
     pages per kv head of max over the group of q . mean key."""
     model, _ = llama
-    cache = kvdex.Cache(model, f"{LAYER_Q}:chunk_pages=1:grid_chunks=1:trigger=never", 96, dense_layers=0)
+    cache = kvdex.Cache(model, f"{LAYER_Q}:chunk_pages=1:grid_chunks=1:trigger=never:rerank=0", 96, dense_layers=0)
     with torch.no_grad():
         model(input_ids=prompt(400, 5), **cache_kwargs(cache), use_cache=True)
     pol = cache.policy
@@ -223,6 +225,10 @@ def test_no_all_reduce_and_heads_select_independently():
             "group='sum' .* needs scope='layer' and anchor_from='query'",
         ),
         (dict(group="sum", anchor_from="query", scope="shared"), "needs scope='layer'"),
+        (dict(units="max"), "units must be one of mean, digest"),
+        (dict(units="digest", scope="shared"), "units='digest' .* needs scope='layer' and anchor_from='query'"),
+        (dict(units="digest", anchor_from="window"), "units='digest' .* needs scope='layer' and anchor_from="),
+        (dict(units="digest", group="sum"), "units='digest' reduces .* by their max .*: drop group='sum'"),
     ],
 )
 def test_bad_layer_options(opts, pattern):
@@ -234,6 +240,7 @@ def test_bad_layer_options(opts, pattern):
 
 GRAPH_SPECS = [
     f"{LAYER_Q}:trigger=interval:interval=5",
+    f"{LAYER_Q}:units=digest:trigger=interval:interval=5",
     f"{LAYER_Q}:trigger=uncertainty:check_every=4:entropy_threshold=0.0:varentropy_threshold=0.0",
     f"{LAYER_Q}:trigger=always",
     f"{LAYER_Q}:preset=moderate:trigger=interval:interval=7",
@@ -277,7 +284,10 @@ def test_rebuild_steps_are_eager(tiny):
 
 
 @pytest.mark.parametrize("storage", ["device", "offload"])
-@pytest.mark.parametrize("spec", [f"{LAYER_Q}:trigger=interval:interval=5", f"{LAYER_Q}:check_every=4"])
+@pytest.mark.parametrize(
+    "spec",
+    [f"{LAYER_Q}:trigger=interval:interval=5", f"{LAYER_Q}:check_every=4", f"{LAYER_Q}:units=digest:check_every=4"],
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_decoding_matches_eager_on_gpu(spec, storage):
@@ -324,3 +334,66 @@ def test_page_unit_build_picks_the_candidates_best_pages():
         for b, heads in enumerate(now):
             for h, slots in enumerate(heads):
                 assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}
+
+
+def test_digest_units_flat_hierarchy_attends_arkvales_pages():
+    """``units=digest`` (kvdex option): with one page per chunk and grid the hierarchy is the pages, scored by
+    ArkVale's digests (the group's max): the first decode step attends exactly ``arkvale``'s pages in every
+    (layer, kv head), and with the page unit exactly ``arkvale``'s page unit's; between rebuilds the layer keeps
+    them."""
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([300, 230], seed=4)
+    flat = f"{LAYER_Q}:units=digest:chunk_pages=1:grid_chunks=1:trigger=never"
+    for extra in ("", f":{PAGE_UNIT}"):
+        attended = {}
+        for spec in (flat + extra, "arkvale" + extra):
+            cache = kvdex.Cache(model, spec, 112, dense_layers=1)
+            seen = attended[spec.split(":")[0]] = []
+
+            def observer(layer, q, store, aset, scale, seen=seen):
+                seen.append([[set(r[v].tolist()) for r, v in zip(p, w, strict=True)]
+                             for p, w in zip(aset.positions, aset.valid, strict=True)])  # fmt: skip
+
+            cache.observer = observer
+            greedy(model, ids, mask, cache=cache, new=6)
+        chess, ark = attended["chess"], attended["arkvale"]
+        layers = len(cache.policy.info.sparse_layers)
+        assert chess[:layers] == ark[:layers], extra  # the first decode step: the same pages
+        for i in range(layers, len(chess)):  # kept between rebuilds (trigger=never)
+            before, now = chess[i - layers], chess[i]
+            for b, heads in enumerate(now):
+                for h, slots in enumerate(heads):
+                    assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}
+
+
+def test_max_levels_bound_their_pages():
+    """A chunk's score is the max of its pages' (a partial last chunk: of the pages it has), a grid's the max
+    of its chunks'."""
+    from kvdex.policies._chess_levels import max_levels
+
+    s_p = torch.tensor([[[1.0, 5.0, 2.0, -3.0, 4.0, 0.5, 7.0]]])  # [1, 1, 7]
+    s_g, s_c = max_levels(s_p, nc=2, ng=3)
+    assert s_c.tolist() == [[[5.0, 2.0, 4.0, 7.0]]]
+    assert s_g.tolist() == [[[5.0, 7.0]]]
+
+
+def test_default_selection_and_the_plain_one():
+    """``chess`` alone is kvdex's selection (digest units, a quarter of the middle's pages as candidates, their
+    best pages by exact weight); naming any selection option starts the others from the plain one (mean units,
+    no rerank), and so do the paper's mode and ratio mode, where kvdex's selection does not apply."""
+    from kvdex.policies.chess import DEFAULT_SELECTION, PLAIN_SELECTION
+
+    keys = list(DEFAULT_SELECTION)
+
+    def sel(spec):
+        pol = kvdex.make_policy(spec)
+        return {k: getattr(pol, k) for k in keys}
+
+    assert sel("chess") == DEFAULT_SELECTION == sel("chess:trigger=never:chunk_pages=1")
+    spelled = ":".join(f"{k}={v}" for k, v in DEFAULT_SELECTION.items())
+    assert sel(f"chess:{spelled}") == DEFAULT_SELECTION
+    assert sel("chess:rerank=0") == PLAIN_SELECTION
+    assert sel("chess:units=digest") == {**PLAIN_SELECTION, "units": "digest"}
+    for spec in ("chess:anchor_from=window:scope=shared", "chess:scope=shared", "chess:anchor_from=window",
+                 "chess:preset=moderate", "chess:rho_g=0.5:rho_c=0.5:rho_p=0.5"):  # fmt: skip
+        assert sel(spec) == PLAIN_SELECTION, spec

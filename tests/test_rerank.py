@@ -187,7 +187,8 @@ def test_selection_within_budget_middle_and_unique(spec):
 
 
 @pytest.mark.parametrize(
-    "spec", ["quest", "arkvale", "prkv:static_ratio=0.5:refresh=6:select_every=1", "chess", "chess:scope=shared"]
+    "spec",
+    ["quest", "arkvale", "prkv:static_ratio=0.5:refresh=6:select_every=1", "chess:units=mean", "chess:scope=shared"],
 )
 def test_rerank_one_attends_the_pages_tokens(spec):
     """Candidates = the pages the policy chooses without rerank, and the budget holds all their tokens."""
@@ -201,10 +202,11 @@ def test_rerank_one_attends_the_pages_tokens(spec):
 
 def test_rerank_keeps_the_paper_configuration():
     assert make_policy("quest").rerank == 0 and make_policy("quest").granularity == "page"
-    for name in ("arkvale", "prkv:rerank=0", "chess"):
+    for name in ("arkvale", "prkv:rerank=0", "chess:rerank=0", "chess:anchor_from=window:scope=shared"):
         assert make_policy(name).rerank == 0 and make_policy(name).granularity == "page", name
-    # prkv's default reranks (kvdex's selection, docs/policies/prkv.md) and still attends pages
-    assert make_policy("prkv").rerank == 4 and make_policy("prkv").granularity == "page"
+    # prkv's and chess's defaults rerank (kvdex's selections, docs/policies/prkv.md, chess.md) and attend pages
+    for name in ("prkv", "chess"):
+        assert make_policy(name).rerank == 4 and make_policy(name).granularity == "page", name
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ BUDGET = 96  # sink 16 + window 32 + 3 retrieved pages: selection is real at bot
 NEW = 7  # generated tokens: 6 decode steps after the prefill
 OFFLOADS = (False, True)
 # configurations recorded beside the registered defaults (the paper's, where a policy's default is kvdex's)
-EXTRA = ["pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None", "prkv:rerank=0",
+EXTRA = ["pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None", "prkv:rerank=0", "chess:rerank=0",
          # the page policies' token rerank (kvdex options beside the papers' selection)
          "quest:rerank=2:rerank_group=weight", "prkv:rerank=2"]  # fmt: skip
 CASES = [*kvdex.policies(), *EXTRA]

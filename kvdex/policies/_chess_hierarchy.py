@@ -79,6 +79,8 @@ class HierarchyMixin:
 
     def index_join(self, layer, join) -> None:
         self._stores[layer] = join.store
+        if self.digests is not None:  # units="digest": the joining page's digest, in the captured step too
+            self.digests.write_join(layer, join)
         if self._vall is None:
             return
         vg, vc, vp = self._views()

@@ -9,6 +9,8 @@ the same budget rule:
 * the score of a unit for kv head h is ``reduce_g(q_g . v_u[h])`` over the group's query heads g
   (``group``: max, sum or mean) with ``anchor_from=query``: the current decode step's queries of the
   layer; with ``anchor_from=window`` it is ``a[h] . v_u[h]``, a the layer's window anchor (eq. 3);
+  with ``units=digest`` a page's score is the group's max of its digest estimate (ArkVale's bounding box of
+  the page's keys, :mod:`._digest`) and a chunk's or grid's the max of its pages' (``max_levels``);
 * a (re)build happens *inside* ``select`` of the step after it was requested, so it reads that
   step's queries (the first decode step builds from its own queries) and each layer's index is up
   to date (the page that joins the middle at this step is already indexed);
@@ -30,7 +32,7 @@ import time
 import torch
 
 from kvdex.kernels.scoring import group_reduce
-from kvdex.policies._chess_levels import mask_to_ids, pad, trim, window_anchor, window_keys
+from kvdex.policies._chess_levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
 from kvdex.policies._rerank import candidate_pages, rerank_pages
 from kvdex.selection import Selection
 
@@ -84,12 +86,16 @@ class LayerScope:
                 anchor, group = q, p.group
             else:  # the layer's own window anchor, one per kv head
                 anchor, group = window_anchor(*window_keys(store), p.cfg.page_size), "max"
-            g, c = p._gcap, p._ccap
-            cols = slice(slot * p._hd, (slot + 1) * p._hd)
-            s = unit_scores(p._vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
             nc, ng = p.chunk_pages, p.grid_chunks
-            cn = -(-n // nc)
-            levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
+            if p.digests is not None:  # units="digest": the pages' digest estimates, the max of them above
+                s_p = p.digests.page_scores(layer, q, n, view)  # [B, H, n], the group's max
+                levels = [*max_levels(s_p, nc, ng), s_p]
+            else:
+                g, c = p._gcap, p._ccap
+                cols = slice(slot * p._hd, (slot + 1) * p._hd)
+                s = unit_scores(p._vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
+                cn = -(-n // nc)
+                levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
             rows = [x.reshape(b * h, -1) for x in levels]
             page_unit = p.rerank and p.rerank_unit == "page"  # the hierarchy's pages are candidates
             k = None  # the hierarchy keeps budget_pages
@@ -186,4 +192,7 @@ class LayerScope:
         layers = self.p.info.sparse_layers
         if any(lay not in self.static for lay in layers):
             return None  # this step's select allocates the static buffers: an eager step
-        return ("chess/layer",) + tuple((lay, id(self.static[lay]), tuple(self.static[lay].shape)) for lay in layers)
+        key = tuple((lay, id(self.static[lay]), tuple(self.static[lay].shape)) for lay in layers)
+        d = self.p.digests  # units="digest": page joins write the digests inside the captured step
+        digests = () if d is None else tuple((lay, id(d.centre[lay]), id(d.radius[lay])) for lay in d.centre)
+        return ("chess/layer",) + key + digests

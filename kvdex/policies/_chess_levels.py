@@ -88,6 +88,19 @@ def top_down(s_g, s_c, s_p, npages, *, nc: int, ng: int, ratios, k: int, shape: 
     return m_g, m_c, count_mask(s_p, live_p & m_c[:, parent_p], torch.full_like(npages, k))
 
 
+def max_levels(s_p: torch.Tensor, nc: int, ng: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk and grid scores as the max of their pages' and chunks' scores: s_p [..., P] -> (grids [..., ceil(C /
+    ng)], chunks [..., C]), C = ceil(P / nc). With page scores that bound their keys' q.k (``units="digest"``),
+    a chunk's score bounds every key under it, so the top-down masks never drop the best page's chunk or grid
+    for a lower one's."""
+    pad = float("-inf")
+    cn = -(-s_p.shape[-1] // nc)
+    s_c = torch.nn.functional.pad(s_p, (0, cn * nc - s_p.shape[-1]), value=pad).unflatten(-1, (cn, nc)).amax(-1)
+    gn = -(-cn // ng)
+    s_g = torch.nn.functional.pad(s_c, (0, gn * ng - cn), value=pad).unflatten(-1, (gn, ng)).amax(-1)
+    return s_g, s_c
+
+
 def window_keys(store) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys of the recent window: [B, H, window, D] and valid [B, window] (rows past a length are invalid).
 

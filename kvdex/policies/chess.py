@@ -26,12 +26,16 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
 
-kvdex's default goes beyond the paper in two named options, chosen by the scorecard and the
-benchmark (docs/policies/chess.md): ``anchor_from="query"`` scores the hierarchy with the decode
-step's queries instead of the window's keys, and ``scope="layer"`` (``_chess_layer.py``) gives every
-sparse layer its own selection per kv head, scored on its own slice of the page / chunk / grid
-vectors and built inside ``select`` from that step's queries. The paper's mode, exactly as above:
-``chess:anchor_from=window:scope=shared``.
+kvdex's default goes beyond the paper in named options, chosen by the scorecard and the benchmark
+(docs/policies/chess.md): ``anchor_from="query"`` scores the hierarchy with the decode step's queries
+instead of the window's keys, and ``scope="layer"`` (``_chess_layer.py``) gives every sparse layer its
+own selection per kv head, built inside ``select`` from that step's queries; its selection
+(:data:`DEFAULT_SELECTION`) scores the hierarchy's pages by ArkVale's digests (``units="digest"``,
+chunks and grids by their pages' max), takes its top pages, at least a quarter of the middle's, as
+candidates and keeps their best pages by exact softmax weight (``rerank=4``, ``rerank_unit="page"``,
+``rerank_group="weight"``, ``rerank_share=0.25``) until the next rebuild. Naming any selection option
+starts the others from :data:`PLAIN_SELECTION` (``chess:rerank=0``: the hierarchy's own top pages by
+mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=shared``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from kvdex.policies._chess_levels import (
     window_keys,
 )
 from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
+from kvdex.policies._digest import DigestIndex
 from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
@@ -69,6 +74,10 @@ ANCHORS = ("window", "query")
 # slice of the hierarchy per kv head (a kvdex option, kvdex/policies/_chess_layer.py)
 SCOPES = ("shared", "layer")
 GROUPS = ("max", "sum", "mean")  # scope=layer with anchor_from=query: the GQA reduction of the group's scores
+# mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
+# estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies._digest), a chunk's and a
+# grid's the max of their pages' (a kvdex option for scope=layer with anchor_from=query, not in the paper)
+UNITS = ("mean", "digest")
 VARENTROPY_KINDS = ("output", "temporal")
 
 # CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
@@ -78,6 +87,28 @@ DEFAULT_CHUNK_PAGES = 4
 DEFAULT_GRID_CHUNKS = 4
 # Appendix C's fixed-interval baseline rebuilds "every 6 pages" of generated tokens.
 DEFAULT_INTERVAL_PAGES = 6
+
+# How a build picks pages. kvdex's default (docs/policies/chess.md, "Default configuration"): the hierarchy is
+# scored by ArkVale's page digests (chunks and grids by their pages' max), its top pages -- at least a quarter of
+# the middle's -- are candidates, and the candidates' best pages by their keys' exact softmax weights are kept
+# until the next rebuild. PLAIN_SELECTION: the hierarchy's own top pages by q . mean key (the paper's units).
+DEFAULT_SELECTION = {"group": "max", "units": "digest", "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25,
+                     "rerank_unit": "page"}  # fmt: skip
+PLAIN_SELECTION = {"group": "max", "units": "mean", "rerank": 0, "rerank_group": "max", "rerank_share": 0.0,
+                   "rerank_unit": "token"}  # fmt: skip
+
+
+def resolve_selection_options(policy) -> None:
+    """Fill the selection options left at None: none named, in budget mode with ``scope="layer"`` and
+    ``anchor_from="query"`` (kvdex's default mode) -> :data:`DEFAULT_SELECTION`; otherwise (any of them named,
+    the paper's mode ``anchor_from=window:scope=shared``, a preset or ratios) the others take
+    :data:`PLAIN_SELECTION`'s values, so ``chess:rerank=0`` is the hierarchy's own top pages by mean key."""
+    named = any(getattr(policy, key) is not None for key in DEFAULT_SELECTION)
+    ratio_mode = bool(policy.preset) or any(getattr(policy, r) is not None for r in ("rho_g", "rho_c", "rho_p"))
+    kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
+    for key, value in (DEFAULT_SELECTION if kvdex_mode and not named else PLAIN_SELECTION).items():
+        if getattr(policy, key) is None:
+            setattr(policy, key, value)
 
 
 @register_policy
@@ -109,9 +140,17 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
     combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
     anchor_from: str = "query"  # query: the decode step's queries (kvdex) | window: the paper's anchor (ANCHORS)
     scope: str = "layer"  # layer: a selection per sparse layer (kvdex) | shared: the paper's one for all (SCOPES)
-    group: str = "max"  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
+    # the selection (None: resolved by resolve_selection_options -- DEFAULT_SELECTION when none is named in
+    # kvdex's default mode, else PLAIN_SELECTION's values for the unnamed ones)
+    group: str | None = None  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
+    units: str | None = None  # scope=layer, anchor_from=query: units scored by "mean" key | page "digest" (UNITS)
+    rerank: int | None = None
+    rerank_group: str | None = None
+    rerank_share: float | None = None
+    rerank_unit: str | None = None
 
     def __post_init__(self) -> None:
+        resolve_selection_options(self)
         rhos = (self.rho_g, self.rho_c, self.rho_p)
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"unknown CHESS preset {self.preset!r}; choose from {', '.join(PRESETS)}")
@@ -148,6 +187,16 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
                 f"group={self.group!r} reduces query heads' scores per kv head: it needs scope='layer' and "
                 "anchor_from='query' (the shared scope scores with each group's mean query)"
             )
+        if self.units not in UNITS:
+            raise ValueError(f"units must be one of {', '.join(UNITS)}, got {self.units!r}")
+        if self.units == "digest" and not (self.scope == "layer" and self.anchor_from == "query"):
+            raise ValueError(
+                "units='digest' scores each layer's pages by its decode queries against the pages' digests: it "
+                "needs scope='layer' and anchor_from='query'"
+            )
+        if self.units == "digest" and self.group != "max":
+            raise ValueError(f"units='digest' reduces a group's digest estimates by their max (ArkVale's rule): "
+                             f"drop group={self.group!r}")  # fmt: skip
         if self.combine not in ("and", "or"):
             raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
         super().__post_init__()  # RerankOption's check
@@ -209,6 +258,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         self._queries: dict = {}  # anchor_from="query": layer -> [B, H, D] fp32, the last step's queries
         self.query_builds = 0  # builds (and rebuilds) scored by queries instead of the window's keys
         self._layers = LayerScope(self) if self.scope == "layer" else None
+        self.digests = DigestIndex("cuboid-mean") if self.units == "digest" else None  # units="digest"
         self._batch = 0  # sequences (set at the first build)
 
     # ---- the hierarchy (its buffer, eq. 1-2 and the scoring, eq. 3-4: _chess_hierarchy.py) ---------
@@ -220,6 +270,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
             self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
         if not update.empty:
             self._add_pages(slot, update)
+            if self.digests is not None:
+                self.digests.write(layer, update.start, update.count, update.keys)
             if self._layers is None:
                 self._cover(update)
             else:
@@ -242,6 +294,8 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
     def reserve_index(self, layer, pages, store) -> None:
         if pages > 0:
             self._reserve(pages, torch.empty(store.batch, 0, device=store.device))
+            if self.digests is not None:
+                self.digests.reserve(layer, pages, store)
 
     def joined(self, layer, start, count) -> None:
         slot = self._slot[layer]
@@ -444,5 +498,6 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
             "rebuild_ms": self.rebuild_ms,
             "anchor_from": self.anchor_from,
             "scope": self.scope,
+            "units": self.units,
             "query_builds": self.query_builds,
         }
