@@ -1,7 +1,7 @@
 # Over 400 lines: the policy's own lifecycle (options, bind, index, build, select, on_step) reads as one.
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page page selection, rebuilt only when the output
 distribution becomes uncertain (the paper: key-key, one context for every layer; default: scored by each
-layer's queries).
+layer's queries against its pages' digests).
 
 Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
