@@ -356,6 +356,8 @@ def test_digest_units_flat_hierarchy_attends_arkvales_pages():
 
             cache.observer = observer
             greedy(model, ids, mask, cache=cache, new=6)
+            if spec.startswith("chess"):  # the digests are its index: no mean-key hierarchy is kept
+                assert cache.policy._vall is None and cache.policy.digests is not None
         chess, ark = attended["chess"], attended["arkvale"]
         layers = len(cache.policy.info.sparse_layers)
         assert chess[:layers] == ark[:layers], extra  # the first decode step: the same pages

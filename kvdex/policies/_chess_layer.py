@@ -78,7 +78,7 @@ class LayerScope:
         npages = p._npages[slot].clone()  # [B] this layer's middle pages (indexed before its attention)
         b, h = npages.shape[0], store.kv_heads
         n = int(npages.max())
-        if n == 0 or p._vall is None:
+        if n == 0 or (p._vall is None and p.digests is None):
             ids = torch.full((b, h, 0), -1, dtype=torch.long, device=store.device)
             kept = torch.zeros(b, h, dtype=torch.long)
         else:

@@ -269,9 +269,11 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         if self._npages is None:
             self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
         if not update.empty:
-            self._add_pages(slot, update)
-            if self.digests is not None:
+            if self.digests is None:
+                self._add_pages(slot, update)
+            else:  # units="digest": the digests are the index, no mean-key hierarchy is kept
                 self.digests.write(layer, update.start, update.count, update.keys)
+                self._npages[slot] = torch.maximum(self._npages[slot], update.start + update.count)
             if self._layers is None:
                 self._cover(update)
             else:
@@ -292,10 +294,10 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
     # centroids (eq. 2) of its chunk and grid are recomputed (the other chunks do not change); the page
     # counts and the budget-mode cover of the selection (_cover: host-held) are the host side (joined).
     def reserve_index(self, layer, pages, store) -> None:
-        if pages > 0:
+        if pages > 0 and self.digests is not None:
+            self.digests.reserve(layer, pages, store)
+        elif pages > 0:
             self._reserve(pages, torch.empty(store.batch, 0, device=store.device))
-            if self.digests is not None:
-                self.digests.reserve(layer, pages, store)
 
     def joined(self, layer, start, count) -> None:
         slot = self._slot[layer]
