@@ -306,6 +306,30 @@ def test_graph_decoding_matches_eager_on_gpu(spec, storage):
 PAGE_UNIT = "rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=1.0"
 
 
+def _attended(model, ids, mask, spec):
+    """(the cache, per sparse layer and decode step the attended positions per sequence and kv head, as sets)
+    of ``spec`` decoding ``ids`` greedily for 6 tokens at budget 112."""
+    cache = kvdex.Cache(model, spec, 112, dense_layers=1)
+    seen = []
+
+    def observer(layer, q, store, aset, scale):
+        seen.append([[set(r[v].tolist()) for r, v in zip(p, w, strict=True)]
+                     for p, w in zip(aset.positions, aset.valid, strict=True)])  # fmt: skip
+
+    cache.observer = observer
+    greedy(model, ids, mask, cache=cache, new=6)
+    return cache, seen
+
+
+def _assert_kept_between_rebuilds(seen, layers):
+    """Each step attends the middle positions (below 200) the same layer attended one step before."""
+    for i in range(layers, len(seen)):
+        before, now = seen[i - layers], seen[i]
+        for b, heads in enumerate(now):
+            for h, slots in enumerate(heads):
+                assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}
+
+
 def test_page_unit_build_picks_the_candidates_best_pages():
     """``rerank_unit=page`` (kvdex option): a build takes the hierarchy's candidates (with the share 1.0 and a
     flat hierarchy, every middle page) and attends their best pages by the keys' exact softmax weights, as
@@ -315,25 +339,13 @@ def test_page_unit_build_picks_the_candidates_best_pages():
     ids, mask, _ = left_padded([300, 230], seed=4)
     attended = {}
     for spec in (f"{LAYER_Q}:chunk_pages=1:grid_chunks=1:trigger=never:{PAGE_UNIT}", f"quest:{PAGE_UNIT}"):
-        cache = kvdex.Cache(model, spec, 112, dense_layers=1)
-        seen = attended[spec.split(":")[0]] = []
-
-        def observer(layer, q, store, aset, scale, seen=seen):
-            seen.append([[set(r[v].tolist()) for r, v in zip(p, w, strict=True)]
-                         for p, w in zip(aset.positions, aset.valid, strict=True)])  # fmt: skip
-
-        cache.observer = observer
-        greedy(model, ids, mask, cache=cache, new=6)
+        cache, attended[spec.split(":")[0]] = _attended(model, ids, mask, spec)
         assert cache.policy.granularity == "page"
     chess, quest = attended["chess"], attended["quest"]
     layers = len(cache.policy.info.sparse_layers)
     assert len(chess) == len(quest) == 5 * layers  # 5 decode steps (the first token comes from the prefill)
     assert chess[:layers] == quest[:layers]  # the first decode step: the same pages
-    for i in range(layers, len(chess)):  # kept between rebuilds (trigger=never): the middle's pages do not move
-        before, now = chess[i - layers], chess[i]
-        for b, heads in enumerate(now):
-            for h, slots in enumerate(heads):
-                assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}
+    _assert_kept_between_rebuilds(chess, layers)  # trigger=never: the middle's pages do not move
 
 
 def test_digest_units_flat_hierarchy_attends_arkvales_pages():
@@ -347,25 +359,13 @@ def test_digest_units_flat_hierarchy_attends_arkvales_pages():
     for extra in ("", f":{PAGE_UNIT}"):
         attended = {}
         for spec in (flat + extra, "arkvale" + extra):
-            cache = kvdex.Cache(model, spec, 112, dense_layers=1)
-            seen = attended[spec.split(":")[0]] = []
-
-            def observer(layer, q, store, aset, scale, seen=seen):
-                seen.append([[set(r[v].tolist()) for r, v in zip(p, w, strict=True)]
-                             for p, w in zip(aset.positions, aset.valid, strict=True)])  # fmt: skip
-
-            cache.observer = observer
-            greedy(model, ids, mask, cache=cache, new=6)
+            cache, attended[spec.split(":")[0]] = _attended(model, ids, mask, spec)
             if spec.startswith("chess"):  # the digests are its index: no mean-key hierarchy is kept
                 assert cache.policy._vall is None and cache.policy.digests is not None
         chess, ark = attended["chess"], attended["arkvale"]
         layers = len(cache.policy.info.sparse_layers)
         assert chess[:layers] == ark[:layers], extra  # the first decode step: the same pages
-        for i in range(layers, len(chess)):  # kept between rebuilds (trigger=never)
-            before, now = chess[i - layers], chess[i]
-            for b, heads in enumerate(now):
-                for h, slots in enumerate(heads):
-                    assert {x for x in before[b][h] if x < 200} == {x for x in slots if x < 200}
+        _assert_kept_between_rebuilds(chess, layers)  # trigger=never
 
 
 def test_max_levels_bound_their_pages():

@@ -34,6 +34,7 @@ import torch
 from kvdex.kernels.scoring import group_reduce
 from kvdex.policies._chess_levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
 from kvdex.policies._rerank import candidate_pages, rerank_pages
+from kvdex.policies.arkvale import _ids
 from kvdex.selection import Selection
 
 
@@ -194,5 +195,4 @@ class LayerScope:
             return None  # this step's select allocates the static buffers: an eager step
         key = tuple((lay, id(self.static[lay]), tuple(self.static[lay].shape)) for lay in layers)
         d = self.p.digests  # units="digest": page joins write the digests inside the captured step
-        digests = () if d is None else tuple((lay, id(d.centre[lay]), id(d.radius[lay])) for lay in d.centre)
-        return ("chess/layer",) + key + digests
+        return ("chess/layer",) + key + (() if d is None else _ids(d.centre, d.radius))
