@@ -124,6 +124,16 @@ class PoolOption:
             )
 
 
+def resolve_selection(policy, default: dict, other: dict, allowed: bool = True) -> None:
+    """Fill ``policy``'s selection options left at None (the keys of ``default``): none of them named and
+    ``allowed`` -> ``default``'s values; otherwise the unnamed ones take ``other``'s, so a spec means what it
+    names on top of ``other`` (``prkv``'s and ``chess``'s defaults are kvdex's selections, ``other`` the papers')."""
+    named = any(getattr(policy, key) is not None for key in default)
+    for key, value in (default if allowed and not named else other).items():
+        if getattr(policy, key) is None:
+            setattr(policy, key, value)
+
+
 def candidate_pages(tokens: int, page_size: int, rerank: int) -> int:
     """Candidate pages for a token budget of ``tokens``: ``rerank`` x the pages it fills (rounded up)."""
     return rerank * -(-max(tokens, 0) // page_size)

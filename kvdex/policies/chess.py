@@ -59,7 +59,7 @@ from kvdex.policies._chess_levels import (
 )
 from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
 from kvdex.policies._digest import DigestIndex
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens
+from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
 from kvdex.policies.base import Policy, register_policy
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
@@ -103,12 +103,9 @@ def resolve_selection_options(policy) -> None:
     ``anchor_from="query"`` (kvdex's default mode) -> :data:`DEFAULT_SELECTION`; otherwise (any of them named,
     the paper's mode ``anchor_from=window:scope=shared``, a preset or ratios) the others take
     :data:`PLAIN_SELECTION`'s values, so ``chess:rerank=0`` is the hierarchy's own top pages by mean key."""
-    named = any(getattr(policy, key) is not None for key in DEFAULT_SELECTION)
     ratio_mode = bool(policy.preset) or any(getattr(policy, r) is not None for r in ("rho_g", "rho_c", "rho_p"))
     kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
-    for key, value in (DEFAULT_SELECTION if kvdex_mode and not named else PLAIN_SELECTION).items():
-        if getattr(policy, key) is None:
-            setattr(policy, key, value)
+    resolve_selection(policy, DEFAULT_SELECTION, PLAIN_SELECTION, allowed=kvdex_mode)
 
 
 @register_policy

@@ -67,6 +67,7 @@ from kvdex.kernels.scoring import check_group, group_topk, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies._prkv_static import StaticRegion
+from kvdex.policies._rerank import resolve_selection
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
 from kvdex.policies.snapkv import check_obs, prompt_rows
@@ -89,10 +90,7 @@ def resolve_selection_options(policy) -> None:
     """Fill the selection options left at None: all of them unnamed -> :data:`DEFAULT_SELECTION`; any named
     (``prkv:rerank=0`` is the paper's selection) -> the others take :data:`PAPER_SELECTION`'s values, so a spec
     means what it names on top of the paper's selection."""
-    named = any(getattr(policy, key) is not None for key in DEFAULT_SELECTION)
-    for key, value in (PAPER_SELECTION if named else DEFAULT_SELECTION).items():
-        if getattr(policy, key) is None:
-            setattr(policy, key, value)
+    resolve_selection(policy, DEFAULT_SELECTION, PAPER_SELECTION)
 
 
 def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
