@@ -299,6 +299,7 @@ def pytest_configure(config):
 # worker runs them, read its results from the folder the controller handed every worker. Module -> the -k
 # selection of its kernel tests (None: the whole module).
 INTERPRETER_SUITES = {
+    "test_entropy_kernel.py": None,
     "test_obs_kernel.py": "triton_",
     "test_page_cache.py": "triton",
     "test_pariskv.py": "triton_",

@@ -297,14 +297,15 @@ def test_entropy_varentropy_reference():
 @pytest.mark.parametrize("combine", ["and", "or"])
 @pytest.mark.parametrize("kind", ["output", "temporal"])
 def test_trigger_rebuilds_exactly_when_thresholds_exceeded(llama, combine, kind):
-    """Drive on_step with logits of known entropy; rebuilds happen at check steps exactly for
-    the sequences whose page statistics exceed the thresholds (computed here independently)."""
+    """Drive on_step with logits of known entropy; rebuilds happen exactly for the sequences whose page
+    statistics exceed the thresholds (computed here independently), requested at the step after the check
+    (its result is read one step late, so the host never waits for the device)."""
     tv = 0.9 if kind == "output" else 0.05
     pol = _bound(llama, check_every=4, entropy_threshold=1.5, varentropy_threshold=tv, combine=combine, varentropy=kind)
     g = torch.Generator().manual_seed(1)
     expected = []
     acc = [[], []]
-    for step in range(1, 41):
+    for step in range(1, 42):
         logits = torch.randn(2, 64, generator=g) * torch.tensor([[0.5], [4.0]]) * (1 + (step // 8) % 3)
         h, v = entropy_varentropy(logits)
         for b in range(2):
@@ -316,7 +317,7 @@ def test_trigger_rebuilds_exactly_when_thresholds_exceeded(llama, combine, kind)
                 stat = vs.mean() if kind == "output" else hs.var(unbiased=False)
                 e, w = bool(hs.mean() > 1.5), bool(stat > tv)
                 if (e and w) if combine == "and" else (e or w):
-                    expected.append((step, b))
+                    expected.append((step + 1, b))
             acc = [[], []]
         before = pol._pages.clone()
         pol.on_step(step, logits)
@@ -325,7 +326,26 @@ def test_trigger_rebuilds_exactly_when_thresholds_exceeded(llama, combine, kind)
             assert torch.equal(pol._pages[b][pol._pages[b] >= 0], before[b][before[b] >= 0])
     assert pol.rebuild_log == expected
     assert pol.checks == 2 * 10
+    assert [s for s, *_ in pol.check_log] == [s for s in range(4, 41, 4) for _ in range(2)]
     assert 0 < len(expected) < 20, "the test must exercise both outcomes"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trigger_on_cuda_logits_decides_as_on_cpu(llama):
+    """CUDA logits take the fused statistics kernel and the unwaited copy of each check; the checks' values
+    and the rebuilds are those of the CPU path (one step late on both)."""
+    opts = dict(check_every=4, entropy_threshold=1.5, varentropy_threshold=0.9)
+    pols = [_bound(llama, **opts), _bound(llama, **opts)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 42):
+        logits = torch.randn(2, 40000, generator=g) * torch.tensor([[0.5], [4.0]]) * (1 + (step // 8) % 3)
+        pols[0].on_step(step, logits)
+        pols[1].on_step(step, logits.cuda())
+    assert pols[1].rebuild_log == pols[0].rebuild_log and pols[0].rebuild_log
+    assert [c[:2] for c in pols[1].check_log] == [c[:2] for c in pols[0].check_log]
+    got, want = torch.tensor([c[2:] for c in pols[1].check_log]), torch.tensor([c[2:] for c in pols[0].check_log])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_trigger_never_and_thresholds_file(llama, tmp_path):
@@ -339,7 +359,9 @@ def test_trigger_never_and_thresholds_file(llama, tmp_path):
     pol = _bound(llama, thresholds=str(path), check_every=2, combine="or")
     pol.on_step(1, _logits([2.0, 0.0]))
     pol.on_step(2, _logits([2.0, 0.0]))
-    assert pol.rebuild_log == [(2, 0)]
+    assert pol.rebuild_log == []  # the check at step 2 is read at step 3
+    pol.on_step(3, _logits([0.0, 0.0]))
+    assert pol.rebuild_log == [(3, 0)]
     pol = _bound(llama, trigger="never", entropy_threshold=0.0, varentropy_threshold=-1.0)
     for s in range(1, 65):
         pol.on_step(s, _logits([3.0, 3.0]))

@@ -243,6 +243,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         self._last_len = None  # lengths at the last build / on_step (CPU)
         self._acc = None  # per-sequence sums since the last check: H, H^2, V, steps
         self._nacc = 0  # steps in those sums
+        self._check = None  # (step, [3, B] host stats, event): the last check, read at the next step
         # counters (stats())
         self.builds = 0  # initial selections (one per prompt)
         self.rebuilds = 0  # rebuilds summed over sequences
@@ -459,6 +460,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
         if step < 1:  # step 0 is the prefill (its logits come from dense attention)
             return
         if grew:  # several tokens in one forward (a new turn): the context changed, rebuild
+            self._check = None
             self._rebuild(step, None)
             return
         self.decode_steps += 1
