@@ -12,6 +12,8 @@ carry no mass, as in the twin. Same values as the twin up to the order of the fp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -56,9 +58,12 @@ def _accumulate_kernel(X, ACC, n, stride_x, stride_acc, BLOCK: tl.constexpr):
 
 
 def accumulate(logits: torch.Tensor, acc: torch.Tensor) -> None:
-    """``acc`` [4, B] fp32 += (H, H^2, V, 1) of each row of ``logits`` [B, vocab] (nats), in place."""
+    """``acc`` [4, B] fp32 += (H, H^2, V, 1) of each row of ``logits`` [B, vocab] (nats), in place; both on the
+    same device."""
     x = logits.contiguous()
     b, n = x.shape
     if acc.shape != (4, b) or acc.dtype != torch.float32 or acc.stride(1) != 1:
         raise ValueError(f"acc must be a contiguous [4, {b}] fp32 tensor, got {tuple(acc.shape)} {acc.dtype}")
-    _accumulate_kernel[(b,)](x, acc, n, x.stride(0), acc.stride(0), BLOCK=BLOCK, num_warps=WARPS)
+    here = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with here:  # Triton launches on the current device (the logits' under device_map)
+        _accumulate_kernel[(b,)](x, acc, n, x.stride(0), acc.stride(0), BLOCK=BLOCK, num_warps=WARPS)
