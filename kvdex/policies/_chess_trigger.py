@@ -68,7 +68,7 @@ class TriggerMixin:
         fused = triton_kernel("entropy_triton", "accumulate", on=logits)
         if fused is not None:  # CUDA: one kernel (kvdex.kernels.entropy_triton)
             if self._acc is None:
-                self._acc = torch.zeros(4, b, device=logits.device)
+                self._acc = torch.zeros(4, b, dtype=torch.float32, device=logits.device)
             fused(logits, self._acc)
         else:
             h, v = entropy_varentropy(logits)
