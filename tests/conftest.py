@@ -290,6 +290,13 @@ def pytest_configure(config):
 
 
 # ---- kernel tests under Triton's interpreter (CPU) ------------------------------------------------------
+# What the kernel test modules share: where their kernels run (compiled on CUDA, else under the interpreter in
+# the subprocess below, or nowhere) and the mark that skips a kernel test where neither is available.
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA else "cpu"
+run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
 # triton reads TRITON_INTERPRET when it is first imported, long before these modules in a test session, so
 # their kernel tests run again in a fresh interpreter with the variable set: one subprocess for every such
 # module of the session (one start-up of torch, transformers and pytest), and each module's

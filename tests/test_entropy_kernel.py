@@ -6,17 +6,11 @@ The kernel tests run compiled on CUDA, and on a CPU machine under Triton's inter
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, DEV, INTERP, run_kernels
 
 from kvdex.policies._chess_levels import entropy_varentropy
-
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")

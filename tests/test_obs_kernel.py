@@ -7,19 +7,13 @@ The kernel tests run compiled on CUDA, and on a CPU machine under Triton's inter
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, DEV, INTERP, run_kernels
 
 from kvdex.kernels.reference import attention_mass_reference
 from kvdex.policies._obs import middle_scores
 from kvdex.storage.layout import Grid
-
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")

@@ -9,18 +9,15 @@ PyTorch twin; bad sizes raise ValueError. No timing is asserted.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import greedy, left_padded
+from conftest import CUDA, INTERP, greedy, left_padded
 
 import kvdex
 from kvdex.kernels.attention import sparse_decode_attention_reference
 from kvdex.selection import Selection
 from kvdex.storage import Grid, OffloadStore, TransferStats
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 B, H, D, PS = 2, 3, 8, 4
 GRID = Grid(sink=4, page_size=PS, window_pages=2)
 
@@ -164,7 +161,7 @@ def test_cache_with_page_cache_decodes_bit_identically(llama, budget):
     assert "page_cache" not in plain.stats()
 
 
-@pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="runs the kernels itself")
+@pytest.mark.skipif(INTERP or CUDA, reason="runs the kernels itself")
 def test_interpreter_suite(interpreter_suite):
     """This file's kernel tests (``-k triton``) under TRITON_INTERPRET=1 in a fresh interpreter (triton must
     be imported after the variable is set; tests/conftest.py: one for every such file of the session)."""
@@ -172,7 +169,7 @@ def test_interpreter_suite(interpreter_suite):
     interpreter_suite(__file__)
 
 
-@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_triton_fill_slots_matches_twin_and_store_paths_agree():
     pytest.importorskip("triton")
     from kvdex.kernels import uva
@@ -277,7 +274,7 @@ def test_token_selections_bypass_the_pool_and_stay_exact():
             assert bool((st.pc_page == -1).all())
 
 
-@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("c,chunk", [(6, 32), (9, 32), (9, 2), (14, 4)])
 def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
     """The fused bookkeeping kernel (KVDEX_PC_FUSED=1) takes the twin's decisions: same rows, same pool

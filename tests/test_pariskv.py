@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import pytest
 import torch
-from conftest import PAGE, SINK, WINDOW, build_pair, greedy, prompt, shared_pair, window_start
+from conftest import CUDA, DEV, INTERP, PAGE, SINK, WINDOW, build_pair, greedy, prompt, shared_pair, window_start
 
 import kvdex
 from kvdex import cache_kwargs
@@ -29,8 +28,6 @@ from kvdex.policies import PolicyInfo, make_policy
 from kvdex.policies.pariskv import PAPER_OPTIONS, PAPER_SPEC, adaptive_ratios, kmeans, nearest, recall_at_k
 from kvdex.view import LayerView
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton  # noqa: F401
 
@@ -664,8 +661,6 @@ def test_rerank_correlation_on_real_keys(request):
 
 
 # ---- Triton kernels == twins --------------------------------------------------------------------------------
-
-DEV = "cuda" if CUDA else "cpu"
 
 
 def kernel_test(fn):

@@ -10,18 +10,11 @@ and checks a GPU DeviceStore decode with the kernel against ``KVDEX_TRITON=0``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, DEV, INTERP, run_kernels
 
 triton = pytest.importorskip("triton")
-
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-
 
 from kvdex.kernels import step_triton as ap  # noqa: E402
 

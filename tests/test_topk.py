@@ -10,17 +10,11 @@ set before triton is imported), as tests/test_triton_kernels.py does; ``-m gpu``
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, DEV, INTERP, run_kernels
 
 from kvdex.policies.base import topk_ids as seam_topk_ids
-
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 
 def _twin():

@@ -9,18 +9,11 @@ this file in a subprocess with the variable set. Skipped where triton is not ins
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import CUDA, DEV, INTERP, run_kernels
 
 triton = pytest.importorskip("triton")
-
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-run_kernels = pytest.mark.skipif(not (CUDA or INTERP), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-
 
 from kvdex.kernels import attention as ref  # noqa: E402
 from kvdex.kernels import digest_triton as dt  # noqa: E402
