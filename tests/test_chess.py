@@ -49,7 +49,7 @@ def _direct_vectors(cache, nc, ng):
 
 
 def _check_hierarchy(cache, nc, ng):
-    vg, vc, vp = cache.policy._views()
+    vg, vc, vp = cache.policy.hierarchy.views()
     for b, (pages, chunks, grids) in enumerate(_direct_vectors(cache, nc, ng)):
         torch.testing.assert_close(vp[b, : len(pages)].double(), pages, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vc[b, : len(chunks)].double(), chunks, atol=1e-5, rtol=1e-5)
@@ -70,8 +70,12 @@ def test_hierarchy_vectors_equal_direct_means(llama, offload):
     _check_hierarchy(cache, 3, 2)
     # the coalesced buffer is [grids | chunks | pages] of one tensor
     pol = cache.policy
-    vg, vc, vp = pol._views()
-    assert vg.untyped_storage().data_ptr() == vp.untyped_storage().data_ptr() == pol._vall.untyped_storage().data_ptr()
+    vg, vc, vp = pol.hierarchy.views()
+    assert (
+        vg.untyped_storage().data_ptr()
+        == vp.untyped_storage().data_ptr()
+        == pol.hierarchy.vall.untyped_storage().data_ptr()
+    )
 
 
 def test_hierarchy_after_prefill_only(llama):
@@ -86,13 +90,13 @@ def test_one_gemm_over_coalesced_levels_equals_per_level_scoring(llama, monkeypa
     cache = _prefill(model, ids, mask, chunk_pages=3, grid_chunks=2)
     pol = cache.policy
     anchor = pol.anchor()
-    p = int(pol._npages.min(0).values.max())
+    p = int(pol.hierarchy.npages.min(0).values.max())
     calls = []
     real = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    s_g, s_c, s_p = pol.scores(anchor, p)
+    s_g, s_c, s_p = pol.hierarchy.scores(anchor, p)
     assert len(calls) == 1, "the whole hierarchy is scored by one matrix product"
-    vg, vc, vp = pol._views()
+    vg, vc, vp = pol.hierarchy.views()
     a = anchor.double()
     torch.testing.assert_close(
         s_g.double(), torch.einsum("bnf,bf->bn", vg[:, : s_g.shape[1]].double(), a), atol=1e-4, rtol=1e-5
@@ -154,7 +158,7 @@ def test_masks_respect_parents(preset):
     cn, gn = -(-p // 3), -(-p // 12)
     for trial in range(4):
         s_g, s_c, s_p = (torch.randn(4, n, generator=g) * (1 + trial) - trial for n in (gn, cn, p))
-        m_g, m_c, m_p = pol.select_pages(s_g, s_c, s_p, npages)
+        m_g, m_c, m_p = pol.hierarchy.select_pages(s_g, s_c, s_p, npages)
         pc, pp = torch.arange(cn) // 4, torch.arange(p) // 3
         assert not (m_c & ~m_g[:, pc]).any(), "a chunk was kept under an inactive grid"
         assert not (m_p & ~m_c[:, pp]).any(), "a page was kept under an inactive chunk"
@@ -319,11 +323,11 @@ def test_trigger_rebuilds_exactly_when_thresholds_exceeded(llama, combine, kind)
                 if (e and w) if combine == "and" else (e or w):
                     expected.append((step + 1, b))
             acc = [[], []]
-        before = pol._pages.clone()
+        before = pol.shared_scope.pages.clone()
         pol.on_step(step, logits)
         rebuilt = {b for s, b in pol.rebuild_log if s == step}
         for b in set(range(2)) - rebuilt:  # a sequence that did not trigger keeps its selection
-            assert torch.equal(pol._pages[b][pol._pages[b] >= 0], before[b][before[b] >= 0])
+            assert torch.equal(pol.shared_scope.pages[b][pol.shared_scope.pages[b] >= 0], before[b][before[b] >= 0])
     assert pol.rebuild_log == expected
     assert pol.checks == 2 * 10
     assert [s for s, *_ in pol.check_log] == [s for s in range(4, 41, 4) for _ in range(2)]
@@ -352,7 +356,7 @@ def test_trigger_never_and_thresholds_file(llama, tmp_path):
     path = tmp_path / "th.json"
     path.write_text(json.dumps({"entropy": 0.5, "varentropy": 1e-4, "temporal_varentropy": 0.0}))
     pol = _bound(llama, thresholds=str(path), check_every=2)
-    assert pol._tau == (0.5, 1e-4)
+    assert pol.tau == (0.5, 1e-4)
     pol.on_step(1, _logits([2.0, 0.0]))
     pol.on_step(2, _logits([2.0, 0.0]))  # row 0: H = ln 7 > 0.5 but varentropy ~0 -> no rebuild
     assert pol.rebuild_log == []
@@ -380,8 +384,8 @@ def test_batch_each_sequence_selects_for_itself(opts):
         t1, l1 = greedy(model, p[None], None, alone, new=30)
         assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
-        row = cache.policy._pages[i]
-        assert torch.equal(row[row >= 0], alone.policy._pages[0][alone.policy._pages[0] >= 0])
+        row = cache.policy.shared_scope.pages[i]
+        assert torch.equal(row[row >= 0], alone.policy.shared_scope.pages[0][alone.policy.shared_scope.pages[0] >= 0])
 
 
 def test_budget_mode_attends_the_budget(llama):
@@ -390,7 +394,7 @@ def test_budget_mode_attends_the_budget(llama):
     greedy(model, prompt(400, 13), cache=cache, new=20)
     assert cache.policy.stats()["mode"] == "budget"
     k = (96 - 16 - 32) // 16
-    assert all((r >= 0).sum() == k for r in cache.policy._pages)
+    assert all((r >= 0).sum() == k for r in cache.policy.shared_scope.pages)
     assert cache.stats()["attended_tokens_per_step"] <= 96
 
 
@@ -463,7 +467,7 @@ def test_calibration_statistics_and_thresholds(llama, tmp_path):
     path = tmp_path / "th.json"
     path.write_text(json.dumps(th))
     pol = kvdex.make_policy(f"chess:thresholds={path}:varentropy=temporal")
-    assert pol._tau == (th["entropy"], th["temporal_varentropy"])
+    assert pol.tau == (th["entropy"], th["temporal_varentropy"])
 
 
 @pytest.mark.filterwarnings("ignore:the sequence")
@@ -487,20 +491,20 @@ def test_query_anchor_scores_pages_by_the_decode_query(llama):
     cache = _prefill(model, ids, budget=96, anchor_from="query", chunk_pages=1, grid_chunks=1, trigger="never")
     pol = cache.policy
     assert pol.query_builds == 0  # the prefill's build has no decode query: the window's keys
-    window_pages = pol._pages.clone()
+    window_pages = pol.shared_scope.pages.clone()
     with torch.no_grad():
         out = model(input_ids=torch.tensor([[7]]), **cache_kwargs(cache), use_cache=True)
     pol.on_step(1, out.logits[:, -1])
     assert pol.query_builds == 1 and pol.stats()["anchor_from"] == "query"
     # the anchor is the recorded queries, laid out like the page vectors
-    anchor = pol.query_anchor()
+    anchor = pol.shared_scope.query_anchor()
     assert anchor.shape == (1, pol.dim)
-    p = int(pol._npages.min(0).values.max())
-    _, _, vp = pol._views()
+    p = int(pol.hierarchy.npages.min(0).values.max())
+    _, _, vp = pol.hierarchy.views()
     score = torch.einsum("bnf,bf->bn", vp[:, :p].double(), anchor.double())
     k = pol.cfg.retrieval_pages
     want = torch.sort(torch.topk(score, k, dim=1).indices, dim=1).values
-    assert torch.equal(pol._pages[:, :k].cpu(), want.cpu())
-    assert not torch.equal(pol._pages.cpu(), window_pages.cpu())  # the query moved the selection
+    assert torch.equal(pol.shared_scope.pages[:, :k].cpu(), want.cpu())
+    assert not torch.equal(pol.shared_scope.pages.cpu(), window_pages.cpu())  # the query moved the selection
     with pytest.raises(ValueError, match="anchor_from"):
         ChessPolicy(anchor_from="queries")

@@ -14,8 +14,8 @@ from conftest import greedy, left_padded, prompt, shared_pair
 
 import kvdex
 from kvdex import cache_kwargs
-from kvdex.policies._chess_layer import unit_scores
 from kvdex.policies.base import PolicyInfo
+from kvdex.policies.chess.layer_scope import unit_scores
 from kvdex.storage import Grid, MiddleUpdate
 from kvdex.view import LayerView
 
@@ -64,8 +64,8 @@ def test_batch_each_sequence_selects_for_itself(opts):
         t1, l1 = greedy(model, p[None], None, alone, new=30)
         assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
-        for lay, sel in cache.policy._layers.pages.items():
-            one = alone.policy._layers.pages[lay][0]
+        for lay, sel in cache.policy.layer_scope.pages.items():
+            one = alone.policy.layer_scope.pages[lay][0]
             for h in range(sel.shape[1]):
                 assert sorted(x for x in sel[i, h].tolist() if x >= 0) == sorted(x for x in one[h].tolist() if x >= 0)
 
@@ -108,8 +108,8 @@ def _bind(keys, heads=slice(None), group=3, tp=None, spec=LAYER_Q + ":trigger=ne
         pol._stores[layer] = SimpleNamespace(batch=1, kv_heads=kv, device=torch.device("cpu"), static=False,
                                              grid=grid, lengths=length, lengths_host=length)  # fmt: skip
     pol._batch = 1
-    if pol._layers is not None:
-        pol._layers.request(torch.ones(1, dtype=torch.bool))
+    if pol.layer_scope is not None:
+        pol.layer_scope.request(torch.ones(1, dtype=torch.bool))
     return pol
 
 
@@ -122,7 +122,7 @@ def test_planted_page_is_selected_by_its_layer_and_head(group):
         assert sel.shape[1] == 2 and int((sel[0, h] >= 0).sum()) == pol.cfg.retrieval_pages == 2
         assert j in sel[0, h].tolist(), f"layer {layer} head {h} misses its planted page {j}"
         assert j not in sel[0, 1 - h].tolist()  # the other head scores its own (noise) keys
-    a, b = (pol._layers.pages[lay] for lay in plant)
+    a, b = (pol.layer_scope.pages[lay] for lay in plant)
     assert not torch.equal(a, b), "each layer keeps its own selection"
 
 
@@ -147,13 +147,13 @@ def test_first_decode_step_builds_from_its_own_queries(llama):
     with torch.no_grad():
         model(input_ids=prompt(400, 5), **cache_kwargs(cache), use_cache=True)
     pol = cache.policy
-    assert pol._layers.pages == {} and pol._layers.pending is not None
+    assert pol.layer_scope.pages == {} and pol.layer_scope.pending is not None
     seen = {}
     real = pol.select
 
     def spy(q, view):
-        vp = pol._views()[2]  # before the build: the index is what the build reads
-        seen[view.layer] = (q.clone(), vp.clone(), int(pol._npages[pol._slot[view.layer]][0]))
+        vp = pol.hierarchy.views()[2]  # before the build: the index is what the build reads
+        seen[view.layer] = (q.clone(), vp.clone(), int(pol.hierarchy.npages[pol.hierarchy.slot[view.layer]][0]))
         return real(q, view)
 
     pol.select = spy
@@ -163,13 +163,13 @@ def test_first_decode_step_builds_from_its_own_queries(llama):
     k = pol.cfg.retrieval_pages
     h, d = pol.info.kv_heads, pol.info.head_dim
     for layer, (q, vp, n) in seen.items():
-        s = pol._slot[layer]
+        s = pol.hierarchy.slot[layer]
         v = vp[0, :n, s * h * d : (s + 1) * h * d].double().view(n, h, d)
         score = torch.einsum("nhd,hgd->hgn", v, q[0].double().view(h, -1, d)).amax(1)  # [H, n]
         want = torch.sort(torch.topk(score, k, dim=1).indices, dim=1).values
-        assert torch.equal(pol._layers.pages[layer][0].cpu(), want), f"layer {layer}"
-    assert pol.query_builds == 1 and pol._layers.pending is None
-    assert len({tuple(pol._layers.pages[lay].flatten().tolist()) for lay in seen}) > 1
+        assert torch.equal(pol.layer_scope.pages[layer][0].cpu(), want), f"layer {layer}"
+    assert pol.query_builds == 1 and pol.layer_scope.pending is None
+    assert len({tuple(pol.layer_scope.pages[lay].flatten().tolist()) for lay in seen}) > 1
 
 
 def test_selection_is_reused_between_rebuilds_and_rebuilt_on_request(llama):
@@ -181,7 +181,7 @@ def test_selection_is_reused_between_rebuilds_and_rebuilt_on_request(llama):
 
     def spy(step, logits):
         real(step, logits)
-        snaps.append((step, {lay: x.clone() for lay, x in pol._layers.pages.items()}, pol.query_builds))
+        snaps.append((step, {lay: x.clone() for lay, x in pol.layer_scope.pages.items()}, pol.query_builds))
 
     pol.on_step = spy
     greedy(model, prompt(400, 3), cache=cache, new=20)
@@ -212,7 +212,7 @@ def test_no_all_reduce_and_heads_select_independently():
     # the shared scope all-reduces its scores (the check above would catch a layer-scope call)
     shared = _bind(keys, tp=NoReduce(), spec="chess:anchor_from=window:trigger=never:scope=shared")
     with pytest.raises(AssertionError, match="must not all-reduce"):
-        shared.scores(torch.zeros(1, shared.dim), 48)
+        shared.hierarchy.scores(torch.zeros(1, shared.dim), 48)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +361,7 @@ def test_digest_units_flat_hierarchy_attends_arkvales_pages():
         for spec in (flat + extra, "arkvale" + extra):
             cache, attended[spec.split(":")[0]] = _attended(model, ids, mask, spec)
             if spec.startswith("chess"):  # the digests are its index: no mean-key hierarchy is kept
-                assert cache.policy._vall is None and cache.policy.digests is not None
+                assert cache.policy.hierarchy.vall is None and cache.policy.digests is not None
         chess, ark = attended["chess"], attended["arkvale"]
         layers = len(cache.policy.info.sparse_layers)
         assert chess[:layers] == ark[:layers], extra  # the first decode step: the same pages
@@ -371,7 +371,7 @@ def test_digest_units_flat_hierarchy_attends_arkvales_pages():
 def test_max_levels_bound_their_pages():
     """A chunk's score is the max of its pages' (a partial last chunk: of the pages it has), a grid's the max
     of its chunks'."""
-    from kvdex.policies._chess_levels import max_levels
+    from kvdex.policies.chess.levels import max_levels
 
     s_p = torch.tensor([[[1.0, 5.0, 2.0, -3.0, 4.0, 0.5, 7.0]]])  # [1, 1, 7]
     s_g, s_c = max_levels(s_p, nc=2, ng=3)

@@ -1,5 +1,5 @@
 """CHESS's trigger statistics in one kernel (:mod:`kvdex.kernels.entropy_triton`) against the PyTorch twin
-(:func:`kvdex.policies._chess_levels.entropy_varentropy` and the trigger's running sums).
+(:func:`kvdex.policies.chess.levels.entropy_varentropy` and the trigger's running sums).
 
 The kernel tests run compiled on CUDA, and on a CPU machine under Triton's interpreter in a subprocess
 (``test_interpreter_suite``, tests/conftest.py)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import CUDA, DEV, INTERP, run_kernels
 
-from kvdex.policies._chess_levels import entropy_varentropy
+from kvdex.policies.chess.levels import entropy_varentropy
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")

@@ -256,13 +256,13 @@ def test_chess_moves_page_vectors_to_its_shared_buffer():
 
     pol = make_policy("chess")
     pol.bind(PolicyInfo(kvdex.CacheConfig(budget=64, page_size=8, sink=8, window=16), 3, (1, 2), 4, 2, 16))
-    pol._npages = torch.zeros(2, 1, dtype=torch.long)
-    pol._reserve(6, torch.empty(1, 1, device="meta"))  # the shared buffer on another device than the keys
+    pol.hierarchy.npages = torch.zeros(2, 1, dtype=torch.long)
+    pol.hierarchy.reserve(6, torch.empty(1, 1, device="meta"))  # the shared buffer on another device than the keys
     keys = torch.randn(1, 2, 6, 8, 16)
     for slot in (0, 1):
-        pol._add_pages(slot, MiddleUpdate(torch.zeros(1, dtype=torch.long), torch.full((1,), 6), keys))
-    assert pol._vall.device.type == "meta" and pol._npages.tolist() == [[6], [6]]
-    s_g, s_c, s_p = pol.scores(torch.randn(1, pol.dim), 6)  # a CPU anchor against the shared buffer
+        pol.hierarchy.add_pages(slot, MiddleUpdate(torch.zeros(1, dtype=torch.long), torch.full((1,), 6), keys))
+    assert pol.hierarchy.vall.device.type == "meta" and pol.hierarchy.npages.tolist() == [[6], [6]]
+    s_g, s_c, s_p = pol.hierarchy.scores(torch.randn(1, pol.dim), 6)  # a CPU anchor against the shared buffer
     assert s_p.device.type == "meta" and s_p.shape == (1, 6)
 
 

@@ -1,8 +1,8 @@
 """CHESS's per-step trigger statistics in one Triton kernel: the entropy and varentropy of each row's
 next-token distribution, added into the running sums of the current check window.
 
-:func:`accumulate` is :func:`kvdex.policies._chess_levels.entropy_varentropy` followed by the trigger's
-``acc += (H, H^2, V, 1)`` (``kvdex.policies._chess_trigger``). The PyTorch twin runs about fifteen
+:func:`accumulate` is :func:`kvdex.policies.chess.levels.entropy_varentropy` followed by the trigger's
+``acc += (H, H^2, V, 1)`` (``kvdex.policies.chess.trigger``). The PyTorch twin runs about fifteen
 element-wise and reduction kernels over the [B, vocab] logits after every decode step, outside the
 captured graph (about 80 us a step at a 128k vocabulary); here one program per row reads its logits once,
 keeping an online softmax (as flash attention does): the running max ``m`` and the sums of ``e = exp(x - m)``,

@@ -1,4 +1,3 @@
-# Over 400 lines: the policy's own lifecycle (options, bind, index, build, select, on_step) reads as one.
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page page selection, rebuilt only when the output
 distribution becomes uncertain (the paper: key-key, one context for every layer; default: scored by each
 layer's queries against its pages' digests).
@@ -26,9 +25,15 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
 
+The package, by concept: ``policy.py`` (this file: options, the life cycle, the counters), ``hierarchy.py``
+(:class:`~kvdex.policies.chess.hierarchy.Hierarchy`: the page/chunk/grid buffer, eq. 1-4 and the masks),
+``shared_scope.py`` and ``layer_scope.py`` (the two ways a selection is built and served), ``trigger.py``
+(:class:`~kvdex.policies.chess.trigger.Trigger`: when to rebuild), ``levels.py`` (pure tensor arithmetic) and
+``scope.py`` (what the policy hands a scope). Each component owns its state; the policy calls them.
+
 kvdex's default goes beyond the paper in named options, chosen by the scorecard and the benchmark
 (docs/policies/chess.md): ``anchor_from="query"`` scores the hierarchy with the decode step's queries
-instead of the window's keys, and ``scope="layer"`` (``_chess_layer.py``) gives every sparse layer its
+instead of the window's keys, and ``scope="layer"`` (``layer_scope.py``) gives every sparse layer its
 own selection per kv head, built inside ``select`` from that step's queries; its selection
 (:data:`DEFAULT_SELECTION`) scores the hierarchy's pages by ArkVale's digests (``units="digest"``,
 chunks and grids by their pages' max), takes its top pages, at least a quarter of the middle's, as
@@ -40,38 +45,31 @@ mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._chess_hierarchy import HierarchyMixin
-from kvdex.policies._chess_layer import LayerScope
-from kvdex.policies._chess_levels import (
-    PRESETS,
-    count_mask,
-    entropy_varentropy,
-    level_mask,
-    mask_to_ids,
-    pad,
-    trim,
-    window_keys,
-)
-from kvdex.policies._chess_trigger import DEFAULT_THRESHOLDS, TriggerMixin  # noqa: F401 (re-exported)
 from kvdex.policies._digest import DigestIndex
 from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
-from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.base import Policy, PolicyInfo, register_policy
+from kvdex.policies.chess.hierarchy import Hierarchy
+from kvdex.policies.chess.layer_scope import LayerScope
+from kvdex.policies.chess.levels import PRESETS
+from kvdex.policies.chess.scope import BuildLog, ScopeSettings
+from kvdex.policies.chess.shared_scope import SharedScope
+from kvdex.policies.chess.trigger import Trigger, load_thresholds
 from kvdex.selection import Selection
-from kvdex.storage import MiddleUpdate
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
-__all__ = ["ChessPolicy", "PRESETS", "count_mask", "entropy_varentropy", "level_mask", "window_keys"]
+__all__ = ["DEFAULT_SELECTION", "PLAIN_SELECTION", "ChessPolicy", "resolve_selection_options"]
 
 TRIGGERS = ("uncertainty", "interval", "always", "never")
 # window: the paper's anchor, the mean key of the recent window (eq. 3: key-key affinity, query-agnostic);
 # query: the decode step's query heads score the same hierarchy (a kvdex option, not in the paper)
 ANCHORS = ("window", "query")
 # shared: one selection for every layer and head (the paper); layer: each sparse layer scores its own
-# slice of the hierarchy per kv head (a kvdex option, kvdex/policies/_chess_layer.py)
+# slice of the hierarchy per kv head (a kvdex option, kvdex/policies/chess/layer_scope.py)
 SCOPES = ("shared", "layer")
 GROUPS = ("max", "sum", "mean")  # scope=layer with anchor_from=query: the GQA reduction of the group's scores
 # mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
@@ -110,10 +108,14 @@ def resolve_selection_options(policy) -> None:
 
 @register_policy
 @dataclass
-class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank: budget mode only
+class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
     """CHESS. Ratio mode (``preset`` or ``rho_g/rho_c/rho_p``): the paper's retention ratios, the
     budget is not used. Budget mode (the default): the same hierarchy cut to exactly
     ``(budget - sink - window) / page_size`` pages per sequence, for comparisons at equal budget.
+
+    Components (made at ``bind``): ``hierarchy`` (:class:`Hierarchy`, the index), ``digests`` (a
+    :class:`DigestIndex` with ``units="digest"``, else None), one of ``layer_scope`` / ``shared_scope``
+    (the selections), ``backtrack`` (:class:`Trigger`, when to rebuild) and ``log`` (:class:`BuildLog`).
     """
 
     name = "chess"
@@ -210,7 +212,7 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
                 "drop preset / rho_g / rho_c / rho_p, or pass rerank=0"
             )
-        self._tau = self._load_thresholds()
+        self.tau = load_thresholds(self.thresholds, self.entropy_threshold, self.varentropy_threshold, self.varentropy)
 
     # ---- configuration ----------------------------------------------------------------------------
     @property
@@ -222,283 +224,210 @@ class ChessPolicy(HierarchyMixin, TriggerMixin, RerankOption, Policy):  # rerank
             return (float(self.rho_g), float(self.rho_c), float(self.rho_p))
         return None
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
-        self._slot = {layer: i for i, layer in enumerate(info.sparse_layers)}
-        self._hd = info.kv_heads * info.head_dim
-        self.dim = len(info.sparse_layers) * self._hd  # F
-        self._every = self.check_every or self.cfg.page_size
-        r, ps = self.cfg.retrieval_tokens, self.cfg.page_size
+        cfg = self.cfg
+        r, ps = cfg.retrieval_tokens, cfg.page_size
         token_rerank = self.rerank and self.rerank_unit == "token"  # the candidates are the selection
-        self.budget_pages = candidate_pages(r, ps, self.rerank) if token_rerank else self.cfg.retrieval_pages
-        self._interval = self.interval or DEFAULT_INTERVAL_PAGES * self.cfg.page_size
-        self._stores: dict = {}
-        self._vall = None  # [B, Gcap + Ccap + Pcap, F] fp32: grids | chunks | pages
-        self._gcap = 0
-        self._npages = None  # [layers, B] pages indexed per layer (CPU)
-        self._pages = None  # [B, K] the selection, -1 padded
-        self._sel = None
-        self._covering = None  # [B] bool (CPU): the last build kept every middle page (budget mode)
-        self._static_pages = None  # [B, W] the selection, -1 padded to a fixed width (CUDA-graph decoding)
-        self._last_len = None  # lengths at the last build / on_step (CPU)
-        self._acc = None  # per-sequence sums since the last check: H, H^2, V, steps
-        self._nacc = 0  # steps in those sums
-        self._check = None  # (step, [3, B] host stats, event): the last check, read at the next step
-        # counters (stats())
-        self.builds = 0  # initial selections (one per prompt)
-        self.rebuilds = 0  # rebuilds summed over sequences
-        self.checks = 0  # trigger evaluations summed over sequences
-        self.decode_steps = 0
-        self.rebuild_log: list[tuple[int, int]] = []  # (step, sequence) of each rebuild
-        self.check_log: list[tuple[int, int, float, float]] = []  # (step, sequence, entropy, varentropy stat)
-        self.rebuild_ms = 0.0  # time in _build (measured only with the cache's timing=True)
-        self.selected_pages: list[float] = []  # mean selected pages per sequence at each build
-        self._queries: dict = {}  # anchor_from="query": layer -> [B, H, D] fp32, the last step's queries
-        self.query_builds = 0  # builds (and rebuilds) scored by queries instead of the window's keys
-        self._layers = LayerScope(self) if self.scope == "layer" else None
+        self.budget_pages = candidate_pages(r, ps, self.rerank) if token_rerank else cfg.retrieval_pages
+        self.hierarchy = Hierarchy(
+            info.sparse_layers, info.kv_heads, info.head_dim, chunk_pages=self.chunk_pages,
+            grid_chunks=self.grid_chunks, page_size=ps, ratios=self.ratios, shape=self.shape,
+            budget_pages=self.budget_pages, tp=info.tp,
+        )  # fmt: skip
+        self.backtrack = Trigger(
+            self.trigger, interval=self.interval or DEFAULT_INTERVAL_PAGES * ps, every=self.check_every or ps,
+            varentropy=self.varentropy, combine=self.combine, tau=self.tau,
+        )  # fmt: skip
+        self.log = BuildLog()
+        settings = ScopeSettings(
+            sparse_layers=info.sparse_layers, page_size=ps, retrieval_tokens=r, retrieval_pages=cfg.retrieval_pages,
+            timing=cfg.timing, budget_pages=self.budget_pages, ratio_mode=self.ratios is not None,
+            anchor_from=self.anchor_from, group=str(self.group), rerank=int(self.rerank or 0),
+            rerank_unit=str(self.rerank_unit), rerank_group=str(self.rerank_group),
+            rerank_share=float(self.rerank_share or 0.0),
+        )  # fmt: skip
         self.digests = DigestIndex("cuboid-mean") if self.units == "digest" else None  # units="digest"
+        self.layer_scope = (
+            LayerScope(settings, self.hierarchy, self.digests, self.log) if self.scope == "layer" else None
+        )
+        self.shared_scope = SharedScope(settings, self.hierarchy, self.log) if self.scope == "shared" else None
+        self._stores: dict[int, LayerStore] = {}  # layer -> its store (the last index / select of it)
+        self._last_len: torch.Tensor | None = None  # lengths at the last build / on_step (CPU)
         self._batch = 0  # sequences (set at the first build)
 
-    # ---- the hierarchy (its buffer, eq. 1-2 and the scoring, eq. 3-4: _chess_hierarchy.py) ---------
-    def index(self, layer, update) -> None:
+    # ---- counters (stats(); read by tests and scripts) ----------------------------------------------
+    @property
+    def dim(self) -> int:
+        """F: the length of a page vector (sparse layers x kv heads x head dim)."""
+        return self.hierarchy.dim
+
+    @property
+    def builds(self) -> int:
+        return self.log.builds
+
+    @property
+    def rebuilds(self) -> int:
+        return self.log.rebuilds
+
+    @property
+    def decode_steps(self) -> int:
+        return self.log.decode_steps
+
+    @property
+    def rebuild_log(self) -> list[tuple[int, int]]:
+        return self.log.rebuild_log
+
+    @property
+    def query_builds(self) -> int:
+        return self.log.query_builds
+
+    @property
+    def checks(self) -> int:
+        return self.backtrack.checks
+
+    @property
+    def check_log(self) -> list[tuple[int, int, float, float]]:
+        return self.backtrack.check_log
+
+    def anchor(self) -> torch.Tensor:
+        """Eq. 3 for the cache's current state: the mean of the window's page vectors, [B, F]."""
+        return self.hierarchy.anchor(self._stores)
+
+    # ---- the index (kvdex.policies.chess.hierarchy, or the page digests) -----------------------------
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.store is not None:
             self._stores[layer] = update.store
-        slot = self._slot[layer]
-        if self._npages is None:
-            self._npages = torch.zeros(len(self._slot), update.count.shape[0], dtype=torch.long)
+        hier = self.hierarchy
+        slot = hier.slot[layer]
+        hier.counts(update.count.shape[0])
         if not update.empty:
             if self.digests is None:
-                self._add_pages(slot, update)
+                hier.add_pages(slot, update)
             else:  # units="digest": the digests are the index, no mean-key hierarchy is kept
                 self.digests.write(layer, update.start, update.count, update.keys)
-                self._npages[slot] = torch.maximum(self._npages[slot], update.start + update.count)
-            if self._layers is None:
-                self._cover(update)
-            else:
-                self._layers.cover(layer, update)
+                hier.counted(layer, update.start, update.count)
+            self._cover(layer, update)
         last = self.info.sparse_layers[-1]
-        if not self._batch and layer == last and len(self._stores) == len(self._slot):
+        if not self._batch and layer == last and len(self._stores) == len(hier.slot):
             # end of the prompt: every layer is stored and indexed (prefill / fork)
             self._batch = int(update.count.shape[0])
-            if self._layers is None:
+            if self.layer_scope is None:
                 self._build(step=0)
             else:  # the first decode step builds every layer's selection from its own queries
-                self._layers.request(torch.ones(self._batch, dtype=torch.bool))
+                self.layer_scope.request(torch.ones(self._batch, dtype=torch.bool))
                 self._last_len = self._stores[last].lengths_host.clone()
-                self.builds += 1
+                self.log.builds += 1
+
+    def _cover(self, layer: int, update: MiddleUpdate) -> None:
+        """Budget mode: the pages of ``update`` join the selections that cover every middle page."""
+        if self.layer_scope is not None:  # the layer scope covers per layer
+            self.layer_scope.cover(layer, update)
+        else:
+            assert self.shared_scope is not None
+            self.shared_scope.cover(update, self._stores)
 
     # ---- page joins inside a captured decode step (Policy.capturable_index) ---------------------------
     # The joining page's vector (eq. 1) is written at the device start of each joining sequence, then the
     # centroids (eq. 2) of its chunk and grid are recomputed (the other chunks do not change); the page
-    # counts and the budget-mode cover of the selection (_cover: host-held) are the host side (joined).
-    def reserve_index(self, layer, pages, store) -> None:
+    # counts and the budget-mode cover of the selection (host-held) are the host side (joined).
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         if pages > 0 and self.digests is not None:
             self.digests.reserve(layer, pages, store)
         elif pages > 0:
-            self._reserve(pages, torch.empty(store.batch, 0, device=store.device))
+            self.hierarchy.reserve(pages, torch.empty(store.batch, 0, device=store.device))
 
-    def joined(self, layer, start, count) -> None:
-        slot = self._slot[layer]
-        if self._npages is None:
-            self._npages = torch.zeros(len(self._slot), count.shape[0], dtype=torch.long)
-        self._npages[slot] = torch.where(
-            count > 0, torch.maximum(self._npages[slot], start + count), self._npages[slot]
-        )
-        update = MiddleUpdate(start, count, torch.empty(0))
-        if self._layers is None:
-            self._cover(update)
-        else:  # the layer scope covers per layer, as in index
-            self._layers.cover(layer, update)
+    def joined(self, layer: int, start: torch.Tensor, count: torch.Tensor) -> None:
+        self.hierarchy.joined(layer, start, count)
+        self._cover(layer, MiddleUpdate(start, count, torch.empty(0)))
+
+    def index_join(self, layer: int, join: PageJoin) -> None:
+        self._stores[layer] = join.store
+        if self.digests is not None:  # units="digest": the joining page's digest, in the captured step too
+            self.digests.write_join(layer, join)
+        self.hierarchy.index_join(layer, join)
 
     # ---- selection ------------------------------------------------------------------------------------
     def _build(self, step: int, rows: torch.Tensor | None = None) -> None:
-        """(Re)build the selection of the sequences in ``rows`` [B] bool (None: all), from the
-        current state of every layer (called between forwards, so every layer is at the same length)."""
-        timing = self.cfg.timing
-        if timing:
-            sync = torch.cuda.synchronize if self._vall is not None and self._vall.is_cuda else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
-        grid = self._stores[self.info.sparse_layers[0]].grid
-        n = self._stores[self.info.sparse_layers[-1]].lengths_host
-        upcoming = grid.num_middle_pages(n + 1) > self._npages.min(dim=0).values  # next token starts a page
-        anchor = self.anchor(upcoming)  # also indexes the page that joins the middle at the next step
-        if self.anchor_from == "query" and len(self._queries) == len(self.info.sparse_layers):
-            anchor = self.query_anchor()
-            self.query_builds += 1
-        npages = self._npages.min(dim=0).values  # [B] pages every layer has indexed
-        b = npages.shape[0]
-        p = int(npages.max())
-        if p == 0 or self._vall is None:
-            mask = torch.zeros(b, 0, dtype=torch.bool)
-        else:
-            s_g, s_c, s_p = self.scores(anchor, p)
-            mask = self.select_pages(s_g, s_c, s_p, npages)[2]
-        new = mask_to_ids(mask)
-        if self._pages is None or rows is None:
-            pages = new
-        else:
-            width = max(new.shape[1], self._pages.shape[1])
-            old, new = pad(self._pages, width), pad(new.to(self._pages.device), width)
-            pages = torch.where(rows.to(old.device)[:, None], new, old)
-        # budget mode: a sequence whose build kept every middle page keeps them all while they fit (_cover)
-        covering = (mask.sum(1) >= npages.to(mask.device)).cpu() & (self.ratios is None)
-        keep = rows is not None and self._covering is not None
-        self._covering = torch.where(rows, covering, self._covering) if keep else covering
-        self._publish(trim(pages))
+        """(Re)build the shared scope's selection of the sequences in ``rows`` [B] bool (None: all)."""
+        assert self.shared_scope is not None
+        self.shared_scope.build(self._stores, rows)
         self._last_len = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
-        self.selected_pages.append(float((self._pages >= 0).sum(1).float().mean()))
-        if timing:
-            sync()
-            self.rebuild_ms += (time.perf_counter() - t0) * 1e3
         if step == 0:
-            self.builds += 1
+            self.log.builds += 1
 
-    def _publish(self, pages: torch.Tensor) -> None:
-        """Make ``pages`` [B, K] (ascending ids, -1 padded) the selection every layer reads."""
-        self._pages = pages
-        self._refresh_static()
-        store = self._stores[self.info.sparse_layers[0]]
-        b = pages.shape[0]
-        self._sel = Selection(pages=pages.to(store.device)[:, None, :].expand(b, store.kv_heads, -1))
-        self._sel_on = {}  # device_map: copies of the selection for layers on other devices
-
-    def _cover(self, update) -> None:
-        """Budget mode: while the budget holds every middle page of a sequence, its selection is every
-        middle page. A page that leaves the window between rebuilds joins the selection of the
-        sequences whose last build kept all pages, as long as the K-page budget has room; when it has
-        none, the selection stays as built until the next rebuild (the mechanism's static selection).
-        A budget smaller than the middle at build time is unaffected: such a selection never covers."""
-        if self._pages is None or self._covering is None or not bool(self._covering.any()):
-            return
-        k = self.budget_pages
-        pages = self._pages.cpu()
-        rows = [pages[b][pages[b] >= 0] for b in range(pages.shape[0])]
-        changed = False
-        for b in torch.nonzero(self._covering & (update.count > 0)).flatten().tolist():
-            new = torch.arange(int(update.start[b]), int(update.start[b] + update.count[b]))
-            new = new[~torch.isin(new, rows[b])]
-            if len(new) == 0:
-                continue  # added already (the build saw the page coming, or an earlier layer added it)
-            if len(rows[b]) + len(new) > k:
-                self._covering[b] = False
-                continue
-            rows[b], changed = torch.cat([rows[b], new]), True
-        if changed:
-            width = max(len(r) for r in rows)
-            out = torch.stack([pad(r[None], width)[0] for r in rows])
-            self._publish(out.to(self._pages.device))
-
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         sel = self._page_selection(q, view)
         if self.rerank and self.rerank_unit == "token":  # the chosen pages are candidates: their best tokens
-            # by exact q.k, every step (the page unit picked its pages at the build: _chess_layer)
+            # by exact q.k, every step (the page unit picked its pages at the build: layer_scope)
             return Selection(tokens=rerank_tokens(q, view, sel.pages, view.retrieval_tokens, self.rerank_group))
         return sel
 
-    def _page_selection(self, q, view) -> Selection:
-        layer, store = view.layer, view.store
-        self._stores[layer] = store
-        if self._layers is not None:
-            return self._layers.select(q, view)
-        if self.anchor_from == "query":
-            self._record_query(layer, q, view.kv_heads)
-        if self._sel is None:  # no middle was ever indexed for this cache: sink + window only
-            return Selection(pages=view.no_ids(q.device))
-        if view.static:  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
-            return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, view.kv_heads, -1))
-        if self._sel.pages.device != store.device:  # device_map: the layer's copy, moved once per build
-            return self._sel_on.setdefault(store.device, Selection(pages=self._sel.pages.to(store.device)))
-        return self._sel
+    def _page_selection(self, q: torch.Tensor, view: LayerView) -> Selection:
+        self._stores[view.layer] = view.store
+        if self.layer_scope is not None:
+            return self.layer_scope.select(q, view)
+        assert self.shared_scope is not None
+        return self.shared_scope.select(q, view)
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
-    # The selection only changes in _build, which runs in on_step (after the step, outside a captured
-    # graph) or before a page-boundary step (joined: the budget cover). Under static sizing select returns
-    # one persistent [B, W] buffer (-1 padded, W >= the budget's pages) that _build rewrites in place, so a captured
-    # step reads the current selection without a new capture; a wider selection (ratio mode) makes a
-    # new buffer, whose identity is in the graph key.
+    # ---- CUDA-graph decoding (kvdex.hf.graph; each scope's module says how) ----------------------------
     def graph_key(self, stores) -> tuple | None:
-        if self._layers is not None:
-            return self._layers.graph_key()
-        buf = self._static_pages
-        if buf is None:
-            return None  # this step's select allocates the buffer: an eager step
-        queries = ()
-        if self.anchor_from == "query":
-            if len(self._queries) < len(self.info.sparse_layers):
-                return None  # this step's select allocates the query buffers: an eager step
-            queries = tuple((lay, id(x), tuple(x.shape)) for lay, x in sorted(self._queries.items()))
-        index = (id(self._vall), self._gcap)  # page joins write into it inside the captured step
-        return ("chess", id(buf), tuple(buf.shape), index) + queries
+        if self.layer_scope is not None:
+            return self.layer_scope.graph_key()
+        assert self.shared_scope is not None
+        return self.shared_scope.graph_key()
 
-    def _static_selection(self, store) -> torch.Tensor:
-        if self._static_pages is None:  # allocated in an eager step (the graph key changed)
-            w = self._pages.shape[1]
-            width = max(w, self.budget_pages) if self.ratios is None else w + max(1, w // 4)
-            self._static_pages = torch.full((self._pages.shape[0], width), -1, dtype=torch.long, device=store.device)
-            self._refresh_static()
-        return self._static_pages
-
-    def _refresh_static(self) -> None:
-        buf = self._static_pages
-        if buf is None:
-            return
-        w = self._pages.shape[1]
-        if w > buf.shape[1]:
-            self._static_pages = None  # wider than the buffer: a new one at the next static select
-            return
-        buf.fill_(-1)
-        buf[:, :w] = self._pages.to(buf.device)
-
-    # ---- quality-aware backtracking ----------------------------------------------------------------
-    def on_step(self, step, logits) -> None:
+    # ---- quality-aware backtracking (kvdex.policies.chess.trigger) ------------------------------------
+    def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         if not self._batch:
             return
         now = self._stores[self.info.sparse_layers[-1]].lengths_host.clone()
+        assert self._last_len is not None
         grew = int((now - self._last_len).max()) > 1
         self._last_len = now
         if step < 1:  # step 0 is the prefill (its logits come from dense attention)
             return
         if grew:  # several tokens in one forward (a new turn): the context changed, rebuild
-            self._check = None
+            self.backtrack.drop_check()
             self._rebuild(step, None)
             return
-        self.decode_steps += 1
-        if self._layers is None and self.anchor_from == "query" and self.query_builds == 0 and len(self._queries):
+        self.log.decode_steps += 1
+        shared = self.shared_scope
+        if shared is not None and self.anchor_from == "query" and self.log.query_builds == 0 and len(shared.queries):
             self._rebuild(step, None)  # the prefill's build had no decode query: score with the first one
             return
-        rows = self._due(step, logits)
+        rows = self.backtrack.due(step, logits, self._batch)
         if rows is not None:
             self._rebuild(step, rows)
 
     def _rebuild(self, step: int, rows: torch.Tensor | None) -> None:
         b = self._batch
         rows_cpu = torch.ones(b, dtype=torch.bool) if rows is None else rows.cpu()
-        if self._layers is not None:  # done by every layer's select at the next step, with its queries
-            self._layers.request(rows_cpu)
+        if self.layer_scope is not None:  # done by every layer's select at the next step, with its queries
+            self.layer_scope.request(rows_cpu)
         else:
             self._build(step, None if rows is None else rows_cpu)
         for i in torch.nonzero(rows_cpu).flatten().tolist():
-            self.rebuild_log.append((step, i))
-        self.rebuilds += int(rows_cpu.sum())
+            self.log.rebuild_log.append((step, i))
+        self.log.rebuilds += int(rows_cpu.sum())
 
     def stats(self) -> dict:
-        b = self._batch
-        pages_generated = self.decode_steps * b / self.cfg.page_size
+        b, log = self._batch, self.log
+        pages_generated = log.decode_steps * b / self.cfg.page_size
         return {
             "mode": "ratio" if self.ratios is not None else "budget",
             "trigger": self.trigger,
-            "thresholds": {"entropy": self._tau[0], "varentropy": self._tau[1]},
-            "builds": self.builds,
-            "rebuilds": self.rebuilds,
-            "checks": self.checks,
-            "decode_steps": self.decode_steps,
-            "rebuilds_per_generated_page": self.rebuilds / pages_generated if pages_generated else None,
-            "pages_between_rebuilds": pages_generated / self.rebuilds if self.rebuilds else None,
-            "selected_pages_mean": sum(self.selected_pages) / len(self.selected_pages) if self.selected_pages else None,
-            "rebuild_ms": self.rebuild_ms,
+            "thresholds": {"entropy": self.tau[0], "varentropy": self.tau[1]},
+            "builds": log.builds,
+            "rebuilds": log.rebuilds,
+            "checks": self.backtrack.checks,
+            "decode_steps": log.decode_steps,
+            "rebuilds_per_generated_page": log.rebuilds / pages_generated if pages_generated else None,
+            "pages_between_rebuilds": pages_generated / log.rebuilds if log.rebuilds else None,
+            "selected_pages_mean": sum(log.selected_pages) / len(log.selected_pages) if log.selected_pages else None,
+            "rebuild_ms": log.rebuild_ms,
             "anchor_from": self.anchor_from,
             "scope": self.scope,
             "units": self.units,
-            "query_builds": self.query_builds,
+            "query_builds": log.query_builds,
         }

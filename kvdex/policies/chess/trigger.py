@@ -2,8 +2,9 @@
 `kvdex calibrate chess` file, explicit values or the defaults) and the per-sequence check of the
 entropy / varentropy of the next-token distribution every ``check_every`` decode steps.
 
-:class:`TriggerMixin` holds the methods; :class:`~kvdex.policies.chess.ChessPolicy` owns the state
-and calls ``_due`` from ``on_step``.
+:func:`load_thresholds` reads the thresholds (when the policy is made, so a bad file fails early);
+:class:`Trigger` owns a bound policy's running sums, its pending check and the check counters, and
+:meth:`Trigger.due` answers, after each decode step, which sequences to rebuild.
 
 A check's result takes effect one decode step late: the check's statistics are computed on the device
 and copied to pinned host memory without waiting, and the next step's ``on_step`` reads them (by then
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.policies._chess_levels import entropy_varentropy
+from kvdex.policies.chess.levels import entropy_varentropy
 
 # Default thresholds when neither a calibration file nor explicit values are given: the 99th
 # percentiles measured by `kvdex calibrate chess` on SmolLM2-135M-Instruct (CPU, fp32): LongBench v1
@@ -31,55 +32,80 @@ from kvdex.policies._chess_levels import entropy_varentropy
 DEFAULT_THRESHOLDS = {"entropy": 2.6133, "varentropy": 6.3457, "temporal_varentropy": 3.5523}
 
 
-class TriggerMixin:
-    """The trigger methods of :class:`~kvdex.policies.chess.ChessPolicy`."""
+def load_thresholds(thresholds: str, entropy: float | None, varentropy: float | None, kind: str) -> tuple[float, float]:
+    """(entropy, varentropy) thresholds: explicit values, else the ``thresholds`` file's (a `kvdex calibrate
+    chess` output), else :data:`DEFAULT_THRESHOLDS`; ``kind``: the varentropy statistic (output | temporal)."""
+    table = dict(DEFAULT_THRESHOLDS)
+    if thresholds:
+        path = Path(thresholds).expanduser()
+        if not path.is_file():
+            raise ValueError(f"CHESS thresholds file {path} not found; write it with `kvdex calibrate chess`")
+        try:
+            data = json.loads(path.read_text())
+            table = {k: float(data[k]) for k in DEFAULT_THRESHOLDS}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"CHESS thresholds file {path} is not a `kvdex calibrate chess` output "
+                f"(needs numbers {', '.join(DEFAULT_THRESHOLDS)}): {e}"
+            ) from None
+    h = table["entropy"] if entropy is None else float(entropy)
+    key = "varentropy" if kind == "output" else "temporal_varentropy"
+    v = table[key] if varentropy is None else float(varentropy)
+    return h, v
 
-    def _load_thresholds(self) -> tuple[float, float]:
-        table = dict(DEFAULT_THRESHOLDS)
-        if self.thresholds:
-            path = Path(self.thresholds).expanduser()
-            if not path.is_file():
-                raise ValueError(f"CHESS thresholds file {path} not found; write it with `kvdex calibrate chess`")
-            try:
-                data = json.loads(path.read_text())
-                table = {k: float(data[k]) for k in DEFAULT_THRESHOLDS}
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"CHESS thresholds file {path} is not a `kvdex calibrate chess` output "
-                    f"(needs numbers {', '.join(DEFAULT_THRESHOLDS)}): {e}"
-                ) from None
-        h = table["entropy"] if self.entropy_threshold is None else float(self.entropy_threshold)
-        key = "varentropy" if self.varentropy == "output" else "temporal_varentropy"
-        v = table[key] if self.varentropy_threshold is None else float(self.varentropy_threshold)
-        return h, v
 
-    def _due(self, step: int, logits) -> torch.Tensor | None:
-        """Sequences whose selection is rebuilt after decode step ``step``: [B] bool, or None."""
-        b = self._batch
-        if self.trigger == "never":
+class Trigger:
+    """When a bound policy rebuilds: ``kind`` (uncertainty | interval | always | never), ``interval``
+    (decode steps between interval rebuilds), ``every`` (decode steps per uncertainty check),
+    ``varentropy`` (output | temporal), ``combine`` (and | or) and the thresholds ``tau`` (entropy,
+    varentropy)."""
+
+    def __init__(
+        self, kind: str, *, interval: int, every: int, varentropy: str, combine: str, tau: tuple[float, float]
+    ) -> None:
+        self.kind = kind
+        self.interval = interval
+        self.every = every
+        self.varentropy = varentropy
+        self.combine = combine
+        self.tau = tau
+        self.acc: torch.Tensor | None = None  # per-sequence sums since the last check: H, H^2, V, steps
+        self.nacc = 0  # steps in those sums
+        self.check: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None  # the last check, read next step
+        self.checks = 0  # trigger evaluations summed over sequences
+        self.check_log: list[tuple[int, int, float, float]] = []  # (step, sequence, entropy, varentropy stat)
+
+    def drop_check(self) -> None:
+        """Forget the check in flight (the context changed: every sequence is rebuilt anyway)."""
+        self.check = None
+
+    def due(self, step: int, logits: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """Sequences of ``batch`` whose selection is rebuilt after decode step ``step``: [B] bool, or None."""
+        b = batch
+        if self.kind == "never":
             return None
-        if self.trigger == "always":
+        if self.kind == "always":
             return torch.ones(b, dtype=torch.bool)
-        if self.trigger == "interval":
-            return torch.ones(b, dtype=torch.bool) if step % self._interval == 0 else None
+        if self.kind == "interval":
+            return torch.ones(b, dtype=torch.bool) if step % self.interval == 0 else None
         due = self._read_check()  # the last check's result, one step late
         if logits is None:
             return due
         fused = triton_kernel("entropy_triton", "accumulate", on=logits)
         if fused is not None:  # CUDA: one kernel (kvdex.kernels.entropy_triton)
-            if self._acc is None:
-                self._acc = torch.zeros(4, b, dtype=torch.float32, device=logits.device)
-            fused(logits, self._acc)
+            if self.acc is None:
+                self.acc = torch.zeros(4, b, dtype=torch.float32, device=logits.device)
+            fused(logits, self.acc)
         else:
             h, v = entropy_varentropy(logits)
             acc = torch.stack([h, h.square(), v, torch.ones_like(h)])
-            self._acc = acc if self._acc is None else self._acc + acc
-        self._nacc += 1
-        if self._nacc < self._every:
+            self.acc = acc if self.acc is None else self.acc + acc
+        self.nacc += 1
+        if self.nacc < self.every:
             return due
-        h_page, v_page = self.page_stats(self._acc)
+        h_page, v_page = self.page_stats(self.acc)
         exceed = self.exceeds(h_page, v_page)
-        self._acc, self._nacc = None, 0
+        self.acc, self.nacc = None, 0
         self.checks += b
         self._send_check(step, torch.stack([h_page, v_page, exceed.to(h_page.dtype)]))
         return due
@@ -87,21 +113,21 @@ class TriggerMixin:
     def _send_check(self, step: int, stats: torch.Tensor) -> None:
         """Start copying a check's [3, B] (entropy, varentropy statistic, exceeded) to the host, unwaited."""
         if not stats.is_cuda:
-            self._check = (step, stats, None)
+            self.check = (step, stats, None)
             return
         host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
         with torch.cuda.device(stats.device):
             host.copy_(stats, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        self._check = (step, host, done)
+        self.check = (step, host, done)
 
     def _read_check(self) -> torch.Tensor | None:
         """The sequences [B] bool whose last sent check exceeded the thresholds (None: none, or no check)."""
-        if self._check is None:
+        if self.check is None:
             return None
-        step, host, done = self._check
-        self._check = None
+        step, host, done = self.check
+        self.check = None
         if done is not None:
             done.synchronize()  # the check's own step, already finished or about to
         h_page, v_page, exceed = host.tolist()
@@ -118,5 +144,5 @@ class TriggerMixin:
         return h_mean, (acc[1] / n - h_mean.square()).clamp(min=0)
 
     def exceeds(self, h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        th, tv = self._tau
+        th, tv = self.tau
         return (h > th) & (v > tv) if self.combine == "and" else (h > th) | (v > tv)

@@ -32,10 +32,15 @@ import time
 import torch
 
 from kvdex.kernels.scoring import group_reduce
-from kvdex.policies._chess_levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
+from kvdex.policies._digest import DigestIndex
 from kvdex.policies._rerank import candidate_pages, rerank_pages
 from kvdex.policies.arkvale import _ids
+from kvdex.policies.chess.hierarchy import Hierarchy
+from kvdex.policies.chess.levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
+from kvdex.policies.chess.scope import BuildLog, ScopeSettings
 from kvdex.selection import Selection
+from kvdex.storage import MiddleUpdate
+from kvdex.view import LayerView
 
 
 def unit_scores(units: torch.Tensor, anchor: torch.Tensor, kv_heads: int, group: str) -> torch.Tensor:
@@ -50,10 +55,17 @@ def unit_scores(units: torch.Tensor, anchor: torch.Tensor, kv_heads: int, group:
 
 
 class LayerScope:
-    """Per-layer selections of a :class:`~kvdex.policies.chess.ChessPolicy` with ``scope="layer"``."""
+    """Per-layer selections of a :class:`~kvdex.policies.chess.ChessPolicy` with ``scope="layer"``: scores
+    ``hierarchy`` (or, with ``units="digest"``, the page ``digests``) per layer and kv head, adds its builds
+    to ``log``."""
 
-    def __init__(self, policy) -> None:
-        self.p = policy
+    def __init__(
+        self, settings: ScopeSettings, hierarchy: Hierarchy, digests: DigestIndex | None, log: BuildLog
+    ) -> None:
+        self.settings = settings
+        self.hierarchy = hierarchy
+        self.digests = digests
+        self.log = log
         self.pages: dict[int, torch.Tensor] = {}  # layer -> [B, H, W] page ids, -1 padded (the layer's device)
         self.static: dict[int, torch.Tensor] = {}  # layer -> persistent [B, H, W'] buffer (CUDA-graph decoding)
         self.covering: dict[int, torch.Tensor] = {}  # layer -> [B] bool (CPU): the last build kept every page
@@ -64,50 +76,52 @@ class LayerScope:
         """Rebuild the selections of ``rows`` [B] bool at the next decode step, in every sparse layer."""
         rows = rows.cpu()
         self.pending = rows.clone() if self.pending is None else self.pending | rows
-        self.todo = set(self.p.info.sparse_layers)
+        self.todo = set(self.settings.sparse_layers)
 
     # ---- a build, inside select ----------------------------------------------------------------------
-    def build(self, layer: int, q: torch.Tensor, view) -> None:
-        p = self.p
+    def build(self, layer: int, q: torch.Tensor, view: LayerView) -> None:
+        st, hier = self.settings, self.hierarchy
         store = view.store
-        timing = p.cfg.timing
+        timing = st.timing
         if timing:
             sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
             sync()
             t0 = time.perf_counter()
-        slot = p._slot[layer]
-        npages = p._npages[slot].clone()  # [B] this layer's middle pages (indexed before its attention)
+        slot = hier.slot[layer]
+        assert hier.npages is not None, "a build before the first index"
+        npages = hier.npages[slot].clone()  # [B] this layer's middle pages (indexed before its attention)
         b, h = npages.shape[0], store.kv_heads
         n = int(npages.max())
-        if n == 0 or (p._vall is None and p.digests is None):
+        if n == 0 or (hier.vall is None and self.digests is None):
             ids = torch.full((b, h, 0), -1, dtype=torch.long, device=store.device)
             kept = torch.zeros(b, h, dtype=torch.long)
         else:
-            if p.anchor_from == "query":
-                anchor, group = q, p.group
+            if st.anchor_from == "query":
+                anchor, group = q, st.group
             else:  # the layer's own window anchor, one per kv head
-                anchor, group = window_anchor(*window_keys(store), p.cfg.page_size), "max"
-            nc, ng = p.chunk_pages, p.grid_chunks
-            if p.digests is not None:  # units="digest": the pages' digest estimates, the max of them above
-                s_p = p.digests.page_scores(layer, q, n, view)  # [B, H, n], the group's max
+                anchor, group = window_anchor(*window_keys(store), st.page_size), "max"
+            nc, ng = hier.chunk_pages, hier.grid_chunks
+            if self.digests is not None:  # units="digest": the pages' digest estimates, the max of them above
+                s_p = self.digests.page_scores(layer, q, n, view)  # [B, H, n], the group's max
                 levels = [*max_levels(s_p, nc, ng), s_p]
             else:
-                g, c = p._gcap, p._ccap
-                cols = slice(slot * p._hd, (slot + 1) * p._hd)
-                s = unit_scores(p._vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
+                assert hier.vall is not None
+                g, c = hier.gcap, hier.ccap
+                cols = hier.columns(slot)
+                s = unit_scores(hier.vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
                 cn = -(-n // nc)
                 levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
             rows = [x.reshape(b * h, -1) for x in levels]
-            page_unit = p.rerank and p.rerank_unit == "page"  # the hierarchy's pages are candidates
+            page_unit = st.rerank and st.rerank_unit == "page"  # the hierarchy's pages are candidates
             k = None  # the hierarchy keeps budget_pages
             if page_unit:  # rerank x the budget's pages, at least rerank_share of this build's middle
-                k = candidate_pages(p.cfg.retrieval_tokens, view.page_size, p.rerank)
-                k = max(k, math.ceil(p.rerank_share * n))
-            mask = p.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
+                k = candidate_pages(st.retrieval_tokens, view.page_size, st.rerank)
+                k = max(k, math.ceil(st.rerank_share * n))
+            mask = hier.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
             ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
             kept = mask.sum(1).view(b, h)
             if page_unit:  # the candidates' best pages by their keys' exact scores (a set, -1 padded)
-                best = rerank_pages(q, view, ids, p.cfg.retrieval_pages, p.rerank_group)
+                best = rerank_pages(q, view, ids, st.retrieval_pages, st.rerank_group)
                 ids = trim(best.sort(dim=-1, descending=True).values)  # the chosen ids first
                 kept = (ids >= 0).sum(-1)
             kept = kept.cpu()
@@ -117,19 +131,19 @@ class LayerScope:
             width = max(ids.shape[2], old.shape[2])
             ids = torch.where(rows.to(old.device)[:, None, None], pad(ids, width), pad(old, width))
             ids = trim(ids)
-        covering = (kept.min(1).values >= npages) & (p.ratios is None)
+        covering = (kept.min(1).values >= npages) & (not st.ratio_mode)
         prev = self.covering.get(layer)
         self.covering[layer] = covering if prev is None or rows is None else torch.where(rows, covering, prev)
         self._publish(layer, ids)
-        p.selected_pages.append(float(kept[rows].float().mean()) if rows is not None and rows.any() else 0.0)
+        self.log.selected_pages.append(float(kept[rows].float().mean()) if rows is not None and rows.any() else 0.0)
         self.todo.discard(layer)
         if not self.todo:
             self.pending = None
-            if p.anchor_from == "query":
-                p.query_builds += 1
+            if st.anchor_from == "query":
+                self.log.query_builds += 1
         if timing:
             sync()
-            p.rebuild_ms += (time.perf_counter() - t0) * 1e3
+            self.log.rebuild_ms += (time.perf_counter() - t0) * 1e3
 
     def _publish(self, layer: int, ids: torch.Tensor) -> None:
         self.pages[layer] = ids
@@ -143,13 +157,13 @@ class LayerScope:
         buf[..., : ids.shape[2]] = ids.to(buf.device)
 
     # ---- between rebuilds ----------------------------------------------------------------------------
-    def cover(self, layer: int, update) -> None:
+    def cover(self, layer: int, update: MiddleUpdate) -> None:
         """Budget mode: a sequence whose last build kept every middle page of ``layer`` keeps every
-        page that joins it while the budget has room (the layer-scope twin of the policy's ``_cover``)."""
+        page that joins it while the budget has room (the layer-scope twin of ``SharedScope.cover``)."""
         cov = self.covering.get(layer)
         if cov is None or not bool(cov.any()) or layer not in self.pages:
             return
-        k = self.p.budget_pages
+        k = self.settings.budget_pages
         cur = self.pages[layer].cpu()
         rows, changed = [cur[b] for b in range(cur.shape[0])], False
         for b in torch.nonzero(cov & (update.count > 0)).flatten().tolist():
@@ -169,7 +183,7 @@ class LayerScope:
             self._publish(layer, out.to(self.pages[layer].device))
 
     # ---- select / CUDA graphs ------------------------------------------------------------------------
-    def select(self, q: torch.Tensor, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store = view.layer, view.store
         if self.pending is not None and layer in self.todo:
             self.build(layer, q, view)
@@ -180,7 +194,8 @@ class LayerScope:
             buf = self.static.get(layer)
             if buf is None:  # allocated in an eager step (the graph key changes)
                 w = ids.shape[2]
-                width = max(w, self.p.budget_pages) if self.p.ratios is None else w + max(1, w // 4)
+                st = self.settings
+                width = max(w, st.budget_pages) if not st.ratio_mode else w + max(1, w // 4)
                 buf = torch.full((*ids.shape[:2], width), -1, dtype=torch.long, device=store.device)
                 buf[..., :w] = ids
                 self.static[layer] = buf
@@ -190,9 +205,9 @@ class LayerScope:
     def graph_key(self) -> tuple | None:
         if self.pending is not None:
             return None  # this step rebuilds inside select (host work, data-dependent shapes): eager
-        layers = self.p.info.sparse_layers
+        layers = self.settings.sparse_layers
         if any(lay not in self.static for lay in layers):
             return None  # this step's select allocates the static buffers: an eager step
         key = tuple((lay, id(self.static[lay]), tuple(self.static[lay].shape)) for lay in layers)
-        d = self.p.digests  # units="digest": page joins write the digests inside the captured step
+        d = self.digests  # units="digest": page joins write the digests inside the captured step
         return ("chess/layer",) + key + (() if d is None else _ids(d.centre, d.radius))

@@ -1,8 +1,9 @@
 """CHESS's arithmetic (kvdex.policies.chess): the entropy statistics of the trigger, the top-down
 masking rules of Algorithm 1, the window anchor of eq. 3, and the selection bookkeeping helpers.
 
-Pure functions over tensors; the policy (``chess.py``) owns the state. ``kvdex.policies.chess``
-re-exports the public names (``entropy_varentropy``, ``level_mask``, ``count_mask``, ``window_keys``).
+Pure functions over tensors; the components (``hierarchy``, ``trigger``, the scopes) own the state.
+``kvdex.policies.chess`` re-exports the public names (``entropy_varentropy``, ``level_mask``, ``count_mask``,
+``window_keys``).
 """
 
 from __future__ import annotations
