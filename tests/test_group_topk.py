@@ -154,7 +154,7 @@ def test_prkv_static_heads_holds_every_heads_top_tokens():
             return
         s, org = _window_scores(pol, layer, store, scale, per_query_head=True, ring=before.pop(layer))
         s = s[..., : org.shape[2]]
-        ns = int(pol.static[layer][0])
+        ns = int(pol.static_set.counts[layer][0])
         g = q.shape[1] // store.kv_heads
         assert ns >= g
         for h in range(store.kv_heads):

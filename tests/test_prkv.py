@@ -228,7 +228,7 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
 
     def observer(layer, q, store, aset, scale):
         calls["n"] += 1
-        org = pol.origin[layer]
+        org = pol.static_set.origin[layer]
         k, _ = store.dense()
         allpos = pol.positions(layer, aset.positions)
         for b, length in enumerate(store.lengths_host.tolist()):
@@ -240,7 +240,7 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
                 slots = aset.positions[b, h][valid]
                 pos = allpos[b, h][valid]
                 assert len(pos) == len(set(pos.tolist())) <= budget  # no token twice, never over the budget
-                ns = int(pol.static[layer][b])
+                ns = int(pol.static_set.counts[layer][b])
                 assert set(range(SINK, SINK + ns)) <= set(slots.tolist())  # static = the front of the middle
                 dyn_pages = {(x - SINK) // PAGE for x in slots.tolist() if SINK + ns <= x < ws}
                 assert len(dyn_pages) <= n_dyn and all(p * PAGE >= ns for p in dyn_pages)
@@ -267,7 +267,7 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     assert calls["n"] == 44 * len(layers)
     for layer in layers:
         assert pol.refreshes[layer] == [7, 14, 21, 28, 35, 42]  # exactly every T decode steps
-    assert pol.static[1].tolist() == [n_static, n_static]
+    assert pol.static_set.counts[1].tolist() == [n_static, n_static]
 
 
 def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
@@ -276,7 +276,7 @@ def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
     or, ``per_query_head``, [1, Hq, L], origin of each middle slot)."""
     ring = pol.rings[layer] if ring is None else ring
     k, _ = store.dense()
-    org = pol.origin[layer]
+    org = pol.static_set.origin[layer]
     m = org.shape[2]
     kpos = k.clone()
     for h in range(store.kv_heads):
@@ -357,7 +357,7 @@ def test_static_set_is_topk_of_window_scores():
         assert pol.refreshes[layer][-1] == step
         s, org = _window_scores(pol, layer, store, scale, ring=before.pop(layer))
         s = s[..., : org.shape[2]]  # the middle the refresh restructured (not a page that joined after it)
-        ns = int(pol.static[layer][0])
+        ns = int(pol.static_set.counts[layer][0])
         for h in range(store.kv_heads):
             front = set((org[0, h, :ns] + SINK).tolist())
             top = torch.sort(s[0, h], descending=True)
@@ -393,7 +393,7 @@ def test_obs_tokens_last_ranks_the_windows_own_tokens_last(obs_tokens):
         ring = before.pop(layer)
         first = int(ring.pos[0][ring.valid[0]].min())
         s, org = _window_scores(pol, layer, store, scale, ring=ring)
-        ns = int(pol.static[layer][0])
+        ns = int(pol.static_set.counts[layer][0])
         assert first - SINK > ns  # enough earlier tokens: "last" never needs a late one
         for h in range(store.kv_heads):
             static = org[0, h, :ns]
@@ -484,7 +484,7 @@ def test_partly_filled_static_page_is_attended_whole_or_as_tail():
     seen = {"whole": 0, "tail": 0}
 
     def observer(layer, q, store, aset, scale):
-        ns = int(pol.static[layer][0])
+        ns = int(pol.static_set.counts[layer][0])
         assert ns == 23
         tail = set(range(SINK + PAGE, SINK + ns))  # the static tail: slots of the partly filled page
         rest = set(range(SINK + ns, SINK + 2 * PAGE))  # that page's slots after it (not static)
@@ -547,9 +547,9 @@ def test_auto_static_ratio_is_appendix_g():
                 tops.append(set(torch.topk(p, min(r, ws - SINK)).indices.tolist()))
             overlaps.append(len(tops[0] & tops[1]))
         want = PAGE * int(sum(overlaps) / len(overlaps) // PAGE)
-        assert pol.split[layer] == (want, (r - want) // PAGE), (layer, overlaps)
-        assert pol.layer_split(layer) == pol.split[layer]
-        assert int(pol.static.get(layer, torch.zeros(1))[0]) == min(want, ws - SINK)
+        assert pol.static_set.split[layer] == (want, (r - want) // PAGE), (layer, overlaps)
+        assert pol.layer_split(layer) == pol.static_set.split[layer]
+        assert int(pol.static_set.counts.get(layer, torch.zeros(1))[0]) == min(want, ws - SINK)
     assert set(pol.stats()["static_tokens_per_layer"]) == {1, 2}
 
 

@@ -1,4 +1,3 @@
-# Over 400 lines: Algorithm 1 (static set, relocation), the dynamic pages and their CUDA-graph sizing read as one.
 """``prkv``: PRKV (page restructured KV cache) -- a static token set plus dynamically chosen pages.
 
 The retrieval budget ``r = budget - sink - window`` per kv head is split in two (PRKV §3.5, §4.1):
@@ -54,24 +53,31 @@ paper's selection -- the digests' top pages, every step -- is ``prkv:rerank=0``.
 (``group``, ``rerank``, ``rerank_group``, ``rerank_share``, ``rerank_unit``, ``select_every``, ``pool_every``)
 starts the others from the paper's values (:data:`PAPER_SELECTION`), so a spec means the paper's selection plus
 what it names; naming none gives :data:`DEFAULT_SELECTION`. The static part (Algorithm 1) is the paper's either way.
+
+The package, by concept: ``policy.py`` (this file: options, the refresh schedule, the dynamic pages and the
+selection they compose with the static region), ``static_set.py`` (:class:`~kvdex.policies.prkv.static_set.
+StaticSet`: Algorithm 1, the relocation and its origin map, the ``auto`` split) and ``region.py``
+(:class:`~kvdex.policies.prkv.region.StaticRegion`: the static region as part of a selection).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from kvdex.kernels.scoring import check_group, group_topk, mask_pages
+from kvdex.kernels.scoring import check_group, mask_pages
 from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
-from kvdex.policies._prkv_static import StaticRegion
+from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, obs_rows
 from kvdex.policies._rerank import resolve_selection
 from kvdex.policies.arkvale import _ids
-from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
+from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
+from kvdex.policies.prkv.region import StaticRegion
+from kvdex.policies.prkv.static_set import StaticSet, split_budget
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
+from kvdex.storage import Grid, LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 OBS_TOKENS = ("score", "last")
 STATIC_GROUPS = ("mean", "heads")  # static tokens: the group's mean score (Algorithm 1) or every head's own top
@@ -91,14 +97,6 @@ def resolve_selection_options(policy) -> None:
     (``prkv:rerank=0`` is the paper's selection) -> the others take :data:`PAPER_SELECTION`'s values, so a spec
     means what it names on top of the paper's selection."""
     resolve_selection(policy, DEFAULT_SELECTION, PAPER_SELECTION)
-
-
-def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
-    """(static tokens, dynamic pages) for a retrieval budget of ``retrieval`` tokens."""
-    if static_ratio == 0:
-        return 0, retrieval // page_size
-    static = page_size * math.floor(static_ratio * retrieval / page_size + 1e-9) + retrieval % page_size
-    return static, (retrieval - static) // page_size
 
 
 @register_policy
@@ -151,18 +149,19 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             raise ValueError(f"static_group must be one of {', '.join(STATIC_GROUPS)}, got {self.static_group!r}")
         self.obs_window = self.obs
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         r, ps = self.cfg.retrieval_tokens, self.cfg.page_size
         self.auto = self.static_ratio == "auto"
-        self.n_static, self.n_dynamic = (0, r // ps) if self.auto else split_budget(r, ps, self.static_ratio)
-        self.split: dict[int, tuple[int, int]] = {}  # layer -> (static tokens, dynamic pages) under "auto"
+        ratio = 0.0 if self.auto else float(self.static_ratio)
+        self.n_static, self.n_dynamic = (0, r // ps) if self.auto else split_budget(r, ps, ratio)
         self.digests = DigestIndex(self.digest)
-        self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
-        self.static: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
-        # layer -> its static region's part of a statically sized selection (StaticRegion), a function of
-        # self.static[layer] alone: built once, rewritten in place when a refresh rewrites the count
-        self.regions: dict[int, StaticRegion] = {}
+        self.static_set = StaticSet(
+            n_static=self.n_static, n_dynamic=self.n_dynamic, auto=self.auto, retrieval_tokens=r,
+            static_group=self.static_group, kernel=self.kernel, pooling=self.pooling, obs_tokens=self.obs_tokens,
+            digests=self.digests,
+        )  # fmt: skip
+        # the refresh schedule (kvdex.policies._obs.ObsRefresh)
         self.rings: dict[int, QueryRing] = {}
         self.pending: dict[int, object] = {}
         self.steps: dict[int, int] = {}
@@ -171,116 +170,35 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
 
     def stats(self) -> dict:
         if self.auto:
-            return {"static_tokens_per_layer": {lay: s for lay, (s, _) in sorted(self.split.items())}}
+            return {"static_tokens_per_layer": {lay: s for lay, (s, _) in sorted(self.static_set.split.items())}}
         return {"static_tokens": self.n_static, "dynamic_pages": self.n_dynamic}
 
     def layer_split(self, layer: int) -> tuple[int, int]:
         """(static tokens, dynamic pages) of ``layer``."""
-        return self.split.get(layer, (self.n_static, self.n_dynamic)) if self.auto else (self.n_static, self.n_dynamic)
+        return self.static_set.layer_split(layer)
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.obs_queries is not None:  # the window's rows only, not the prompt's queries they slice
             self.pending[layer] = obs_rows(update)
         self.digests.write(layer, update.start, update.count, update.keys)
 
     # page joins inside a captured decode step (Policy.capturable_index): the joining page's digest (the
     # page joins after the static region: restructuring leaves the slots past the middle in place)
-    def reserve_index(self, layer, pages, store) -> None:
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         self.digests.reserve(layer, pages, store)
 
-    def index_join(self, layer, join) -> None:
+    def index_join(self, layer: int, join: PageJoin) -> None:
         self.digests.write_join(layer, join)
 
-    # ---- static part (Algorithm 1) -------------------------------------------------------------
-    def _origin(self, layer: int, store, m: int) -> torch.Tensor:
-        """[B, H, m] origin map, extended with identity for pages that joined the middle since."""
-        cur = self.origin.get(layer)
-        have = 0 if cur is None else cur.shape[2]
-        if have < m:
-            ext = torch.arange(have, m, device=store.device).expand(store.batch, store.kv_heads, -1)
-            cur = ext.clone() if cur is None else torch.cat([cur, ext], dim=-1)
-            self.origin[layer] = cur
-        return cur[:, :, :m]
-
-    def _restructure(self, layer: int, store, scale: float) -> None:
-        g = store.grid
-        m = int(g.num_middle_pages(store.lengths_host).max()) * g.page_size
-        if m == 0 or ((not self.auto or layer in self.split) and not self.layer_split(layer)[0]):
-            return
-        origin = self._origin(layer, store, m)  # the keys are scored where they are, by their positions
-        k, _ = store.dense()
-        ring = self.rings[layer]
-        if self.auto and layer not in self.split:
-            self.split[layer] = self._auto_split(ring, k, origin, store, scale)
-        n_static = self.layer_split(layer)[0]
-        if not n_static:
-            return
-        heads = self.static_group == "heads"
-        score = middle_scores(ring.q, ring.pos, ring.valid, k, store.lengths, g, scale, self.kernel, self.pooling,
-                              per_query_head=heads, origin=origin, lengths_host=store.lengths_host)  # fmt: skip
-        if self.obs_tokens == "last":
-            score = _demote_observed(score, ring, g.sink)
-        # [B, H, n] positions - sink, -1 padded
-        top = group_topk(score, store.kv_heads, n_static, "heads") if heads else topk_ids(score, n_static)
-        is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
-        is_static.scatter_(2, torch.where(top >= 0, top, m), True)
-        is_static = is_static[:, :, :m].gather(2, origin)  # per slot
-        j = torch.arange(m, device=k.device)
-        own = (g.num_middle_pages(store.lengths) * g.page_size)[:, None, None]
-        # new slot order: static tokens by position, then the rest in their current order, then the
-        # slots past a sequence's middle in place
-        key = torch.where(is_static, origin, m + j)
-        key = torch.where(j < own, key, 2 * m + j)
-        order = key.argsort(dim=-1, stable=True)
-        # page representations of the restructured pages, from the keys already on the device: a store whose
-        # buffers hold every token (dense() is a view of them) holds the moved keys once permute_middle has
-        # reordered them in place; from another store's dense copy they are gathered before.
-        if store.positional_slots:
-            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
-            moved = store.k[:, :, g.sink : g.sink + m]
-        else:
-            moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
-            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
-        self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
-        count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
-        if layer in self.static:  # in place: a captured CUDA graph reads this buffer
-            self.static[layer].copy_(count)
-        else:
-            self.static[layer] = count
-        if store.static:  # the static region's selection part, in place too
-            self._region(layer, g, refresh=True)
-        pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
-        nmid = g.num_middle_pages(store.lengths_host)
-        self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
-
-    def _auto_split(self, ring, k, origin, store, scale) -> tuple[int, int]:
-        """Appendix G: overlap of the top-r middle tokens of the first and the last window query."""
-        g, r = store.grid, self.cfg.retrieval_tokens
-        overlaps = []
-        for b in range(store.batch):
-            rows = torch.nonzero(ring.valid[b]).flatten().tolist()
-            if not rows:
-                continue
-            picks = []
-            for i in (rows[0], rows[-1]):
-                one = torch.zeros_like(ring.valid[b : b + 1])
-                one[0, i] = True
-                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, k[b : b + 1], store.lengths[b : b + 1],
-                                  g, scale, per_query_head=True, origin=origin[b : b + 1])  # fmt: skip
-                picks.append(topk_ids(s, r))  # [1, Hq, r]
-            for h in range(picks[0].shape[1]):
-                a, c = set(picks[0][0, h].tolist()) - {-1}, set(picks[1][0, h].tolist()) - {-1}
-                overlaps.append(len(a & c))
-        mean = sum(overlaps) / max(1, len(overlaps))
-        ps = g.page_size
-        static = min(r, ps * math.floor(mean / ps))
-        return static, (r - static) // ps
+    # ---- static part (Algorithm 1: kvdex.policies.prkv.static_set) ----------------------------------
+    def _restructure(self, layer: int, store: LayerStore, scale: float) -> None:
+        self.static_set.restructure(layer, store, scale, self.rings.get(layer))
 
     # ---- per step (the refresh schedule: _obs.ObsRefresh) -------------------------------------------
     def _refreshing(self) -> bool:
         return bool(self.n_static or self.auto)
 
-    def _rebuild(self, layer: int, store, scale: float) -> None:
+    def _rebuild(self, layer: int, store: LayerStore, scale: float) -> None:
         self._restructure(layer, store, scale)
 
     def _waits_for_joins(self, layer: int) -> bool:
@@ -288,7 +206,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
         between refreshes -- unless the layer has no dynamic pages (``S = 1``, SnapKV+)."""
         return not self.layer_split(layer)[1]
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
         step = self.steps.get(layer, 0)
         self.steps[layer] = step + 1
@@ -321,7 +239,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
         """Algorithm 1 runs every ``refresh`` steps, before the step (when the budget has a static part)."""
         return self.refresh if getattr(self, "n_static", 0) or getattr(self, "auto", False) else 0
 
-    def reused(self, q, view) -> Selection | None:
+    def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """``select_every`` / ``pool_every``: the step is counted and its query joins the ring as ``select``
         does; ``pool_every``: the held candidates' tokens ranked by this query, after the static region."""
         self.steps[view.layer] = self.steps.get(view.layer, 0) + 1
@@ -329,14 +247,14 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             self.rings[view.layer].push(q, view.lengths, offset=-1)
         return super().reused(q, view)
 
-    def page_budget(self, view) -> int:
+    def page_budget(self, view: LayerView) -> int:
         return self.layer_split(view.layer)[1]
 
-    def token_budget(self, view) -> int:
+    def token_budget(self, view: LayerView) -> int:
         """``rerank``: the dynamic part's tokens (its pages' worth)."""
         return self.layer_split(view.layer)[1] * view.page_size
 
-    def page_scores(self, q, view):
+    def page_scores(self, q: torch.Tensor, view: LayerView) -> torch.Tensor | None:
         """ArkVale's digest estimate of the pages after the static region (the dynamic part), -inf past
         each middle: per kv head (the group's max) or, with ``group`` "sum" / "heads", per query head."""
         if view.layer not in self.digests:
@@ -351,27 +269,14 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             return self.digests.page_scores(view.layer, q, p, view, first)
         return mask_pages(self.digests.scores(view.layer, q, p), view.middle_pages, first)
 
-    def _static_count(self, view, device) -> torch.Tensor:
+    def _static_count(self, view: LayerView, device: torch.device) -> torch.Tensor:
         """[B] static tokens of the layer (at the front of its middle)."""
-        return self.static.get(view.layer, torch.zeros(view.batch, dtype=torch.long, device=device))
+        return self.static_set.count(view.layer, view.batch, device)
 
-    def _region(self, layer: int, grid, refresh: bool = False) -> StaticRegion | None:
-        """The static region's part of a statically sized selection of ``layer`` (None before the layer
-        has a static count). Built from the count once; ``refresh``: rebuilt in place (the count changed)."""
-        n = self.static.get(layer)
-        if n is None:
-            return None
-        cur = self.regions.get(layer)
-        if cur is not None and not refresh:
-            return cur
-        new = StaticRegion.of(n, self.layer_split(layer)[0], grid)
-        if cur is None:
-            self.regions[layer] = new
-        else:
-            cur.copy_(new)
-        return self.regions[layer]
+    def _region(self, layer: int, grid: Grid) -> StaticRegion | None:
+        return self.static_set.region(layer, grid)
 
-    def chosen(self, q, view, pages, score) -> Selection:
+    def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
         """The static region (whole pages + the ragged tail as tokens) before the dynamic ``pages``; a
         dynamic page that is the static region's partly filled page replaces its tail tokens. With
         ``rerank``: the static region as tokens, then the best dynamic tokens of the candidate ``pages``
@@ -414,8 +319,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
                 if layer not in self.rings or self._refresh_due(layer, step):
                     return None
         rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
-        static = tuple((lay, id(t)) for lay, t in sorted(self.static.items()))
-        static += tuple((lay, r.ids()) for lay, r in sorted(self.regions.items()))
+        static = self.static_set.key()
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
         return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pools.key()
 
@@ -425,22 +329,4 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
 
     def positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Token positions of store slots ``slots`` [B, H, N] of ``layer`` (undoes the relocation; -1 stays)."""
-        sink = self.cfg.sink
-        org = self.origin.get(layer)
-        if org is None:
-            return slots
-        m = org.shape[2]
-        mid = (slots >= sink) & (slots < sink + m)
-        mapped = org.gather(2, (slots - sink).clamp(0, m - 1).to(org.device)) + sink
-        return torch.where(mid, mapped, slots)
-
-
-def _demote_observed(score: torch.Tensor, ring: QueryRing, sink: int) -> torch.Tensor:
-    """``score`` [B, H, M] (middle tokens by position - sink) with the tokens at or after the window's first
-    valid query ranked below every earlier one (scores are mean softmax weights in [0, 1]: minus 2 keeps
-    them finite, so a budget that covers every earlier token still takes them)."""
-    big = torch.iinfo(torch.long).max
-    first = torch.where(ring.valid, ring.pos, big).amin(-1)  # [B]
-    pos = sink + torch.arange(score.shape[-1], device=score.device)
-    late = pos[None, :] >= first.to(score.device)[:, None]  # [B, M]
-    return torch.where(late[:, None, :], score - 2.0, score)
+        return self.static_set.positions(layer, slots, self.cfg.sink)

@@ -1,5 +1,5 @@
 """PRKV's static region as part of a selection (:class:`StaticRegion`): its whole pages, its ragged tail and
-its partly filled page, from the static token count alone (``kvdex/policies/prkv.py``)."""
+its partly filled page, from the static token count alone (``kvdex/policies/prkv/static_set.py``)."""
 
 from __future__ import annotations
 

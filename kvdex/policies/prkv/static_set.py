@@ -1,0 +1,205 @@
+"""PRKV's static set (kvdex.policies.prkv; Algorithm 1): the tokens of each layer's middle that the last
+``obs`` queries attend most, relocated to the front of the middle and attended every step as whole pages
+plus a ragged tail.
+
+:class:`StaticSet` owns, per layer, the origin map (``origin``: which position each middle slot holds since
+the relocations), the static token counts (``counts``), the ``auto`` split (Appendix G) and the static
+region's part of a statically sized selection (``regions``); :meth:`StaticSet.restructure` runs Algorithm 1
+on a layer's store and rewrites the page ``digests`` of the restructured pages. :func:`split_budget` sizes
+the static part (its choice of rounding: the module docstring of :mod:`kvdex.policies.prkv.policy`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvdex.kernels.scoring import group_topk, topk_ids
+from kvdex.policies._digest import DigestIndex
+from kvdex.policies._obs import QueryRing, middle_scores
+from kvdex.policies.prkv.region import StaticRegion
+from kvdex.storage import Grid, LayerStore
+
+
+def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[int, int]:
+    """(static tokens, dynamic pages) for a retrieval budget of ``retrieval`` tokens."""
+    if static_ratio == 0:
+        return 0, retrieval // page_size
+    static = page_size * math.floor(static_ratio * retrieval / page_size + 1e-9) + retrieval % page_size
+    return static, (retrieval - static) // page_size
+
+
+class StaticSet:
+    """The static sets of one PRKV policy's sparse layers. ``n_static`` / ``n_dynamic``: the split of the
+    retrieval budget (``auto``: per layer, :meth:`auto_split` at its first restructure); the scoring options
+    of Algorithm 1 (``static_group``, ``kernel``, ``pooling``, ``obs_tokens``); ``digests``: the dynamic
+    pages' index, rewritten for the restructured pages."""
+
+    def __init__(
+        self,
+        *,
+        n_static: int,
+        n_dynamic: int,
+        auto: bool,
+        retrieval_tokens: int,
+        static_group: str,
+        kernel: int,
+        pooling: str,
+        obs_tokens: str,
+        digests: DigestIndex,
+    ) -> None:
+        self.n_static = n_static
+        self.n_dynamic = n_dynamic
+        self.auto = auto
+        self.retrieval_tokens = retrieval_tokens
+        self.static_group = static_group
+        self.kernel = kernel
+        self.pooling = pooling
+        self.obs_tokens = obs_tokens
+        self.digests = digests
+        self.split: dict[int, tuple[int, int]] = {}  # layer -> (static tokens, dynamic pages) under "auto"
+        self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
+        # layer -> its static region's part of a statically sized selection (StaticRegion), a function of
+        # counts[layer] alone: built once, rewritten in place when a refresh rewrites the count
+        self.regions: dict[int, StaticRegion] = {}
+
+    def layer_split(self, layer: int) -> tuple[int, int]:
+        """(static tokens, dynamic pages) of ``layer``."""
+        return self.split.get(layer, (self.n_static, self.n_dynamic)) if self.auto else (self.n_static, self.n_dynamic)
+
+    def count(self, layer: int, batch: int, device: torch.device) -> torch.Tensor:
+        """[B] static tokens of ``layer`` (at the front of its middle)."""
+        return self.counts.get(layer, torch.zeros(batch, dtype=torch.long, device=device))
+
+    def _origin(self, layer: int, store: LayerStore, m: int) -> torch.Tensor:
+        """[B, H, m] origin map, extended with identity for pages that joined the middle since."""
+        cur = self.origin.get(layer)
+        have = 0 if cur is None else cur.shape[2]
+        if have < m:
+            ext = torch.arange(have, m, device=store.device).expand(store.batch, store.kv_heads, -1)
+            cur = ext.clone() if cur is None else torch.cat([cur, ext], dim=-1)
+            self.origin[layer] = cur
+        assert cur is not None
+        return cur[:, :, :m]
+
+    def restructure(self, layer: int, store: LayerStore, scale: float, ring: QueryRing | None) -> None:
+        """Algorithm 1 on ``layer``'s ``store``: score the middle by the attention of ``ring``'s queries, take
+        the top tokens per kv head and move them to the front of the middle."""
+        g = store.grid
+        m = int(g.num_middle_pages(store.lengths_host).max()) * g.page_size
+        if m == 0 or ((not self.auto or layer in self.split) and not self.layer_split(layer)[0]):
+            return
+        origin = self._origin(layer, store, m)  # the keys are scored where they are, by their positions
+        k, _ = store.dense()
+        assert ring is not None, "a restructure before the layer's query ring"
+        if self.auto and layer not in self.split:
+            self.split[layer] = self.auto_split(ring, k, origin, store, scale)
+        n_static = self.layer_split(layer)[0]
+        if not n_static:
+            return
+        heads = self.static_group == "heads"
+        score = middle_scores(ring.q, ring.pos, ring.valid, k, store.lengths, g, scale, self.kernel, self.pooling,
+                              per_query_head=heads, origin=origin, lengths_host=store.lengths_host)  # fmt: skip
+        if self.obs_tokens == "last":
+            score = _demote_observed(score, ring, g.sink)
+        # [B, H, n] positions - sink, -1 padded
+        top = group_topk(score, store.kv_heads, n_static, "heads") if heads else topk_ids(score, n_static)
+        is_static = torch.zeros(store.batch, store.kv_heads, m + 1, dtype=torch.bool, device=k.device)
+        is_static.scatter_(2, torch.where(top >= 0, top, m), True)
+        is_static = is_static[:, :, :m].gather(2, origin)  # per slot
+        j = torch.arange(m, device=k.device)
+        own = (g.num_middle_pages(store.lengths) * g.page_size)[:, None, None]
+        # new slot order: static tokens by position, then the rest in their current order, then the
+        # slots past a sequence's middle in place
+        key = torch.where(is_static, origin, m + j)
+        key = torch.where(j < own, key, 2 * m + j)
+        order = key.argsort(dim=-1, stable=True)
+        # page representations of the restructured pages, from the keys already on the device: a store whose
+        # buffers hold every token (dense() is a view of them) holds the moved keys once permute_middle has
+        # reordered them in place; from another store's dense copy they are gathered before.
+        if store.positional_slots:
+            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
+            moved = store.k[:, :, g.sink : g.sink + m]
+        else:
+            moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
+            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
+        self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
+        count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
+        if layer in self.counts:  # in place: a captured CUDA graph reads this buffer
+            self.counts[layer].copy_(count)
+        else:
+            self.counts[layer] = count
+        if store.static:  # the static region's selection part, in place too
+            self.region(layer, g, refresh=True)
+        pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
+        nmid = g.num_middle_pages(store.lengths_host)
+        self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
+
+    def auto_split(
+        self, ring: QueryRing, k: torch.Tensor, origin: torch.Tensor, store: LayerStore, scale: float
+    ) -> tuple[int, int]:
+        """Appendix G: overlap of the top-r middle tokens of the first and the last window query."""
+        g, r = store.grid, self.retrieval_tokens
+        overlaps = []
+        for b in range(store.batch):
+            rows = torch.nonzero(ring.valid[b]).flatten().tolist()
+            if not rows:
+                continue
+            picks = []
+            for i in (rows[0], rows[-1]):
+                one = torch.zeros_like(ring.valid[b : b + 1])
+                one[0, i] = True
+                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, k[b : b + 1], store.lengths[b : b + 1],
+                                  g, scale, per_query_head=True, origin=origin[b : b + 1])  # fmt: skip
+                picks.append(topk_ids(s, r))  # [1, Hq, r]
+            for h in range(picks[0].shape[1]):
+                a, c = set(picks[0][0, h].tolist()) - {-1}, set(picks[1][0, h].tolist()) - {-1}
+                overlaps.append(len(a & c))
+        mean = sum(overlaps) / max(1, len(overlaps))
+        ps = g.page_size
+        static = min(r, ps * math.floor(mean / ps))
+        return static, (r - static) // ps
+
+    def region(self, layer: int, grid: Grid, refresh: bool = False) -> StaticRegion | None:
+        """The static region's part of a statically sized selection of ``layer`` (None before the layer
+        has a static count). Built from the count once; ``refresh``: rebuilt in place (the count changed)."""
+        n = self.counts.get(layer)
+        if n is None:
+            return None
+        cur = self.regions.get(layer)
+        if cur is not None and not refresh:
+            return cur
+        new = StaticRegion.of(n, self.layer_split(layer)[0], grid)
+        if cur is None:
+            self.regions[layer] = new
+        else:
+            cur.copy_(new)
+        return self.regions[layer]
+
+    def key(self) -> tuple:
+        """The device buffers a captured step reads (the counts and the regions made from them)."""
+        static = tuple((lay, id(t)) for lay, t in sorted(self.counts.items()))
+        return static + tuple((lay, r.ids()) for lay, r in sorted(self.regions.items()))
+
+    def positions(self, layer: int, slots: torch.Tensor, sink: int) -> torch.Tensor:
+        """Token positions of store slots ``slots`` [B, H, N] of ``layer`` (undoes the relocation; -1 stays)."""
+        org = self.origin.get(layer)
+        if org is None:
+            return slots
+        m = org.shape[2]
+        mid = (slots >= sink) & (slots < sink + m)
+        mapped = org.gather(2, (slots - sink).clamp(0, m - 1).to(org.device)) + sink
+        return torch.where(mid, mapped, slots)
+
+
+def _demote_observed(score: torch.Tensor, ring: QueryRing, sink: int) -> torch.Tensor:
+    """``score`` [B, H, M] (middle tokens by position - sink) with the tokens at or after the window's first
+    valid query ranked below every earlier one (scores are mean softmax weights in [0, 1]: minus 2 keeps
+    them finite, so a budget that covers every earlier token still takes them)."""
+    big = torch.iinfo(torch.long).max
+    first = torch.where(ring.valid, ring.pos, big).amin(-1)  # [B]
+    pos = sink + torch.arange(score.shape[-1], device=score.device)
+    late = pos[None, :] >= first.to(score.device)[:, None]  # [B, M]
+    return torch.where(late[:, None, :], score - 2.0, score)
