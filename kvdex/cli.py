@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.hf.compat import cache_kwargs
-from kvdex.policies._spec import parse_options
+from kvdex.policies.spec import parse_options
 
 # ---- policies ------------------------------------------------------------------------------------
 

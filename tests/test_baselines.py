@@ -17,7 +17,7 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 
 import kvdex
 from kvdex import cache_kwargs
-from kvdex.policies._digest import DIGESTS, digest_scores, summarize
+from kvdex.policies.digest import DIGESTS, digest_scores, summarize
 from kvdex.view import LayerView
 
 BUDGET = 96

@@ -42,7 +42,7 @@ ATOL = 1e-4
 OPTIONS: dict[str, dict] = {}
 
 # Options beside the defaults that change what a policy selects, held to the same contract: the page
-# policies' token rerank (kvdex/policies/_rerank.py)
+# policies' token rerank (kvdex/policies/rerank.py)
 SPECS = [
     "quest:rerank=4",
     "prkv:rerank=4",

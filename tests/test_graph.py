@@ -47,7 +47,7 @@ SPECS = [
     "snapkv",
     "snapkv:refresh=8",
     "h2o",
-    # the page policies' token rerank (kvdex/policies/_rerank.py): 2 x 2 candidate pages of 6-9
+    # the page policies' token rerank (kvdex/policies/rerank.py): 2 x 2 candidate pages of 6-9
     "quest:rerank=2",
     "quest:rerank=2:rerank_group=weight",
     "arkvale:rerank=2",

@@ -16,7 +16,7 @@ from conftest import PAGE, SINK, greedy, prompt, reference_greedy, shared_pair, 
 
 import kvdex
 from kvdex.kernels.scoring import GROUPS, group_reduce, group_topk, page_bounds, topk_ids
-from kvdex.policies._digest import digest_scores
+from kvdex.policies.digest import digest_scores
 
 BUDGET = 96
 

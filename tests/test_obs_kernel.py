@@ -12,7 +12,7 @@ import torch
 from conftest import CUDA, DEV, INTERP, run_kernels
 
 from kvdex.kernels.reference import attention_mass_reference
-from kvdex.policies._obs import middle_scores
+from kvdex.policies.observation import middle_scores
 from kvdex.storage.layout import Grid
 
 

@@ -18,8 +18,8 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 
 import kvdex
 from kvdex.kernels import sparse_decode_attention
-from kvdex.policies._digest import DigestIndex
-from kvdex.policies._obs import middle_scores
+from kvdex.policies.digest import DigestIndex
+from kvdex.policies.observation import middle_scores
 from kvdex.policies.prkv import split_budget
 from kvdex.selection import Selection
 from kvdex.storage import DeviceStore, Grid, OffloadStore, TransferStats
@@ -305,7 +305,7 @@ def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts, late):
     S = 1, SnapKV+), ``select`` runs it after the join (no key: eager); with dynamic pages the joining page
     is one of their candidates and the refresh still runs before the step.
     Asking early changes nothing: the same tokens and logits as a run that is not asked."""
-    from kvdex.policies._obs import step_joins
+    from kvdex.policies.observation import step_joins
 
     model, _ = shared_pair("llama_gqa")
     T, W, last = 5, 8, 2

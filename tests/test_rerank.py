@@ -1,4 +1,4 @@
-"""The page policies' token rerank (``rerank=N``, kvdex/policies/_rerank.py): quest, arkvale, prkv, chess.
+"""The page policies' token rerank (``rerank=N``, kvdex/policies/rerank.py): quest, arkvale, prkv, chess.
 
 On the tiny random GQA model (fp32, CPU), every selection a policy returns while decoding is checked
 against a reference computed here in float64 from the store's keys:

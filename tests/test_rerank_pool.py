@@ -1,4 +1,4 @@
-"""``pool_every=N`` of the page policies' token rerank (quest, arkvale, prkv; kvdex/policies/_rerank.py,
+"""``pool_every=N`` of the page policies' token rerank (quest, arkvale, prkv; kvdex/policies/rerank.py,
 ``PoolOption``): a refresh step (every N steps, and whenever a page joins) chooses the candidate pages by the
 policy's page scores and holds them; every step ranks the held candidates' tokens by its own query.
 

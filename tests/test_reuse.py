@@ -1,4 +1,4 @@
-"""``select_every=N`` (kvdex/engine/reuse.py, kvdex/policies/_reuse.py): a step selects when no selection is
+"""``select_every=N`` (kvdex/engine/reuse.py, kvdex/policies/reuse.py): a step selects when no selection is
 held, when a page joins the middle, when the policy must (PRKV's refresh) or after N - 1 reuse steps; every
 other step attends each layer's last selection. Full budget == dense, offload == device and forks are in
 tests/test_contract.py, captured == eager on the GPU there and in tests/test_graph.py."""

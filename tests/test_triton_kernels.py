@@ -330,7 +330,7 @@ def test_quest_scores_match_twin_and_bound_every_key(dtype, b, h, g, p, d):
 def test_digest_scores_match_twin(kind, b, h, g, p, d):
     """Per kv head the group's max of the digest estimate, -inf outside first <= p < the middle's pages
     (derived from token lengths), over a sliced index buffer as the policies pass it."""
-    from kvdex.policies._digest import summarize
+    from kvdex.policies.digest import summarize
     from kvdex.storage import Grid
 
     gen = torch.Generator().manual_seed(p)
@@ -732,14 +732,14 @@ def test_rerank_decodes_alike_with_and_without_its_kernel(monkeypatch, spec):
     from kvdex.bench import shapes
     from kvdex.bench.decoding import make_prompt
     from kvdex.index import summary
-    from kvdex.policies import _rerank
+    from kvdex.policies import rerank
 
     model = shapes.build_model("tiny", torch.float32, "cuda")
     ids = make_prompt(2, 600, model.config.vocab_size, 0, "cuda")
     out = []
     for use in (True, False):
         if not use:
-            monkeypatch.setattr(_rerank, "triton_kernel", lambda *a, **k: None)
+            monkeypatch.setattr(rerank, "triton_kernel", lambda *a, **k: None)
             monkeypatch.setattr(summary, "triton_kernel", lambda *a, **k: None)
         cache = kvdex.Cache(model, spec, 128, dense_layers=1)
         got = model.generate(ids, **kvdex.cache_kwargs(cache), max_new_tokens=24, do_sample=False,

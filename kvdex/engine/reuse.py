@@ -1,5 +1,5 @@
 """When a decode step selects anew, and when every sparse layer attends its last selection instead
-(a policy's ``select_every=N``, :class:`kvdex.policies._reuse.SelectEveryOption`).
+(a policy's ``select_every=N``, :class:`kvdex.policies.reuse.SelectEveryOption`).
 
 A selection names middle pages or tokens; the middle changes only when a page joins it (the window moves
 on one page at a time), so a layer's last selection stays a valid set of middle tokens until then.

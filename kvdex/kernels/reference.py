@@ -34,7 +34,7 @@ def window_start(lengths: torch.Tensor, sink: int, page_size: int, window_pages:
 def ring_push_reference(
     rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor, offset: int = 0
 ):
-    """A query ring's push in place (``kvdex.policies._obs.QueryRing``; Triton: ``step_triton.ring_push_``): the
+    """A query ring's push in place (``kvdex.policies.observation.QueryRing``; Triton: ``step_triton.ring_push_``): the
     ring rq [B, Hq, S, D], positions rp [B, S] and validity rv [B, S] shift by one row, q [B, Hq, D] at
     positions pos + offset [B] becomes the newest (valid) row."""
     rq.copy_(torch.cat([rq[:, :, 1:], q[:, :, None]], dim=2))

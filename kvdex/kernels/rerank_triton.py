@@ -1,6 +1,6 @@
 """The exact scores of a page policy's candidate tokens in one Triton kernel: the first half of ``rerank``.
 
-With ``rerank=N`` (``quest``, ``prkv``, ``arkvale``, ``chess``; ``kvdex/policies/_rerank.py``) every decode
+With ``rerank=N`` (``quest``, ``prkv``, ``arkvale``, ``chess``; ``kvdex/policies/rerank.py``) every decode
 step ranks the tokens of ``N x`` the budget's pages by their exact ``q.k``. The PyTorch twin
 (:func:`candidate_scores_reference`) gathers the candidates' keys out of the store into a new tensor
 (``LayerStore.page_keys``), converts them to fp32 and multiplies: at the Llama-3.1-8B shape (128k, budget

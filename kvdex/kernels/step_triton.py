@@ -36,12 +36,12 @@ decode step builds its list inside the paged attention kernel; ``DeviceStore.att
 hand the attended set to an observer: the evaluation's recall and needle diagnostics, H2O's scores.)
 
 **A rerank's chosen slots** (:func:`rerank_slots`, twin :func:`kvdex.kernels.reference.rerank_slots_reference`).
-A token rerank (``kvdex/policies/_rerank.py``) picks ids into its candidates' flattened pages; their slots
+A token rerank (``kvdex/policies/rerank.py``) picks ids into its candidates' flattened pages; their slots
 (``sink + page * page_size + offset``), ``-1`` for none, behind a prefix (PRKV's static tokens) took ~10
 kernels per layer (clamp, gather, where, a slot table of every candidate, a ``cat``). One launch.
 
 **Query ring push** (:func:`ring_push_`, twin :func:`kvdex.kernels.reference.ring_push_reference`).
-PRKV keeps each layer's last queries (``kvdex.policies._obs.QueryRing``: q [B, Hq, S, D], positions
+PRKV keeps each layer's last queries (``kvdex.policies.observation.QueryRing``: q [B, Hq, S, D], positions
 and validity [B, S], oldest first) and pushes the step's query into it on every step, a
 ``select_every`` reuse step too: in PyTorch a ``cat`` and a ``copy_`` per buffer plus a ``ones``
 (~8 kernels per layer and step). This kernel shifts the three buffers by one row and writes the new

@@ -1,17 +1,25 @@
-"""Selection policies, one file each. Importing this package registers the built-in ones."""
+"""Selection policies: a module or a package each (``chess/``, ``prkv/``: components), and the policy
+author's toolbox (:mod:`~kvdex.policies.rerank`, :mod:`~kvdex.policies.reuse`, :mod:`~kvdex.policies.digest`,
+:mod:`~kvdex.policies.observation`, :mod:`~kvdex.policies.spec`; docs/adding-a-policy.md). Importing this
+package registers the built-in policies."""
 
-from kvdex.policies import (  # noqa: F401  (importing a policy module registers it)
+from kvdex.policies import (  # noqa: F401  (the author's toolbox)  # noqa: F401  (importing a policy module registers it)
     arkvale,
     chess,
+    digest,
     full,
     h2o,
     icecache,
+    observation,
     oracle,
     pariskv,
     pariskv_kmeans,
     prkv,
     quest,
+    rerank,
+    reuse,
     snapkv,
+    spec,
     streaming,
 )
 from kvdex.policies.base import (

@@ -1,7 +1,7 @@
 """``arkvale``: ArkVale (Chen et al., NeurIPS 2024) -- page digests and recall of evicted pages.
 
 Every page that fills (in kvdex: joins the middle) is backed up (with ``offload=True`` it lives in
-host memory) and summarised into a digest, a bounding volume of its keys (:mod:`._digest`). Before
+host memory) and summarised into a digest, a bounding volume of its keys (:mod:`kvdex.policies.digest`). Before
 each attention, ArkVale estimates every page's importance from its digest -- cached or evicted
 alike -- ranks the pages and attends the top-k, recalling evicted ones from the backup. kvdex
 attends sink + window + the top ``(budget - sink - window) / page_size`` middle pages per kv head.
@@ -18,7 +18,7 @@ recalls per step that ArkVale would transfer (its Figure 4b).
 
 ``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options, default 0: the paper): the digests choose
 ``rerank x`` as many candidate pages (``rerank_share``: at least that share of the middle's pages) and the best
-tokens of them by exact q.k are attended (:mod:`kvdex.policies._rerank`);
+tokens of them by exact q.k are attended (:mod:`kvdex.policies.rerank`);
 the cache bookkeeping then counts the candidate pages (their keys are read).
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._digest import DigestIndex, check_digest
 from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
+from kvdex.policies.digest import DigestIndex, check_digest
 from kvdex.selection import Selection
 
 
@@ -41,7 +41,7 @@ class ArkValePolicy(PageScoringPolicy):
     capturable_index = True
     scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
-    digest: str = "cuboid-mean"  # see kvdex/policies/_digest.py: {cuboid,sphere}-{mean,max,center}
+    digest: str = "cuboid-mean"  # see kvdex/policies/digest.py: {cuboid,sphere}-{mean,max,center}
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
 
     def __post_init__(self) -> None:

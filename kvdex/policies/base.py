@@ -1,7 +1,7 @@
 """The policy interface and the mechanics every policy shares.
 
-A policy is one dataclass in one file (its fields are its options, so ``str(policy)`` records
-its settings). One instance serves one cache, all layers; it keeps per-layer index state itself,
+A policy is one dataclass, in a module or in a package of components (its fields are its options, so
+``str(policy)`` records its settings). One instance serves one cache, all layers; it keeps per-layer index state itself,
 which lets a policy share work across layers (IceCache's reuse, CHESS's one selection per step).
 
 Life cycle, driven by :class:`kvdex.Cache`:
@@ -43,18 +43,19 @@ the one place where query heads choose a kv head's pages (``"max"`` / ``"sum"`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvdex.config import CacheConfig
 from kvdex.kernels.scoring import group_reduce, group_topk, mask_pages, share_candidates, topk_ids  # noqa: F401  (kvdex.policies' names)
-from kvdex.policies._rerank import PoolOption, RerankOption, candidate_pages, rerank_pages, rerank_tokens
-from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
-from kvdex.policies._spec import coerce_option, parse_policy_spec
+from kvdex.policies.rerank import PoolOption, RerankOption, candidate_pages, rerank_pages, rerank_tokens
+from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
+from kvdex.policies.spec import coerce_option, parse_policy_spec
 from kvdex.selection import Selection
-from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage import AttendSet, LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
 
 _REGISTRY: dict[str, type[Policy]] = {}
@@ -73,7 +74,7 @@ class PolicyInfo:
     kv_heads: int
     head_dim: int
     head_offset: int = 0
-    tp: object = None
+    tp: Any = None
 
     @property
     def group(self) -> int:
@@ -137,7 +138,7 @@ class Policy:
         """Before a step (host): select although the step could reuse the last selection. Default False."""
         return False
 
-    def before_step(self, stores: list) -> None:
+    def before_step(self, stores: Sequence[LayerStore]) -> None:
         """Before each decode step, on the host, before its first layer runs (an eager step, per-layer and
         whole-step CUDA graphs alike; called again for the same step it does nothing): periodic index work
         with data-dependent shapes, done here so that the step itself can replay its graph (PRKV's and
@@ -153,32 +154,32 @@ class Policy:
     def on_step(self, step: int, logits: torch.Tensor | None) -> None:
         """After decode step ``step`` (0-based); ``logits`` [B, vocab] of the last position."""
 
-    def observe(self, layer: int, q: torch.Tensor, attend_set, scale: float) -> None:
+    def observe(self, layer: int, q: torch.Tensor, attend_set: AttendSet, scale: float) -> None:
         """After the sparse decode attention of ``layer``, for policies with ``observes = True`` only
         (H2O accumulates the attention weights of the attended tokens). ``attend_set``: the
         :class:`~kvdex.storage.AttendSet` the kernel read; q [B, Hq, D]."""
 
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Run-time counters a policy reports in ``Cache.stats()["policy_stats"]`` (e.g. CHESS rebuilds)."""
         return {}
 
-    def share_index(self, memo: dict) -> None:
+    def share_index(self, memo: dict[Any, Any]) -> None:
         """``Cache.fork`` hands the cache it forks and every fork of that prefill the same ``memo``
         dict. A policy may keep *immutable* index state built from the prefill there (keyed by
         everything it depends on), so that forks with equal settings reuse it instead of
         rebuilding it (IceCache's DCI trees). Default: nothing is shared."""
 
-    def graph_unsupported(self, stores) -> str | None:
+    def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         """Why this policy's decode step cannot be captured in a CUDA graph with these ``stores``, or None
         (``kvdex.hf.graph``). Default: None for a ``capturable`` policy."""
         if self.capturable:
             return None
         return f"policy {self.name!r} does not support graph capture (its selection touches the CPU)"
 
-    def graph_key(self, stores) -> tuple | None:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple[Any, ...] | None:
         """Before each step of a captured decode: what the step's captured work depends on beyond the
         stores' buffers (ids and shapes of the policy's device buffers, widths baked into the step), or
         None when this step must run eagerly (``kvdex.hf.graph``). Asked only where
@@ -238,12 +239,12 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
     ``"heads"``, the union of every head's own ranking. ``scores_masked``: True where
     :meth:`page_scores` already sets the pages past each middle to ``-inf`` (a fused kernel).
 
-    ``rerank`` (kvdex option, not in the papers; :mod:`kvdex.policies._rerank`): 0 (default) attends the
+    ``rerank`` (kvdex option, not in the papers; :mod:`kvdex.policies.rerank`): 0 (default) attends the
     top pages; ``N > 0`` takes ``N x`` as many pages as the token budget (:meth:`token_budget`) fills as
     candidates and attends the best tokens of them by exact ``q.k`` (the group combined by
     ``rerank_group``): a token selection; ``rerank_share`` > 0 makes the candidates at least that share of
     each sequence's middle pages; ``pool_every=N`` chooses those candidates every N steps and at page joins,
-    and ranks the held candidates' tokens every step (:class:`~kvdex.policies._rerank.PoolOption`)."""
+    and ranks the held candidates' tokens every step (:class:`~kvdex.policies.rerank.PoolOption`)."""
 
     group: ClassVar[str] = "max"
     scores_masked: ClassVar[bool] = False
@@ -322,15 +323,24 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
             return Selection(tokens=self.reranked(q, view, pages))
         return Selection(pages=pages)
 
-    def reranked(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, first=None, prefix=None) -> torch.Tensor:
+    def reranked(
+        self,
+        q: torch.Tensor,
+        view: LayerView,
+        pages: torch.Tensor,
+        first: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The :meth:`token_budget` best tokens [B, H, T] of the candidate ``pages`` by exact ``q.k``
-        (:func:`kvdex.policies._rerank.rerank_tokens`; ``first`` [B]: slots below it are no candidates;
+        (:func:`kvdex.policies.rerank.rerank_tokens`; ``first`` [B]: slots below it are no candidates;
         ``prefix`` [B, 1 or H, S]: positions put before them)."""
         return rerank_tokens(q, view, pages, self.token_budget(view), self.rerank_group, first, prefix)
 
-    def reranked_pages(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, first=None) -> torch.Tensor:
+    def reranked_pages(
+        self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, first: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The :meth:`page_budget` best pages [B, H, P] of the candidate ``pages`` by their keys' exact scores
-        (:func:`kvdex.policies._rerank.rerank_pages`)."""
+        (:func:`kvdex.policies.rerank.rerank_pages`)."""
         return rerank_pages(q, view, pages, self.page_budget(view), self.rerank_group, first)
 
 
@@ -352,7 +362,7 @@ def policy_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
-def make_policy(name: str | Policy, **options) -> Policy:
+def make_policy(name: str | Policy, **options: Any) -> Policy:
     """A fresh policy instance from a name (or a copy of an instance) and its options.
 
     ``name`` may carry options, ``"name:KEY=VALUE:..."`` (:func:`parse_policy_spec`); keyword

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import attention_mass, obs_rows
 from kvdex.policies.base import JoinFreePolicy, group_reduce, register_policy, topk_ids
+from kvdex.policies.observation import attention_mass, obs_rows
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
 

@@ -55,9 +55,9 @@ from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pa
 from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
 from kvdex.index.workers import cpu_threads, pool, run_all, to_host
 from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies._rerank import RERANK_UNITS, check_share, slot_weights
-from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.rerank import RERANK_UNITS, check_share, slot_weights
+from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
 from kvdex.view import CaptureError
@@ -106,7 +106,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     rerank: int = 0
     # rerank > 0: "page" = attend the candidate pages with the best exact max q.k (the budget rule above);
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
-    # policies' ``rerank`` (kvdex/policies/_rerank.py): no page-fit step, the budget spent on tokens
+    # policies' ``rerank`` (kvdex/policies/rerank.py): no page-fit step, the budget spent on tokens
     rerank_unit: str = "page"
     # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
     # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._reuse import SelectEveryOption, check_select_every
 from kvdex.policies.base import IndexFreePolicy, group_reduce, register_policy, topk_ids
+from kvdex.policies.reuse import SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 
 

@@ -50,8 +50,8 @@ from kvdex.kernels.scoring import topk_ids
 from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
 from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
 from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
-from kvdex.policies._reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 
 # (retrieval length below, candidate_ratio beta, collision_ratio rho): the authors' adaptive table.

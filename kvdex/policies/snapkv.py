@@ -2,7 +2,7 @@
 
 The last ``obs`` prompt queries (the observation window) vote for earlier tokens with their
 attention weights (mean over the window; GQA per query head then averaged over the group,
-:mod:`._obs`); the votes are pooled along the sequence (``kernel``, max pooling: SnapKV's
+:mod:`kvdex.policies.observation`); the votes are pooled along the sequence (``kernel``, max pooling: SnapKV's
 clustering, so a selected token brings its neighbours) and the top ``budget - sink - window``
 middle tokens per kv head are kept. SnapKV compresses the prompt once, at prefill, and never
 recalls a dropped token; every token after the prefill's middle (SnapKV's kept window and the
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
+from kvdex.policies.observation import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
 from kvdex.selection import Selection
 
 
@@ -138,7 +138,7 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
         else:
             self.chosen[layer] = chosen
 
-    # SnapKV+'s re-selection schedule (_obs.ObsRefresh): a page that joins the middle in a refresh step is
+    # SnapKV+'s re-selection schedule (observation.ObsRefresh): a page that joins the middle in a refresh step is
     # re-selected with the rest (nothing else would reach it before the next refresh)
     def _refreshing(self) -> bool:
         return bool(self.refresh)

@@ -10,7 +10,7 @@ the same budget rule:
   (``group``: max, sum or mean) with ``anchor_from=query``: the current decode step's queries of the
   layer; with ``anchor_from=window`` it is ``a[h] . v_u[h]``, a the layer's window anchor (eq. 3);
   with ``units=digest`` a page's score is the group's max of its digest estimate (ArkVale's bounding box of
-  the page's keys, :mod:`._digest`) and a chunk's or grid's the max of its pages' (``max_levels``);
+  the page's keys, :mod:`kvdex.policies.digest`) and a chunk's or grid's the max of its pages' (``max_levels``);
 * a (re)build happens *inside* ``select`` of the step after it was requested, so it reads that
   step's queries (the first decode step builds from its own queries) and each layer's index is up
   to date (the page that joins the middle at this step is already indexed);
@@ -32,12 +32,12 @@ import time
 import torch
 
 from kvdex.kernels.scoring import group_reduce
-from kvdex.policies._digest import DigestIndex
-from kvdex.policies._rerank import candidate_pages, rerank_pages
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.chess.hierarchy import Hierarchy
 from kvdex.policies.chess.levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
 from kvdex.policies.chess.scope import BuildLog, ScopeSettings
+from kvdex.policies.digest import DigestIndex
+from kvdex.policies.rerank import candidate_pages, rerank_pages
 from kvdex.selection import Selection
 from kvdex.storage import MiddleUpdate
 from kvdex.view import LayerView

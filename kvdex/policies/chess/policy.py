@@ -49,8 +49,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies._digest import DigestIndex
-from kvdex.policies._rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
 from kvdex.policies.base import Policy, PolicyInfo, register_policy
 from kvdex.policies.chess.hierarchy import Hierarchy
 from kvdex.policies.chess.layer_scope import LayerScope
@@ -58,6 +56,8 @@ from kvdex.policies.chess.levels import PRESETS
 from kvdex.policies.chess.scope import BuildLog, ScopeSettings
 from kvdex.policies.chess.shared_scope import SharedScope
 from kvdex.policies.chess.trigger import Trigger, load_thresholds
+from kvdex.policies.digest import DigestIndex
+from kvdex.policies.rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
@@ -73,7 +73,7 @@ ANCHORS = ("window", "query")
 SCOPES = ("shared", "layer")
 GROUPS = ("max", "sum", "mean")  # scope=layer with anchor_from=query: the GQA reduction of the group's scores
 # mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
-# estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies._digest), a chunk's and a
+# estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies.digest), a chunk's and a
 # grid's the max of their pages' (a kvdex option for scope=layer with anchor_from=query, not in the paper)
 UNITS = ("mean", "digest")
 VARENTROPY_KINDS = ("output", "temporal")

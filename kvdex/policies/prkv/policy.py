@@ -4,14 +4,14 @@ The retrieval budget ``r = budget - sink - window`` per kv head is split in two 
 
 * **static** (ratio ``S``): every ``T`` decode steps (and at prefill), Algorithm 1 scores every middle
   token by the attention of the last ``obs`` queries (computed per query head on repeated KV, then
-  averaged over the window and the group: :mod:`._obs`), takes the top ``k_s`` tokens per kv head,
+  averaged over the window and the group: :mod:`kvdex.policies.observation`), takes the top ``k_s`` tokens per kv head,
   and *relocates* them: the middle of the store is permuted so they occupy its first slots (in
   position order), the other tokens following in their previous order, still in pages
   (``store.permute_middle``; with ``offload=True`` the host pages are rewritten). The page digests
   are recomputed from the restructured pages. The static tokens are attended every step as whole
   pages (plus the ragged tail as tokens) -- the point of making them contiguous;
 * **dynamic** (ratio ``1 - S``): ``(r - k_s) / page_size`` pages chosen per step among the pages after
-  the static region's whole pages by ArkVale's digests (:mod:`._digest`, ``cuboid-mean`` by default),
+  the static region's whole pages by ArkVale's digests (:mod:`kvdex.policies.digest`, ``cuboid-mean`` by default),
   plus the sink and the local window that kvdex always attends.
 
 ``S = 0`` is ArkVale (the same selection, no relocation), ``S = 1`` is SnapKV+ (``snapkv`` with
@@ -47,7 +47,7 @@ Choices where the paper is silent (measured in docs/policies/prkv.md):
 **The dynamic part's selection: kvdex's default and the paper's.** By default (not the paper's, measured in
 docs/policies/prkv.md, "Default configuration") the digests choose candidate pages, at least a quarter of the
 middle's (``rerank=4``, ``rerank_share=0.25``), the dynamic pages attended are the candidates' best by their keys'
-exact softmax weights (``rerank_group="weight"``, ``rerank_unit="page"``; :mod:`kvdex.policies._rerank`), and one
+exact softmax weights (``rerank_group="weight"``, ``rerank_unit="page"``; :mod:`kvdex.policies.rerank`), and one
 selection serves 16 decode steps (``select_every=16``; a page joining the middle or a refresh selects anew). The
 paper's selection -- the digests' top pages, every step -- is ``prkv:rerank=0``. Naming any of these options
 (``group``, ``rerank``, ``rerank_group``, ``rerank_share``, ``rerank_unit``, ``select_every``, ``pool_every``)
@@ -67,13 +67,13 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels.scoring import check_group, mask_pages
-from kvdex.policies._digest import DigestIndex, check_digest
-from kvdex.policies._obs import ObsRefresh, QueryRing, check_pooling, obs_rows
-from kvdex.policies._rerank import resolve_selection
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
+from kvdex.policies.digest import DigestIndex, check_digest
+from kvdex.policies.observation import ObsRefresh, QueryRing, check_pooling, obs_rows
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.policies.prkv.static_set import StaticSet, split_budget
+from kvdex.policies.rerank import resolve_selection
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
 from kvdex.storage import Grid, LayerStore, MiddleUpdate, PageJoin
@@ -161,7 +161,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             static_group=self.static_group, kernel=self.kernel, pooling=self.pooling, obs_tokens=self.obs_tokens,
             digests=self.digests,
         )  # fmt: skip
-        # the refresh schedule (kvdex.policies._obs.ObsRefresh)
+        # the refresh schedule (kvdex.policies.observation.ObsRefresh)
         self.rings: dict[int, QueryRing] = {}
         self.pending: dict[int, object] = {}
         self.steps: dict[int, int] = {}
@@ -194,7 +194,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     def _restructure(self, layer: int, store: LayerStore, scale: float) -> None:
         self.static_set.restructure(layer, store, scale, self.rings.get(layer))
 
-    # ---- per step (the refresh schedule: _obs.ObsRefresh) -------------------------------------------
+    # ---- per step (the refresh schedule: observation.ObsRefresh) -------------------------------------------
     def _refreshing(self) -> bool:
         return bool(self.n_static or self.auto)
 

@@ -16,8 +16,8 @@ import math
 import torch
 
 from kvdex.kernels.scoring import group_topk, topk_ids
-from kvdex.policies._digest import DigestIndex
-from kvdex.policies._obs import QueryRing, middle_scores
+from kvdex.policies.digest import DigestIndex
+from kvdex.policies.observation import QueryRing, middle_scores
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.storage import Grid, LayerStore
 

@@ -54,7 +54,7 @@ import torch
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import rerank_slots_reference
 from kvdex.kernels.scoring import candidate_scores, slot_scores, topk_ids
-from kvdex.policies._reuse import check_select_every
+from kvdex.policies.reuse import check_select_every
 from kvdex.selection import Selection
 
 RERANK_GROUPS = ("max", "weight")
@@ -110,7 +110,7 @@ class RerankOption:
 class PoolOption:
     """The ``pool_every`` option of a page policy with ``rerank`` (a base before
     :class:`~kvdex.policies.base.Policy`); the candidate pages a refresh step chose are held in the policy's
-    :class:`~kvdex.policies._reuse.HeldPools` (``pools``, made in ``bind``)."""
+    :class:`~kvdex.policies.reuse.HeldPools` (``pools``, made in ``bind``)."""
 
     pool_every: int = 1  # 1: choose the candidates every step; N: every N steps (and at page joins)
 
