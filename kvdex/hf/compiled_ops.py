@@ -29,7 +29,10 @@ import torch
 
 _CACHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> kvdex.Cache
 _IDS = itertools.count(1)
-_local = threading.local()  # .pending: layer index -> the KVDexLayer whose append ran, until its attention
+# .pending: layer index -> a weak reference to the KVDexLayer whose append ran, until its attention. Weak: a step
+# interrupted between the two ops (an exception, Ctrl-C) leaves its entry behind, and a strong one would keep
+# that layer's store (its device memory) alive after its cache was dropped, until the layer's next append
+_local = threading.local()
 _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
 
 
@@ -59,7 +62,7 @@ def append(k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, layer_idx: in
     if cache is None:
         raise RuntimeError("kvdex::append: the kvdex.Cache of this handle was garbage-collected")
     cache.update_eager(k, v, layer_idx)
-    _pending()[layer_idx] = cache.layers[layer_idx]
+    _pending()[layer_idx] = weakref.ref(cache.layers[layer_idx])
     return k.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])
 
 
@@ -71,7 +74,8 @@ def _(k, v, handle, layer_idx):
 @torch.library.custom_op("kvdex::attend", mutates_args=(), tags=_TAGS)
 def attend(q: torch.Tensor, token: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     """The decode attention of layer ``layer_idx`` (appended by ``kvdex::append``): q [B, Hq, T, D] -> [B, T, Hq, D]."""
-    layer = _pending().pop(layer_idx, None)
+    ref = _pending().pop(layer_idx, None)
+    layer = None if ref is None else ref()
     if layer is None:
         raise RuntimeError(f"kvdex::attend: layer {layer_idx} has no kvdex::append before it in this step")
     return layer.attend(q, scale).contiguous()

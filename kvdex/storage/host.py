@@ -31,6 +31,43 @@ _HOST_PAGE = 4096
 _REGISTERED = REGISTERED
 
 
+class HostMemoryError(MemoryError, RuntimeError):
+    """Host memory for offloaded KV pages cannot be had (a ``MemoryError``, and a ``RuntimeError`` as torch's
+    own allocation failures are): the message says how many bytes were needed, how many are available and
+    what to change."""
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to new allocations without swapping (``MemAvailable`` of ``/proc/meminfo``;
+    elsewhere the free physical pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB ({n} bytes)"
+
+
+def _host_memory_error(nbytes: int, available: int | None, what: str, cause: str = "") -> HostMemoryError:
+    have = "unknown" if available is None else _gib(available)
+    return HostMemoryError(
+        f"kvdex: offload=True needs {_gib(nbytes)} of host memory for {what}, but {have} is available"
+        f"{cause}. The host holds every offloaded layer's middle (all of the context but sink and window): use a "
+        "shorter context or a smaller batch, a 16-bit dtype instead of float32, offload=False where the device "
+        "has room for the KV, or free host memory (page_cache sizes device slots and does not reduce it). "
+        "KVDEX_HOST_MEMORY_CHECK=0 skips this check."
+    )
+
+
 def _registered_zeros(shape, dtype) -> torch.Tensor | None:
     """A zeroed CPU tensor pinned with cudaHostRegister (exact size up to a 4 KiB page), or None if that fails.
 
@@ -119,8 +156,34 @@ class HostPages:
 
     # ---- memory ------------------------------------------------------------------------
     def _alloc(self, pages: int) -> torch.Tensor:
+        """Zeroed host pages [B, H, pages, 2, ps, D] (pinned with CUDA). Checked against the host memory available
+        first, and a failed allocation is reported as :class:`HostMemoryError`, not a crash or torch's bare error."""
         shape = (self.batch, self.kv_heads, pages, 2, self.page_size, self.head_dim)
         nbytes = self.batch * self.kv_heads * pages * 2 * self.page_size * self.head_dim * self.dtype.itemsize
+        what = (
+            f"one layer's KV pages ({self.batch} sequence(s) x {self.kv_heads} kv heads x {pages} pages of "
+            f"{self.page_size} tokens x head dim {self.head_dim}, {str(self.dtype).replace('torch.', '')}"
+            f"{', pinned' if self.pin else ''})"
+        )
+        available = None
+        if nbytes and os.environ.get("KVDEX_HOST_MEMORY_CHECK", "1") != "0":
+            available = available_host_bytes()
+            if available is not None and nbytes > available:
+                raise _host_memory_error(nbytes, available, what)
+        try:
+            return self._alloc_unchecked(shape, nbytes)
+        except RuntimeError as e:  # torch: "CUDA error: out of memory" (pinned), "can't allocate memory" (CPU)
+            text = str(e).lower()
+            if "out of memory" not in text and "can't allocate" not in text and "cannot allocate" not in text:
+                raise
+            if self.pin:
+                _clear_cuda_error()
+            line = next((x for x in str(e).splitlines() if x.strip()), "")
+            raise _host_memory_error(
+                nbytes, available_host_bytes(), what, f" (the allocation failed: {line[:200]})"
+            ) from e
+
+    def _alloc_unchecked(self, shape, nbytes: int) -> torch.Tensor:
         if self.pin and nbytes >= max(_REGISTER_MIN_BYTES, 1) and os.environ.get("KVDEX_HOST_REGISTER", "1") != "0":
             t = _registered_zeros(shape, self.dtype)
             if t is not None:
