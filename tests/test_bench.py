@@ -278,17 +278,16 @@ def test_cli_new_flag_errors(capsys):
         assert "kvdex: error:" in capsys.readouterr().err
 
 
-SMOL = "~/.cache/kvdex/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def test_bench_real_model_with_text(tmp_path):
     """``--model`` (a GGUF through kvdex.load) with ``--text`` prompts: the run checks and measures. (The suite's
-    load of SmolLM2 from its GGUF file itself, ``gguf_file=``: the known name loads the converted folder.)"""
-    import os
+    load of SmolLM2 from its GGUF file itself, ``gguf_file=``: the known name loads the converted folder.)
+    The file is found as ``kvdex models`` finds it (``$KVDEX_MODELS``, else ``~/.cache/kvdex/models``)."""
+    from kvdex import models
 
-    path = os.path.expanduser(SMOL)
-    if not os.path.isfile(path):
-        pytest.skip("SmolLM2 GGUF not downloaded")
+    path = models.find("smollm2")
+    if path is None:
+        pytest.skip(f"SmolLM2 GGUF not downloaded (kvdex models fetch smollm2; looked in {models.models_dir()})")
+    path = str(path)
     pytest.importorskip("gguf")
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
