@@ -71,7 +71,7 @@ def test_selection_is_whole_semantic_pages_within_budget(offload):
 
     def spy(q, view):  # the tree snapshots each selection was made from
         sel = select(q, view)
-        snaps.append((view.layer, list(pol._trees[view.layer]), sel.tokens.cpu()))
+        snaps.append((view.layer, list(pol.tree_jobs.trees[view.layer]), sel.tokens.cpu()))
         return sel
 
     pol.select = spy
@@ -216,7 +216,7 @@ def test_every_middle_token_is_in_exactly_one_page_after_decoding():
     for b in range(3):
         expect = torch.arange(SINK, SINK + int(nmid[b]) * PAGE)
         for h in range(store.kv_heads):
-            tree = cache.policy._trees[1][b * store.kv_heads + h]
+            tree = cache.policy.tree_jobs.trees[1][b * store.kv_heads + h]
             if expect.numel() == 0:
                 assert tree is None
                 continue
@@ -235,14 +235,14 @@ def test_offload_keeps_semantic_pages_physically_and_bulk_loads_only_missing_pag
     assert isinstance(store, SemanticOffloadStore)
     k, v = store.dense()
     for h in range(store.kv_heads):
-        tree = cache.policy._trees[1][h]
+        tree = cache.policy.tree_jobs.trees[1][h]
         for p in range(tree.num_pages):
             f = int(tree.page_fill[p])
             pos = tree.page_positions(torch.tensor([p]))[0, :f]
             torch.testing.assert_close(store.sem[0, h, p, 0, :f], k[0, h, pos], atol=0, rtol=0)
             torch.testing.assert_close(store.sem[0, h, p, 1, :f], v[0, h, pos], atol=0, rtol=0)
     # the same selection twice: the second time every page is resident, nothing crosses
-    tree = cache.policy._trees[1][0]
+    tree = cache.policy.tree_jobs.trees[1][0]
     toks = tree.page_positions(torch.arange(min(3, tree.num_pages))).flatten()
     toks = toks[toks >= 0]
     sel = Selection(tokens=toks.expand(1, store.kv_heads, -1).contiguous())
@@ -295,7 +295,7 @@ def test_reuse_indexes_anchor_layers_only_and_shares_their_selection():
     greedy(model, prompt(200, seed=6), cache=cache, new=20)
     pol = cache.policy
     assert pol.anchor_of == {0: 0, 1: 0, 2: 2}
-    assert set(pol._trees) == {0, 2}
+    assert set(pol.tree_jobs.trees) == {0, 2}
     by_step = {}
     for layer, pos, valid, _ in log:
         by_step.setdefault(layer, []).append(torch.sort(pos[valid]).values)
@@ -377,9 +377,9 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
     b.policy.flush()
     assert a.policy.stats()["builds"] == 2 and a.policy.stats()["builds_reused"] == 0
     assert b.policy.stats()["builds"] == 0 and b.policy.stats()["builds_reused"] == 2
-    before = {lay: [_tree_tensors(t) for t in a.policy._trees[lay]] for lay in (1, 2)}
+    before = {lay: [_tree_tensors(t) for t in a.policy.tree_jobs.trees[lay]] for lay in (1, 2)}
     for lay in (1, 2):
-        assert all(x is y for x, y in zip(a.policy._trees[lay], b.policy._trees[lay], strict=True))
+        assert all(x is y for x, y in zip(a.policy.tree_jobs.trees[lay], b.policy.tree_jobs.trees[lay], strict=True))
 
     # the trees equal a freshly built cache's, and so do the decoded tokens, logits and selections
     fresh = kvdex.Cache(model, "icecache", budget=64, offload=offload, dense_layers=1)
@@ -401,10 +401,10 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
 
     # isolation: b's insertions left the shared trees (held by a) untouched; a decodes as fresh too
     for lay in (1, 2):
-        for t, snap in zip(a.policy._trees[lay], before[lay], strict=True):
+        for t, snap in zip(a.policy.tree_jobs.trees[lay], before[lay], strict=True):
             assert _tree_tensors(t).keys() == snap.keys()
             assert all(torch.equal(_tree_tensors(t)[k], snap[k]) for k in snap)
-        assert b.policy._trees[lay][0].n > a.policy._trees[lay][0].n
+        assert b.policy.tree_jobs.trees[lay][0].n > a.policy.tree_jobs.trees[lay][0].n
     fresh96 = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
     t_f96, _ = greedy(model, ids, mask, fresh96, new=21)
     t_a, _ = _decode_from_fork(model, ids, mask, a, first, 20)
@@ -414,7 +414,7 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
     c.policy.flush()
     assert c.policy.stats()["builds_reused"] == 2
     for lay in (1, 2):
-        for t, snap in zip(c.policy._trees[lay], before[lay], strict=True):
+        for t, snap in zip(c.policy.tree_jobs.trees[lay], before[lay], strict=True):
             assert all(torch.equal(_tree_tensors(t)[k], snap[k]) for k in snap)
 
 
@@ -432,13 +432,16 @@ def test_forks_with_other_tree_settings_build_their_own():
     for c in (src, same, other_seed, other_r, other_grid, exact):
         c.policy.flush()
     assert same.policy.stats()["builds_reused"] == 1 and same.policy.stats()["builds"] == 0
-    assert same.policy._trees[2][0] is src.policy._trees[2][0]
-    assert exact.policy._trees[2][0].params.parents == "exact" and src.policy._trees[2][0].params.parents == "dci"
+    assert same.policy.tree_jobs.trees[2][0] is src.policy.tree_jobs.trees[2][0]
+    assert (
+        exact.policy.tree_jobs.trees[2][0].params.parents == "exact"
+        and src.policy.tree_jobs.trees[2][0].params.parents == "dci"
+    )
     for c in (other_seed, other_r, other_grid, exact):
         assert c.policy.stats()["builds"] == 1 and c.policy.stats()["builds_reused"] == 0
-        assert c.policy._trees[2][0] is not src.policy._trees[2][0]
-    assert not torch.equal(other_seed.policy._trees[2][0].top, src.policy._trees[2][0].top)
-    assert other_grid.policy._trees[2][0].params.page_size == 8
+        assert c.policy.tree_jobs.trees[2][0] is not src.policy.tree_jobs.trees[2][0]
+    assert not torch.equal(other_seed.policy.tree_jobs.trees[2][0].top, src.policy.tree_jobs.trees[2][0].top)
+    assert other_grid.policy.tree_jobs.trees[2][0].params.page_size == 8
 
 
 def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_select():
@@ -448,11 +451,11 @@ def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_sele
     with torch.no_grad():
         model(prompt(200, seed=9), **cache_kwargs(cache), use_cache=True)
     pol = cache.policy
-    assert set(pol._jobs) == {1, 2} and all(len(q) == 1 for q in pol._jobs.values())
-    assert pol._trees == {}  # nothing applied on the main thread during the prefill
+    assert set(pol.tree_jobs.jobs) == {1, 2} and all(len(q) == 1 for q in pol.tree_jobs.jobs.values())
+    assert pol.tree_jobs.trees == {}  # nothing applied on the main thread during the prefill
     with torch.no_grad():
         model(torch.tensor([[5]]), **cache_kwargs(cache), use_cache=True)  # one decode step
-    assert set(pol._trees) == {1, 2}
+    assert set(pol.tree_jobs.trees) == {1, 2}
     st = pol.stats()
     middle = window_start(200) - SINK  # tokens indexed per (layer, kv head) at prefill
     assert st["builds"] == 2 and st["build_keys"] == 2 * 2 * middle

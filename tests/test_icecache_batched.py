@@ -323,11 +323,12 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
         tok, qc, H = sel.tokens.cpu(), q.float().cpu(), view.kv_heads
         G, saved = q.shape[1] // H, dict(pol._stats)
         for h in range(H):
-            tree = pol._trees[layer][h]
+            tree = pol.tree_jobs.trees[layer][h]
             if tree is not None and tree.n > pol.cfg.retrieval_tokens:
                 want = pol._select_pages(tree, qc[0, h * G : (h + 1) * G], pol.cfg.retrieval_tokens, scale=scale)
                 same.append(set(want.tolist()) == set(tok[0, h][tok[0, h] >= 0].tolist()))
-        pol._stats = saved
+        pol._stats.clear()
+        pol._stats.update(saved)  # in place: the components count into the same dict
         return sel
 
     pol.select = both
@@ -509,7 +510,7 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
         pol, log, built_late = cache.policy, [], []
         heads = model.config.num_key_value_heads
         cache.observer = lambda layer, q, store, aset, scale, log=log: log.append((layer, _head_sets(aset)))
-        job = pol._index_job
+        job = pol.tree_jobs.index_job
 
         def spy(layer, keys, ready, per_b, prev, base, h, job=job, pol=pol, built_late=built_late):
             trees, placements, staged = job(layer, keys, ready, per_b, prev, base, h)
@@ -521,7 +522,7 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
                 built_late += [(layer, t) for t in late]
             return trees, placements, staged
 
-        pol._index_job = spy
+        pol.tree_jobs.index_job = spy
         outs.append((greedy(model, ids, mask, cache, new=new), log))
         # the case under test happened: the short sequence's trees were built after the prefill's
         assert {t // heads for _, t in built_late} == {short}, built_late
@@ -532,7 +533,7 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
             pol.flush()
             assert pol._device.forests  # the searches ran on the mirror
             for layer, forest in pol._device.forests.items():
-                trees = pol._trees[layer]
+                trees = pol.tree_jobs.trees[layer]
                 assert all(t is not None for t in trees)
                 forest = forest.update(trees, pol._device.staged.get(layer))
                 fresh = DCIForest(trees, "cpu", capacity=(forest.S, forest.Pc), static_shapes=forest.static)

@@ -1,4 +1,4 @@
-"""IceCache ``pool_every=N`` (kvdex/policies/icecache.py, ``SemanticPages.candidates`` / ``rerank_tokens`` /
+"""IceCache ``pool_every=N`` (kvdex/policies/icecache/policy.py, ``SemanticPages.candidates`` / ``rerank_tokens`` /
 ``narrow``): a refresh step (every N steps, and whenever a page joins) chooses the rerank's candidates and
 keeps the ``rerank x max_pages`` best of them by its own token scores; every step between ranks the held
 pool's tokens by its own query.
@@ -96,7 +96,7 @@ def test_steps_between_refreshes_take_the_best_tokens_of_the_held_pool(group):
         B, H, S, D = k.shape
         if not reuse:  # a refresh step ranks the whole candidate set (the share's), then holds its best pages
             continue
-        middle = policy._pages[layer].npages.view(-1)
+        middle = policy.summary_pages.pages[layer].npages.view(-1)
         if cap is None:  # every candidate of the share: more pages than the narrowed pool, fewer than the middle
             live = (pool.view(B * H, -1, PAGE) >= 0).any(-1).sum(-1)
             assert bool((live > policy.rerank * policy._max_pages()).all()) and bool((live < middle).all())

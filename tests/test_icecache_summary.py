@@ -126,7 +126,7 @@ def test_bounds_never_below_a_pages_true_max_and_every_token_in_one_page(summary
     cache = _cache(model, f"icecache:search=summary:summary={summary}:build={build}", 80)
     greedy(model, ids, mask, cache, new=70)
     pol, g = cache.policy, torch.Generator().manual_seed(0)
-    for layer, pages in pol._pages.items():
+    for layer, pages in pol.summary_pages.pages.items():
         store = cache.layers[layer].store
         nmid = store.grid.num_middle_pages(store.lengths_host)
         C = pages.capacity
@@ -287,10 +287,10 @@ def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
     model, _ = shared_pair("llama_gqa")
     ids, mask, base, first = _dense_prefill(model)
     a = base.fork(policy=spec, budget=96)
-    assert all(k is not None for _, k, _, _ in a.policy._prefill_keys.values())
+    assert all(k is not None for _, k, _, _ in a.policy.tree_jobs.prefill_keys.values())
     _decode_from_fork(model, ids, mask, a, first, 30)  # makes the table (memo) and inserts into its own copy
     b = base.fork(policy=spec, budget=96)
-    assert b.policy._prefill_keys and all(k is None for _, k, _, _ in b.policy._prefill_keys.values())
+    assert b.policy.tree_jobs.prefill_keys and all(k is None for _, k, _, _ in b.policy.tree_jobs.prefill_keys.values())
     fresh = kvdex.Cache(model, spec, budget=96, dense_layers=1)
     log_b, log_fresh = [], []
     _observe(b, log_b)
@@ -303,8 +303,8 @@ def test_forks_share_the_page_table_and_decode_like_a_fresh_cache(spec):
     for (l1, p1, v1), (l2, p2, v2) in zip(log_b, log_fresh, strict=True):
         assert l1 == l2
         assert torch.equal(p1.masked_fill(~v1, -1).sort(-1).values, p2.masked_fill(~v2, -1).sort(-1).values)
-    for lay, pages in b.policy._pages.items():
-        ref = fresh.policy._pages[lay]
+    for lay, pages in b.policy.summary_pages.pages.items():
+        ref = fresh.policy.summary_pages.pages[lay]
         assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay
 
 
@@ -326,8 +326,8 @@ def test_device_build_forks_share_the_table_and_decode_like_a_fresh_cache():
     t_b, l_b = _decode_from_fork(model, ids, mask, b, first, 30)
     assert torch.equal(t_b, t_fresh)
     torch.testing.assert_close(l_b, l_fresh[1:], atol=1e-5, rtol=0)
-    for lay, pages in b.policy._pages.items():
-        ref = fresh.policy._pages[lay]
+    for lay, pages in b.policy.summary_pages.pages.items():
+        ref = fresh.policy.summary_pages.pages[lay]
         assert all(torch.equal(x, y) for x, y in zip(pages.tensors(), ref.tensors(), strict=True)), lay
     assert fresh.stats()["policy_stats"]["semantic_store_per_dense_kv"] > 1.0
 
@@ -337,7 +337,7 @@ def test_device_build_draws_the_next_layers_promotions_ahead_with_its_seeds(monk
     every later one on a worker thread while an earlier layer ran (submitted by the previous anchor's build)."""
     import threading
 
-    from kvdex.policies import _icecache_index
+    from kvdex.policies.icecache import summary_pages
 
     calls = []
 
@@ -345,7 +345,7 @@ def test_device_build_draws_the_next_layers_promotions_ahead_with_its_seeds(monk
         calls.append((threading.current_thread().name, seeds.tolist(), n.tolist()))
         return promoted(params, seeds, n, d)
 
-    monkeypatch.setattr(_icecache_index, "promoted", recording)
+    monkeypatch.setattr(summary_pages, "promoted", recording)
     model, _ = shared_pair("llama_gqa")
     ids, mask, _ = left_padded([260, 150], seed=7)
     cache = kvdex.Cache(model, DEVICE, budget=64, dense_layers=0, page_size=PAGE, sink=SINK, window=WINDOW)
@@ -356,8 +356,8 @@ def test_device_build_draws_the_next_layers_promotions_ahead_with_its_seeds(monk
     heads = model.config.num_key_value_heads
     by_seeds = {tuple(c[1]): c[0] for c in calls}  # the worker may record before the inline call
     assert len(calls) == len(by_seeds) == len(anchors)
-    threads = [by_seeds[tuple(torch.tensor(pol._seeds(a, heads)).repeat(2).tolist())] for a in anchors]
+    threads = [by_seeds[tuple(torch.tensor(pol.tree_jobs.seeds(a, heads)).repeat(2).tolist())] for a in anchors]
     assert not threads[0].startswith("kvdex-dci-promote")
     assert all(t.startswith("kvdex-dci-promote") for t in threads[1:])
     assert all(c[2] == calls[0][2] for c in calls)
-    assert not pol._promotions  # the last anchor submits none
+    assert not pol.summary_pages.promotions  # the last anchor submits none

@@ -1,4 +1,3 @@
-# Over 400 lines: its options with their checks, life cycle and three search modes read as one.
 """``icecache``: IceCache (Mao et al., 2025) -- semantic pages from a DCI-tree, per-head retrieval.
 
 Per sparse layer and (sequence, kv head) a DCI-tree (:mod:`kvdex.index.dci`) indexes the middle
@@ -36,6 +35,11 @@ from a CUDA graph (``graph_key``). Window pages join on the device, each key int
 the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``index_join``). ``build="device"``
 makes those pages on the device inside the prefill instead of from host trees: the trees' promotions, each
 key's exact nearest promoted point as its parent (:mod:`kvdex.index.leaf_pages`).
+
+The package, by concept: ``policy.py`` (this file: options, life cycle, the per-step selection by tree search or
+by summaries, reporting), ``tree_jobs.py`` (:class:`~kvdex.policies.icecache.tree_jobs.TreeJobs`: the host trees,
+their background jobs and the fork memo) and ``summary_pages.py`` (:class:`~kvdex.policies.icecache.summary_pages.
+SummaryPages`: the device semantic pages of ``search="summary"``). Each component owns its state.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -52,20 +55,22 @@ import torch
 from kvdex.index.dci import PARENTS, DCIParams, DCITree, transform_queries
 from kvdex.index.device_search import DeviceSearch
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
-from kvdex.index.summary import MERGES, SUMMARIES, SemanticPages, summary_stats
-from kvdex.index.workers import cpu_threads, pool, run_all, to_host
-from kvdex.policies._icecache_index import IndexJobsMixin
-from kvdex.policies.base import Policy, register_policy
+from kvdex.index.summary import MERGES, SUMMARIES, summary_stats
+from kvdex.index.workers import cpu_threads, run_all
+from kvdex.policies.base import Policy, PolicyInfo, register_policy
+from kvdex.policies.icecache.summary_pages import SummaryPages
+from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
 from kvdex.policies.rerank import RERANK_UNITS, check_share, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
-from kvdex.view import CaptureError
+from kvdex.view import CaptureError, LayerView
 
 
 @register_policy
 @dataclass
-class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
+class IceCachePolicy(SelectEveryOption, Policy):
     name = "icecache"
     granularity = "token"
 
@@ -185,7 +190,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
         self.capturable = self.search == "summary"
         # search="summary": a window page joining the middle is placed inside the captured step too
-        # (reserve_index / joined / index_join, _icecache_index.py); the class says no (the tree searches)
+        # (reserve_index / joined / index_join, summary_pages.py); the class says no (the tree searches)
         self.capturable_index = self.capturable
         if self.capturable:
             self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
@@ -194,7 +199,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
 
     # ---- set-up ------------------------------------------------------------------------------------
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         ps = self.cfg.page_size
         same = ("num_comp", "num_simp", "construction_fov", "construction_prop", "norm_margin", "seed", "parents")
@@ -204,27 +209,23 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         sparse = info.sparse_layers
         every = self.reuse_every if self.reuse else 1
         self.anchor_of = {lay: sparse[(i // every) * every] for i, lay in enumerate(sparse)}
-        self._trees: dict[int, list[DCITree | None]] = {}
-        self._jobs: dict[int, deque] = {}  # layer -> (future, {b: positions}, step) not applied yet
-        self._clamped: dict[int, int] = {}  # layer -> inserted keys longer than c (ranked by cosine)
-        self._gens: dict[int, dict[int, torch.Generator]] = {}  # layer -> tree -> insertion random stream
         self._last: dict[int, Selection] = {}
-        self._selects: dict[int, int] = {}  # decode steps (selects) seen per layer
-        self._stores: dict = {}  # layer -> its store (semantic placement of inserted tokens)
-        self._memo: dict | None = None  # shared by the forks of one prefill (share_index)
-        self._prefill_builds: dict = {}  # memo key -> future of this policy's prefill build
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
         self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees
         self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
-        self._pages: dict[int, SemanticPages] = {}  # search="summary": layer -> its pages on the device
         self._pools = HeldPools()  # pool_every: layer -> the held candidates' positions [R, N]
-        self._prefill_keys: dict = {}  # search="summary": layer -> the prefill keys on the host (summaries)
-        self._build_times: list = []  # build="device": seconds, or CUDA events around each build
-        self._promotions: dict = {}  # build="device": (layer, n, D) -> future of the next layer's promotions
+        self.tree_jobs = TreeJobs(
+            self.cfg, self.params, seed=self.seed, search=self.search, summary=self.summary, threads=self.threads,
+            head_offset=info.head_offset, device=self._device, stats=self._stats, lock=self._lock,
+        )  # fmt: skip
+        self.summary_pages = SummaryPages(
+            self.cfg, self.params, summary=self.summary, anchor_of=self.anchor_of, tree_jobs=self.tree_jobs,
+            stats=self._stats,
+        )  # fmt: skip
 
-    def make_store(self, layer, offload, args, work_tokens):
+    def make_store(self, layer: int, offload: bool, args: tuple, work_tokens: int) -> LayerStore | None:
         if not offload or self.anchor_of.get(layer) != layer or self.search == "summary":
             return None  # GPU-resident store: selected tokens are read in place
         return SemanticOffloadStore(*args, work_tokens=work_tokens, page_slots=self._max_pages())
@@ -232,52 +233,21 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     def _max_pages(self) -> int:
         return self.max_pages or max(1, 2 * self.cfg.retrieval_pages)
 
-    # ---- indexing (Algorithm 1 lines 5-10 and 26-36; the tree jobs: _icecache_index.py) --------------
-    def index(self, layer, update) -> None:
+    # ---- indexing (Algorithm 1 lines 5-10 and 26-36: tree_jobs.py; search="summary": summary_pages.py) -----
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.empty or self.anchor_of.get(layer) != layer:
             return
-        if self.search == "summary" and (layer in self._pages or self._jobs.get(layer) or self._trees.get(layer)):
-            return self._summary_insert(layer, update)  # a window page joins, on the device
+        jobs = self.tree_jobs
+        if self.search == "summary" and (
+            layer in self.summary_pages.pages or jobs.jobs.get(layer) or jobs.trees.get(layer)
+        ):
+            return self.summary_pages.insert(layer, update)  # a window page joins, on the device
         if getattr(update, "store", None) is not None:
-            self._stores[layer] = update.store
-        start, count = update.start.clone(), update.count.clone()
-        g = self.cfg
-        per_b = {}
-        for b in torch.nonzero(count).flatten().tolist():
-            first = g.sink + int(start[b]) * g.page_size
-            per_b[b] = torch.arange(first, first + int(count[b]) * g.page_size)
+            jobs.stores[layer] = update.store
+        per_b = page_positions(self.cfg, update)
         if self.build == "device":  # the leaf pages on the device now: no tree job
-            return self._device_build(layer, update, per_b)
-        q = self._jobs.setdefault(layer, deque())
-        prev = q[-1][0] if q else None
-        step = self._selects.get(layer, 0)  # the job is due at the layer's next step (deterministic)
-        base = None if prev is not None else self._trees.get(layer)
-        memo_key = fut = None
-        if prev is None and base is None:  # the prefill build: a fork of the same prefill may have it
-            memo_key = self._memo_key(layer, per_b, tuple(update.keys.shape[:2]))
-            fut = self._memo.get(memo_key) if self._memo is not None else None
-        # search="summary": the page summaries are made from the prefill keys with the trees (no copy of the
-        # keys when a fork of the same prefill made the table already: _pages_of)
-        if self.search == "summary":
-            key = self._table_key(memo_key, update.keys.dtype)
-            need = memo_key is None or self._memo is None or key not in self._memo
-        else:
-            need = fut is None  # a reused build needs no keys
-        keys, ready = to_host(update.keys) if need else (None, None)
-        if self.search == "summary":
-            self._prefill_keys[layer] = (memo_key, keys, ready, {b: int(p[0]) for b, p in per_b.items()})
-        if fut is not None:
-            self._stats["builds_reused"] += 1
-            q.append((fut, per_b, step))
-            return
-        fut = pool(self.threads or cpu_threads()).submit(
-            self._index_job, layer, keys, ready, per_b, prev, base, update.keys.shape[1]
-        )
-        if memo_key is not None:
-            self._prefill_builds[memo_key] = fut
-            if self._memo is not None:
-                self._memo.setdefault(memo_key, fut)
-        q.append((fut, per_b, step))
+            return self.summary_pages.device_build(layer, update, per_b)
+        jobs.submit(layer, update, per_b)
 
     def share_index(self, memo: dict) -> None:
         """Forks of one prefill share the prefill's trees instead of rebuilding them (Cache.fork).
@@ -287,19 +257,31 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         middle, the batch layout). Trees are immutable snapshots (:meth:`DCITree.insert` returns a
         new tree and never writes into the old one's tensors), so a fork's later insertions cannot
         change the shared trees, the original's or a sibling's: sharing is a zero-copy fork."""
-        self._memo = memo
-        for key, fut in self._prefill_builds.items():
-            memo.setdefault(key, fut)
+        self.tree_jobs.share(memo)
+
+    def flush(self) -> None:
+        """Wait for every pending index job and apply it (tests, benchmarks, end of generation)."""
+        self.tree_jobs.flush()
+
+    # ---- search="summary": page joins inside a captured decode step (Policy.capturable_index) -------------
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
+        self.summary_pages.reserve(layer, pages, store)
+
+    def joined(self, layer: int, start: torch.Tensor, count: torch.Tensor) -> None:
+        self.summary_pages.joined(layer, start, count)
+
+    def index_join(self, layer: int, join: PageJoin) -> None:
+        self.summary_pages.index_join(layer, join)
 
     # ---- page selection (Algorithms 3-4) -----------------------------------------------------------
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
         anchor = self.anchor_of[layer]
         if anchor != layer and anchor in self._last:
             return self._last[anchor]  # IceCache (reuse): the indices of the most recent anchor layer
         t0 = time.perf_counter()
         if self.search == "summary":  # every page scored from its summary on q's device: no host sync
-            pages = self._pages_of(layer, store)
+            pages = self.summary_pages.pages_of(layer, store)
             P = pages.capacity if view.static else min(pages.bound, pages.capacity)
             room, cap = view.retrieval_tokens, self._max_pages()
             if self.rerank and not store.positional_slots:
@@ -318,8 +300,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
                 tokens = pages.select(qd, P, room, cap, self.group_merge, scale, keys, rerank=self.rerank,
                                       unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
-        pending = self._sync(layer, store)
-        trees = self._trees.get(layer)
+        pending = self.tree_jobs.sync(layer, store)
+        trees = self.tree_jobs.trees.get(layer)
         B, H, G = view.batch, view.kv_heads, q.shape[1] // view.kv_heads
         budget = view.retrieval_tokens
         on_device = self.search == "device" or (self.search == "auto" and q.device.type == "cuda")
@@ -364,7 +346,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     def reuse_steps(self) -> int:
         return self.pool_every if self.pool_every > 1 else self.select_every
 
-    def reused(self, q, view) -> Selection | None:
+    def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """``pool_every``: a step between refreshes ranks the held pool's tokens by its own query."""
         if self.pool_every <= 1:
             return None
@@ -374,7 +356,8 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         t0 = time.perf_counter()
         qd = q.detach()
         by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
-        tokens = self._pages[layer].rerank_tokens(qd, self._pools.get(layer), view.retrieval_tokens, view.store.k, by)
+        pages = self.summary_pages.pages[layer]
+        tokens = pages.rerank_tokens(qd, self._pools.get(layer), view.retrieval_tokens, view.store.k, by)
         return self._selected(layer, Selection(tokens=tokens), t0)
 
     def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
@@ -397,7 +380,7 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         self._stats["queries"] += 1
         return sel
 
-    # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: _icecache_index.py) ----
+    # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: summary_pages.py) ----
     def graph_unsupported(self, stores) -> str | None:
         if self.search == "summary":
             return None
@@ -407,13 +390,14 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
     def _graph_key(self, stores) -> tuple | None:
         """None while a prefill build is pending (joined by an eager step), else every device tensor the
         selection reads, with its shape."""
-        if any(self._jobs.values()):
+        if any(self.tree_jobs.jobs.values()):
             return None
-        pages = tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in sorted(self._pages.items()))
+        layers = sorted(self.summary_pages.pages.items())
+        pages = tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in layers)
         return pages + self._pools.key()
 
     def _graph_replayed(self) -> None:
-        self._stats["queries"] += len(self._pages)
+        self._stats["queries"] += len(self.summary_pages.pages)
 
     def _graph_run(self, service, layer, sig, run, qd, keep=()):
         """``run(qd)`` through the layer's graph in the engine's graph ``service`` (``GraphService.run``)."""
@@ -464,14 +448,14 @@ class IceCachePolicy(SelectEveryOption, IndexJobsMixin, Policy):
         pages, tokens = self._device.selected()
         s["pages_selected"] += pages
         s["tokens_selected"] += tokens
-        if self._pages:  # search="summary": pages on the device, their index bytes vs the KV they hold
-            for k, v in summary_stats(self._pages.values()).items():
+        if self.summary_pages.pages:  # search="summary": pages on the device, their index bytes vs the KV they hold
+            for k, v in summary_stats(self.summary_pages.pages.values()).items():
                 s[k] = s.get(k, 0) + v
-        s["clamped_keys"] = sum(self._clamped.values())
+        s["clamped_keys"] = sum(self.tree_jobs.clamped.values())
         services = self._services.values()
         s["graph_captures"] = sum(g.captures for g in services)
         s["graph_replays"] = sum(g.replays for g in services)
-        s["build_s"] += self._built_s()
+        s["build_s"] += self.summary_pages.built_s()
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
         if s["build_s"] and self.build == "tree":
