@@ -420,11 +420,11 @@ def test_policy_spec_strings():
         (dict(shape="x"), "unknown CHESS shape"),
         (dict(chunk_pages=0), "chunk_pages must be an int >= 1"),
         (dict(grid_chunks=2.5), "grid_chunks=2.5: expected int"),
-        (dict(trigger="sometimes"), "unknown CHESS trigger 'sometimes'"),
+        (dict(trigger="sometimes"), "trigger must be one of uncertainty, interval, always, never, got 'sometimes'"),
         (dict(interval=-1), "interval must be an int >= 0"),
         (dict(check_every=-2), "check_every must be an int >= 0"),
         (dict(varentropy="x"), "varentropy must be one of"),
-        (dict(combine="xor"), "combine must be 'and' or 'or'"),
+        (dict(combine="xor"), "combine must be one of and, or, got 'xor'"),
         (dict(thresholds="/nonexistent/th.json"), "thresholds file .* not found.*kvdex calibrate chess"),
     ],
 )

@@ -43,9 +43,11 @@ the one place where query heads choose a kv head's pages (``"max"`` / ``"sum"`` 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -96,6 +98,11 @@ class Policy:
     capturable_index: ClassVar[bool] = False
     # True: it reorders its store's middle slots (``LayerStore.permute_middle``); ``positions`` undoes that
     relocates: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        """The options' checks: every option annotated with a ``Literal`` (or one or None) holds one of its
+        values (:func:`check_choices`). A subclass with its own ``__post_init__`` calls ``super().__post_init__()``."""
+        check_choices(self)
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -202,6 +209,44 @@ class Policy:
         return None
 
 
+# ---- option choices ------------------------------------------------------------------------------
+
+
+_CHOICES: dict[type, dict[str, tuple[Any, ...]]] = {}  # option_choices, per class
+
+
+def option_choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The options of the dataclass ``cls`` annotated with a ``Literal`` (``Literal[...] | None`` too): option ->
+    its allowed values (None among them where the annotation allows it), in the annotation's order."""
+    if cls in _CHOICES:
+        return _CHOICES[cls]
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[Any, ...]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        values: tuple[Any, ...] = ()
+        for part in parts:
+            if typing.get_origin(part) is Literal:
+                values += typing.get_args(part)
+            elif part is type(None):
+                values += (None,)
+        if any(v is not None for v in values):
+            out[f.name] = values
+    _CHOICES[cls] = out
+    return out
+
+
+def check_choices(policy: Policy) -> None:
+    """ValueError naming the option, its allowed values and the value given, for the first ``Literal``
+    option of ``policy`` that holds none of its values (the one place option choices are checked)."""
+    for name, allowed in option_choices(type(policy)).items():
+        value = getattr(policy, name)
+        if value not in allowed:
+            shown = ", ".join(str(v) for v in allowed if v is not None)
+            raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+
+
 # ---- shared mechanics: group_reduce, topk_ids and mask_pages are imported from kvdex.kernels.scoring
 
 
@@ -228,7 +273,7 @@ class IndexFreePolicy(JoinFreePolicy):
 
 
 @dataclass
-class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
+class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):  # type: ignore[override]  # granularity: a property
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
     ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages
@@ -354,6 +399,11 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 def policies() -> list[str]:
     """Names of the registered policies."""
     return sorted(_REGISTRY)
+
+
+def policy_classes() -> dict[str, type[Policy]]:
+    """The registered policy classes by name (a copy: registering goes through :func:`register_policy`)."""
+    return dict(_REGISTRY)
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -98,6 +98,9 @@ class RerankOption:
     rerank_unit: str = "token"  # rerank > 0: attend the best "token"s of the candidates, or their best "page"s
 
     def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # the policy's own checks (kvdex.policies.base.Policy: the option choices)
+            parent()
         check_rerank(self.rerank, self.rerank_group, self.rerank_share, self.rerank_unit)
 
     @property

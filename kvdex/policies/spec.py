@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict]:
@@ -45,7 +46,8 @@ def coerce_option(policy: str, field: dataclasses.Field, value):
     the annotation raises ``ValueError`` naming the option, what it takes and what was given, so an
     option never silently means the opposite of what it says.
     """
-    kinds = [t.strip() for t in str(field.type).replace("Optional[", "").rstrip("]").split("|")]
+    annotation = re.sub(r"Literal\[[^\]]*\]", "str", str(field.type))  # choices of text: checked by the policy
+    kinds = [t.strip() for t in annotation.replace("Optional[", "").rstrip("]").split("|")]
     known = {"bool", "int", "float", "str", "None"}
     if not kinds or not set(kinds) <= known:
         return value  # an annotation this check does not model: the policy validates it

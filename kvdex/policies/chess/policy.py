@@ -46,6 +46,7 @@ mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -63,20 +64,6 @@ from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
 
 __all__ = ["DEFAULT_SELECTION", "PLAIN_SELECTION", "ChessPolicy", "resolve_selection_options"]
-
-TRIGGERS = ("uncertainty", "interval", "always", "never")
-# window: the paper's anchor, the mean key of the recent window (eq. 3: key-key affinity, query-agnostic);
-# query: the decode step's query heads score the same hierarchy (a kvdex option, not in the paper)
-ANCHORS = ("window", "query")
-# shared: one selection for every layer and head (the paper); layer: each sparse layer scores its own
-# slice of the hierarchy per kv head (a kvdex option, kvdex/policies/chess/layer_scope.py)
-SCOPES = ("shared", "layer")
-GROUPS = ("max", "sum", "mean")  # scope=layer with anchor_from=query: the GQA reduction of the group's scores
-# mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
-# estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies.digest), a chunk's and a
-# grid's the max of their pages' (a kvdex option for scope=layer with anchor_from=query, not in the paper)
-UNITS = ("mean", "digest")
-VARENTROPY_KINDS = ("output", "temporal")
 
 # CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
 # 512 tokens at page size 32) keep >= 8 grids at 4k tokens, so the grid quantile is not a coin
@@ -129,20 +116,27 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
     shape: str = "aggressive"  # budget mode: the preset whose split of the reduction over levels is kept
     chunk_pages: int = DEFAULT_CHUNK_PAGES  # N_c
     grid_chunks: int = DEFAULT_GRID_CHUNKS  # N_g
-    trigger: str = "uncertainty"  # uncertainty | interval (Appendix C) | always | never
+    trigger: Literal["uncertainty", "interval", "always", "never"] = "uncertainty"  # interval: Appendix C
     interval: int = 0  # trigger="interval": rebuild every this many decode steps (0: 6 pages)
     check_every: int = 0  # trigger="uncertainty": steps per check (0: one page of generated tokens)
     thresholds: str = ""  # JSON written by `kvdex calibrate chess`
     entropy_threshold: float | None = None  # explicit thresholds override the file
     varentropy_threshold: float | None = None
-    varentropy: str = "output"  # output: mean per-step varentropy | temporal: variance of the entropy
-    combine: str = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
-    anchor_from: str = "query"  # query: the decode step's queries (kvdex) | window: the paper's anchor (ANCHORS)
-    scope: str = "layer"  # layer: a selection per sparse layer (kvdex) | shared: the paper's one for all (SCOPES)
+    varentropy: Literal["output", "temporal"] = "output"  # mean per-step varentropy | variance of the entropy
+    combine: Literal["and", "or"] = "and"  # and: both exceed (Figure 4's upper-right region) | or: either
+    # window: the paper's anchor, the mean key of the recent window (eq. 3: key-key affinity, query-agnostic);
+    # query: the decode step's query heads score the same hierarchy (a kvdex option, not in the paper)
+    anchor_from: Literal["window", "query"] = "query"
+    # shared: one selection for every layer and head (the paper); layer: each sparse layer scores its own
+    # slice of the hierarchy per kv head (a kvdex option, kvdex/policies/chess/layer_scope.py)
+    scope: Literal["shared", "layer"] = "layer"
     # the selection (None: resolved by resolve_selection_options -- DEFAULT_SELECTION when none is named in
     # kvdex's default mode, else PLAIN_SELECTION's values for the unnamed ones)
-    group: str | None = None  # scope=layer, anchor_from=query: max | sum | mean of the query heads' scores
-    units: str | None = None  # scope=layer, anchor_from=query: units scored by "mean" key | page "digest" (UNITS)
+    group: Literal["max", "sum", "mean"] | None = None  # scope=layer, anchor_from=query: the GQA reduction
+    # mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
+    # estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies.digest), a chunk's and a
+    # grid's the max of their pages' (a kvdex option for scope=layer with anchor_from=query, not in the paper)
+    units: Literal["mean", "digest"] | None = None
     rerank: int | None = None
     rerank_group: str | None = None
     rerank_share: float | None = None
@@ -150,6 +144,7 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
 
     def __post_init__(self) -> None:
         resolve_selection_options(self)
+        super().__post_init__()  # the option choices (Policy) and RerankOption's check
         rhos = (self.rho_g, self.rho_c, self.rho_p)
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"unknown CHESS preset {self.preset!r}; choose from {', '.join(PRESETS)}")
@@ -167,27 +162,15 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
             v = getattr(self, n)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{n} must be an int >= 1, got {v!r}")
-        if self.trigger not in TRIGGERS:
-            raise ValueError(f"unknown CHESS trigger {self.trigger!r}; choose from {', '.join(TRIGGERS)}")
         for n in ("interval", "check_every"):
             v = getattr(self, n)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{n} must be an int >= 0 (0: the default), got {v!r}")
-        if self.varentropy not in VARENTROPY_KINDS:
-            raise ValueError(f"varentropy must be one of {', '.join(VARENTROPY_KINDS)}, got {self.varentropy!r}")
-        if self.anchor_from not in ANCHORS:
-            raise ValueError(f"anchor_from must be one of {', '.join(ANCHORS)}, got {self.anchor_from!r}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {', '.join(GROUPS)}, got {self.group!r}")
         if self.group != "max" and not (self.scope == "layer" and self.anchor_from == "query"):
             raise ValueError(
                 f"group={self.group!r} reduces query heads' scores per kv head: it needs scope='layer' and "
                 "anchor_from='query' (the shared scope scores with each group's mean query)"
             )
-        if self.units not in UNITS:
-            raise ValueError(f"units must be one of {', '.join(UNITS)}, got {self.units!r}")
         if self.units == "digest" and not (self.scope == "layer" and self.anchor_from == "query"):
             raise ValueError(
                 "units='digest' scores each layer's pages by its decode queries against the pages' digests: it "
@@ -196,9 +179,6 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         if self.units == "digest" and self.group != "max":
             raise ValueError(f"units='digest' reduces a group's digest estimates by their max (ArkVale's rule): "
                              f"drop group={self.group!r}")  # fmt: skip
-        if self.combine not in ("and", "or"):
-            raise ValueError(f"combine must be 'and' or 'or', got {self.combine!r}")
-        super().__post_init__()  # RerankOption's check
         if self.rerank_unit == "page" and self.scope != "layer":
             raise ValueError("rerank_unit='page' picks each layer's pages at its build: it needs scope='layer'")
         if self.rerank_share and self.rerank_unit != "page":

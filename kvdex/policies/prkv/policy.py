@@ -63,6 +63,7 @@ StaticSet`: Algorithm 1, the relocation and its origin map, the ``auto`` split) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -78,10 +79,6 @@ from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
 from kvdex.storage import Grid, LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
-
-OBS_TOKENS = ("score", "last")
-STATIC_GROUPS = ("mean", "heads")  # static tokens: the group's mean score (Algorithm 1) or every head's own top
-
 
 # The dynamic part's selection. kvdex's default: the digests choose a quarter of the middle's pages as
 # candidates, the candidates' keys' exact softmax weights pick the dynamic pages, one selection serves 16 decode
@@ -116,12 +113,12 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     pooling: str = "max"
     # the observation window's own middle tokens (when obs > the cache's window): "score" -- they compete
     # with the others; "last" -- chosen only after every earlier token (Algorithm 1 scores K[:-n_local])
-    obs_tokens: str = "score"
+    obs_tokens: Literal["score", "last"] = "score"
     # GQA (kvdex options): how a kv head's query heads combine when ranking the dynamic pages -- "max"
     # (ArkVale's rule), "sum", or "heads" (each head ranks; union round-robin, kernels.scoring.group_topk);
     # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
     group: str | None = None  # None: resolved with the selection options below ("max" in both)
-    static_group: str = "mean"
+    static_group: Literal["mean", "heads"] = "mean"  # the group's mean score (Algorithm 1) or each head's own top
     # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options):
     # None everywhere -> DEFAULT_SELECTION; any of them named -> the others from PAPER_SELECTION
     rerank: int | None = None
@@ -142,11 +139,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             raise ValueError("refresh (T) must be >= 1 decode steps")
         check_digest(self.digest)
         check_pooling(self.kernel, self.pooling)
-        if self.obs_tokens not in OBS_TOKENS:
-            raise ValueError(f"obs_tokens must be one of {', '.join(OBS_TOKENS)}, got {self.obs_tokens!r}")
         check_group(self.group)
-        if self.static_group not in STATIC_GROUPS:
-            raise ValueError(f"static_group must be one of {', '.join(STATIC_GROUPS)}, got {self.static_group!r}")
         self.obs_window = self.obs
 
     def bind(self, info: PolicyInfo) -> None:
