@@ -35,7 +35,7 @@ class SelectionReuse:
         """No selection held (a prefill, or several tokens appended at once): the next step selects."""
         self.age = -1  # steps since the last select step (-1: none held)
         self.reuse = False
-        self._step = None
+        self._step: int | None = None
 
     def decide(self, every: int, step: int, store, must_select: Callable[[], bool] | None = None) -> bool:
         """This step's decision (the same for every call with the same ``step``, the tokens seen before

@@ -73,6 +73,7 @@ class PageJoin:
     def positions(self) -> torch.Tensor:
         """[B, ps] int64: the joining page's token positions (``sink + start * ps + j``)."""
         if self.positions_of is None:
+            assert self.store is not None, "a page join's positions need its store"
             self.positions_of = self.store.grid.page_positions(self.start)
         return self.positions_of
 
@@ -149,6 +150,8 @@ class LayerStore(ABC):
     and :meth:`window_slots`.
     """
 
+    #: The device key buffer [B, H, slots, D] every store keeps (a policy may read keys in place).
+    k: torch.Tensor
     #: Static sizing (CUDA-graph decoding, :mod:`kvdex.hf.graph`): reads of the store and the
     #: selections made over it keep shapes that no host value decides (``dense`` returns the whole slot
     #: buffer, policies score their whole reserved index), so one captured step replays on every step.

@@ -111,13 +111,13 @@ class LayerScope:
                 s = unit_scores(hier.vall[:, : g + c + n, cols], anchor, h, group)  # [B, H, G + C + n]
                 cn = -(-n // nc)
                 levels = [s[..., : -(-cn // ng)], s[..., g : g + cn], s[..., g + c : g + c + n]]
-            rows = [x.reshape(b * h, -1) for x in levels]
+            flat = [x.reshape(b * h, -1) for x in levels]  # one row per (sequence, kv head)
             page_unit = st.rerank and st.rerank_unit == "page"  # the hierarchy's pages are candidates
             k = None  # the hierarchy keeps budget_pages
             if page_unit:  # rerank x the budget's pages, at least rerank_share of this build's middle
                 k = candidate_pages(st.retrieval_tokens, view.page_size, st.rerank)
                 k = max(k, math.ceil(st.rerank_share * n))
-            mask = hier.select_pages(*rows, npages.repeat_interleave(h), k=k)[2]
+            mask = hier.select_pages(flat[0], flat[1], flat[2], npages.repeat_interleave(h), k=k)[2]
             ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
             kept = mask.sum(1).view(b, h)
             if page_unit:  # the candidates' best pages by their keys' exact scores (a set, -1 padded)

@@ -79,8 +79,10 @@ class SharedScope:
             pages = torch.where(rows.to(old.device)[:, None], new, old)
         # budget mode: a sequence whose build kept every middle page keeps them all while they fit (cover)
         covering = (mask.sum(1) >= npages.to(mask.device)).cpu() & (not st.ratio_mode)
-        keep = rows is not None and self.covering is not None
-        self.covering = torch.where(rows, covering, self.covering) if keep else covering
+        if rows is not None and self.covering is not None:
+            self.covering = torch.where(rows, covering, self.covering)
+        else:
+            self.covering = covering
         self.publish(trim(pages), stores)
         assert self.pages is not None
         self.log.selected_pages.append(float((self.pages >= 0).sum(1).float().mean()))
@@ -152,8 +154,10 @@ class SharedScope:
             return Selection(pages=view.no_ids(q.device))
         if view.static:  # CUDA-graph decoding: one buffer, rewritten in place by rebuilds
             return Selection(pages=self._static_selection(store)[:, None, :].expand(-1, view.kv_heads, -1))
-        if self.sel.pages.device != store.device:  # device_map: the layer's copy, moved once per build
-            return self.sel_on.setdefault(store.device, Selection(pages=self.sel.pages.to(store.device)))
+        pages = self.sel.pages
+        assert pages is not None  # a page selection (publish)
+        if pages.device != store.device:  # device_map: the layer's copy, moved once per build
+            return self.sel_on.setdefault(store.device, Selection(pages=pages.to(store.device)))
         return self.sel
 
     def graph_key(self) -> tuple | None:

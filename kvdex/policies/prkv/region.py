@@ -45,6 +45,7 @@ class StaticRegion:
         self.partial.copy_(other.partial)
         self.positions.copy_(other.positions)
         if self.tokens is not None:
+            assert other.tokens is not None  # the same widths: both from the same split
             self.tokens.copy_(other.tokens)
 
     def ids(self) -> tuple:
