@@ -25,6 +25,9 @@ class Selection:
     pages: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     everything: bool = False
+    # ``tokens`` already on the CPU, where the policy made them there (IceCache's host search): a store that reads
+    # the selection on the host (kvdex.storage.semantic) takes this copy instead of copying ``tokens`` back
+    host_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("pages", "tokens"):

@@ -27,10 +27,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvdex
 from kvdex.bench.decoding import decode_step, fill_random
-from kvdex.bench.graph import GraphDecoder
 from kvdex.bench.runner import WARMUP_PAGES
 from kvdex.bench.shapes import build_model, shape_names
 from kvdex.bench.timing import make_stepper, warm_up
+from kvdex.hf.graph import GraphDecoder
 
 
 def kernel_table(

@@ -82,7 +82,7 @@ def check_graph(model, cfg: BenchConfig, methods: list[str], steps: int = 40) ->
     is 4e-3 relative), so it gets ``COMPILE_TOL`` for 16-bit dtypes (1e-3 in fp32); its ``compile_s``
     (wall time of the steps that compiled) and ``compiled_graphs`` are recorded.
     """
-    from kvdex.bench.graph import GraphDecoder
+    from kvdex.hf.graph import GraphDecoder
 
     device = next(model.parameters()).device
     ctx = cfg.check_context

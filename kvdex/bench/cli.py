@@ -80,7 +80,7 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--graph",
         action="store_true",
-        help="also run each kvdex method through CUDA graphs (POLICY/STORAGE+graph, kvdex.bench.graph), "
+        help="also run each kvdex method through CUDA graphs (POLICY/STORAGE+graph, kvdex.hf.graph), "
         "checked against eager first",
     )
     p.add_argument("--graph-only", action="store_true", help="only the graph variants of the kvdex methods")

@@ -35,7 +35,7 @@ class BenchConfig:
     split_steps: int = 10
     check_context: int = 2048
     check: bool = True
-    # True: also run every kvdex method through kvdex.bench.graph (CUDA graphs) as "POLICY/STORAGE+graph";
+    # True: also run every kvdex method through kvdex.hf.graph (CUDA graphs) as "POLICY/STORAGE+graph";
     # "only": just the graph variants
     graph: bool | str = False
     # True: also the graph variants with the model's decoder layers through torch.compile (inductor, no

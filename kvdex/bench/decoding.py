@@ -11,6 +11,12 @@ from kvdex.hf.cache import dynamic_cache
 from kvdex.hf.compat import cache_kwargs
 
 
+def kvdex_cache(cache) -> kvdex.Cache | None:
+    """``cache`` where it is a :class:`kvdex.Cache`, else None (a transformers baseline's cache): the one
+    place the benchmark tells the two apart."""
+    return cache if isinstance(cache, kvdex.Cache) else None
+
+
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,8 +98,9 @@ def fill_random(model, cache, context: int, batch: int, seed: int) -> None:
         return randn(*kv), randn(*kv), randn(batch, q_heads, min(context, OBS_KEEP), head_dim)
 
     n = text_config(model).num_hidden_layers
-    if isinstance(cache, kvdex.Cache):
-        cache.adopt_prefill((layer(i) for i in range(n)), torch.full((batch,), context))
+    kc = kvdex_cache(cache)
+    if kc is not None:
+        kc.adopt_prefill((layer(i) for i in range(n)), torch.full((batch,), context))
         return
     for i in range(n):
         k, v, _ = layer(i)

@@ -42,7 +42,16 @@ import kvdex
 from kvdex.bench import shapes
 from kvdex.bench.checks import COMPILE_TOL, check_full_budget, check_graph, compile_info
 from kvdex.bench.config import HF_METHODS, BenchConfig, base_method, is_compiled, is_graph, parse_dtype
-from kvdex.bench.decoding import decode_step, fill_random, load_text_ids, make_cache, make_prompt, prefill, sync_device
+from kvdex.bench.decoding import (
+    decode_step,
+    fill_random,
+    kvdex_cache,
+    load_text_ids,
+    make_cache,
+    make_prompt,
+    prefill,
+    sync_device,
+)
 from kvdex.bench.timing import h2d_bytes, make_stepper, page_cache_counts, percentile, phase_split, timed_steps, warm_up
 
 # graph methods: after --warmup, up to this many pages of steps more, until one page of steps captures nothing
@@ -90,7 +99,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         nxt = _start(model, cache, rec, cfg, text_ids, device)
         stepper = None
         if is_graph(method):
-            from kvdex.bench.graph import GraphDecoder
+            from kvdex.hf.graph import GraphDecoder
 
             stepper = GraphDecoder(model, cache, batch, compile=is_compiled(method))
         step = make_stepper(model, cache, stepper)
@@ -106,7 +115,8 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         captures0 = None if stepper is None else stepper.counts["captures"]
         ms, wall = timed_steps(step, nxt, cfg.steps, device)
         pc1 = page_cache_counts(cache)
-        if pc1 != pc0 or (isinstance(cache, kvdex.Cache) and cache.page_cache):  # hits / misses over the timed steps
+        kc = kvdex_cache(cache)
+        if pc1 != pc0 or (kc is not None and kc.page_cache):  # hits / misses over the timed steps
             hits, misses = pc1[0] - pc0[0], pc1[1] - pc0[1]
             rec["page_cache"] = cache.page_cache
             rec["page_cache_hits"], rec["page_cache_misses"] = hits, misses
@@ -122,7 +132,7 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         rec["ms_mean"] = statistics.fmean(ms)
         rec["tokens_per_s"] = batch * cfg.steps / wall
         rec["steps"] = cfg.steps
-        period = cache.policy.rebuild_period() if isinstance(cache, kvdex.Cache) else 0
+        period = kc.policy.rebuild_period() if kc is not None else 0
         if period:  # the policy's periodic rebuilds (decode steps T, 2T, ...) among the timed steps
             first = rec["warmup_steps"]  # the timed steps are decode steps first ... first + steps - 1
             rec["rebuild_every"] = period
@@ -132,8 +142,8 @@ def measure(model, method: str, context: int, batch: int, cfg: BenchConfig, text
         h2d = h2d_bytes(cache) - h2d0
         rec["h2d_bytes_per_step"] = h2d / cfg.steps
         rec["h2d_gbps_over_step"] = h2d / cfg.steps / (rec["ms_median"] * 1e-3) / 1e9
-        if isinstance(cache, kvdex.Cache):
-            s = cache.stats()
+        if kc is not None:
+            s = kc.stats()
             rec["kv_host_gb"] = s["kv_bytes_host"] / 1e9
             rec["kv_device_gb"] = s["kv_bytes_device"] / 1e9
             # the policy's own counters (IceCache's build_s, semantic_store_per_dense_kv, ...), numbers only

@@ -9,7 +9,7 @@ import time
 import torch
 
 import kvdex
-from kvdex.bench.decoding import decode_step, sync_device
+from kvdex.bench.decoding import decode_step, kvdex_cache, sync_device
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -21,9 +21,10 @@ def percentile(xs: list[float], q: float) -> float:
 def page_cache_counts(cache) -> tuple[int, int, int]:
     """(hits, misses, bytes moved) of every offloaded store's device page cache so far (a sync)."""
     h = m = by = 0
-    if not isinstance(cache, kvdex.Cache):
+    kc = kvdex_cache(cache)
+    if kc is None:
         return 0, 0, 0
-    for lay in cache.layers:
+    for lay in kc.layers:
         st = lay.store
         if st is not None and st.page_cache:
             s = st.page_cache_stats()
@@ -33,7 +34,8 @@ def page_cache_counts(cache) -> tuple[int, int, int]:
 
 def h2d_bytes(cache) -> int:
     """Host->device bytes so far: the cache's counter plus what its device page caches moved."""
-    return cache.transfer.h2d_bytes + page_cache_counts(cache)[2] if isinstance(cache, kvdex.Cache) else 0
+    kc = kvdex_cache(cache)
+    return kc.transfer.h2d_bytes + page_cache_counts(kc)[2] if kc is not None else 0
 
 
 def make_stepper(model, cache, graph=None):

@@ -20,9 +20,9 @@ from kvdex.hf.step_graphs import JOIN_HEADROOM_PAGES, StepPlan, capture_unsuppor
 
 def graph_policies() -> list[str]:
     """Registered policies whose decode step can be captured (with a suitable store)."""
-    from kvdex.policies.base import _REGISTRY
+    from kvdex.policies.base import policy_classes
 
-    return sorted(n for n, cls in _REGISTRY.items() if cls.capturable)
+    return sorted(n for n, cls in policy_classes().items() if cls.capturable)
 
 
 class GraphDecoder(StepPlan):

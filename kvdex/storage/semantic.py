@@ -32,7 +32,6 @@ from kvdex.storage.offload import OffloadStore
 _GROW_PAGES = 64
 _GROW_POSITIONS = 1024
 _BIG = 1 << 62
-HOST_TOKENS = "_host_tokens"  # attribute of a Selection: its tokens already on the CPU (set by IceCache)
 
 
 class SemanticOffloadStore(OffloadStore):
@@ -106,8 +105,8 @@ class SemanticOffloadStore(OffloadStore):
             return super().attend(sel)
         b, h, ps = self.batch, self.kv_heads, g.page_size
         R = b * h
-        tok = getattr(sel, HOST_TOKENS, None)
-        tok = (sel.tokens if tok is None else tok).cpu().long().reshape(R, -1)
+        tok = sel.tokens if sel.host_tokens is None else sel.host_tokens
+        tok = tok.cpu().long().reshape(R, -1)
         ok = tok >= 0
         rel = torch.where(ok, tok - g.sink, 0)
         cap = self.tok_page.shape[2]

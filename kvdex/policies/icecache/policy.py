@@ -64,7 +64,7 @@ from kvdex.policies.rerank import RERANK_UNITS, check_share, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
-from kvdex.storage.semantic import HOST_TOKENS, SemanticOffloadStore
+from kvdex.storage.semantic import SemanticOffloadStore
 from kvdex.view import CaptureError, LayerView
 
 
@@ -339,8 +339,8 @@ class IceCachePolicy(SelectEveryOption, Policy):
                 work[i] = self._select_pages(tree, None, budget, found, scale)
         pin = q.device.type == "cuda"
         tokens = pad_rows(B * H, enumerate(work), pin).view(B, H, -1)
-        sel = Selection(tokens=tokens.to(q.device, non_blocking=pin))
-        setattr(sel, HOST_TOKENS, tokens)  # the semantic store reads the CPU copy (no device round trip)
+        # the semantic store reads the CPU copy (no device round trip)
+        sel = Selection(tokens=tokens.to(q.device, non_blocking=pin), host_tokens=tokens)
         return self._selected(layer, sel, t1)  # query_s: tree searches + page choice, on the CPU
 
     def reuse_steps(self) -> int:
