@@ -1,4 +1,9 @@
-"""``kvdex demo``: passkey retrieval at ~6k tokens, one prefill, every policy at a small budget.
+"""``kvdex demo``: passkey retrieval, one prefill, kvdex's policies at a small budget.
+
+The defaults depend on the device: on a CPU a 1000-token prompt, 6 new tokens and seven policies
+(:data:`CPU_POLICIES`: ``full``, ``streaming`` and the sparse ones), about a minute on two cores; on a CUDA
+device a 6000-token prompt, 16 new tokens and also ``oracle`` (:data:`CUDA_POLICIES`).
+``--length``, ``--max-new-tokens`` and ``--policies`` override them.
 
 What it does, in order:
 
@@ -7,9 +12,11 @@ What it does, in order:
 2. prefills the prompt ONCE into a ``full`` kvdex cache and takes the first answer token from the
    prefill's logits;
 3. for every policy, forks the prefilled cache (``cache.fork(policy=..., budget=...)``) and decodes
-   greedily from there with ``model.generate``;
+   greedily from there with ``model.generate``, with a progress bar per policy (on stderr);
 4. prints the settings and one row per policy: whether the key was retrieved, tokens attended per
-   decode step per kv head (and their share of the context), KV bytes on the device and on the host.
+   decode step per kv head (and their share of the context), the bytes of the keys and values held on
+   the device and on the host, and the row's wall time (its fork and decode); then a legend: what each
+   column means and which rows are expected to miss the key, and why.
    On a CUDA device it also decodes the prompt with transformers' own dense cache and shows each
    policy's decode speed next to it (ms/token and the speed-up) and the peak device memory of its
    decode. On a CPU it shows no timings: kvdex's speed comes from its CUDA kernels and graphs, and
@@ -32,17 +39,31 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import kvdex
 from kvdex import models
 from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.eval import passkey
 from kvdex.hf.compat import TRANSFORMERS_VERSION, cache_kwargs
-from kvdex.hf.generate import timed_generate
+from kvdex.hf.generate import StepTimes, timed_generate
+from kvdex.hf.model_parts import head_geometry, text_config
 
-DEFAULT_POLICIES = ("full", "oracle", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
-DEFAULT_LENGTH = 6000  # SmolLM2-135M's trained context is 8k
+CPU_POLICIES = ("full", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
+CUDA_POLICIES = ("full", "oracle", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
+DEFAULT_POLICIES = CUDA_POLICIES  # (the name callers knew; the CPU default is CPU_POLICIES)
+# SmolLM2-135M's trained context is 8k. On a CPU every decode step of every policy runs kvdex's eager path
+# (a Python step per layer) and the prefill runs on two cores: 1000 tokens and 6 new tokens (the five
+# digits of the key and one more) keep the whole demo near a minute; SmolLM2 answers with `full` there.
+CUDA_LENGTH, CPU_LENGTH = 6000, 1000
+CUDA_NEW_TOKENS, CPU_NEW_TOKENS = 16, 6
+DEFAULT_LENGTH = CUDA_LENGTH
 DEFAULT_BUDGET = 128
+# Policies that miss a needle in the middle of the context by design, and why (the legend under the table).
+BY_DESIGN = {
+    "streaming": "keeps only the sink and the newest tokens (StreamingLLM) by design and drops the middle of the "
+    "context, where the needle is",
+}
 
 
 @dataclass
@@ -54,6 +75,7 @@ class Row:
     ms_per_token: float | None
     tokens: list[int] = field(default_factory=list)
     peak_bytes: int | None = None  # peak device memory during the decode (CUDA only)
+    seconds: float | None = None  # wall time of the row: the fork (or prefill) and the decode
 
 
 @torch.no_grad()
@@ -72,24 +94,84 @@ def prefill(model, input_ids: torch.Tensor, cache: kvdex.Cache) -> torch.Tensor:
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
+class Ticks(StoppingCriteria):
+    """A stopping criterion that never stops: stamps the time (``times``: :class:`StepTimes`, ms/token) and
+    ticks ``bar`` (a tqdm bar) after every generated token."""
+
+    def __init__(self, bar=None):
+        self.times, self.bar = StepTimes(), bar
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.bar is not None:
+            self.bar.update(1)
+        return self.times(input_ids, scores, **kwargs)
+
+
+def _generate(model, input_ids, cache, max_new_tokens: int, pad_token_id, bar=None) -> tuple[list[int], float | None]:
+    """:func:`kvdex.hf.generate.timed_generate` that also ticks ``bar`` per token."""
+    if bar is None:
+        return timed_generate(model, input_ids, cache, max_new_tokens, pad_token_id)
+    ticks = Ticks(bar)
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **cache_kwargs(cache),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        stopping_criteria=StoppingCriteriaList([ticks]),
+        pad_token_id=pad_token_id,
+    )
+    return out[0, input_ids.shape[1] :].tolist(), ticks.times.median_gap_ms()
+
+
 def decode_forked(
-    model, tokenizer, input_ids, first, base: kvdex.Cache, policy: str, budget: int, max_new_tokens: int, **overrides
+    model,
+    tokenizer,
+    input_ids,
+    first,
+    base: kvdex.Cache,
+    policy: str,
+    budget: int,
+    max_new_tokens: int,
+    *,
+    bar=None,
+    **overrides,
 ) -> tuple[list[int], float | None, kvdex.Cache]:
-    """Decode from a fork of the prefilled ``base`` cache; the first token came from the prefill."""
+    """Decode from a fork of the prefilled ``base`` cache; the first token came from the prefill.
+    ``bar``: a tqdm bar of ``max_new_tokens`` ticked per token (the prefill's first one included)."""
     cache = base.fork(policy=policy, budget=budget, **overrides)
+    if bar is not None:
+        bar.set_postfix_str("decoding")
+        bar.update(1)  # the first token, from the prefill
     if max_new_tokens <= 1 or first.item() == tokenizer.eos_token_id:
         return first[0].tolist(), None, cache
-    new, ms = timed_generate(model, torch.cat([input_ids, first], 1), cache, max_new_tokens - 1, tokenizer.pad_token_id)
+    ids = torch.cat([input_ids, first], 1)
+    new, ms = _generate(model, ids, cache, max_new_tokens - 1, tokenizer.pad_token_id, bar)
     return first[0].tolist() + new, ms, cache
 
 
 def decode_fresh(
-    model, tokenizer, input_ids, policy: str, budget: int, max_new_tokens: int, **cache_args
+    model, tokenizer, input_ids, policy: str, budget: int, max_new_tokens: int, *, bar=None, **cache_args
 ) -> tuple[list[int], float | None, kvdex.Cache]:
     """Prefill and decode with a new cache (the path ``fork`` saves)."""
     cache = kvdex.Cache(model, policy=policy, budget=budget, **cache_args)
-    new, ms = timed_generate(model, input_ids, cache, max_new_tokens, tokenizer.pad_token_id)
+    if bar is not None:
+        bar.set_postfix_str("prefill and decoding")
+    new, ms = _generate(model, input_ids, cache, max_new_tokens, tokenizer.pad_token_id, bar)
     return new, ms, cache
+
+
+def _bar(name: str, total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"{name:>10}", unit="tok", leave=False, dynamic_ncols=True)
+    bar.set_postfix_str("forking the prefill")
+    return bar
 
 
 def run(
@@ -101,9 +183,11 @@ def run(
     budget: int,
     max_new_tokens: int,
     fork: bool = True,
+    progress: bool = False,
     **cache_args,
 ) -> tuple[list[Row], float | None]:
-    """Decode ``input_ids`` [1, L] with every policy. Returns the rows and the prefill time (ms, fork only)."""
+    """Decode ``input_ids`` [1, L] with every policy. Returns the rows and the prefill time (ms, fork only).
+    ``progress``: a tqdm bar per policy (stderr), ticked per generated token."""
     rows, prefill_ms = [], None
     if fork:
         # The prefill is dense whatever the policy; the base stays on the device, forks may offload.
@@ -117,15 +201,24 @@ def run(
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        if fork:
-            ids, ms, cache = decode_forked(
-                model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, **storage
-            )
-        else:
-            ids, ms, cache = decode_fresh(model, tokenizer, input_ids, name, budget, max_new_tokens, **cache_args)
+        bar = _bar(name, max_new_tokens, progress)
+        t0 = time.perf_counter()
+        try:
+            if fork:
+                ids, ms, cache = decode_forked(
+                    model, tokenizer, input_ids, first, base, name, budget, max_new_tokens, bar=bar, **storage
+                )
+            else:
+                ids, ms, cache = decode_fresh(
+                    model, tokenizer, input_ids, name, budget, max_new_tokens, bar=bar, **cache_args
+                )
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - t0
         text = tokenizer.decode(ids, skip_special_tokens=True)
         peak = torch.cuda.max_memory_allocated() if cuda else None
-        rows.append(Row(name, text, passkey.score(answer, text), cache.stats(), ms, ids, peak))
+        rows.append(Row(name, text, passkey.score(answer, text), cache.stats(), ms, ids, peak, seconds))
         del cache
     return rows, prefill_ms
 
@@ -135,11 +228,13 @@ def dense_baseline(model, tokenizer, input_ids, answer: str, max_new_tokens: int
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     new, ms = timed_generate(model, input_ids, None, max_new_tokens, tokenizer.pad_token_id)
+    seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if input_ids.device.type == "cuda" else None
     text = tokenizer.decode(new, skip_special_tokens=True)
     stats = {"attended_tokens_per_step": float(input_ids.shape[1]), "kv_bytes_device": None, "kv_bytes_host": 0}
-    return Row("transformers (dense)", text, passkey.score(answer, text), stats, ms, new, peak)
+    return Row("transformers (dense)", text, passkey.score(answer, text), stats, ms, new, peak, seconds)
 
 
 # ---- printing -------------------------------------------------------------------------------------
@@ -152,7 +247,7 @@ def _mib(n: int) -> str:
 def format_table(rows: list[Row], context: int | None = None, baseline: Row | None = None) -> str:
     """One row per policy. With a ``baseline`` (transformers' dense cache, CUDA only) the table adds
     decode speed -- ms/token and the speed-up over the baseline -- and each decode's peak device memory."""
-    head = ["policy", "correct", "attended/step/head", "device KV", "host KV"]
+    head = ["policy", "correct", "attended/step/head", "device KV", "host KV", "time"]
     if baseline is not None:
         head += ["ms/token", "vs dense", "peak device mem"]
     head.append("completion")
@@ -167,6 +262,7 @@ def format_table(rows: list[Row], context: int | None = None, baseline: Row | No
             "-" if att is None else f"{att:.0f}{share}",
             "-" if dev is None else _mib(dev),
             _mib(r.stats["kv_bytes_host"]),
+            "-" if r.seconds is None else f"{r.seconds:.1f} s",
         ]
         if baseline is not None:
             ms, ref = r.ms_per_token, baseline.ms_per_token
@@ -182,6 +278,57 @@ def format_table(rows: list[Row], context: int | None = None, baseline: Row | No
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
+def kv_bytes(model, tokens: int) -> tuple[int, str]:
+    """Bytes of the keys and values of ``tokens`` tokens in every layer of ``model``, and the product
+    that gives them: layers x kv heads x tokens x head_dim x 2 (keys and values) x dtype bytes."""
+    layers = text_config(model).num_hidden_layers
+    _, kv_heads, head_dim = head_geometry(model)
+    item = model.dtype.itemsize
+    total = layers * kv_heads * tokens * head_dim * 2 * item
+    return total, f"{layers} layers x {kv_heads} kv heads x {tokens} tokens x {head_dim} x 2 (k, v) x {item} bytes"
+
+
+def format_legend(
+    rows: list[Row],
+    answer: str,
+    depth: float,
+    budget: int,
+    offload: bool,
+    max_new_tokens: int,
+    kv: tuple[int, str] | None = None,
+    cuda: bool = False,
+) -> str:
+    """What each column of :func:`format_table` means, and which rows are expected to miss the key and why.
+    ``kv``: :func:`kv_bytes` of the context, to show how the device KV figure is made."""
+    device = (
+        "bytes of the keys and values held on the device: every token's with --offload off (the same for every "
+        "policy: they save attention reads, not memory), the sink, the window and the working set of selected "
+        "tokens with --offload"
+    )
+    if kv is not None:
+        device += (
+            f". The {rows[0].policy} row's context: {kv[1]} = {_mib(kv[0])} (a row that stopped early holds fewer)"
+        )
+    lines = [
+        "columns:",
+        f"  correct             whether the completion holds the pass key {answer}",
+        f"  attended/step/head  tokens attended per decode step per kv head in the sparse layers (mean), and their "
+        f"share of the context: full attends all of it, the others at most the budget ({budget})",
+        f"  device KV           {device}",
+        "  host KV             bytes of the keys and values held in host memory: the middle of the context with "
+        "--offload, else none",
+        f"  time                wall time of the row: forking the prefill (the policy indexes the prompt) and "
+        f"decoding {max_new_tokens} tokens" + ("" if cuda else " on this CPU (not kvdex's speed: see `kvdex bench`)"),
+        "  completion          the first 40 characters of the answer",
+    ]
+    middle = 0.05 < depth < 0.95
+    expected = [(r.policy, BY_DESIGN[r.policy.split(":")[0]]) for r in rows if r.policy.split(":")[0] in BY_DESIGN]
+    if middle and expected:
+        lines.append(f"expected to miss the key (the needle is at depth {depth:.2f}):")
+        lines += [f"  {name:<18}  {why}" for name, why in expected]
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -189,15 +336,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or a .gguf file (default: smollm2)",
     )
     p.add_argument("--gguf", help="name of a GGUF file inside --model")
-    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt length in tokens (default %(default)s)")
+    p.add_argument(
+        "--length",
+        type=int,
+        help=f"prompt length in tokens (default {CPU_LENGTH} on a CPU, {CUDA_LENGTH} on a CUDA device)",
+    )
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="picks the pass key (default %(default)s)")
     p.add_argument(
         "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help="comma-separated names or specs with options, e.g. prkv:rerank=0 (default %(default)s)",
+        help="comma-separated names or specs with options, e.g. prkv:rerank=0 (default on a CPU: "
+        f"{','.join(CPU_POLICIES)}; on a CUDA device: {','.join(CUDA_POLICIES)})",
     )
-    p.add_argument("--max-new-tokens", type=int, default=16, help="(default %(default)s)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"(default {CPU_NEW_TOKENS} on a CPU: the key's five digits and one more; {CUDA_NEW_TOKENS} on a CUDA "
+        "device)",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument(
         "--threads",
         type=int,
@@ -214,6 +371,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    cuda = torch.cuda.is_available()  # where kvdex.load puts the model
+    if args.policies is None:
+        args.policies = ",".join(CUDA_POLICIES if cuda else CPU_POLICIES)
+    if args.length is None:
+        args.length = CUDA_LENGTH if cuda else CPU_LENGTH
+    if args.max_new_tokens is None:
+        args.max_new_tokens = CUDA_NEW_TOKENS if cuda else CPU_NEW_TOKENS
+    progress = getattr(args, "progress", True)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not names:
         raise ValueError(f"--policies names none; valid policies: {', '.join(kvdex.policies())}")
@@ -233,7 +398,7 @@ def main(args: argparse.Namespace) -> int:
     prompt, answer = passkey.make_passkey_prompt(tok, args.length, args.depth, args.seed)
     ids = torch.tensor([passkey.encode(tok, prompt)], device=model.device)
 
-    print(f"kvdex {kvdex.__version__} demo: passkey retrieval, one prompt, every policy")
+    print(f"kvdex {kvdex.__version__} demo: passkey retrieval, one prompt, {len(names)} policies")
     print(
         f"model:    {model_id}{'/' + gguf if gguf else ''} ({type(model).__name__}, {model.dtype}, "
         f"loaded in {load_s:.1f} s)"
@@ -264,10 +429,25 @@ def main(args: argparse.Namespace) -> int:
     print(flush=True)
     t0 = time.perf_counter()
     baseline = dense_baseline(model, tok, ids, answer, args.max_new_tokens) if cuda else None
+    if progress and args.fork:
+        print(f"prefilling {ids.shape[1]} tokens once (each row forks that prefill) ...", flush=True)
     rows, prefill_ms = run(
-        model, tok, ids, answer, names, args.budget, args.max_new_tokens, fork=args.fork, **cache_args
+        model,
+        tok,
+        ids,
+        answer,
+        names,
+        args.budget,
+        args.max_new_tokens,
+        fork=args.fork,
+        progress=progress,
+        **cache_args,
     )
     print(format_table(rows, ids.shape[1], baseline))
+    print()
+    context = rows[0].stats.get("context_tokens") if rows else None
+    kv = kv_bytes(model, context[0]) if context else None
+    print(format_legend(rows, answer, args.depth, args.budget, args.offload, args.max_new_tokens, kv, cuda))
     print()
     total = time.perf_counter() - t0
     pre = f"prefill {prefill_ms / 1e3:.1f} s, " if prefill_ms is not None else ""

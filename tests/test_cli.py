@@ -262,6 +262,44 @@ def test_demo_prints_a_row_per_policy(tiny_model_dir, capsys):
     assert table[2].split()[3] == "(100%)" and table[4].split()[3] != "(100%)"  # full: whole context; streaming
 
 
+def test_demo_shows_time_legend_and_true_kv_bytes(tiny_model_dir, capsys):
+    """Each row's wall time, a progress bar per policy (stderr), and a legend under the table: the columns, the
+    device KV's formula (the bytes of the context's keys and values, every row's with offload off), and the
+    rows expected to miss the key by design (streaming) and why."""
+    args = "demo --length 300 --budget 64 --max-new-tokens 4 --policies full,streaming,quest".split()
+    assert cli.main([*args, "--model", str(tiny_model_dir)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    table = out[out.index("policy ") :].splitlines()
+    assert table[0].split()[:7] == ["policy", "correct", "attended/step/head", "device", "KV", "host", "KV"]
+    assert "time" in table[0] and all(re.search(r"\d+\.\d s", line) for line in table[2:5])
+    for name in ("full", "streaming", "quest"):
+        assert re.search(rf"{name}\s*:?\s.*\|", captured.err), captured.err  # its tqdm bar
+    legend = out[out.index("columns:") :]
+    for column in ("correct", "attended/step/head", "device KV", "host KV", "time", "completion"):
+        assert f"\n  {column} " in legend
+    formula = re.search(
+        r"(\d+) layers x (\d+) kv heads x (\d+) tokens x (\d+) x 2 \(k, v\) x (\d+) bytes = ([\d.]+ MiB)", legend
+    )
+    layers, heads, tokens, dim, item = (int(x) for x in formula.groups()[:5])
+    prompt_tokens = int(re.search(r"prompt: +(\d+) tokens", out).group(1))
+    assert (layers, heads, dim, item) == (3, 2, 16, 4) and tokens == prompt_tokens + 4 - 1
+    assert formula.group(6) == f"{layers * heads * tokens * dim * 2 * item / 2**20:.2f} MiB"
+    full = table[2].split()
+    assert full[0] == "full" and " ".join(full[4:6]) == formula.group(6)  # the device KV cell
+    assert "expected to miss the key" in legend and re.search(r"\n  streaming .*drops the middle", legend)
+    assert "quest" not in legend  # no reason claimed for rows not expected to fail
+
+
+def test_demo_defaults_depend_on_the_device():
+    parser = cli.build_parser()
+    args = parser.parse_args(["demo"])
+    assert args.policies is None and args.length is None and args.max_new_tokens is None  # resolved in main
+    assert "oracle" not in demo.CPU_POLICIES and {"full", "streaming", "quest", "prkv"} <= set(demo.CPU_POLICIES)
+    assert set(demo.CPU_POLICIES) <= set(demo.CUDA_POLICIES) and demo.CPU_LENGTH < demo.CUDA_LENGTH
+    assert demo.CPU_NEW_TOKENS >= 6  # the key's five digits and one more
+
+
 def test_demo_table_on_cuda_shows_speed_against_dense():
     """The CUDA table (formatting only; the GPU run is in the GPU tests): ms/token, the speed-up over
     transformers' dense cache and peak device memory per row, the dense baseline first."""

@@ -74,3 +74,56 @@ def test_enabled_model_with_dynamic_cache_generate_matches_sdpa(pair):
     assert torch.equal(t_dyn, t_ref)
     t_nc, _ = greedy(model, ids, mask, new=30, use_cache=False)
     assert torch.equal(t_nc, t_ref)
+
+
+# ---- transformers' compile_config: kvdex's on CUDA models only -------------------------------------------
+
+
+def test_cpu_generate_with_a_kvdex_cache_does_not_warn_about_compile_config(llama, recwarn):
+    """transformers logs "You have set `compile_config`, but we are unable to meet the criteria for compilation"
+    at every generate (once per process: warning_once) of a model whose generation_config has a compile_config
+    where it cannot compile, a CPU among them: kvdex.enable sets none on a CPU model."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model, _ = llama
+    assert model.device.type == "cpu" and model.generation_config.compile_config is None
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_logger = hf_logging.get_logger("transformers")
+    hf_logger.addHandler(handler)
+    hf_logging.warning_once.cache_clear()  # an earlier test's warning would hide this one's
+    try:
+        cache = kvdex.Cache(model, "quest", 96, dense_layers=1)
+        model.generate(prompt(120, 3), **kvdex.cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+    finally:
+        hf_logger.removeHandler(handler)
+    assert cache.step > 0
+    said = [r.getMessage() for r in records] + [str(w.message) for w in recwarn]
+    assert not [m for m in said if "compile_config" in m], said
+
+
+def test_enable_sets_kvdex_compile_config_on_cuda_only(monkeypatch):
+    """On CUDA (the device faked here) enable gives the model kvdex's compile_config unless the user set one; on a
+    CPU none, and a model moved off CUDA loses kvdex's (never the user's)."""
+    from transformers import CompileConfig
+
+    from kvdex.hf import loading
+    from kvdex.hf.step_backend import Backend
+
+    model, _ = build_pair("llama_gqa", seed=4)
+    kvdex.enable(model)
+    assert model.generation_config.compile_config is None
+    monkeypatch.setattr(loading, "_device_type", lambda m: "cuda")
+    kvdex.enable(model)
+    assert model.generation_config.compile_config.backend == Backend()
+    monkeypatch.setattr(loading, "_device_type", lambda m: "cpu")
+    kvdex.Cache(model, "quest", 96)  # a cache enables its model again: moved to the CPU, kvdex's config goes
+    assert model.generation_config.compile_config is None
+    model.generation_config.compile_config = mine = CompileConfig(mode="default")
+    for device in ("cpu", "cuda"):
+        monkeypatch.setattr(loading, "_device_type", lambda m, d=device: d)
+        kvdex.enable(model)
+        assert model.generation_config.compile_config is mine

@@ -271,3 +271,80 @@ def test_known_model_not_fetched_says_how(tmp_path, monkeypatch):
     for name in ("smollm2", "qwen05b"):
         with pytest.raises(ValueError, match=rf"run `kvdex models fetch {name}`"):
             kvdex.load(name)
+
+
+# ---- model names that name no model: at once, no download ---------------------------------------------
+
+
+@pytest.fixture
+def no_download(monkeypatch, tmp_path):
+    """Any download or hub request fails the test; the working directory holds no model folders."""
+    import huggingface_hub
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a download was attempted: {args[:2]}")
+
+    for cls in (AutoModelForCausalLM, AutoTokenizer):
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", refuse)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["smollm", "SmolLM2-135M", "gpt2"])
+def test_unknown_model_name_lists_the_known_ones(no_download, name):
+    from kvdex import models
+
+    for call in (lambda: kvdex.load(name), lambda: models.resolve_model(name)):
+        with pytest.raises(ValueError, match=rf"unknown model '{re.escape(name)}'") as err:
+            call()
+        msg = str(err.value)
+        assert "smollm2" in msg and "qwen05b" in msg and "`kvdex models fetch NAME`" in msg
+        assert "Hugging Face id, org/name" in msg and "local model directory" in msg and ".gguf" in msg
+    if name == "smollm":
+        assert "did you mean 'smollm2'?" in msg
+
+
+def test_hugging_face_id_offline_fails_fast(no_download, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"'kvdex-tests/no-such-model' is not in the Hugging Face cache and offline"):
+        kvdex.load("kvdex-tests/no-such-model")
+
+
+def test_hugging_face_id_unreachable_hub_fails_fast(no_download, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    asked = []
+
+    def unreachable(self, repo_id, **kw):
+        asked.append((repo_id, kw.get("timeout")))
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    with pytest.raises(ValueError, match=r"the hub cannot be reached \(ConnectionError: Name or service") as err:
+        kvdex.load("kvdex-tests/no-such-model")
+    assert "nothing was downloaded" in str(err.value) and "smollm2" in str(err.value)
+    from kvdex.hf.loading import HUB_TIMEOUT_S
+
+    assert asked == [("kvdex-tests/no-such-model", HUB_TIMEOUT_S)]  # one request, bounded
+
+
+def test_hugging_face_id_in_the_cache_loads_offline_from_it(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from kvdex.hf.loading import hub_local_only
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name, **kw: f"/cache/{repo}/{name}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_local_only("org/name") is True
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: (_ for _ in ()).throw(OSError()))
+    assert hub_local_only("org/name") is True  # unreachable hub: the cached copy, no retries
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: None)
+    assert hub_local_only("org/name") is False  # the hub answered: transformers downloads as usual

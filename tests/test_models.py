@@ -183,3 +183,45 @@ def test_models_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("KVDEX_MODELS")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert models.models_dir() == tmp_path / ".cache" / "kvdex" / "models"
+
+
+def test_save_converted_in_float16_rounds_and_reports(tmp_path):
+    """``fetch``'s conversion stores float16 weights (:data:`kvdex.hf.convert.CONVERTED_DTYPE`): the file holds
+    the weights rounded to float16 (checked when written), ties kept, the config still says float32 (plain
+    ``from_pretrained`` gives float32 as before), and the report says how far the rounding moved the values."""
+    from safetensors import safe_open
+    from test_cli import make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert convert.CONVERTED_DTYPE == torch.float16
+    tok = make_tokenizer(chat=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    want = {k: v.to(torch.float16).float() for k, v in model.state_dict().items()}
+    moved = max((v - want[k]).abs().max().item() for k, v in model.state_dict().items())
+    report = convert.save_converted(model, tok, tmp_path / "conv", dtype=torch.float16)
+    assert report["dtype"] == "float16" and report["kept"] == [] and report["max_abs_error"] == pytest.approx(moved)
+    assert 0 < report["max_rel_error"] <= 2**-11 and 0 < report["changed_values"] <= report["values"]
+    with safe_open(str(tmp_path / "conv" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    assert '"dtype": "float32"' in (tmp_path / "conv" / "config.json").read_text()
+    back, _ = kvdex.load(str(tmp_path / "conv"), device="cpu", dtype=torch.float32)
+    assert back.dtype == torch.float32
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in want.items())
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_cast_weights_keeps_a_tensor_out_of_float16_range():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.norm.weight[0] = 1e6  # beyond float16's 65504
+    report = convert.cast_weights(model, torch.float16)
+    assert report["kept"] == ["model.norm.weight"] and model.model.norm.weight.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.float16

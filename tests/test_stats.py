@@ -94,3 +94,52 @@ def test_prefill_only_counts_no_decode():
     s = cache.stats()
     assert s["decode_steps"] == 0 and s["attended_tokens_per_step"] is None
     assert s["bytes_host_to_device"] == 0 and s["kv_bytes_host"] > 0
+
+
+def _kv_geometry(model):
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, next(model.parameters()).element_size()
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["fresh", "fork"])
+@pytest.mark.parametrize("policy", ["full", "quest", "streaming"])
+def test_kv_bytes_device_is_the_tokens_keys_and_values(policy, fork):
+    """offload=False: every layer holds every token on the device, and kv_bytes_device is exactly
+    layers x kv_heads x tokens x head_dim x 2 (keys and values) x dtype bytes -- not the buffers'
+    capacity, which grows ahead of the tokens (a fork's first decode step grows it by 25 %)."""
+    model, _ = shared_pair("llama_gqa")
+    layers, kv_heads, head_dim, item = _kv_geometry(model)
+    ids, mask, _ = left_padded([90, 60], seed=3)
+    if fork:
+        base = kvdex.Cache(model, "full", 96, dense_layers=1)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, **cache_kwargs(base), use_cache=True)
+        cache = base.fork(policy=policy)
+        ids = torch.cat([ids, torch.zeros_like(ids[:, :1])], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    else:
+        cache = kvdex.Cache(model, policy, 96, offload=False, dense_layers=1)
+    model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=NEW, do_sample=False)
+    s = cache.stats()
+    tokens = sum(s["context_tokens"])
+    assert tokens == 90 + 60 + 2 * (NEW - 1) + (2 if fork else 0)
+    assert s["kv_bytes_device"] == layers * kv_heads * tokens * head_dim * 2 * item
+    assert s["kv_bytes_host"] == 0
+
+
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_offloaded_host_bytes_hold_the_middle(policy):
+    """offload=True: the host figure is the middle pages' keys and values of every sparse layer (all but the
+    dense_layers=1 first), the device keeps the sink, the window and the working set, less than all tokens."""
+    model, _ = shared_pair("llama_gqa")
+    layers, kv_heads, head_dim, item = _kv_geometry(model)
+    cache, s = _generate(policy, True)
+    sink, page, window = s["sink"], s["page_size"], s["window"]
+    middle = [max(-(-(n - sink) // page) - window // page, 0) * page for n in s["context_tokens"]]
+    assert all(m > 0 for m in middle)
+    assert s["kv_bytes_host"] == (layers - 1) * kv_heads * sum(middle) * head_dim * 2 * item
+    _, dev = _generate(policy, False)
+    if policy == "quest":  # the working set holds the budget's pages, not the whole middle as full's does
+        assert s["kv_bytes_device"] < dev["kv_bytes_device"]
+    assert dev["kv_bytes_device"] == layers * kv_heads * sum(dev["context_tokens"]) * head_dim * 2 * item

@@ -54,9 +54,13 @@ def check_model(model) -> None:
 def enable(model):
     """Register kvdex's attention (transformers' public AttentionInterface) and switch ``model`` to it.
 
-    Idempotent. Without a kvdex cache the model attends densely, exactly as before. Where the model's
-    ``generation_config`` names no ``compile_config``, it gets kvdex's (:mod:`kvdex.hf.step_backend`): on CUDA,
-    ``model.generate`` with a kvdex cache replays each decode step as one CUDA graph.
+    Idempotent. Without a kvdex cache the model attends densely, exactly as before. Where the model is on a
+    CUDA device and its ``generation_config`` names no ``compile_config``, it gets kvdex's
+    (:mod:`kvdex.hf.step_backend`): ``model.generate`` with a kvdex cache replays each decode step as one CUDA
+    graph. Elsewhere (a CPU model) it sets none: transformers compiles on CUDA only and warns, at every
+    ``generate``, about a ``compile_config`` it cannot use. ``kvdex.Cache(model, ...)`` calls this again, so a
+    model moved to CUDA after :func:`enable` gets kvdex's config when its first cache is made (and a model moved
+    off CUDA loses kvdex's, never one the user set).
     """
     check_model(model)
     if ATTN_NAME not in AttentionInterface._global_mapping:
@@ -64,15 +68,87 @@ def enable(model):
         AttentionMaskInterface.register(ATTN_NAME, padding_mask)
     _check_supported(model)
     tensor_parallel(model)  # ValueError when the heads do not divide over the tensor-parallel ranks
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and getattr(gen, "compile_config", None) is None:
-        gen.compile_config = step_backend.compile_config()
+    _set_compile_config(model)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_NAME)
         else:  # pragma: no cover - older transformers
             model.config._attn_implementation = ATTN_NAME
     return model
+
+
+def _set_compile_config(model) -> None:
+    """kvdex's ``compile_config`` (:func:`kvdex.hf.step_backend.compile_config`) on a CUDA model that has none;
+    on any other device kvdex's is removed (transformers would warn at every ``generate`` that it cannot
+    compile there), a ``compile_config`` the user set is kept."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return
+    current = getattr(gen, "compile_config", None)
+    ours = current is not None and isinstance(getattr(current, "backend", None), step_backend.Backend)
+    if _device_type(model) == "cuda":
+        if current is None:
+            gen.compile_config = step_backend.compile_config()
+    elif ours:
+        gen.compile_config = None
+
+
+def _device_type(model) -> str:
+    try:
+        return torch.device(model.device).type
+    except (AttributeError, TypeError, RuntimeError):  # no parameters, or an unusual module
+        param = next(model.parameters(), None)
+        return "cpu" if param is None else param.device.type
+
+
+#: seconds the hub may take to answer whether a Hugging Face id exists, before kvdex.load calls it unreachable
+HUB_TIMEOUT_S = 10.0
+
+
+def hub_local_only(repo_id: str, filename: str | None = None) -> bool:
+    """Before ``from_pretrained`` downloads Hugging Face id ``repo_id``: True where it must load from the
+    Hugging Face cache (offline mode, ``HF_HUB_OFFLINE``, or the hub unreachable: one quick ``model_info``
+    request, no retries), False where the hub answered. ``ValueError`` at once where the model can come
+    from neither (transformers would retry an unreachable hub for most of a minute), or the hub has no
+    such repository."""
+    import huggingface_hub as hub
+    from huggingface_hub import errors
+
+    from kvdex import models
+
+    where = (
+        f"; or pass a local model directory, a .gguf file or a name kvdex knows ({', '.join(models.KNOWN)}: "
+        "`kvdex models fetch NAME` installs it)"
+    )
+    try:
+        cached = isinstance(hub.try_to_load_from_cache(repo_id, filename or "config.json"), str)
+    except errors.HFValidationError as e:
+        raise ValueError(f"{repo_id!r} is not a valid Hugging Face id (org/name): {e}{where}") from None
+    if hub.is_offline_mode():
+        if cached:
+            return True
+        raise ValueError(
+            f"{repo_id!r} is not in the Hugging Face cache and offline mode is on (HF_HUB_OFFLINE): nothing is "
+            f"downloaded. Unset HF_HUB_OFFLINE on a machine that reaches huggingface.co to download it{where}"
+        )
+    try:
+        hub.HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except errors.GatedRepoError:
+        return False  # it exists; transformers says what access it needs
+    except errors.RepositoryNotFoundError:
+        raise ValueError(
+            f"{repo_id!r}: no such model on the Hugging Face hub (a private one? `hf auth login`){where}"
+        ) from None
+    except errors.HfHubHTTPError:
+        return False  # the hub answered: let transformers download and report
+    except Exception as e:  # the network library's own connection / timeout errors
+        if cached:
+            return True
+        raise ValueError(
+            f"{repo_id!r} is not in the Hugging Face cache and the hub cannot be reached "
+            f"({type(e).__name__}: {e}): nothing was downloaded{where}"
+        ) from None
+    return False
 
 
 def load(
@@ -101,6 +177,11 @@ def load(
     path = Path(model).expanduser()
     if not path.exists() and models.looks_like_path(str(model)):
         raise ValueError(models.missing_dir_message(model))
+    local_only = False
+    if not path.exists() and path.suffix != ".gguf":
+        if "/" not in str(model):  # a typo of a known name, a missing folder: no download attempted
+            raise ValueError(models.unknown_model_message(str(model)))
+        local_only = hub_local_only(str(model), gguf_file)
     if path.is_dir():
         model = str(path)
         if gguf_file is not None and not (path / gguf_file).is_file():
@@ -114,7 +195,9 @@ def load(
     if dtype == "auto":
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = load_tokenizer(model, gguf_file)
+    if local_only:
+        kw["local_files_only"] = True
+    tok = load_tokenizer(model, gguf_file, local_files_only=local_only)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kw)
@@ -122,10 +205,13 @@ def load(
     return enable(lm), tok
 
 
-def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
+def load_tokenizer(path: str | os.PathLike, gguf_file: str | None = None, local_files_only: bool = False):
     """The tokenizer of the model in ``path`` (a hub id or a directory; ``gguf_file``: a GGUF file in it),
     padding on the left with the eos token where it has no pad token, as :func:`load` returns it."""
-    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    if local_files_only:
+        kw["local_files_only"] = True
+    tok = AutoTokenizer.from_pretrained(path, **kw)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -159,4 +159,8 @@ class DeviceStore(LayerStore):
         return self.k[:, :, :n], self.v[:, :, :n]
 
     def device_bytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        """Bytes of the keys and values of the tokens held (each sequence's length), not of the buffers: their
+        capacity runs ahead of the tokens (:data:`_GROW_TOKENS`, 25 % on growth)."""
+        if self.k is None:
+            return 0
+        return 2 * int(self.lengths_host.sum()) * self.kv_heads * self.head_dim * self.k.element_size()

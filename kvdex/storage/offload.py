@@ -352,7 +352,11 @@ class OffloadStore(PageCacheMixin, LayerStore):
         return k[:, :, :n], v[:, :, :n]
 
     def device_bytes(self) -> int:
+        # the sink + window ring and the working set the selected middle is fetched into: sized by the
+        # configuration (sink, window, budget or page_cache), not grown ahead of the context
         return 2 * self.k.numel() * self.k.element_size()
 
     def host_bytes(self) -> int:
-        return self.host.nbytes()
+        """Bytes of the middle pages' keys and values held on the host (not the host buffer's spare pages)."""
+        pages = int(self.grid.num_middle_pages(self.lengths_host).sum())
+        return pages * self.kv_heads * 2 * self.grid.page_size * self.head_dim * self.k.element_size()
