@@ -392,6 +392,7 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):  #
 def register_policy(cls: type[Policy]) -> type[Policy]:
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a class attribute `name`")
+    option_choices(cls)  # read the option types once, at registration (not when a cache makes the policy)
     _REGISTRY[cls.name] = cls
     return cls
 
