@@ -39,14 +39,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 import kvdex
 from kvdex import models
 from kvdex.cli_options import add_cache_options, cache_config_from_args
 from kvdex.eval import passkey
 from kvdex.hf.compat import TRANSFORMERS_VERSION, cache_kwargs
-from kvdex.hf.generate import StepTimes, timed_generate
+from kvdex.hf.generate import timed_generate
 from kvdex.hf.model_parts import head_geometry, text_config
 
 CPU_POLICIES = ("full", "streaming", "quest", "icecache", "pariskv", "chess", "prkv")
@@ -94,37 +93,9 @@ def prefill(model, input_ids: torch.Tensor, cache: kvdex.Cache) -> torch.Tensor:
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-class Ticks(StoppingCriteria):
-    """A stopping criterion that never stops: stamps the time (``times``: :class:`StepTimes`, ms/token) and
-    ticks ``bar`` (a tqdm bar) after every generated token."""
-
-    def __init__(self, bar=None):
-        self.times, self.bar = StepTimes(), bar
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.bar is not None:
-            self.bar.update(1)
-        return self.times(input_ids, scores, **kwargs)
-
-
 def _generate(model, input_ids, cache, max_new_tokens: int, pad_token_id, bar=None) -> tuple[list[int], float | None]:
-    """:func:`kvdex.hf.generate.timed_generate` that also ticks ``bar`` per token."""
-    if bar is None:
-        return timed_generate(model, input_ids, cache, max_new_tokens, pad_token_id)
-    ticks = Ticks(bar)
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        **cache_kwargs(cache),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        stopping_criteria=StoppingCriteriaList([ticks]),
-        pad_token_id=pad_token_id,
-    )
-    return out[0, input_ids.shape[1] :].tolist(), ticks.times.median_gap_ms()
+    """:func:`kvdex.hf.generate.timed_generate` that also ticks ``bar`` (a tqdm bar) per token."""
+    return timed_generate(model, input_ids, cache, max_new_tokens, pad_token_id, None if bar is None else bar.update)
 
 
 def decode_forked(

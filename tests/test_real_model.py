@@ -73,6 +73,32 @@ def test_streaming_misses_a_needle_in_the_middle(smollm2):
     assert not passkey.score(key, completion), completion
 
 
+# The README's kind of question: "the secret code is 48213" between two stretches of filler (2,930 tokens with
+# the chat template), greedy. Observed on the CPU machine: quest answers at budgets 256 and 2048, and so does
+# prkv (the README example's policy); docs/policies/quest.md has the per-head diagnosis of this prompt.
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 60
+SECRET = FILLER + "Remember this: the secret code is 48213. " + FILLER + "What is the secret code?"
+
+
+@pytest.fixture(scope="module")
+def secret_prefill(smollm2):
+    model, tok, _ = smollm2
+    msgs = [{"role": "user", "content": SECRET}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    base = kvdex.Cache(model, policy="full", budget=256)
+    return ids, demo.prefill(model, ids, base), base
+
+
+@pytest.mark.parametrize("policy,budget", [("quest", 256), ("quest", 2048), ("prkv", 256)])
+def test_the_readme_needle_is_answered(smollm2, secret_prefill, policy, budget):
+    model, tok, _ = smollm2
+    ids, first, base = secret_prefill
+    tokens, _, cache = demo.decode_forked(model, tok, ids, first, base, policy, budget, 12)
+    answer = tok.decode(tokens, skip_special_tokens=True)
+    assert "48213" in answer, f"{policy} at budget {budget}: {answer!r}"
+    assert cache.stats()["attended_tokens_per_step"] <= budget
+
+
 # ---- ``kvdex scorecard --smoke`` on the same model (here rather than in tests/test_scorecard.py: a test
 # process under pytest-xdist runs a whole file, so this one loads SmolLM2 once for both) --------------------
 

@@ -113,9 +113,6 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from kvdex.bench import soak
-
-    soak.register(subparsers)  # kvdex soak: memory over thousands of decode steps (kvdex.bench.soak)
     p = subparsers.add_parser(
         "bench",
         help="decode speed and memory of kvdex vs transformers' caches",

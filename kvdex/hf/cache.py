@@ -99,8 +99,29 @@ class Cache(HFCache):
         dense = [i < dense_layers for i in range(n)]
         sparse = tuple(i for i in range(n) if not dense[i])
         offset = self.tp.rank * kv_heads
+        _check_retrieves(self.config, self.policy)
         self.policy.bind(PolicyInfo(self.config, n, sparse, q_heads, kv_heads, head_dim, offset, self.tp))
         self.grid = Grid(sink, page_size, self.config.window_pages)
+        self._hook = None
+        # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode
+        # attention; the evaluation harness uses it to measure recall against the dense truth.
+        self.observer = None
+        self.on_select = None  # EngineHost.on_select
+        if not isinstance(step_graphs, bool):
+            raise ValueError(f"step_graphs must be True or False, got {step_graphs!r}")
+        self._step_graphs_enabled = step_graphs
+        self._init_sequence_state()
+        self._handle = compiled_ops.register(self)  # how kvdex's ops find this cache under torch.compile
+        self._max_positions = getattr(cfg, "max_position_embeddings", None)
+        self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._model = weakref.ref(model)
+        super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
+        self._install_logits_hook(model)
+        self._install_input_hook(model)
+
+    def _init_sequence_state(self) -> None:
+        """Everything that belongs to the sequences a cache holds (set up by ``__init__``, cleared by
+        :meth:`reset`): step counters, transfer totals, graphs captured for the current stores."""
         self.transfer = TransferStats()
         self.step = -1
         self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
@@ -111,25 +132,21 @@ class Cache(HFCache):
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
         self.join_step: bool | None = None
         self.joins_external = False
-        self._hook = None
-        # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode
-        # attention; the evaluation harness uses it to measure recall against the dense truth.
-        self.observer = None
-        self.on_select = None  # EngineHost.on_select
         self.on_step_held = False  # the CUDA-graph decoder holds policy.on_step back while it captures a step
         self.decoder_active = False  # a GraphDecoder runs this step (it captures the whole step itself)
-        if not isinstance(step_graphs, bool):
-            raise ValueError(f"step_graphs must be True or False, got {step_graphs!r}")
         # decode steps outside GraphDecoder (plain model.generate / forward): one CUDA graph per layer
-        self.step_graphs = StepGraphs(self, enabled=step_graphs)
+        self.step_graphs = StepGraphs(self, enabled=self._step_graphs_enabled)
         self.whole_step = WholeStep(self)  # whole decode steps under kvdex's torch.compile backend
-        self._handle = compiled_ops.register(self)  # how kvdex's ops find this cache under torch.compile
-        self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._warned_long = False
-        self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self._model = weakref.ref(model)
-        super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
-        self._install_logits_hook(model)
+
+    def reset(self) -> None:
+        """Empty the cache so that it can take a new prompt: the same model, policy, budget and sizes, as
+        a new ``kvdex.Cache`` would be (the policy's index is rebuilt from the next prompt)."""
+        for layer in self.layers:
+            layer.reset()
+        self.policy.bind(self.policy.info)
+        self.__dict__.pop("_index_memo", None)  # a fork family's shared index belongs to the old prompt
+        self._init_sequence_state()
 
     # ---- construction helpers --------------------------------------------------------------------
     def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor):
@@ -167,6 +184,66 @@ class Cache(HFCache):
         self._hook = head.register_forward_hook(hook)
         weakref.finalize(self, self._hook.remove)
         self._in_forward = False
+
+    def _install_input_hook(self, model) -> None:
+        """Check every input the model gets with this cache against the tokens the cache holds
+        (:meth:`check_input`). A forward pre-hook: PyTorch's public module hook, the model is not changed."""
+        ref = weakref.ref(self)
+
+        def hook(_module, args, kwargs):
+            if torch.compiler.is_compiling():  # a compiled decode step: one new token, checked by generate's prefill
+                return None
+            cache = ref()
+            if cache is None or cache is not kwargs.get("cache", kwargs.get("past_key_values")):
+                return None
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            embeds = kwargs.get("inputs_embeds")
+            width = ids.shape[1] if isinstance(ids, torch.Tensor) else embeds.shape[1] if embeds is not None else None
+            if width is not None:
+                ids = ids if isinstance(ids, torch.Tensor) else None
+                cache.check_input(ids, width, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            return None
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        weakref.finalize(self, handle.remove)
+
+    def check_input(
+        self,
+        input_ids: torch.Tensor | None,
+        width: int,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Refuse an input that cannot continue the tokens this cache holds (a cache reused for a new prompt
+        would otherwise answer from the old one). ``input_ids`` [B, T] (None: embeddings were passed),
+        ``width`` = T, ``attention_mask`` [B, M] and ``position_ids`` [B, T] as the model receives them.
+
+        transformers' ``generate`` passes the model only the tokens past those the cache holds, with the
+        attention mask of its whole input (or, when that mask is all ones, the positions it gives): a
+        continuation's mask covers the held columns plus the new ones, and its first new token's position
+        is the number of real tokens held. Refused: an input that breaks either (a new prompt no longer
+        than what the cache holds), a different batch size. A new prompt longer than what the cache holds
+        reaches the model as its tail only, with the positions of a continuation, and cannot be told from
+        one here: create a cache per prompt or call :meth:`reset` (docs/usage.md)."""
+        held = self.layers[0].seen
+        store = self.layers[0].store
+        if held == 0 or store is None:
+            return
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):  # prepared masks: positions
+            attention_mask = None
+        batch = store.batch
+        ref = input_ids if input_ids is not None else attention_mask
+        if ref is not None and ref.shape[0] != batch:
+            raise ValueError(_reuse_message(held, f"a batch of {ref.shape[0]} sequences where it holds {batch}"))
+        if attention_mask is not None and attention_mask.shape[1] != held + width:
+            got = f"{width} new token(s) with an attention mask of {attention_mask.shape[1]} columns"
+            raise ValueError(_reuse_message(held, f"{got}, not {held} + {width}"))
+        if attention_mask is None and position_ids is not None and width > 1:  # one read of the first positions
+            first = position_ids[:, 0].to("cpu").reshape(-1)
+            real = store.lengths_host.reshape(-1)
+            if first.shape == real.shape and not torch.equal(first, real.to(first.dtype)):
+                got = f"{width} new token(s) from position {first.tolist()}, not {real.tolist()}"
+                raise ValueError(_reuse_message(held, got))
 
     def _check_module(self, module, layer_idx: int) -> None:
         if self._modules.get(layer_idx) is not module:
@@ -243,7 +320,7 @@ class Cache(HFCache):
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
         sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-        args = {"step_graphs": self.step_graphs.enabled, **sizes, **overrides}
+        args = {"step_graphs": self._step_graphs_enabled, **sizes, **overrides}
         policy = self.policy if policy is None else policy
         budget = self.config.budget if budget is None else budget
         new = Cache(model, policy, budget, **args)
@@ -352,9 +429,10 @@ class Cache(HFCache):
             "tensor_parallel_ranks": self.tp.size,
             "policy_stats": self.policy.stats(),
         }
-        if self.policy.reuse_steps() > 1:  # select_every: the decode steps that selected and that reused
-            out["selection_steps"] = {"select_every": self.policy.reuse_steps(), "selected": self.reuse.selected,
-                                      "reused": self.reuse.reused}  # fmt: skip
+        # the decode steps that selected anew and those that attended the last selection (select_every > 1)
+        every = self.policy.reuse_steps()
+        selected, reused = (self.reuse.selected, self.reuse.reused) if every > 1 else (out["decode_steps"], 0)
+        out["selection_steps"] = {"select_every": every, "selected": selected, "reused": reused}
         if pcs:  # offloaded with a device page cache: its hits, and the bytes it moved (not in the line above)
             out["page_cache"] = {
                 "slots": self.page_cache,
@@ -367,6 +445,30 @@ class Cache(HFCache):
             steps = max(self.step, 1)
             out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self.counters.timing.items())}
         return out
+
+
+def _reuse_message(held: int, got: str) -> str:
+    return (
+        f"this kvdex.Cache already holds {held} tokens of an earlier input, and got {got}: the input does not "
+        "continue them. Create a new kvdex.Cache for each prompt (or call cache.reset()), or, to continue a "
+        "conversation, pass the whole conversation (earlier input + generated tokens + new tokens) with its "
+        "attention_mask"
+    )
+
+
+def _check_retrieves(config: CacheConfig, policy) -> None:
+    """A budget that leaves no room for retrieval after sink + window would attend only those: refused."""
+    if not policy.uses_budget:
+        return
+    unit = 1 if policy.granularity == "token" else config.page_size
+    if config.retrieval_tokens < unit:
+        need = config.sink + config.window + unit
+        what = "token" if unit == 1 else f"page ({unit} tokens)"
+        raise ValueError(
+            f"budget {config.budget} leaves {config.retrieval_tokens} tokens for retrieval after sink {config.sink} "
+            f"+ window {config.window}, less than one {what}: {policy.name} would retrieve nothing from the middle "
+            f"of the context. Pass budget >= {need}, or a smaller sink / window"
+        )
 
 
 def dynamic_cache(model, offloading: bool = False) -> DynamicCache:

@@ -125,13 +125,17 @@ def generate(
 
 
 class StepTimes(StoppingCriteria):
-    """Stamps ``time.perf_counter()`` after every generated token; never stops generation."""
+    """Stamps ``time.perf_counter()`` after every generated token (and calls ``on_token()``, e.g. a progress
+    bar's update); never stops generation."""
 
-    def __init__(self):
+    def __init__(self, on_token=None):
         self.stamps: list[float] = []
+        self.on_token = on_token
 
     def __call__(self, input_ids, scores, **kwargs):
         self.stamps.append(time.perf_counter())
+        if self.on_token is not None:
+            self.on_token()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def median_gap_ms(self) -> float | None:
@@ -140,12 +144,13 @@ class StepTimes(StoppingCriteria):
 
 
 def timed_generate(
-    model, input_ids: torch.Tensor, cache: Cache | None, max_new_tokens: int, pad_token_id: int | None
+    model, input_ids: torch.Tensor, cache: Cache | None, max_new_tokens: int, pad_token_id: int | None, on_token=None
 ) -> tuple[list[int], float | None]:
     """Greedy ``model.generate`` of row 0 of ``input_ids`` (no padding) into ``cache`` (``None``:
     transformers' own dense cache); returns (new token ids, median ms between consecutive tokens:
-    one decode forward plus generate's per-token work, ``None`` for fewer than two tokens)."""
-    times = StepTimes()
+    one decode forward plus generate's per-token work, ``None`` for fewer than two tokens). ``on_token()`` is
+    called after every generated token."""
+    times = StepTimes(on_token)
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
