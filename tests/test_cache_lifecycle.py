@@ -93,7 +93,7 @@ def test_a_forward_that_does_not_continue_is_refused():
         model(nxt, **cache_kwargs(cache), use_cache=True)  # no mask: new tokens only, as transformers allows
 
 
-@pytest.mark.parametrize("policy", ["quest", "streaming", "pariskv"])
+@pytest.mark.parametrize("policy", ["quest", "oracle", "pariskv", "prkv:static_ratio=0"])
 def test_a_budget_that_retrieves_nothing_is_refused_with_the_smallest_that_does(policy):
     model, _ = shared_pair(FAMILY)
     token = kvdex.make_policy(policy).granularity == "token"
@@ -105,6 +105,16 @@ def test_a_budget_that_retrieves_nothing_is_refused_with_the_smallest_that_does(
             kvdex.Cache(model, policy, budget=smallest - 1)
     kvdex.Cache(model, policy, budget=smallest)
     kvdex.Cache(model, "full", budget=SINK + WINDOW)  # full attends everything: its budget is not used
+
+
+def test_streaming_and_static_tokens_take_a_budget_short_of_a_page():
+    """streaming is the sink plus the recent tokens: budget == sink + window is its plain configuration.
+    PRKV with S > 0 gives retrieval tokens short of a page to its static set: one token retrieves."""
+    model, _ = shared_pair(FAMILY)
+    kvdex.Cache(model, "streaming", budget=SINK + WINDOW)
+    with pytest.raises(ValueError, match=f"budget >= {SINK + WINDOW + 1}"):
+        kvdex.Cache(model, "prkv:static_ratio=0.25", budget=SINK + WINDOW)
+    kvdex.Cache(model, "prkv:static_ratio=0.25", budget=SINK + WINDOW + 1)
 
 
 def test_stats_name_the_selection_steps_for_every_schedule():

@@ -88,8 +88,8 @@ def test_generate_compiled_gives_the_same_tokens_left_padded():
     ids, mask, _ = left_padded([40, 57], seed=5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no CUDA here: graph decoding off (warned)
-        a = kvdex.generate(model, kvdex.Cache(model, "quest", budget=48), ids, mask, max_new_tokens=24)
-        cache = kvdex.Cache(model, "quest", budget=48)
+        a = kvdex.generate(model, kvdex.Cache(model, "quest", budget=64), ids, mask, max_new_tokens=24)
+        cache = kvdex.Cache(model, "quest", budget=64)
         b = kvdex.generate(model, cache, ids, mask, max_new_tokens=24, compile=True)
     assert torch.equal(a, b)
     assert cache.compile_reason is None

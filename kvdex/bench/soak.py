@@ -118,11 +118,11 @@ def live_tensors() -> tuple[int, int]:
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor):  # type(): no attribute lookup on odd objects
             count += 1
-            try:
+            try:  # meta / fake / sparse tensors (a compile leaves fake ones behind) have no data pointer
                 st = o.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # meta / fake / sparse tensors
+                key = (st.device.type, st.device.index, st.data_ptr())
+            except (RuntimeError, NotImplementedError):
                 continue
-            key = (st.device.type, st.device.index, st.data_ptr())
             if key not in seen:
                 seen.add(key)
                 total += st.nbytes()
@@ -130,7 +130,10 @@ def live_tensors() -> tuple[int, int]:
 
 
 def sample(device: torch.device, objects: bool) -> dict:
-    """One sample of every series (the device synchronised first)."""
+    """One sample of every series (the device synchronised first; cyclic garbage collected before counting,
+    so the counts are of objects still reachable, not of garbage the collector has not reached yet)."""
+    if objects or device.type != "cuda":
+        gc.collect()
     out = {"rss": rss_bytes()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -460,7 +460,7 @@ def _check_retrieves(config: CacheConfig, policy) -> None:
     """A budget that leaves no room for retrieval after sink + window would attend only those: refused."""
     if not policy.uses_budget:
         return
-    unit = 1 if policy.granularity == "token" else config.page_size
+    unit = policy.smallest_retrieval(config.page_size)
     if config.retrieval_tokens < unit:
         need = config.sink + config.window + unit
         what = "token" if unit == 1 else f"page ({unit} tokens)"

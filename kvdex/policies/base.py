@@ -108,6 +108,11 @@ class Policy:
         self.info = info
         self.cfg = info.config
 
+    def smallest_retrieval(self, page_size: int) -> int:
+        """The fewest retrieval tokens (budget - sink - window) with which this policy retrieves anything from
+        the middle: one token for token policies, one page for page policies. A cache refuses a smaller budget."""
+        return 1 if self.granularity == "token" else page_size
+
     def index(self, layer: int, update: MiddleUpdate) -> None:
         """Pages joined the middle region of ``layer``. Default: nothing to index."""
 

@@ -23,6 +23,10 @@ class StreamingPolicy(IndexFreePolicy):
     capturable = True
     granularity = "token"
 
+    def smallest_retrieval(self, page_size: int) -> int:
+        """budget == sink + window is StreamingLLM's cache of the sink and the recent tokens: accepted."""
+        return 0
+
     # CUDA-graph decoding (kvdex.hf.graph): select is device arithmetic on the lengths only
     def graph_key(self, stores) -> tuple:
         return ()

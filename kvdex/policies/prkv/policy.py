@@ -142,6 +142,11 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
         check_group(self.group)
         self.obs_window = self.obs
 
+    def smallest_retrieval(self, page_size: int) -> int:
+        """S > 0 (or "auto") gives retrieval tokens short of a page to the static set (k_s = r mod page_size):
+        one token retrieves. S = 0 is page selection alone, as ArkVale: one page."""
+        return page_size if self.static_ratio == 0 else 1
+
     def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         r, ps = self.cfg.retrieval_tokens, self.cfg.page_size

@@ -60,6 +60,7 @@ class StaticSet:
         self.digests = digests
         self.split: dict[int, tuple[int, int]] = {}  # layer -> (static tokens, dynamic pages) under "auto"
         self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
+        self.restructured: dict[int, int] = {}  # layer -> middle slots its last restructure ordered
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
         # layer -> its static region's part of a statically sized selection (StaticRegion), a function of
         # counts[layer] alone: built once, rewritten in place when a refresh rewrites the count
@@ -73,16 +74,27 @@ class StaticSet:
         """[B] static tokens of ``layer`` (at the front of its middle)."""
         return self.counts.get(layer, torch.zeros(batch, dtype=torch.long, device=device))
 
-    def _origin(self, layer: int, store: LayerStore, m: int) -> torch.Tensor:
-        """[B, H, m] origin map, extended with identity for pages that joined the middle since."""
+    def reserve(self, layer: int, tokens: int, store: LayerStore) -> None:
+        """Room in ``layer``'s origin map for ``tokens`` middle slots: slots past the restructured ones map to
+        themselves (identity), so the map only grows when the middle outgrows what was reserved."""
         cur = self.origin.get(layer)
         have = 0 if cur is None else cur.shape[2]
-        if have < m:
-            ext = torch.arange(have, m, device=store.device).expand(store.batch, store.kv_heads, -1)
-            cur = ext.clone() if cur is None else torch.cat([cur, ext], dim=-1)
-            self.origin[layer] = cur
-        assert cur is not None
-        return cur[:, :, :m]
+        if have >= tokens:
+            return
+        tokens = max(tokens, have + have // 4)  # grown, not reserved: by a quarter at least, as the digests
+        buf = torch.arange(tokens, device=store.device).expand(store.batch, store.kv_heads, -1).clone()
+        if cur is not None:
+            buf[:, :, :have] = cur
+        self.origin[layer] = buf
+
+    def origin_map(self, layer: int) -> torch.Tensor:
+        """[B, H, M] the position - sink each of the M middle slots of ``layer``'s last restructure holds."""
+        return self.origin[layer][:, :, : self.restructured[layer]]
+
+    def _origin(self, layer: int, store: LayerStore, m: int) -> torch.Tensor:
+        """[B, H, m] origin map (a view of the layer's buffer; identity for pages that joined the middle since)."""
+        self.reserve(layer, m, store)
+        return self.origin[layer][:, :, :m]
 
     def restructure(self, layer: int, store: LayerStore, scale: float, ring: QueryRing | None) -> None:
         """Algorithm 1 on ``layer``'s ``store``: score the middle by the attention of ``ring``'s queries, take
@@ -125,7 +137,8 @@ class StaticSet:
         else:
             moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
             store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
-        self.origin[layer] = torch.cat([origin.gather(2, order), self.origin[layer][:, :, m:]], dim=-1)
+        origin.copy_(origin.gather(2, order))  # in the layer's buffer (origin is a view of it)
+        self.restructured[layer] = m
         count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
         if layer in self.counts:  # in place: a captured CUDA graph reads this buffer
             self.counts[layer].copy_(count)
