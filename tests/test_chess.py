@@ -412,12 +412,12 @@ def test_policy_spec_strings():
 @pytest.mark.parametrize(
     "opts,pattern",
     [
-        (dict(preset="fast"), "unknown CHESS preset 'fast'"),
+        (dict(preset="fast"), "preset must be one of '', conservative, moderate, aggressive, got 'fast'"),
         (dict(rho_g=0.5), "all three retention ratios"),
         (dict(rho_g=0.0, rho_c=0.5, rho_p=0.5), r"rho_g must be a fraction in \(0, 1\]"),
         (dict(rho_g=0.5, rho_c=1.5, rho_p=0.5), "rho_c must be a fraction"),
         (dict(preset="moderate", rho_g=0.5, rho_c=0.5, rho_p=0.5), "preset or rho_g/rho_c/rho_p, not both"),
-        (dict(shape="x"), "unknown CHESS shape"),
+        (dict(shape="x"), "shape must be one of conservative"),
         (dict(chunk_pages=0), "chunk_pages must be an int >= 1"),
         (dict(grid_chunks=2.5), "grid_chunks=2.5: expected int"),
         (dict(trigger="sometimes"), "trigger must be one of uncertainty, interval, always, never, got 'sometimes'"),

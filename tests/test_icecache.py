@@ -323,7 +323,7 @@ def test_registered_and_bad_options_raise():
     ):
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)
-    with pytest.raises(ValueError, match="parents must be one of 'dci', 'exact'"):
+    with pytest.raises(ValueError, match="parents must be one of dci, exact, got 'knn'"):
         make_policy("icecache:parents=knn")
     with pytest.raises(TypeError, match="no option"):
         make_policy("icecache", ratio=0.1)

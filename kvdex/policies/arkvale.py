@@ -25,11 +25,12 @@ the cache bookkeeping then counts the candidate pages (their keys are read).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
-from kvdex.policies.digest import DigestIndex, check_digest
+from kvdex.policies.digest import DigestIndex
 from kvdex.selection import Selection
 
 
@@ -41,12 +42,13 @@ class ArkValePolicy(PageScoringPolicy):
     capturable_index = True
     scores_masked = True  # page_scores masks (DigestIndex.page_scores: one Triton kernel on CUDA)
 
-    digest: str = "cuboid-mean"  # see kvdex/policies/digest.py: {cuboid,sphere}-{mean,max,center}
+    digest: Literal["cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center"] = (
+        "cuboid-mean"  # see kvdex/policies/digest.py: {cuboid,sphere}-{mean,max,center}
+    )
     cache_pages: int = 0  # ArkVale's device page cache c, for the recall count (0: 2 x the attended pages)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_digest(self.digest)
         if not isinstance(self.cache_pages, int) or isinstance(self.cache_pages, bool) or self.cache_pages < 0:
             raise ValueError(f"cache_pages must be an int >= 0 (0: twice the attended pages), got {self.cache_pages!r}")
 

@@ -248,7 +248,7 @@ def check_choices(policy: Policy) -> None:
     for name, allowed in option_choices(type(policy)).items():
         value = getattr(policy, name)
         if value not in allowed:
-            shown = ", ".join(str(v) for v in allowed if v is not None)
+            shown = ", ".join(repr(v) if v == "" else str(v) for v in allowed if v is not None)
             raise ValueError(f"{name} must be one of {shown}, got {value!r}")
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -56,9 +57,6 @@ from kvdex.selection import Selection
 
 # (retrieval length below, candidate_ratio beta, collision_ratio rho): the authors' adaptive table.
 ADAPTIVE_RATIOS = ((5_000, 0.5, 0.5), (10_000, 0.25, 0.3), (30_000, 0.2, 0.25), (math.inf, 0.1, 0.2))
-KERNELS = ("auto", "torch", "triton")
-GROUPS = ("mean", "heads")  # the GQA reduction: the group's mean query (authors) or every query head
-COARSE = ("tiers", "scores")  # the vote table: the authors' rank tiers, or quantised centroid scores
 # The paper's configuration, i.e. the four options whose defaults are kvdex's: make_policy("pariskv",
 # **PAPER_OPTIONS) or make_policy(PAPER_SPEC) runs the paper's retrieval pipeline (tested).
 PAPER_OPTIONS = {"group": "mean", "coarse": "tiers", "pool_factor": None, "candidate_ratio": None}
@@ -107,7 +105,9 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
     candidate_ratio: float | None = 0.2
     collision_ratio: float | None = None  # rho: share of keys whose centroids vote (None: adaptive; "tiers" only)
     seed: int = 42  # SRHT signs
-    kernels: str = "auto"  # "torch" twins, "triton", or "auto" (triton on CUDA when importable)
+    kernels: Literal["auto", "torch", "triton"] = (
+        "auto"  # "torch" twins, "triton", or "auto" (triton on CUDA when importable)
+    )
     # kvdex extension, off by default (not in the paper): subtract a per-(sequence, kv head) mean key,
     # computed once from the first keys a layer indexes (the prefill) and then frozen, before the
     # summary. <q, k - mu> = <q, k> - <q, mu> ranks keys exactly like <q, k>, so the top-k target is
@@ -123,17 +123,18 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
     # head's shared index and a key keeps its best head's vote; each head reranks the pool, and the final
     # top-k is by kernels.pariskv.combine_heads (the heads' attention weights summed). A head that
     # retrieves a needle the others ignore is not averaged away (docs: "GQA and the coarse stage").
-    group: str = "heads"
+    group: Literal["mean", "heads"] = "heads"
     # kvdex option, default "scores": a centroid's vote is its query score, quantised to
     # 0..kernels.pariskv.SCORE_LEVELS on one scale per kv head (kernels.pariskv.score_votes), so a key's
     # summed vote is a 1-bit estimate of <q, k/|k|>; "tiers" is the paper's (the authors' kernel) six rank
     # tiers over a quota of collision_ratio * n keys (collision_ratio is unused with "scores").
-    coarse: str = "scores"
+    coarse: Literal["tiers", "scores"] = "scores"
     # kvdex option, off by default (not in the paper): the coarse stage (votes, the pool's bucket top-k) runs
     # every N steps and at page joins; the steps between rerank the held pool by their own query
     pool_every: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         check_select_every(self.select_every)
         check_select_every(self.pool_every, "pool_every")
         if self.pool_every > 1 and self.select_every > 1:
@@ -147,14 +148,8 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"pariskv: {name} must be in (0, 1] or None (adaptive), got {v!r}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"pariskv: kernels must be one of {KERNELS}, got {self.kernels!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"pariskv: center must be True or False, got {self.center!r}")
-        if self.group not in GROUPS:
-            raise ValueError(f"pariskv: group must be one of {GROUPS}, got {self.group!r}")
-        if self.coarse not in COARSE:
-            raise ValueError(f"pariskv: coarse must be one of {COARSE}, got {self.coarse!r}")
         pf = self.pool_factor
         if pf is not None and (isinstance(pf, bool) or not isinstance(pf, (int, float)) or not pf >= 1):
             raise ValueError(f"pariskv: pool_factor must be a number >= 1 or None, got {pf!r}")

@@ -9,6 +9,7 @@ kvdex's. Documented in docs/policies/pariskv.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -27,8 +28,8 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
     # the paper's configuration (pariskv.PAPER_OPTIONS), not pariskv's defaults: the ablation's baseline
     candidate_ratio: float | None = None
     pool_factor: float | None = None
-    group: str = "mean"
-    coarse: str = "tiers"
+    group: Literal["mean", "heads"] = "mean"
+    coarse: Literal["tiers", "scores"] = "tiers"
 
     def bind(self, info) -> None:
         super().bind(info)

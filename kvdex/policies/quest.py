@@ -20,11 +20,12 @@ exact q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvdex.kernels.dispatch import triton_kernel
-from kvdex.kernels.scoring import check_group, mask_pages, page_bounds, quest_page_scores
+from kvdex.kernels.scoring import mask_pages, page_bounds, quest_page_scores
 from kvdex.policies.base import PageScoringPolicy, register_policy
 
 __all__ = ["QuestPolicy", "page_bounds"]
@@ -40,11 +41,12 @@ class QuestPolicy(PageScoringPolicy):
     capturable_index = True
     scores_masked = True  # every path of page_scores masks (the Triton kernel inside itself)
 
-    group: str = "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
+    group: Literal["max", "sum", "heads"] = (
+        "max"  # GQA: the group's max bound (default), "sum", or "heads" (each query head ranks; union)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_group(self.group)
 
     def bind(self, info) -> None:
         super().bind(info)

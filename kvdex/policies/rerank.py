@@ -48,6 +48,7 @@ scoring and the candidates' top-k; the rerank, the step's main cost with ``reran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -62,17 +63,14 @@ RERANK_UNITS = ("token", "page")
 
 
 def check_rerank(rerank, group: str, share=0.0, unit: str = "token") -> None:
-    """ValueError unless ``rerank`` is an int >= 0, ``group`` one of :data:`RERANK_GROUPS`, ``unit`` one of
-    :data:`RERANK_UNITS` (``"page"`` with ``rerank`` > 0 only) and ``share`` passes :func:`check_share`."""
+    """ValueError unless ``rerank`` is an int >= 0, ``unit`` is ``"page"`` only with ``rerank`` > 0 and ``share``
+    passes :func:`check_share` (``rerank_group`` / ``rerank_unit``'s choices: ``Literal`` options, checked by
+    :func:`kvdex.policies.base.check_choices`)."""
     if not isinstance(rerank, int) or isinstance(rerank, bool) or rerank < 0:
         raise ValueError(
             f"rerank must be an int >= 0 (0: attend the chosen pages; N > 0: rank the tokens of N x as many "
             f"candidate pages by their exact q.k), got {rerank!r}"
         )
-    if group not in RERANK_GROUPS:
-        raise ValueError(f"rerank_group must be one of {', '.join(RERANK_GROUPS)}, got {group!r}")
-    if unit not in RERANK_UNITS:
-        raise ValueError(f"rerank_unit must be one of {', '.join(RERANK_UNITS)}, got {unit!r}")
     if unit == "page" and not rerank:
         raise ValueError("rerank_unit='page' ranks candidate pages by their keys' exact scores: it needs rerank >= 1")
     check_share(rerank, share)
@@ -93,9 +91,13 @@ class RerankOption:
     selection's granularity (tokens with ``rerank``)."""
 
     rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k
-    rerank_group: str = "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
+    rerank_group: Literal["max", "weight"] = (
+        "max"  # rerank > 0: "max" of the group's q.k, or "weight" (summed softmax weights)
+    )
     rerank_share: float = 0.0  # rerank > 0: candidates at least this share of each middle's pages
-    rerank_unit: str = "token"  # rerank > 0: attend the best "token"s of the candidates, or their best "page"s
+    rerank_unit: Literal["token", "page"] = (
+        "token"  # rerank > 0: attend the best "token"s of the candidates, or their best "page"s
+    )
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)

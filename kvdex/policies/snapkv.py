@@ -21,11 +21,12 @@ that is the first moment the selection is used.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
-from kvdex.policies.observation import ObsRefresh, QueryRing, check_pooling, middle_scores, obs_rows
+from kvdex.policies.observation import ObsRefresh, QueryRing, check_kernel, middle_scores, obs_rows
 from kvdex.selection import Selection
 
 
@@ -56,12 +57,13 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
 
     obs: int = 32  # observation window (SnapKV's window_size)
     kernel: int = 7  # pooling kernel along the sequence (1 = none)
-    pooling: str = "max"
+    pooling: Literal["max", "avg"] = "max"
     refresh: int = 0  # 0: SnapKV (prompt only); T > 0: SnapKV+ (re-select every T decode steps)
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         check_obs(self.obs, self.refresh)
-        check_pooling(self.kernel, self.pooling)
+        check_kernel(self.kernel)
         self.obs_window = self.obs
 
     def bind(self, info) -> None:

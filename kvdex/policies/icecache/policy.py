@@ -49,18 +49,19 @@ import time
 import warnings
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 
-from kvdex.index.dci import PARENTS, DCIParams, DCITree, transform_queries
+from kvdex.index.dci import DCIParams, DCITree, transform_queries
 from kvdex.index.device_search import DeviceSearch
 from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
-from kvdex.index.summary import MERGES, SUMMARIES, summary_stats
+from kvdex.index.summary import summary_stats
 from kvdex.index.workers import cpu_threads, run_all
 from kvdex.policies.base import Policy, PolicyInfo, register_policy
 from kvdex.policies.icecache.summary_pages import SummaryPages
 from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
-from kvdex.policies.rerank import RERANK_UNITS, check_share, slot_weights
+from kvdex.policies.rerank import check_share, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
@@ -82,7 +83,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     # a point's parent on the level above: "dci" = the tree's own search (Algorithm 2, the paper), "exact" = the
     # nearest point of that level by one matrix product (kvdex option: the leaf nodes of build="device"; ~20x
     # faster host builds, docs/policies/icecache.md, "Exact parents")
-    parents: str = "dci"
+    parents: Literal["dci", "exact"] = "dci"
     query_fov: int = 0  # points kept per level when selecting; 0 -> topk
     query_prop: float = 0.8
     topk: int = 0  # keys retrieved per query head (Alg. 3's k); 0 -> the budget (docs: "budget 64")
@@ -92,30 +93,32 @@ class IceCachePolicy(SelectEveryOption, Policy):
     reuse_every: int = 3
     threads: int = 0  # CPU threads for tree construction / insertion / search; 0 -> the cores we may use
     query_chunks: int = 1  # search tasks per tree and step (its group's query heads split); 0 -> fill the threads
-    group_merge: str = "rank"  # GQA union order when it exceeds the budget: "rank" (rank-major) | "nsa" (summed probs)
+    group_merge: Literal["rank", "max", "nsa"] = (
+        "rank"  # GQA union order when it exceeds the budget: "rank" (rank-major) | "nsa" (summed probs)
+    )
     # "tokens": the attended pages fit budget - sink - window tokens (kvdex's equal-budget rule, the default);
     # "keys": the paper's accounting (Alg. 3, App. A): every page holding one of the group's top-k keys is
     # attended (at most max_pages if set), sink and window on top, so a step may attend more than the budget.
-    budget_rule: str = "tokens"
+    budget_rule: Literal["tokens", "keys"] = "tokens"
     # where the per-step tree searches run: "device" = one batched search over all trees of a layer on q's
     # device (kvdex.index.forest, no host sync), "host" = one search per tree on the CPU thread pool, "auto" =
     # device when the model runs on CUDA, else host. Same pages as the host search, faster on the H200:
     # docs/policies/icecache.md, "Speed on the H200". "summary": no tree search per step, every leaf page
     # scored from its device summary (kvdex.index.summary; capturable in a CUDA graph; not the paper's).
-    search: str = "auto"
+    search: Literal["auto", "device", "host", "summary"] = "auto"
     # search="summary": "minmax" (per-channel min/max keys: an upper bound of q.k, Quest's on semantic pages)
     # or "centroid" (mean key + radius: q.mu + |q| r, also an upper bound, looser); ignored otherwise
-    summary: str = "minmax"
+    summary: Literal["minmax", "centroid"] = "minmax"
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
     rerank: int = 0
     # rerank > 0: "page" = attend the candidate pages with the best exact max q.k (the budget rule above);
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
     # policies' ``rerank`` (kvdex/policies/rerank.py): no page-fit step, the budget spent on tokens
-    rerank_unit: str = "page"
+    rerank_unit: Literal["page", "token"] = "page"
     # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
     # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)
-    rerank_group: str = "max"
+    rerank_group: Literal["max", "weight"] = "max"
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
     rerank_share: float = 0.0
@@ -125,10 +128,10 @@ class IceCachePolicy(SelectEveryOption, Policy):
     pool_every: int = 1
     # pool_every > 1: the pool held between refreshes. "rerank" = the rerank x max_pages best candidate pages by the
     # refresh step's token scores; "all" = every candidate (with rerank_share, that share of the middle's pages)
-    pool_pages: str = "rerank"
+    pool_pages: Literal["rerank", "all"] = "rerank"
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
-    build: str = "tree"
+    build: Literal["tree", "device"] = "tree"
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -136,6 +139,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         if not 0.0 <= self.promotion_ratio < 1.0:
             raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
         for name in ("num_comp", "num_simp", "construction_fov", "reuse_every"):
@@ -148,23 +152,9 @@ class IceCachePolicy(SelectEveryOption, Policy):
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         if self.norm_margin < 1.0:
             raise ValueError(f"norm_margin must be >= 1 (c must bound every key norm), got {self.norm_margin}")
-        if self.parents not in PARENTS:
-            raise ValueError(f"parents must be one of {', '.join(map(repr, PARENTS))}, got {self.parents!r}")
-        if self.group_merge not in MERGES:
-            raise ValueError(f"group_merge must be one of {', '.join(MERGES)}, got {self.group_merge!r}")
-        if self.budget_rule not in ("tokens", "keys"):
-            raise ValueError(f"budget_rule must be 'tokens' or 'keys', got {self.budget_rule!r}")
-        if self.search not in ("auto", "device", "host", "summary"):
-            raise ValueError(f"search must be 'auto', 'device', 'host' or 'summary', got {self.search!r}")
-        if self.summary not in SUMMARIES:
-            raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {self.summary!r}")
-        if self.rerank_unit not in RERANK_UNITS:
-            raise ValueError(f"rerank_unit must be 'page' or 'token', got {self.rerank_unit!r}")
         if self.rerank_unit == "token" and not (self.rerank and self.search == "summary"):
             raise ValueError("rerank_unit='token' ranks the tokens of rerank > 0 candidate pages: add search=summary "
                              "and rerank=N (e.g. 4)")  # fmt: skip
-        if self.rerank_group not in ("max", "weight"):
-            raise ValueError(f"rerank_group must be 'max' or 'weight', got {self.rerank_group!r}")
         if self.rerank_group == "weight" and self.rerank_unit != "token":
             raise ValueError("rerank_group='weight' ranks the candidates' tokens: add rerank_unit=token")
         check_share(self.rerank, self.rerank_share)
@@ -173,12 +163,8 @@ class IceCachePolicy(SelectEveryOption, Policy):
         if self.pool_every > 1 and (self.rerank_unit != "token" or self.select_every > 1):
             raise ValueError("pool_every=N reranks a held pool's tokens every step: it needs search=summary, rerank=N "
                              "and rerank_unit=token, and select_every=1 (it replaces select_every)")  # fmt: skip
-        if self.pool_pages not in ("rerank", "all"):
-            raise ValueError(f"pool_pages must be 'rerank' or 'all', got {self.pool_pages!r}")
         if self.rerank_share and self.search != "summary":
             raise ValueError("rerank_share sizes the candidates of search='summary': add search=summary")
-        if self.build not in ("tree", "device"):
-            raise ValueError(f"build must be 'tree' or 'device', got {self.build!r}")
         if self.build == "device" and self.search != "summary":
             raise ValueError("build='device' makes the pages of search='summary' (no tree to search): add "
                              "search=summary, or use build='tree'")  # fmt: skip

@@ -67,11 +67,11 @@ from typing import Literal
 
 import torch
 
-from kvdex.kernels.scoring import check_group, mask_pages
+from kvdex.kernels.scoring import mask_pages
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
-from kvdex.policies.digest import DigestIndex, check_digest
-from kvdex.policies.observation import ObsRefresh, QueryRing, check_pooling, obs_rows
+from kvdex.policies.digest import DigestIndex
+from kvdex.policies.observation import ObsRefresh, QueryRing, check_kernel, obs_rows
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.policies.prkv.static_set import StaticSet, split_budget
 from kvdex.policies.rerank import resolve_selection
@@ -108,23 +108,27 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     static_ratio: float | str = 0.25  # S (paper default 0.25), or "auto" (Appendix G, per layer)
     refresh: int = 128  # T: decode steps between static-set updates
     obs: int = 64  # observation window: the paper's local window, 64
-    digest: str = "cuboid-mean"  # dynamic pages' digest, as ArkVale
+    digest: Literal["cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center"] = (
+        "cuboid-mean"  # dynamic pages' digest, as ArkVale
+    )
     kernel: int = 1  # pooling of the static scores (1 = none, as Algorithm 1)
-    pooling: str = "max"
+    pooling: Literal["max", "avg"] = "max"
     # the observation window's own middle tokens (when obs > the cache's window): "score" -- they compete
     # with the others; "last" -- chosen only after every earlier token (Algorithm 1 scores K[:-n_local])
     obs_tokens: Literal["score", "last"] = "score"
     # GQA (kvdex options): how a kv head's query heads combine when ranking the dynamic pages -- "max"
     # (ArkVale's rule), "sum", or "heads" (each head ranks; union round-robin, kernels.scoring.group_topk);
     # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
-    group: str | None = None  # None: resolved with the selection options below ("max" in both)
+    group: Literal["max", "sum", "heads"] | None = (
+        None  # None: resolved with the selection options below ("max" in both)
+    )
     static_group: Literal["mean", "heads"] = "mean"  # the group's mean score (Algorithm 1) or each head's own top
     # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options):
     # None everywhere -> DEFAULT_SELECTION; any of them named -> the others from PAPER_SELECTION
     rerank: int | None = None
-    rerank_group: str | None = None
+    rerank_group: Literal["max", "weight"] | None = None
     rerank_share: float | None = None
-    rerank_unit: str | None = None
+    rerank_unit: Literal["token", "page"] | None = None
     select_every: int | None = None
     pool_every: int | None = None
 
@@ -137,9 +141,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
         check_obs(self.obs, self.refresh)
         if self.refresh == 0:
             raise ValueError("refresh (T) must be >= 1 decode steps")
-        check_digest(self.digest)
-        check_pooling(self.kernel, self.pooling)
-        check_group(self.group)
+        check_kernel(self.kernel)
         self.obs_window = self.obs
 
     def smallest_retrieval(self, page_size: int) -> int:
