@@ -101,7 +101,7 @@ def test_fork_after_generate_one_token():
 def test_pariskv_kmeans_forks_learn_the_centroids_once(monkeypatch):
     """Forks of one prefill at other budgets reuse the first fork's k-means centroids (share_index) and decode
     exactly what a fresh cache decodes; a fork with another seed learns its own."""
-    from kvdex.policies import pariskv_kmeans as pk
+    from kvdex.policies.pariskv import learned_centroids as pk
 
     calls = []
     real = pk.kmeans

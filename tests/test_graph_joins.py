@@ -155,7 +155,7 @@ def test_join_path_equals_eager_index(spec, storage):
     assert sel == sel_ref
     assert torch.equal(got, ref)
     a, b = _tensors(c_ref.policy), _tensors(c.policy)
-    extra = {k for k in set(b) - set(a) if "_done_dev" not in k}  # center=True's device flags: join path only
+    extra = {k for k in set(b) - set(a) if "done_dev" not in k}  # center=True's device flags: join path only
     assert not extra and not set(a) - set(b), set(a) ^ set(b)
     for k, x in a.items():
         assert x.shape == b[k].shape and x.dtype == b[k].dtype, k

@@ -337,8 +337,8 @@ def test_adaptive_ratios_table():
     assert adaptive_ratios(10**6) == (0.1, 0.2)
     paper, default = make_policy(PAPER_SPEC), make_policy("pariskv")
     for n in (1000, 7000, 20_000, 10**6):  # the paper's configuration follows the table; the default fixes beta
-        assert paper.ratios(n) == adaptive_ratios(n)
-        assert default.ratios(n) == (0.2, adaptive_ratios(n)[1])
+        assert paper.sizes.ratios(n) == adaptive_ratios(n)
+        assert default.sizes.ratios(n) == (0.2, adaptive_ratios(n)[1])
 
 
 def test_defaults_and_the_paper_configuration():
@@ -453,7 +453,7 @@ def test_index_tracks_every_middle_key_and_never_relearns():
     for layer in p.info.sparse_layers:
         store = cache.layers[layer].store
         n = int(store.grid.num_middle_pages(store.lengths_host)[0]) * PAGE
-        idx = p.index_[layer]
+        idx = p.summary[layer]
         assert int(idx.n[0]) == n  # pages that joined the middle while decoding were indexed
         assert int(idx.counts[0].sum(-1).unique()) == n
         keys = store.middle_keys()[:, :, :n]
@@ -474,8 +474,8 @@ def test_center_mean_is_frozen_per_sequence_and_indexes_centred_keys():
     every key (prefill or generated) is summarised as k - mu."""
     cache, seen = _decode_with_selections("pariskv", new=40, center=True)
     p = cache.policy
-    assert seen and set(p.means) == set(p.info.sparse_layers)
-    before = {lay: mu.clone() for lay, (mu, _) in p.means.items()}
+    assert seen and set(p.summary.means) == set(p.info.sparse_layers)
+    before = {lay: mu.clone() for lay, (mu, _) in p.summary.means.items()}
     model, _ = shared_pair("llama_gqa")
     with torch.no_grad():
         for _ in range(20):  # more pages leave the window and are indexed
@@ -483,13 +483,13 @@ def test_center_mean_is_frozen_per_sequence_and_indexes_centred_keys():
     for layer in p.info.sparse_layers:
         store = cache.layers[layer].store
         n = int(store.grid.num_middle_pages(store.lengths_host)[0]) * PAGE
-        mu, done = p.means[layer]
+        mu, done = p.summary.means[layer]
         assert bool(done.all()) and torch.equal(mu, before[layer])  # frozen after the prefill
         n0 = int(store.grid.num_middle_pages(torch.tensor([400]))[0]) * PAGE  # middle at prefill
         keys = store.middle_keys().float()
         torch.testing.assert_close(mu, keys[:, :, :n0].mean(2), atol=1e-4, rtol=1e-4)
         _, codes, _ = K.encode_keys(keys[:, :, :n] - mu[:, :, None], p.signs, p.m, p.thresholds, p.centers)
-        assert torch.equal(p.index_[layer].codes[:, :, :n], codes)
+        assert torch.equal(p.summary[layer].codes[:, :, :n], codes)
 
 
 def test_center_mean_ignores_batch_padding():
@@ -499,7 +499,7 @@ def test_center_mean_ignores_batch_padding():
     ids, mask, _ = left_padded([400, 120], seed=4)
     cache = kvdex.Cache(model, "pariskv", budget=96, dense_layers=1, center=True)
     greedy(model, ids, mask, cache, new=2)
-    for layer, (mu, _) in cache.policy.means.items():
+    for layer, (mu, _) in cache.policy.summary.means.items():
         store = cache.layers[layer].store
         n = int(store.grid.num_middle_pages(torch.tensor([120]))[0]) * PAGE
         torch.testing.assert_close(mu[1], store.middle_keys()[1, :, :n].float().mean(1), atol=1e-4, rtol=1e-4)
@@ -526,7 +526,7 @@ def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
         p = make_policy("pariskv", center=center, kernels="torch", **opts)
         p.bind(info)
         p.index(2, MiddleUpdate(torch.tensor([0]), torch.tensor([n // PAGE]), keys.view(1, h, n // PAGE, PAGE, d)))
-        ids = p.index_[2].ids[0, :, :n].long()  # [H, n, nsub]
+        ids = p.summary[2].ids[0, :, :n].long()  # [H, n, nsub]
         share = torch.stack([torch.bincount(ids[i, :, b], minlength=256).max() for i in range(h) for b in range(8)])
         _, pool = p.search(2, q, n, torch.tensor([n]), k)
         truth = exact.topk(k).indices
@@ -540,19 +540,19 @@ def test_pool_sizes_follow_beta_and_the_pool_factor():
     p = make_policy("pariskv", candidate_ratio=0.1, pool_factor=None)  # the paper's pool: ceil(beta n)
     p.bind(_info())
     nmid = torch.tensor([20_000, 3_000, 500])
-    assert p.pool_sizes(nmid, 100) == [2000, 300, 100]  # ceil(beta n), at least k
-    assert p.pool_sizes(nmid, 1000) == [2000, 1000, 500]  # at most n
+    assert p.sizes.pool_sizes(nmid, 100) == [2000, 300, 100]  # ceil(beta n), at least k
+    assert p.sizes.pool_sizes(nmid, 1000) == [2000, 1000, 500]  # at most n
     q = make_policy("pariskv", candidate_ratio=0.1, pool_factor=10)
     q.bind(_info())
-    assert q.pool_sizes(nmid, 100) == [2000, 1000, 500]  # at least 10 k
-    assert q.pool_sizes(nmid, 1000) == [10_000, 3000, 500]
+    assert q.sizes.pool_sizes(nmid, 100) == [2000, 1000, 500]  # at least 10 k
+    assert q.sizes.pool_sizes(nmid, 1000) == [10_000, 3000, 500]
     paper = make_policy(PAPER_SPEC)  # adaptive beta: 0.2 below 30k, 0.5 below 5k
     paper.bind(_info())
-    assert paper.pool_sizes(torch.tensor([40_000, 20_000, 3_000]), 100) == [4000, 4000, 1500]
+    assert paper.sizes.pool_sizes(torch.tensor([40_000, 20_000, 3_000]), 100) == [4000, 4000, 1500]
     default = make_policy("pariskv")  # max(0.2 n, 8 k), at most n
     default.bind(_info())
-    assert default.pool_sizes(nmid, 100) == [4000, 800, 500]
-    assert default.pool_sizes(nmid, 1000) == [8000, 3000, 500]
+    assert default.sizes.pool_sizes(nmid, 100) == [4000, 800, 500]
+    assert default.sizes.pool_sizes(nmid, 1000) == [8000, 3000, 500]
     # a larger pool only adds candidates: the bucket top-c of the votes are nested in c
     scores = torch.randint(-1, 49, (3, 5000), generator=gen(31)).int()
     small, big = K.bucket_topk(scores, 500, 48), K.bucket_topk(scores, 2000, 48)
@@ -640,7 +640,7 @@ def test_rerank_correlation_on_real_keys(request):
 
     def observer(layer, q, store, aset, scale):
         p = cache.policy
-        idx = p.index_[layer]
+        idx = p.summary[layer]
         keys = store.middle_keys().float()
         b, h, n, d = keys.shape
         qm = q.float().view(b, h, -1, d).mean(2)

@@ -129,7 +129,7 @@ def test_whole_pool_selects_the_top_k_of_the_combined_estimate(coarse):
     final, pool = p.search(2, q, n, torch.tensor([n]), k, scale=scale)
     assert bool((pool.sort(-1).values == torch.arange(n)).all())
     qb, qn = K.encode_query(q.view(h, group, 64), p.signs, p.m)
-    idx = p.index_[2]
+    idx = p.summary[2]
     everything = torch.arange(n).expand(h, n)
     est = K.rerank_scores(everything, idx.codes[0, :, :n], idx.weight[0, :, :n], qb, qn, p.centers, p.m)
     want = K.combine_heads(est, scale).topk(k, -1).indices

@@ -249,11 +249,11 @@ def test_pool_width_bounds_every_pool_from_the_shortest_middle_to_the_capacity()
     for opts in (paper, {**paper, "pool_factor": 3.0}, {**paper, "candidate_ratio": 0.3}, {}):
         pol = ParisKVPolicy(**opts)
         for k in (32, 2048):
-            pools = pol.pool_sizes(torch.arange(40_961), k)  # brute force: the pool of every length
+            pools = pol.sizes.pool_sizes(torch.arange(40_961), k)  # brute force: the pool of every length
             for cap in (1, 50, 4096, 4999, 5000, 9999, 12_000, 31_000, 40_960):
                 for lo in (0, 40, 4999, 5000, 29_999, 30_000, 32_000):
                     want = max(pools[min(lo, cap) : cap + 1])
-                    assert pol.pool_width(cap, k, lo) == want, (opts, cap, lo, k)
+                    assert pol.sizes.pool_width(cap, k, lo) == want, (opts, cap, lo, k)
     assert ADAPTIVE_RATIOS[-1][0] == float("inf")
 
 

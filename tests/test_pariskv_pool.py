@@ -77,7 +77,7 @@ def test_steps_between_refreshes_rerank_the_held_pool_by_their_own_query():
     for layer, reuse, q, pool, pos, ws in log:
         if not reuse:
             continue
-        idx = policy.index_[layer]
+        idx = policy.summary[layer]
         b, h = idx.ids.shape[:2]
         qb, qn = policy.query_blocks(q, h)
         est = K.rerank_combined(pool, idx.codes.flatten(0, 1), idx.weight.flatten(0, 1), qb, qn,

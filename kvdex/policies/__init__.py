@@ -13,7 +13,6 @@ from kvdex.policies import (  # noqa: F401  (the author's toolbox)  # noqa: F401
     observation,
     oracle,
     pariskv,
-    pariskv_kmeans,
     prkv,
     quest,
     rerank,

@@ -1,4 +1,3 @@
-# Over 400 lines: the policy's two stages, their static sizing for CUDA graphs and its options read as one.
 """``pariskv``: ParisKV (Qi et al., ICML 2026, arXiv 2602.07721) -- drift-robust top-k token retrieval.
 
 Index (``index``, at prefill and whenever a window page joins the middle): every middle key is
@@ -26,21 +25,24 @@ the GQA group (as the authors' code), its best centroids vote in six cumulative 
 the retrieval length (table below).
 
 Where the paper is vague its configuration follows the authors' released code (amy-77/ParisKV): ratios
-adapt to the retrieval length (table below), tiers as in ``kernels.pariskv.TIERS``, one SRHT round, m = 8.
+adapt to the retrieval length (``pool.ADAPTIVE_RATIOS``), tiers as in ``kernels.pariskv.TIERS``, one SRHT round, m = 8.
 Documented in docs/policies/pariskv.md with measurements.
 
 ``pariskv-kmeans`` is the drift baseline of the paper's ablation ("no normalise+rotate, learned
 centroids"): identical except that the centroids of each subspace are learned by k-means on the
 prefill keys (raw key space) and then frozen; later keys are assigned to the nearest of them
-(kvdex/policies/pariskv_kmeans.py). As the paper's baseline its defaults are the paper's
-configuration (compare it with ``PAPER_SPEC``); kvdex's options apply to it as well.
-``recall_at_k``, the stage-by-stage diagnostic, is in ``_pariskv_recall.py``; both it and ``kmeans`` /
-``nearest`` are importable from here.
+(``learned_centroids.py``). As the paper's baseline its defaults are the paper's configuration (compare it with
+``PAPER_SPEC``); kvdex's options apply to it as well.
+
+The package's components: this module (the options, the two stages, CUDA-graph sizing); ``summary.py``
+(:class:`~kvdex.policies.pariskv.summary.KeySummary`, the middle keys' codes per layer, ``center=True``'s
+means, page joins inside a captured step); ``pool.py`` (:class:`~kvdex.policies.pariskv.pool.PoolSizes`,
+the coarse stage's pool and its device sizes); ``learned_centroids.py`` (``pariskv-kmeans``); ``recall.py``
+(``recall_at_k``, the stage-by-stage diagnostic).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,48 +50,21 @@ import torch
 
 from kvdex.kernels import pariskv as K
 from kvdex.kernels.scoring import topk_ids
-from kvdex.policies._kmeans import kmeans, nearest  # noqa: F401 (re-exported)
-from kvdex.policies._pariskv_index import IndexMixin, _LayerIndex
-from kvdex.policies._pariskv_recall import recall_at_k  # noqa: F401 (re-exported)
 from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.pariskv.pool import PoolSizes
+from kvdex.policies.pariskv.summary import KeySummary
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 
-# (retrieval length below, candidate_ratio beta, collision_ratio rho): the authors' adaptive table.
-ADAPTIVE_RATIOS = ((5_000, 0.5, 0.5), (10_000, 0.25, 0.3), (30_000, 0.2, 0.25), (math.inf, 0.1, 0.2))
 # The paper's configuration, i.e. the four options whose defaults are kvdex's: make_policy("pariskv",
 # **PAPER_OPTIONS) or make_policy(PAPER_SPEC) runs the paper's retrieval pipeline (tested).
 PAPER_OPTIONS = {"group": "mean", "coarse": "tiers", "pool_factor": None, "candidate_ratio": None}
 PAPER_SPEC = "pariskv:group=mean:coarse=tiers:pool_factor=None:candidate_ratio=None"
 
 
-def adaptive_ratios(n: int) -> tuple[float, float]:
-    """(candidate_ratio, collision_ratio) for a retrieval zone of n tokens."""
-    for limit, beta, rho in ADAPTIVE_RATIOS:
-        if n < limit:
-            return beta, rho
-    raise AssertionError("unreachable")
-
-
-@dataclass
-class _Rows:
-    """Per-row sizes of one middle length (R = B * H rows), persistent device buffers that a new middle
-    length (a page boundary) rewrites in place, so a captured CUDA graph reads the current sizes."""
-
-    n_seq: torch.Tensor  # [B] middle tokens per sequence
-    n_row: torch.Tensor  # [R]
-    quotas: torch.Tensor  # [R, len(TIERS)] vote-tier key quotas
-    pool: torch.Tensor  # [R] candidates kept by voting
-    width: int  # max pool
-    lengths: tuple  # the middle lengths these sizes are for (host)
-
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.n_seq, self.n_row, self.quotas, self.pool
-
-
 @register_policy
 @dataclass
-class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
+class ParisKVPolicy(SelectEveryOption, Policy):
     """ParisKV with kvdex's default retrieval options (every query head votes with quantised centroid
     scores over a pool of max(0.2 n, 8 k) keys); ``**PAPER_OPTIONS`` (or :data:`PAPER_SPEC`) restores the
     paper's mean-query, tier-vote, adaptive-beta configuration."""
@@ -101,7 +76,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
 
     m: int = 8  # subspace size: 2**m analytic centroids per subspace
     # beta: share of the middle kept by voting. Default 0.2 (kvdex); None = the paper's adaptive table
-    # (ADAPTIVE_RATIOS: 0.5 below 5k tokens ... 0.1 from 30k).
+    # (pool.ADAPTIVE_RATIOS: 0.5 below 5k tokens ... 0.1 from 30k).
     candidate_ratio: float | None = 0.2
     collision_ratio: float | None = None  # rho: share of keys whose centroids vote (None: adaptive; "tiers" only)
     seed: int = 42  # SRHT signs
@@ -139,6 +114,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         check_select_every(self.pool_every, "pool_every")
         if self.pool_every > 1 and self.select_every > 1:
             raise ValueError("pariskv: pool_every=N replaces select_every: pass one of them (the other 1)")
+        self.sizes = PoolSizes(self.candidate_ratio, self.collision_ratio, self.pool_factor)  # pool.py
 
     def bind(self, info) -> None:
         super().bind(info)
@@ -158,12 +134,11 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
             raise ValueError(f"pariskv: m={self.m} exceeds the rotated head dim {self.rot_dim}; pass a smaller m")
         self.signs = K.srht_signs(info.head_dim, self.seed)
         self.thresholds, self.centers = K.magnitude_levels(self.m)
-        self.index_: dict[int, _LayerIndex] = {}
-        self.means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # center=True: layer -> (mu [B, H, d], set [B])
+        # the middle keys' codes per layer, center=True's mean keys (summary.py)
+        self.summary = KeySummary(self.num_sub, self.rot_dim // 2, self.m, info.head_dim, self.cfg.page_size,
+                                  self.center)  # fmt: skip
         self._ops = None
         self._consts: dict[torch.device, tuple] = {}
-        self._rows: dict[tuple, _Rows] = {}
-        self._done_dev: dict[int, torch.Tensor] = {}  # center=True, page joins: the means set, on the device
         self.pools = HeldPools()  # pool_every: layer -> the coarse stage's candidates [R, C] of its last refresh
 
     def consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -190,7 +165,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
             self._ops = T if use_triton else K
         return self._ops
 
-    # ---- index (buffers, center=True, page joins: _pariskv_index.py) --------------------------
+    # ---- index: encode keys, the summary keeps their codes (summary.py) ------------------------
     @property
     def num_sub(self) -> int:
         return self.rot_dim // self.m
@@ -215,20 +190,27 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         keys = update.keys.reshape(b, h, pn * ps, d)
         valid = torch.arange(pn * ps)[None, :] < (update.count * ps)[:, None]  # [B, N] (CPU)
         if self.center:
-            keys = keys.float() - self.key_mean(layer, keys, valid)[:, :, None, :]
+            keys = keys.float() - self.summary.key_mean(layer, keys, valid)[:, :, None, :]
+        self.summary.write(layer, update, *self.encode(layer, keys, valid))
+
+    def encode(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(centroid ids, 4-bit codes, weights) of keys [B, H, N, d] (``valid`` [B, N]: not padding)."""
         signs, thresholds, centers = self.consts(keys.device)[:3]
         ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)
-        ids = self.assign(layer, keys, ids, valid)
-        start, count = update.start * ps, update.count * ps
-        idx = self._reserve(layer, int((start + count).max()), keys)
-        for bi in torch.nonzero(update.count).flatten().tolist():
-            s, c = int(start[bi]), int(count[bi])
-            idx.ids[bi, :, s : s + c] = ids[bi, :, :c]
-            idx.codes[bi, :, s : s + c] = codes[bi, :, :c]
-            idx.weight[bi, :, s : s + c] = weight[bi, :, :c]
-            valid = torch.ones(h, c, dtype=torch.bool, device=keys.device)
-            idx.counts[bi] += K.cluster_counts(ids[bi, :, :c], valid, 1 << self.m)
-            idx.n[bi] = max(int(idx.n[bi]), s + c)
+        return self.assign(layer, keys, ids, valid), codes, weight
+
+    # ---- page joins inside a captured decode step (Policy.capturable_index; summary.py) -----------------
+    def reserve_index(self, layer, pages, store) -> None:
+        self.summary.reserve_pages(layer, pages, store)
+
+    def joined(self, layer, start, count) -> None:
+        self.summary.joined(layer, start, count)
+
+    def index_join(self, layer, join) -> None:
+        if layer not in self.summary:
+            return
+        keys, valid = self.summary.join_keys(layer, join)
+        self.summary.write_join(layer, join, *self.encode(layer, keys, valid), valid)
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) -----------------------------------------------
     # Under static sizing (``store.static``, set by the graph decoder) select issues the same device work
@@ -244,20 +226,16 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         # host bookkeeping: the middle lengths during the step (a page that joins in it included)
         nmid = st.grid.num_middle_pages(st.lengths_host + 1) * st.grid.page_size
         n, k = int(nmid.max()), self.cfg.retrieval_tokens
-        mode = "empty" if n == 0 or not self.index_ else ("all" if n <= k else "search")  # select's branch
+        mode = "empty" if n == 0 or not self.summary.layers else ("all" if n <= k else "search")  # select's branch
         if mode != "empty":  # the sizes of this middle length, before the step (no page joins in it)
-            self.rows(nmid, st.kv_heads, k, next(iter(self.index_.values())).ids.device)
-        widths = tuple(self.pool_width(i.ids.shape[2], k, int(nmid.min())) for _, i in sorted(self.index_.items()))
+            self.sizes.rows(nmid, st.kv_heads, k, next(iter(self.summary.layers.values())).ids.device)
+        caps = [i.ids.shape[2] for _, i in sorted(self.summary.layers.items())]
+        widths = tuple(self.sizes.pool_width(cap, k, int(nmid.min())) for cap in caps)
         return (mode, widths, self._graph_buffers(), self.pools.key())
 
     def _graph_buffers(self) -> tuple:
         """Identity and shape of every persistent tensor select reads (a re-allocation is a new key)."""
-        idx = tuple(
-            (lay, id(i.ids), tuple(i.ids.shape), id(i.codes), id(i.weight), id(i.counts))
-            for lay, i in sorted(self.index_.items())
-        ) + tuple((lay, id(self.means[lay][0]), id(d)) for lay, d in sorted(self._done_dev.items()))
-        rows = tuple((key, id(r.n_row), id(r.quotas), id(r.pool)) for key, r in self._rows.items())
-        return idx, rows
+        return self.summary.graph_buffers(), self.sizes.graph_buffers()
 
     # ---- select ------------------------------------------------------------------------------
     def reuse_steps(self) -> int:
@@ -267,7 +245,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         """``pool_every``: a step between refreshes reranks the held candidates by its own query."""
         cand = self.pools.get(view.layer) if self.pool_every > 1 else None
         nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU, as select sees it
-        if cand is None or view.layer not in self.index_ or int(nmid.max()) <= view.retrieval_tokens:
+        if cand is None or view.layer not in self.summary or int(nmid.max()) <= view.retrieval_tokens:
             return None  # the layer attends its last selection (the whole middle, or nothing yet)
         final = self.fine(view.layer, q, cand, view.retrieval_tokens, view.scale)
         return Selection(tokens=torch.where(final >= 0, final + view.sink, -1))
@@ -278,12 +256,12 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         static = view.static
         nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU
         n = int(nmid.max())
-        if layer not in self.index_ or n == 0:
+        if layer not in self.summary or n == 0:
             return Selection(tokens=view.no_ids(q.device))
         if n <= k:  # the whole middle fits the budget: attend all of it (== dense)
             w = k if static else n  # static: a fixed width, -1 past each sequence's middle
             j = torch.arange(w, device=q.device)
-            pos = torch.where(j[None, :] < self.rows(nmid, h, k, q.device).n_seq[:, None], view.sink + j, -1)
+            pos = torch.where(j[None, :] < self.sizes.rows(nmid, h, k, q.device).n_seq[:, None], view.sink + j, -1)
             return Selection(tokens=pos[:, None, :].expand(b, h, w).contiguous())
         cand, _ = self.search(layer, q, n, nmid, k, static=static, scale=view.scale)
         return Selection(tokens=torch.where(cand >= 0, cand + view.sink, -1))
@@ -296,12 +274,12 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         [R, nsub, m] and norms [R]; ``"heads"``: every query head of the group votes (a key scores its
         best head's sum), blocks [R, G, nsub, m] and norms [R, G].
         """
-        idx = self.index_[layer]
+        idx = self.summary[layer]
         b, hq, d = q.shape
         h = idx.ids.shape[1]
         r, g = b * h, (hq // h if self.group == "heads" else 1)
         qv, qb, qn = self._query(q, h)
-        rows = self.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
+        rows = self.sizes.rows(nmid, h, self.cfg.retrieval_tokens, q.device)
         ops = self.ops(q.device)
         if self.coarse == "scores":
             votes = K.score_votes(self.centroid_logits(layer, qv, qb, qn).reshape(r, g, self.num_sub, -1))
@@ -336,51 +314,6 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         _, qb, qn = self._query(q, h)
         return self._rows_of(qb, qn, q.shape[0] * h, q.shape[1] // h if self.group == "heads" else 1)
 
-    def rows(self, nmid: torch.Tensor, h: int, k: int, device) -> _Rows:
-        """Per-row sizes for middle lengths ``nmid`` [B] (CPU), on ``device``. Recomputed only when the
-        middle lengths change (a page boundary) and then written *in place* into the same device buffers,
-        so steps in between copy nothing to the device and a captured graph reads the current sizes."""
-        lengths = tuple(nmid.tolist())
-        key = (h, k, device)
-        cur = self._rows.get(key)
-        if cur is None or cur.lengths != lengths:
-            rho = torch.tensor([self.ratios(int(x))[1] for x in nmid]).repeat_interleave(h)
-            pool = self.pool_sizes(nmid, k)
-            vals = (
-                nmid.long(),
-                nmid.long().repeat_interleave(h),
-                K.tier_quotas(nmid.repeat_interleave(h), rho),
-                torch.tensor(pool, dtype=torch.long).repeat_interleave(h),
-            )
-            if cur is None or any(t.shape != v.shape for t, v in zip(cur.buffers(), vals, strict=True)):
-                bufs = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in vals]
-                cur = self._rows[key] = _Rows(*bufs, width=0, lengths=())
-            for t, v in zip(cur.buffers(), vals, strict=True):
-                t.copy_(v)
-            cur.width, cur.lengths = max(pool), lengths
-        return cur
-
-    def pool_width(self, cap: int, k: int, lo: int = 0) -> int:
-        """Static pool width: the largest pool of any middle length in ``[lo, cap]`` (``lo``: the shortest
-        middle of the batch now; middles only grow until the next prefill). Within one row of the adaptive
-        table beta is fixed and the pool grows with n, so the maximum is at ``cap`` or at the last length
-        of a table row; the width changes only when ``lo`` crosses a row or the capacity grows."""
-        ends = [limit - 1 for limit, _, _ in ADAPTIVE_RATIOS if limit != math.inf and lo <= limit - 1 < cap]
-        return max(self._pool(n, k) for n in (*ends, cap))
-
-    def ratios(self, n: int) -> tuple[float, float]:
-        """(candidate_ratio, collision_ratio) for a sequence with n middle tokens (options or adaptive)."""
-        beta, rho = adaptive_ratios(n)
-        return self.candidate_ratio or beta, self.collision_ratio or rho
-
-    def pool_sizes(self, nmid: torch.Tensor, k: int) -> list[int]:
-        """Candidates kept by voting per sequence: min(n, max(k, ceil(beta * n), ceil(pool_factor * k)))."""
-        return [self._pool(int(x), k) for x in nmid]
-
-    def _pool(self, n: int, k: int) -> int:
-        floor = k if self.pool_factor is None else max(k, math.ceil(self.pool_factor * k))
-        return min(n, max(floor, math.ceil(self.ratios(n)[0] * n)))
-
     @property
     def max_votes(self) -> int:
         return (K.SCORE_LEVELS if self.coarse == "scores" else len(K.TIERS)) * self.num_sub
@@ -403,14 +336,14 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         ``scale``: the attention's softmax scale (``group="heads"`` combines the heads' weights;
         default 1/sqrt(head_dim)).
         """
-        idx = self.index_[layer]
+        idx = self.summary[layer]
         ops = self.ops(q.device)
         b, h = q.shape[0], idx.ids.shape[1]
         if static:
             n = idx.ids.shape[2]
         score, qb, qn = self.votes(layer, q, n, nmid)
-        rows = self.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
-        c = self.pool_width(n, k, int(nmid.min())) if static else rows.width
+        rows = self.sizes.rows(nmid, h, k, q.device)  # pool sizes per sequence: a ragged batch == each alone
+        c = self.sizes.pool_width(n, k, int(nmid.min())) if static else rows.width
         cand = ops.bucket_topk(score, c, self.max_votes, rows.pool)  # [R, C], -1 past a row's own count
         if self.pool_every > 1:
             self.pools.hold(layer, cand)
@@ -420,7 +353,7 @@ class ParisKVPolicy(SelectEveryOption, IndexMixin, Policy):
         """Fine stage: the best k of the candidates ``cand`` [R, C] (middle offsets, ``-1`` padded) by the 4-bit
         estimate -> [B, H, min(k, C)] middle offsets (``-1`` padded). ``qb``, ``qn``: the rotated query blocks
         and norms when the coarse stage made them (else from ``q`` [B, Hq, D])."""
-        idx = self.index_[layer]
+        idx = self.summary[layer]
         ops = self.ops(q.device)
         b, h, n = q.shape[0], idx.ids.shape[1], idx.ids.shape[2]
         r, c = b * h, cand.shape[1]

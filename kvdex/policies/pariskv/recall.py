@@ -1,18 +1,21 @@
 """``recall_at_k``: ParisKV's stage-by-stage Recall@k on one decode query (the paper's ablation metric),
-a diagnostic over a :class:`~kvdex.policies.pariskv.ParisKVPolicy`. Re-exported by
-``kvdex.policies.pariskv``.
+a diagnostic over a :class:`~kvdex.policies.pariskv.ParisKVPolicy`, importable from ``kvdex.policies.pariskv``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvdex.kernels import pariskv as K
-from kvdex.policies.base import Policy
+
+if TYPE_CHECKING:
+    from kvdex.policies.pariskv.policy import ParisKVPolicy
 
 
 def recall_at_k(
-    policy: Policy, layer: int, q: torch.Tensor, store, k: int = 100, scale: float | None = None
+    policy: ParisKVPolicy, layer: int, q: torch.Tensor, store, k: int = 100, scale: float | None = None
 ) -> dict[str, float]:
     """The paper's ablation metric on one decode query of a ``pariskv`` / ``pariskv-kmeans`` policy,
     averaged over (sequence, kv head), stage by stage.
@@ -27,7 +30,7 @@ def recall_at_k(
     """
     nmid = store.grid.num_middle_pages(store.lengths_host) * store.grid.page_size
     n = int(nmid.max())
-    if n <= k or layer not in policy.index_:
+    if n <= k or layer not in policy.summary:
         return {}
     keys = store.middle_keys().float()  # [B, H, n, d]
     b, hq, d = q.shape
@@ -45,7 +48,7 @@ def recall_at_k(
     coarse = _coarse_topk(policy, layer, q, n, nmid, k)
     everything = torch.where(live, torch.arange(n, device=q.device), -1).expand(b, h, n).reshape(b * h, n)
     _, qb, qn = policy.votes(layer, q, n, nmid)
-    idx = policy.index_[layer]
+    idx = policy.summary[layer]
     codes, weight = idx.codes[:, :, :n].reshape(b * h, n, -1), idx.weight[:, :, :n].reshape(b * h, n, -1)
     est = K.rerank_scores(everything, codes, weight, qb, qn, policy.consts(q.device)[2], policy.m)
     if est.dim() == 3:
@@ -59,7 +62,7 @@ def recall_at_k(
     return {"coarse": rec(coarse), "pool": rec(pool), "e2e": rec(final), "rerank": rec(rerank)}
 
 
-def _coarse_topk(policy: Policy, layer, q, n, nmid, k):
+def _coarse_topk(policy: ParisKVPolicy, layer, q, n, nmid, k):
     """Top-k middle offsets by collision votes only (the coarse stage ranked on its own)."""
     score, _, _ = policy.votes(layer, q, n, nmid)
     return K.bucket_topk(score, k, policy.max_votes).view(q.shape[0], -1, k)
