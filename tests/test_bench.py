@@ -371,7 +371,7 @@ def test_periodic_rebuilds_among_the_timed_steps_are_counted(monkeypatch, steps,
     (rec,) = runner.run(cfg, log=lines.append)["results"]
     assert rec["rebuild_every"] == 4 and rec["rebuilds_timed"] == want
     layer = made[-1].policy.info.sparse_layers[0]
-    done = made[-1].policy.refreshes.get(layer, [])
+    done = made[-1].policy.schedule.refreshes.get(layer, [])
     assert made[-1].policy.n_static == 16 and sum(s >= rec["warmup_steps"] for s in done) == want
     line = next(s for s in lines if s.startswith("prkv"))
     assert f"rebuilds {want} (every 4 steps)" in line and (("NOT in the timing" in line) == (want == 0))

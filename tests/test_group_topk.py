@@ -147,7 +147,7 @@ def test_prkv_static_heads_holds_every_heads_top_tokens():
     checked, before = [], {}
 
     def observer(layer, q, store, aset, scale):
-        step = pol.steps[layer] - 1
+        step = pol.schedule.steps[layer] - 1
         if (step + 1) % 5 == 0:
             before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % 5:

@@ -189,7 +189,7 @@ def test_s1_is_snapkv_plus(kernel):
             for h in range(2):
                 assert len(sets[0][b][h]) == len(set(sets[0][b][h])) <= BUDGET
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    assert pols[0].refreshes[1] == pols[1].refreshes[1] == [5, 10, 15, 20]
+    assert pols[0].schedule.refreshes[1] == pols[1].schedule.refreshes[1] == [5, 10, 15, 20]
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
@@ -266,7 +266,7 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     greedy(model, ids, mask, cache=cache, new=45)
     assert calls["n"] == 44 * len(layers)
     for layer in layers:
-        assert pol.refreshes[layer] == [7, 14, 21, 28, 35, 42]  # exactly every T decode steps
+        assert pol.schedule.refreshes[layer] == [7, 14, 21, 28, 35, 42]  # exactly every T decode steps
     assert pol.static_set.counts[1].tolist() == [n_static, n_static]
 
 
@@ -274,7 +274,7 @@ def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
     """The observation scores of PRKV's ring (or ``ring``: a (q, pos, valid) copy) over the middle with the
     keys put back in position order (sequence 0), computed here from the store; returns (scores [1, H, L]
     or, ``per_query_head``, [1, Hq, L], origin of each middle slot)."""
-    ring = pol.rings[layer] if ring is None else ring
+    ring = pol.schedule.rings[layer] if ring is None else ring
     k, _ = store.dense()
     org = pol.static_set.origin_map(layer)
     m = org.shape[2]
@@ -290,7 +290,7 @@ def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
 def _ring_copy(pol, layer):
     """The ring of ``layer`` as it is now (the queries the next step's refresh reads: it runs before the
     step, or in ``select`` before the step's query joins the ring when a page joins the middle then)."""
-    ring = pol.rings[layer]
+    ring = pol.schedule.rings[layer]
     return SimpleNamespace(q=ring.q.clone(), pos=ring.pos.clone(), valid=ring.valid.clone())
 
 
@@ -316,14 +316,14 @@ def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts, late):
         pol = cache.policy
 
         def observer(layer, q, store, aset, scale, pol=pol, cache=cache):
-            step = pol.steps[layer] - 1
+            step = pol.schedule.steps[layer] - 1
             if layer != last or (step + 1) % T:
                 return
             stores = [lay.store for lay in cache.layers]
             joins = step_joins(stores, pol.info.sparse_layers)
             for _ in range(2):
                 pol.before_step(stores)
-            done = [pol.refreshes[lay][-1] == step + 1 for lay in pol.info.sparse_layers]
+            done = [pol.schedule.refreshes[lay][-1] == step + 1 for lay in pol.info.sparse_layers]
             assert done == [not (joins and late)] * len(done), (step, joins)
             assert (pol.graph_key(stores) is None) == (joins and late)
             kinds[step + 1] = joins
@@ -331,7 +331,7 @@ def test_refresh_runs_before_the_step_unless_a_page_joins(name, opts, late):
         if ask:
             cache.observer = observer
         runs.append(greedy(model, ids, cache=cache, new=22))
-        assert all(pol.refreshes[lay] == [5, 10, 15, 20] for lay in pol.info.sparse_layers)
+        assert all(pol.schedule.refreshes[lay] == [5, 10, 15, 20] for lay in pol.info.sparse_layers)
     assert kinds == {5: False, 10: False, 15: False, 20: True}
     assert torch.equal(runs[0][0], runs[1][0])
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=0, rtol=0)
@@ -349,12 +349,12 @@ def test_static_set_is_topk_of_window_scores():
     checked, before = [], {}
 
     def observer(layer, q, store, aset, scale):
-        step = pol.steps[layer] - 1
+        step = pol.schedule.steps[layer] - 1
         if (step + 1) % T == 0:
             before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % T:
             return
-        assert pol.refreshes[layer][-1] == step
+        assert pol.schedule.refreshes[layer][-1] == step
         s, org = _window_scores(pol, layer, store, scale, ring=before.pop(layer))
         s = s[..., : org.shape[2]]  # the middle the refresh restructured (not a page that joined after it)
         ns = int(pol.static_set.counts[layer][0])
@@ -385,7 +385,7 @@ def test_obs_tokens_last_ranks_the_windows_own_tokens_last(obs_tokens):
     late_static, before = [], {}
 
     def observer(layer, q, store, aset, scale):
-        step = pol.steps[layer] - 1
+        step = pol.schedule.steps[layer] - 1
         if (step + 1) % T == 0:
             before[layer] = _ring_copy(pol, layer)
         if step == 0 or step % T:

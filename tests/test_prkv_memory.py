@@ -96,7 +96,7 @@ class _KeepsUpdate(PRKVPolicy):
     def index(self, layer, update) -> None:
         super().index(layer, update)
         if update.obs_queries is not None:
-            self.pending[layer] = update
+            self.schedule.pending[layer] = update
 
 
 def test_the_meter_sees_kept_prompt_queries(model, full_peak):

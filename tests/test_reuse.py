@@ -120,8 +120,8 @@ def test_prkv_refresh_steps_select():
     selects, _, cache = _run("prkv:static_ratio=0.5:refresh=6:select_every=5", budget=96)
     ref_selects, _, ref = _run("prkv:static_ratio=0.5:refresh=6:select_every=1", budget=96)
     assert all(ref_selects)
-    assert cache.policy.refreshes == ref.policy.refreshes and cache.policy.refreshes
-    for steps in cache.policy.refreshes.values():
+    assert cache.policy.schedule.refreshes == ref.policy.schedule.refreshes and cache.policy.schedule.refreshes
+    for steps in cache.policy.schedule.refreshes.values():
         assert all(selects[s] for s in steps)  # decode step s (0-based) is selects[s]
 
 

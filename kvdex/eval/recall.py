@@ -163,7 +163,12 @@ class Probe(SelectAll):
                 "attended tokens, which a dense probe decode does not have; measure it without --probe"
             )
         self.target_policy.bind(info)
-        self.obs_window = self.target_policy.obs_window  # the prefill keeps the queries the target needs
+
+    @property
+    def obs_window(self) -> int:
+        """The target's (the prefill keeps the queries it needs); 0 until bound."""
+        target = self.__dict__.get("target_policy")
+        return target.obs_window if target is not None else 0
 
     def index(self, layer, update) -> None:
         self.target_policy.index(layer, update)

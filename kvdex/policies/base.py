@@ -90,7 +90,6 @@ class Policy:
     # PRKV's static ones) or everything; "token": selections name tokens only (``Selection.tokens``).
     # tests/test_selection_golden.py holds every registered policy to it.
     granularity: ClassVar[str] = "page"
-    obs_window: ClassVar[int] = 0  # prompt queries kept for ``index`` at prefill
     uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
     observes: ClassVar[bool] = False  # True: ``observe`` is called after every sparse decode attention
     capturable: ClassVar[bool] = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
@@ -103,6 +102,11 @@ class Policy:
         """The options' checks: every option annotated with a ``Literal`` (or one or None) holds one of its
         values (:func:`check_choices`). A subclass with its own ``__post_init__`` calls ``super().__post_init__()``."""
         check_choices(self)
+
+    @property
+    def obs_window(self) -> int:
+        """Prompt queries (the last ones) kept for ``index`` at prefill (``MiddleUpdate.obs_queries``); 0: none."""
+        return 0
 
     def bind(self, info: PolicyInfo) -> None:
         self.info = info
@@ -296,7 +300,7 @@ class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):  #
     each sequence's middle pages; ``pool_every=N`` chooses those candidates every N steps and at page joins,
     and ranks the held candidates' tokens every step (:class:`~kvdex.policies.rerank.PoolOption`)."""
 
-    group: ClassVar[str] = "max"
+    group = "max"  # the GQA reduction of the page scores (quest, prkv: an option)
     scores_masked: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

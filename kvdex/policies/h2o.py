@@ -48,11 +48,16 @@ class H2OPolicy(JoinFreePolicy):
     obs: int = 128  # prompt queries whose attention seeds the scores at prefill
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         if not isinstance(self.recent_ratio, (int, float)) or not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be a number in [0, 1], got {self.recent_ratio!r}")
         if not isinstance(self.obs, int) or isinstance(self.obs, bool) or self.obs < 1:
             raise ValueError(f"obs must be an int >= 1, got {self.obs!r}")
-        self.obs_window = self.obs
+
+    @property
+    def obs_window(self) -> int:
+        """The prompt's last ``obs`` queries are kept for ``index`` at prefill."""
+        return self.obs
 
     def bind(self, info) -> None:
         super().bind(info)

@@ -12,6 +12,7 @@ scores from; the middle tokens' share of them is the score.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import attention_mass_reference, ring_push_reference
-from kvdex.storage import page_joins
+from kvdex.storage import LayerStore, page_joins
 
 POOLINGS = ("max", "avg")
 
@@ -84,7 +85,7 @@ def middle_scores(
         key_pos = torch.arange(L, device=k.device).repeat(k.shape[0], h, 1)
         key_pos[:, :, s0 : s0 + m] = origin + s0
     mass = attention_mass(q, q_pos, q_valid, k, lengths, scale, key_pos)[:, :, s0 : s0 + m]  # [B, Hq, M] by slot
-    if key_pos is not None:  # by position: slot j's mass to position - sink origin[j]
+    if origin is not None and key_pos is not None:  # by position: slot j's mass to position - sink origin[j]
         idx = origin.repeat_interleave(q.shape[1] // h, dim=1)
         mass = torch.zeros_like(mass).scatter_(2, idx, mass)
     mass = mass / q_valid.sum(-1).clamp(min=1).to(mass)[:, None, None]
@@ -125,19 +126,21 @@ class QueryRing:
 
     def __init__(self, size: int):
         self.size = size
-        self.q = self.pos = self.valid = None
+        self.q: torch.Tensor | None = None  # None until loaded (or the first push)
+        self.pos: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
 
     def load(self, q: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> None:
         """Start from the prompt's last rows: q [B, Hq, W, D], pos / valid [B, W] (W <= size)."""
         w = q.shape[2]
         b, hq, _, d = q.shape
-        self.q = q.new_zeros(b, hq, self.size, d)
-        self.pos = torch.zeros(b, self.size, dtype=torch.long, device=q.device)
-        self.valid = torch.zeros(b, self.size, dtype=torch.bool, device=q.device)
+        self.q = ring_q = q.new_zeros(b, hq, self.size, d)
+        self.pos = ring_pos = torch.zeros(b, self.size, dtype=torch.long, device=q.device)
+        self.valid = ring_valid = torch.zeros(b, self.size, dtype=torch.bool, device=q.device)
         take = min(w, self.size)
-        self.q[:, :, self.size - take :] = q[:, :, w - take :]
-        self.pos[:, self.size - take :] = pos[:, w - take :].to(q.device)
-        self.valid[:, self.size - take :] = valid[:, w - take :].to(q.device)
+        ring_q[:, :, self.size - take :] = q[:, :, w - take :]
+        ring_pos[:, self.size - take :] = pos[:, w - take :].to(q.device)
+        ring_valid[:, self.size - take :] = valid[:, w - take :].to(q.device)
 
     def push(self, q: torch.Tensor, pos: torch.Tensor, offset: int = 0) -> None:
         """One decode query per sequence: q [B, Hq, D] at positions pos + offset [B] (the sequence lengths with
@@ -148,7 +151,13 @@ class QueryRing:
         # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.hf.graph)
         # that pushes reads and writes the same ring on every replay; on CUDA one Triton launch
         push = triton_kernel("step_triton", "ring_push_", on=q) or ring_push_reference
-        push(self.q, self.pos, self.valid, q, pos, offset)
+        push(*self.buffers(), q, pos, offset)
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, pos, valid) of a loaded ring."""
+        if self.q is None or self.pos is None or self.valid is None:
+            raise RuntimeError("QueryRing read before it was loaded (load or push first)")
+        return self.q, self.pos, self.valid
 
 
 def step_joins(stores, layers) -> bool:
@@ -157,46 +166,77 @@ def step_joins(stores, layers) -> bool:
     return bool(layers) and page_joins(stores[layers[0]])
 
 
-class ObsRefresh:
-    """The periodic refresh of a policy that re-scores the middle from its query ring every ``refresh`` decode
-    steps (PRKV's Algorithm 1, SnapKV+). The refresh of step t (t = T, 2T, ...) runs in ``before_step``, before
-    the step's first layer, so that the step replays its CUDA graph; ``select`` runs it where ``before_step`` did
-    not (the policy driven directly) or waited: a layer that :meth:`_waits_for_joins` refreshes after a page
-    joins the middle in that step. The policy holds ``refresh``, ``steps``, ``refreshes``, ``scales``,
-    ``rings``, ``pending`` and ``info`` and defines :meth:`_refreshing`, :meth:`_rebuild` and
-    :meth:`_waits_for_joins`."""
+class RefreshSchedule:
+    """The observation state of a policy that re-scores the middle from its query ring every ``refresh`` decode
+    steps (PRKV's Algorithm 1, SnapKV+), owned by the policy (made in ``bind``):
 
-    def _refreshing(self) -> bool:
-        raise NotImplementedError
+    * ``pending``: layer -> the prompt's observation rows (:func:`obs_rows`), until the layer's first decode step;
+    * ``rings``: layer -> its :class:`QueryRing`; ``steps``: layer -> decode steps counted so far;
+    * ``refreshes``: layer -> the decode steps at which it re-scored; ``scales``: layer -> its attention scale.
 
-    def _rebuild(self, layer: int, store, scale: float) -> None:
-        raise NotImplementedError
+    The refresh of step t (t = T, 2T, ...) runs in :meth:`before_step` (the policy's ``before_step``), before
+    the step's first layer, so that the step replays its CUDA graph; the policy's ``select`` runs it
+    (:meth:`due`, :meth:`refresh_layer`) where ``before_step`` did not (the policy driven directly) or waited: a
+    layer whose ``waits_for_joins`` says so refreshes after a page joins the middle in that step.
+    ``rebuild(layer, store, scale)`` is the policy's re-scoring; ``active``: whether the policy refreshes at all.
+    """
 
-    def _waits_for_joins(self, layer: int) -> bool:
-        """A page that joins the middle in a refresh step must be part of ``layer``'s refresh (no later
-        selection could reach it before the next one)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        refresh: int,
+        active: bool,
+        sparse_layers: Sequence[int],
+        rebuild: Callable[[int, LayerStore, float], None],
+        waits_for_joins: Callable[[int], bool],
+    ) -> None:
+        self.refresh, self.active, self.sparse_layers = refresh, active, tuple(sparse_layers)
+        self.rebuild, self.waits_for_joins = rebuild, waits_for_joins
+        self.pending: dict[int, ObsRows] = {}
+        self.rings: dict[int, QueryRing] = {}
+        self.steps: dict[int, int] = {}
+        self.refreshes: dict[int, list[int]] = {}
+        self.scales: dict[int, float] = {}
 
-    def _refresh_due(self, layer: int, step: int) -> bool:
+    def start_step(self, layer: int, scale: float) -> int:
+        """Count a decode step of ``layer`` that selects and keep its scale; the step's index (0 = the first)."""
+        step = self.steps.get(layer, 0)
+        self.steps[layer] = step + 1
+        self.scales[layer] = scale
+        return step
+
+    def count_step(self, layer: int) -> None:
+        """Count a decode step of ``layer`` that reuses a selection (or replays a captured graph)."""
+        self.steps[layer] = self.steps.get(layer, 0) + 1
+
+    def replayed(self) -> None:
+        """A captured decode step replayed: every sparse layer counts it."""
+        for layer in self.sparse_layers:
+            self.count_step(layer)
+
+    def due(self, layer: int, step: int) -> bool:
         """``layer`` refreshes before its decode step ``step`` (T, 2T, ...) and has not yet."""
         done = self.refreshes.get(layer)
         return bool(step) and step % self.refresh == 0 and layer in self.rings and not (done and done[-1] == step)
 
-    def _refresh(self, layer: int, store, scale: float, step: int) -> None:
-        self._rebuild(layer, store, scale)
+    def refresh_layer(self, layer: int, store: LayerStore, scale: float, step: int) -> None:
+        self.rebuild(layer, store, scale)
         self.refreshes.setdefault(layer, []).append(step)
 
     def before_step(self, stores) -> None:
         """The refresh of every layer that is due, before the step's first layer (its graph then replays)."""
-        if not self._refreshing() or self.pending:
+        if not self.active or self.pending:
             return
         joins = None
-        for layer in self.info.sparse_layers:
+        for layer in self.sparse_layers:
             step = self.steps.get(layer, 0)
-            if not self._refresh_due(layer, step):
+            if not self.due(layer, step):
                 continue
-            if self._waits_for_joins(layer):
-                joins = step_joins(stores, self.info.sparse_layers) if joins is None else joins
+            if self.waits_for_joins(layer):
+                joins = step_joins(stores, self.sparse_layers) if joins is None else joins
                 if joins:
                     continue  # select refreshes it, after the join (that step eagerly)
-            self._refresh(layer, stores[layer], self.scales[layer], step)
+            self.refresh_layer(layer, stores[layer], self.scales[layer], step)
+
+    def graph_key(self) -> tuple:
+        """Identity of the rings' buffers (a captured step pushes into them in place)."""
+        return tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))

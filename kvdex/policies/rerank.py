@@ -48,7 +48,7 @@ scoring and the candidates' top-k; the rerank, the step's main cost with ``reran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -111,6 +111,19 @@ class RerankOption:
         return "token" if self.rerank and self.rerank_unit == "token" else "page"
 
 
+class _PoolHost(Protocol):
+    """What :meth:`PoolOption.check_pool` reads: its own option and its policy's rerank and select options."""
+
+    @property
+    def pool_every(self) -> int: ...
+    @property
+    def rerank(self) -> int: ...
+    @property
+    def rerank_unit(self) -> str: ...
+    @property
+    def select_every(self) -> int: ...
+
+
 @dataclass
 class PoolOption:
     """The ``pool_every`` option of a page policy with ``rerank`` (a base before
@@ -119,7 +132,7 @@ class PoolOption:
 
     pool_every: int = 1  # 1: choose the candidates every step; N: every N steps (and at page joins)
 
-    def check_pool(self) -> None:
+    def check_pool(self: _PoolHost) -> None:
         """ValueError unless ``pool_every`` is an int >= 1, above 1 only with the token rerank, no ``select_every``."""
         check_select_every(self.pool_every, "pool_every")
         if self.pool_every > 1 and not (self.rerank and self.rerank_unit == "token" and self.select_every == 1):

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
-from kvdex.policies.observation import ObsRefresh, QueryRing, check_kernel, middle_scores, obs_rows
+from kvdex.policies.observation import QueryRing, RefreshSchedule, check_kernel, middle_scores, obs_rows
 from kvdex.selection import Selection
 
 
@@ -47,7 +47,7 @@ def prompt_rows(update, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @register_policy
 @dataclass
-class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
+class SnapKVPolicy(JoinFreePolicy):
     name = "snapkv"
     capturable = True
     # JoinFreePolicy: a page joining the middle needs no index work (the prompt's choice is fixed; with
@@ -64,23 +64,26 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
         super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         check_obs(self.obs, self.refresh)
         check_kernel(self.kernel)
-        self.obs_window = self.obs
+
+    @property
+    def obs_window(self) -> int:
+        """The prompt's last ``obs`` queries are kept for ``index`` at prefill."""
+        return self.obs
 
     def bind(self, info) -> None:
         super().bind(info)
-        self.pending: dict[int, object] = {}
-        self.rings: dict[int, QueryRing] = {}
+        # SnapKV+'s re-selection schedule, the prompt's observation rows and the query rings: a page that joins
+        # the middle in a refresh step is re-selected with the rest (nothing else would reach it before the next)
+        self.schedule = RefreshSchedule(self.refresh, bool(self.refresh), info.sparse_layers, self._choose,
+                                        lambda layer: True)  # fmt: skip
         self.chosen: dict[int, torch.Tensor] = {}  # layer -> [B, H, n] positions, -1 padded
         self.kept_from: dict[int, torch.Tensor] = {}  # layer -> [B] end of the prefill's middle
         self._kept_host: dict[int, list[int]] = {}  # the same on the host (CUDA-graph decoding)
         self._kept_w: dict[int, int] = {}  # layer -> static width of the kept tokens (CUDA-graph decoding)
-        self.steps: dict[int, int] = {}
-        self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which it re-selected
-        self.scales: dict[int, float] = {}  # layer -> attention scale (a re-selection before the step uses it)
 
     def index(self, layer, update) -> None:
         if update.obs_queries is not None:
-            self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
+            self.schedule.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
     # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
     # The first decode step (the prompt's votes) runs eagerly; every refresh-th step (SnapKV+) re-selects
@@ -95,22 +98,24 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
         """SnapKV+ re-selects every ``refresh`` steps, before the step."""
         return self.refresh
 
+    def before_step(self, stores) -> None:
+        self.schedule.before_step(stores)
+
     def graph_key(self, stores) -> tuple | None:
-        if self.pending:
+        sched = self.schedule
+        if sched.pending:
             return None
         for layer in self.info.sparse_layers:
-            step = self.steps.get(layer, 0)
-            if self.refresh and (layer not in self.rings or self._refresh_due(layer, step)):
+            step = sched.steps.get(layer, 0)
+            if self.refresh and (layer not in sched.rings or sched.due(layer, step)):
                 return None
             if self.refresh == 0 and layer in self.kept_from:
                 self._kept_width(layer, stores[layer], ahead=1)
-        rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
         chosen = tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.chosen.items()))
-        return ("snapkv", rings, chosen, tuple(sorted(self._kept_w.items())))
+        return ("snapkv", sched.graph_key(), chosen, tuple(sorted(self._kept_w.items())))
 
     def graph_replayed(self) -> None:
-        for layer in self.info.sparse_layers:
-            self.steps[layer] = self.steps.get(layer, 0) + 1
+        self.schedule.replayed()
 
     def _kept_width(self, layer, store, ahead: int = 0) -> int:
         """Static width of the kept tokens of ``layer``: >= their count ``ahead`` tokens from now."""
@@ -123,8 +128,8 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
         return w
 
     def _choose(self, layer, store, scale) -> None:
-        ring = self.rings[layer]
-        s = middle_scores(ring.q, ring.pos, ring.valid, store.dense()[0], store.lengths, store.grid, scale,
+        ring_q, ring_pos, ring_valid = self.schedule.rings[layer].buffers()
+        s = middle_scores(ring_q, ring_pos, ring_valid, store.dense()[0], store.lengths, store.grid, scale,
                           self.kernel, self.pooling, lengths_host=store.lengths_host)  # fmt: skip
         if self.refresh == 0 and layer in self.kept_from:
             # SnapKV compresses the prompt's middle only: positions from kept_from on are kept by _kept
@@ -140,33 +145,21 @@ class SnapKVPolicy(ObsRefresh, JoinFreePolicy):
         else:
             self.chosen[layer] = chosen
 
-    # SnapKV+'s re-selection schedule (observation.ObsRefresh): a page that joins the middle in a refresh step is
-    # re-selected with the rest (nothing else would reach it before the next refresh)
-    def _refreshing(self) -> bool:
-        return bool(self.refresh)
-
-    def _rebuild(self, layer: int, store, scale: float) -> None:
-        self._choose(layer, store, scale)
-
-    def _waits_for_joins(self, layer: int) -> bool:
-        return True
-
     def select(self, q, view) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
-        step = self.steps.get(layer, 0)
-        self.steps[layer] = step + 1
-        self.scales[layer] = scale
-        if layer in self.pending:  # first decode step: the prompt is lengths - 1 tokens
+        sched = self.schedule
+        step = sched.start_step(layer, scale)
+        if layer in sched.pending:  # first decode step: the prompt is lengths - 1 tokens
             prompt = view.lengths - 1
             self.kept_from[layer] = view.grid.window_start(prompt)
             self._kept_host[layer] = view.grid.window_start(view.lengths_host - 1).tolist()  # the same, host ints
-            self.rings[layer] = ring = QueryRing(self.obs)
-            ring.load(*prompt_rows(self.pending.pop(layer), prompt))
+            sched.rings[layer] = ring = QueryRing(self.obs)
+            ring.load(*prompt_rows(sched.pending.pop(layer), prompt))
             self._choose(layer, store, scale)
         if self.refresh:
-            if self._refresh_due(layer, step):  # before_step did not run (the policy driven directly)
-                self._refresh(layer, store, scale, step)
-            ring = self.rings.setdefault(layer, QueryRing(self.obs))
+            if sched.due(layer, step):  # before_step did not run (the policy driven directly)
+                sched.refresh_layer(layer, store, scale, step)
+            ring = sched.rings.setdefault(layer, QueryRing(self.obs))
             ring.push(q, view.lengths, offset=-1)
         chosen = self.chosen.get(layer, view.no_ids(q.device))
         if self.refresh == 0 and layer in self.kept_from:

@@ -151,8 +151,8 @@ class HostPages:
         if self.pin:
             weakref.finalize(self, _unregister, self._registered, self.device)
         self.data = self._alloc(0)
-        self._staging = None
-        self._copied = None  # CUDA event: the last host->device copy out of the staging buffer
+        self._staging: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None  # CUDA event: the last host->device copy out of the staging buffer
 
     # ---- memory ------------------------------------------------------------------------
     def _alloc(self, pages: int) -> torch.Tensor:
@@ -220,9 +220,10 @@ class HostPages:
         n = 1
         for s in shape:
             n *= s
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.pin)
-        return self._staging[:n].view(shape)
+        staging = self._staging
+        if staging is None or staging.numel() < n:
+            self._staging = staging = torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.pin)
+        return staging[:n].view(shape)
 
     # ---- device -> host ------------------------------------------------------------------
     def write(self, b: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -325,8 +326,8 @@ class HostPages:
         torch.index_select(src, 0, ids, out=stage)
         blocks = stage.to(k_buf.device, non_blocking=True)
         if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = copied = torch.cuda.Event()
+            copied.record()
         self.stats.h2d_calls += 1
         dev = k_buf.device
         rows = base + slot[:, None].to(dev) * self.page_size + torch.arange(self.page_size, device=dev)
@@ -353,7 +354,7 @@ class HostPages:
 
     def _count(self, stage: torch.Tensor) -> None:
         if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = copied = torch.cuda.Event()
+            copied.record()
         self.stats.h2d_bytes += stage.numel() * stage.element_size()
         self.stats.h2d_calls += 1

@@ -46,7 +46,8 @@ class SemanticOffloadStore(OffloadStore):
         self.tok_slot = torch.full((b, h, 0), -1, dtype=torch.long)
         self.page_slots, self.row_cap = 0, 0
         self.slot_page = torch.full((b * h, 0), -1, dtype=torch.long)  # resident page per device slot
-        self._staging, self._copied = None, None
+        self._staging: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
         self._layout(max(1, page_slots), max(work_tokens, ps))
 
     def graph_unsupported(self) -> str | None:
@@ -190,14 +191,15 @@ class SemanticOffloadStore(OffloadStore):
         if self._copied is not None:  # the previous async copy must have left the staging buffer
             self._copied.synchronize()
         n = shape[0] * shape[1] * shape[2] * shape[3]
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.pin)
-        return self._staging[:n].view(shape)
+        staging = self._staging
+        if staging is None or staging.numel() < n:
+            self._staging = staging = torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.pin)
+        return staging[:n].view(shape)
 
     def _count(self, stage: torch.Tensor) -> None:
         if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = copied = torch.cuda.Event()
+            copied.record()
         self.stats.h2d_bytes += stage.numel() * stage.element_size()
         self.stats.h2d_calls += 1
 

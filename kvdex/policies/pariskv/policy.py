@@ -43,6 +43,7 @@ the coarse stage's pool and its device sizes); ``learned_centroids.py`` (``paris
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Literal
 
@@ -137,7 +138,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         # the middle keys' codes per layer, center=True's mean keys (summary.py)
         self.summary = KeySummary(self.num_sub, self.rot_dim // 2, self.m, info.head_dim, self.cfg.page_size,
                                   self.center)  # fmt: skip
-        self._ops = None
+        self._ops: types.ModuleType | None = None  # the kernels' module (ops)
         self._consts: dict[torch.device, tuple] = {}
         self.pools = HeldPools()  # pool_every: layer -> the coarse stage's candidates [R, C] of its last refresh
 
@@ -151,7 +152,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         return self._consts[device]
 
     # ---- kernels ---------------------------------------------------------------------------
-    def ops(self, device: torch.device):
+    def ops(self, device: torch.device) -> types.ModuleType:
         """The kernel module for ``device``: Triton on CUDA (when requested/available), else the twins."""
         if self._ops is None:
             use_triton = self.kernels == "triton" or (self.kernels == "auto" and device.type == "cuda")
@@ -193,7 +194,9 @@ class ParisKVPolicy(SelectEveryOption, Policy):
             keys = keys.float() - self.summary.key_mean(layer, keys, valid)[:, :, None, :]
         self.summary.write(layer, update, *self.encode(layer, keys, valid))
 
-    def encode(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def encode(
+        self, layer: int, keys: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(centroid ids, 4-bit codes, weights) of keys [B, H, N, d] (``valid`` [B, N]: not padding)."""
         signs, thresholds, centers = self.consts(keys.device)[:3]
         ids, codes, weight = K.encode_keys(keys, signs, self.m, thresholds, centers)

@@ -71,7 +71,7 @@ from kvdex.kernels.scoring import mask_pages
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
 from kvdex.policies.digest import DigestIndex
-from kvdex.policies.observation import ObsRefresh, QueryRing, check_kernel, obs_rows
+from kvdex.policies.observation import QueryRing, RefreshSchedule, check_kernel, obs_rows
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.policies.prkv.static_set import StaticSet, split_budget
 from kvdex.policies.rerank import resolve_selection
@@ -98,7 +98,7 @@ def resolve_selection_options(policy) -> None:
 
 @register_policy
 @dataclass
-class PRKVPolicy(ObsRefresh, PageScoringPolicy):
+class PRKVPolicy(PageScoringPolicy):
     name = "prkv"
     capturable = True
     relocates = True
@@ -142,7 +142,11 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
         if self.refresh == 0:
             raise ValueError("refresh (T) must be >= 1 decode steps")
         check_kernel(self.kernel)
-        self.obs_window = self.obs
+
+    @property
+    def obs_window(self) -> int:
+        """The prompt's last ``obs`` queries are kept for ``index`` at prefill."""
+        return self.obs
 
     def smallest_retrieval(self, page_size: int) -> int:
         """S > 0 (or "auto") gives retrieval tokens short of a page to the static set (k_s = r mod page_size):
@@ -161,12 +165,10 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
             static_group=self.static_group, kernel=self.kernel, pooling=self.pooling, obs_tokens=self.obs_tokens,
             digests=self.digests,
         )  # fmt: skip
-        # the refresh schedule (kvdex.policies.observation.ObsRefresh)
-        self.rings: dict[int, QueryRing] = {}
-        self.pending: dict[int, object] = {}
-        self.steps: dict[int, int] = {}
-        self.refreshes: dict[int, list[int]] = {}  # layer -> decode steps at which the static set was rebuilt
-        self.scales: dict[int, float] = {}  # layer -> attention scale (a refresh before the step scores with it)
+        # the refresh schedule, the prompt's observation rows and the query rings (observation.RefreshSchedule):
+        # Algorithm 1 every refresh steps when the budget has a static part
+        self.schedule = RefreshSchedule(self.refresh, bool(self.n_static or self.auto), info.sparse_layers,
+                                        self._restructure, self._waits_for_joins)  # fmt: skip
 
     def stats(self) -> dict:
         if self.auto:
@@ -179,7 +181,7 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
 
     def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.obs_queries is not None:  # the window's rows only, not the prompt's queries they slice
-            self.pending[layer] = obs_rows(update)
+            self.schedule.pending[layer] = obs_rows(update)
         self.digests.write(layer, update.start, update.count, update.keys)
 
     # page joins inside a captured decode step (Policy.capturable_index): the joining page's digest (the
@@ -192,14 +194,11 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
 
     # ---- static part (Algorithm 1: kvdex.policies.prkv.static_set) ----------------------------------
     def _restructure(self, layer: int, store: LayerStore, scale: float) -> None:
-        self.static_set.restructure(layer, store, scale, self.rings.get(layer))
+        self.static_set.restructure(layer, store, scale, self.schedule.rings.get(layer))
 
-    # ---- per step (the refresh schedule: observation.ObsRefresh) -------------------------------------------
-    def _refreshing(self) -> bool:
-        return bool(self.n_static or self.auto)
-
-    def _rebuild(self, layer: int, store: LayerStore, scale: float) -> None:
-        self._restructure(layer, store, scale)
+    # ---- per step (the refresh schedule: observation.RefreshSchedule) -----------------------------------------
+    def before_step(self, stores) -> None:
+        self.schedule.before_step(stores)
 
     def _waits_for_joins(self, layer: int) -> bool:
         """A page that joins the middle in a refresh step is a dynamic candidate like any page that joins
@@ -208,30 +207,30 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
 
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
-        step = self.steps.get(layer, 0)
-        self.steps[layer] = step + 1
-        self.scales[layer] = scale
+        sched = self.schedule
+        step = sched.start_step(layer, scale)
         if self.n_static or self.auto:
-            if layer in self.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
-                self.rings[layer] = QueryRing(self.obs)
-                self.rings[layer].load(*prompt_rows(self.pending.pop(layer), view.lengths - 1))
+            if layer in sched.pending:  # Algorithm 1 at decode step 0 (prefill): the prompt's window
+                sched.rings[layer] = QueryRing(self.obs)
+                sched.rings[layer].load(*prompt_rows(sched.pending.pop(layer), view.lengths - 1))
                 self._restructure(layer, store, scale)
-            elif self._refresh_due(layer, step):  # before_step did not run (the policy driven directly)
-                self._refresh(layer, store, scale, step)
-            ring = self.rings.setdefault(layer, QueryRing(self.obs))
+            elif sched.due(layer, step):  # before_step did not run (the policy driven directly)
+                sched.refresh_layer(layer, store, scale, step)
+            ring = sched.rings.setdefault(layer, QueryRing(self.obs))
             ring.push(q, view.lengths, offset=-1)
-        self.pending.pop(layer, None)
+        sched.pending.pop(layer, None)
         return super().select(q, view)  # the dynamic pages (PageScoringPolicy), then chosen: the static part
 
     def must_select(self) -> bool:
         """``select_every``: a step that restructures (the first decode step, every ``refresh``-th) selects."""
         if not (self.n_static or self.auto):
             return False
-        if self.pending:
+        sched = self.schedule
+        if sched.pending:
             return True
         for layer in self.info.sparse_layers:
-            step = self.steps.get(layer, 0)
-            if layer not in self.rings or (step and step % self.refresh == 0):
+            step = sched.steps.get(layer, 0)
+            if layer not in sched.rings or (step and step % self.refresh == 0):
                 return True
         return False
 
@@ -242,9 +241,9 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """``select_every`` / ``pool_every``: the step is counted and its query joins the ring as ``select``
         does; ``pool_every``: the held candidates' tokens ranked by this query, after the static region."""
-        self.steps[view.layer] = self.steps.get(view.layer, 0) + 1
+        self.schedule.count_step(view.layer)
         if self.n_static or self.auto:
-            self.rings[view.layer].push(q, view.lengths, offset=-1)
+            self.schedule.rings[view.layer].push(q, view.lengths, offset=-1)
         return super().reused(q, view)
 
     def page_budget(self, view: LayerView) -> int:
@@ -310,22 +309,22 @@ class PRKVPolicy(ObsRefresh, PageScoringPolicy):
     # region is attended through fixed widths (n_static // page_size pages and up to page_size - 1
     # tail tokens, -1 padded) read from the device count, which a refresh rewrites in place.
     def graph_key(self, stores) -> tuple | None:
-        if self.pending:
+        sched = self.schedule
+        if sched.pending:
             return None  # the first decode step restructures
         restructures = bool(self.n_static or self.auto)
         if restructures:
             for layer in self.info.sparse_layers:
-                step = self.steps.get(layer, 0)
-                if layer not in self.rings or self._refresh_due(layer, step):
+                step = sched.steps.get(layer, 0)
+                if layer not in sched.rings or sched.due(layer, step):
                     return None
-        rings = tuple((lay, id(r.q), id(r.pos), id(r.valid)) for lay, r in sorted(self.rings.items()))
+        rings = sched.graph_key()
         static = self.static_set.key()
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
         return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pools.key()
 
     def graph_replayed(self) -> None:
-        for layer in self.info.sparse_layers:
-            self.steps[layer] = self.steps.get(layer, 0) + 1
+        self.schedule.replayed()
 
     def positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Token positions of store slots ``slots`` [B, H, N] of ``layer`` (undoes the relocation; -1 stays)."""

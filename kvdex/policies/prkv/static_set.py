@@ -112,7 +112,8 @@ class StaticSet:
         if not n_static:
             return
         heads = self.static_group == "heads"
-        score = middle_scores(ring.q, ring.pos, ring.valid, k, store.lengths, g, scale, self.kernel, self.pooling,
+        ring_q, ring_pos, ring_valid = ring.buffers()
+        score = middle_scores(ring_q, ring_pos, ring_valid, k, store.lengths, g, scale, self.kernel, self.pooling,
                               per_query_head=heads, origin=origin, lengths_host=store.lengths_host)  # fmt: skip
         if self.obs_tokens == "last":
             score = _demote_observed(score, ring, g.sink)
@@ -156,15 +157,16 @@ class StaticSet:
         """Appendix G: overlap of the top-r middle tokens of the first and the last window query."""
         g, r = store.grid, self.retrieval_tokens
         overlaps = []
+        ring_q, ring_pos, ring_valid = ring.buffers()
         for b in range(store.batch):
-            rows = torch.nonzero(ring.valid[b]).flatten().tolist()
+            rows = torch.nonzero(ring_valid[b]).flatten().tolist()
             if not rows:
                 continue
             picks = []
             for i in (rows[0], rows[-1]):
-                one = torch.zeros_like(ring.valid[b : b + 1])
+                one = torch.zeros_like(ring_valid[b : b + 1])
                 one[0, i] = True
-                s = middle_scores(ring.q[b : b + 1], ring.pos[b : b + 1], one, k[b : b + 1], store.lengths[b : b + 1],
+                s = middle_scores(ring_q[b : b + 1], ring_pos[b : b + 1], one, k[b : b + 1], store.lengths[b : b + 1],
                                   g, scale, per_query_head=True, origin=origin[b : b + 1])  # fmt: skip
                 picks.append(topk_ids(s, r))  # [1, Hq, r]
             for h in range(picks[0].shape[1]):
@@ -212,7 +214,8 @@ def _demote_observed(score: torch.Tensor, ring: QueryRing, sink: int) -> torch.T
     valid query ranked below every earlier one (scores are mean softmax weights in [0, 1]: minus 2 keeps
     them finite, so a budget that covers every earlier token still takes them)."""
     big = torch.iinfo(torch.long).max
-    first = torch.where(ring.valid, ring.pos, big).amin(-1)  # [B]
+    _, ring_pos, ring_valid = ring.buffers()
+    first = torch.where(ring_valid, ring_pos, big).amin(-1)  # [B]
     pos = sink + torch.arange(score.shape[-1], device=score.device)
     late = pos[None, :] >= first.to(score.device)[:, None]  # [B, M]
     return torch.where(late[:, None, :], score - 2.0, score)
