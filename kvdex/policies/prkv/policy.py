@@ -188,6 +188,7 @@ class PRKVPolicy(PageScoringPolicy):
     # page joins after the static region: restructuring leaves the slots past the middle in place)
     def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         self.digests.reserve(layer, pages, store)
+        self.static_set.reserve(layer, pages * store.grid.page_size, store)
 
     def index_join(self, layer: int, join: PageJoin) -> None:
         self.digests.write_join(layer, join)
