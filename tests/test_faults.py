@@ -194,6 +194,33 @@ def test_host_memory_short_gives_a_clear_error(victim, monkeypatch):
     assert out.shape[1] == 104
 
 
+def test_icecache_semantic_pages_short_of_host_memory_give_a_clear_error(victim, monkeypatch):
+    """IceCache's offloaded middle lives in semantic pages (kvdex.storage.semantic): their host allocation is
+    checked as the KV pages' are, and a failed one is reported, not raw."""
+    from kvdex.storage import semantic as semantic_mod
+
+    real, grow, inside = host_mod.available_host_bytes, semantic_mod.SemanticOffloadStore._reserve, []
+
+    def reserve(self, *args):  # the semantic pages' growth sees 4 KiB available, the other allocations the machine
+        inside.append(1)
+        try:
+            return grow(self, *args)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(semantic_mod.SemanticOffloadStore, "_reserve", reserve)
+    monkeypatch.setattr(host_mod, "available_host_bytes", lambda: 4096 if inside else real())
+    cache = kvdex.Cache(victim, "icecache:search=host", budget=64, dense_layers=1, offload=True)
+    ids = prompt(300, 3)
+    with pytest.raises(host_mod.HostMemoryError, match="semantic pages") as info:  # placed at the first decode step
+        victim.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                        **kvdex.cache_kwargs(cache))  # fmt: skip
+    assert "(4096 bytes) is available" in str(info.value) and "offload=False" in str(info.value)
+    monkeypatch.undo()
+    out, _ = _generate(victim, "quest", new=4)  # the model is usable afterwards
+    assert out.shape[1] == 104
+
+
 def test_host_memory_check_can_be_skipped(victim, monkeypatch):
     monkeypatch.setattr(host_mod, "available_host_bytes", lambda: 4096)
     monkeypatch.setenv("KVDEX_HOST_MEMORY_CHECK", "0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +67,27 @@ def _host_memory_error(nbytes: int, available: int | None, what: str, cause: str
         "has room for the KV, or free host memory (page_cache sizes device slots and does not reduce it). "
         "KVDEX_HOST_MEMORY_CHECK=0 skips this check."
     )
+
+
+def checked_host_allocation(nbytes: int, what: str, alloc: Callable[[], torch.Tensor], pin: bool) -> torch.Tensor:
+    """``alloc()`` (host memory for offloaded KV, ``nbytes`` of it for ``what``), checked against the memory
+    available first (``KVDEX_HOST_MEMORY_CHECK=0`` skips the check); a shortfall or a failed allocation is a
+    :class:`HostMemoryError` saying what to change, not a crash or torch's bare error. Other errors pass."""
+    available = None
+    if nbytes and os.environ.get("KVDEX_HOST_MEMORY_CHECK", "1") != "0":
+        available = available_host_bytes()
+        if available is not None and nbytes > available:
+            raise _host_memory_error(nbytes, available, what)
+    try:
+        return alloc()
+    except RuntimeError as e:  # torch: "CUDA error: out of memory" (pinned), "can't allocate memory" (CPU)
+        text = str(e).lower()
+        if "out of memory" not in text and "can't allocate" not in text and "cannot allocate" not in text:
+            raise
+        if pin:
+            _clear_cuda_error()
+        line = next((x for x in str(e).splitlines() if x.strip()), "")
+        raise _host_memory_error(nbytes, available_host_bytes(), what, f" (the allocation failed: {line[:200]})") from e
 
 
 def _registered_zeros(shape, dtype) -> torch.Tensor | None:
@@ -165,23 +187,7 @@ class HostPages:
             f"{self.page_size} tokens x head dim {self.head_dim}, {str(self.dtype).replace('torch.', '')}"
             f"{', pinned' if self.pin else ''})"
         )
-        available = None
-        if nbytes and os.environ.get("KVDEX_HOST_MEMORY_CHECK", "1") != "0":
-            available = available_host_bytes()
-            if available is not None and nbytes > available:
-                raise _host_memory_error(nbytes, available, what)
-        try:
-            return self._alloc_unchecked(shape, nbytes)
-        except RuntimeError as e:  # torch: "CUDA error: out of memory" (pinned), "can't allocate memory" (CPU)
-            text = str(e).lower()
-            if "out of memory" not in text and "can't allocate" not in text and "cannot allocate" not in text:
-                raise
-            if self.pin:
-                _clear_cuda_error()
-            line = next((x for x in str(e).splitlines() if x.strip()), "")
-            raise _host_memory_error(
-                nbytes, available_host_bytes(), what, f" (the allocation failed: {line[:200]})"
-            ) from e
+        return checked_host_allocation(nbytes, what, lambda: self._alloc_unchecked(shape, nbytes), self.pin)
 
     def _alloc_unchecked(self, shape, nbytes: int) -> torch.Tensor:
         if self.pin and nbytes >= max(_REGISTER_MIN_BYTES, 1) and os.environ.get("KVDEX_HOST_REGISTER", "1") != "0":

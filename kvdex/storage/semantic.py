@@ -23,10 +23,13 @@ grid path of OffloadStore.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvdex.selection import Selection
 from kvdex.storage.base import AttendSet
+from kvdex.storage.host import checked_host_allocation
 from kvdex.storage.offload import OffloadStore
 
 _GROW_PAGES = 64
@@ -86,7 +89,14 @@ class SemanticOffloadStore(OffloadStore):
         b, h = self.batch, self.kv_heads
         if pages > self.sem.shape[2]:
             cap = max(pages, self.sem.shape[2] + max(_GROW_PAGES, self.sem.shape[2] // 4))
-            new = torch.zeros(b, h, cap, *self.sem.shape[3:], dtype=self.dtype, pin_memory=self.pin)
+            shape = (b, h, cap, *self.sem.shape[3:])
+            nbytes = math.prod(shape) * self.dtype.itemsize
+            what = (f"one layer's semantic pages ({b} sequence(s) x {h} kv heads x {cap} pages of "
+                    f"{self.grid.page_size} tokens x head dim {self.head_dim}, {str(self.dtype).replace('torch.', '')}"
+                    f"{', pinned' if self.pin else ''})")  # fmt: skip
+            new = checked_host_allocation(
+                nbytes, what, lambda: torch.zeros(shape, dtype=self.dtype, pin_memory=self.pin), self.pin
+            )
             new[:, :, : self.sem.shape[2]] = self.sem
             self.sem = new
         if positions > self.tok_page.shape[2]:
