@@ -175,16 +175,19 @@ def expected_per_step(
     """Expected growth per step of each series: nothing when the buffers were reserved, else one token's KV
     where it lives (an offloaded sparse layer's middle on the host, every other layer's KV on the device;
     on a CPU device and host are one memory). ``full`` offloaded attends the whole middle: its sparse layers'
-    device working set holds it, so it grows by their KV per token whatever was reserved."""
+    device working set holds it and the host staging buffer that carries it there holds it again, so both
+    grow by their KV per token whatever was reserved."""
     dense = min(cfg.dense_layers, layers)
     working = kv_token * (layers - dense) / layers if storage == "offload" and spec.split(":")[0] == "full" else 0.0
     if cfg.reserve:
-        return {"device": working, "rss": working if device.type != "cuda" else 0.0}
+        if device.type != "cuda":
+            return {"device": 2 * working, "rss": 2 * working}
+        return {"device": working, "rss": working}
     if device.type != "cuda":
-        return {"device": float(kv_token), "rss": float(kv_token)}
+        return {"device": kv_token + 2 * working, "rss": kv_token + 2 * working}
     if storage == "device":
         return {"device": float(kv_token), "rss": 0.0}
-    return {"device": kv_token * dense / layers + working, "rss": kv_token * (layers - dense) / layers}
+    return {"device": kv_token * dense / layers + working, "rss": kv_token * (layers - dense) / layers + working}
 
 
 # ---- one row -----------------------------------------------------------------------------------------
