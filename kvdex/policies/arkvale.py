@@ -24,14 +24,17 @@ the cache bookkeeping then counts the candidate pages (their keys are read).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvdex.policies.base import PageScoringPolicy, register_policy, topk_ids
+from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy, topk_ids
 from kvdex.policies.digest import DigestIndex
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 
 @register_policy
@@ -52,7 +55,7 @@ class ArkValePolicy(PageScoringPolicy):
         if not isinstance(self.cache_pages, int) or isinstance(self.cache_pages, bool) or self.cache_pages < 0:
             raise ValueError(f"cache_pages must be an int >= 0 (0: twice the attended pages), got {self.cache_pages!r}")
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         self.digests = DigestIndex(self.digest)
         k = self.cfg.retrieval_pages  # 0 when the retrieval budget is under one page: sink + window only
@@ -75,7 +78,7 @@ class ArkValePolicy(PageScoringPolicy):
     # the cache bookkeeping runs every step on the device, in place, so select has no host read. With
     # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it
     # keeps them all (every cached page has a finite rank), so the cache is the dynamic one.
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return (
             ("arkvale",) + _ids(self.digests.centre, self.digests.radius, self.cached, self.recalled) + self.pools.key()
         )
@@ -87,7 +90,7 @@ class ArkValePolicy(PageScoringPolicy):
         per = sum(int(n) for n in self.recalled.values()) / max(1, self.lookups)
         return {"cache_pages": self.capacity, "recalled_pages_per_head_step": per}
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         self.digests.write(layer, update.start, update.count, update.keys)
         need = int((update.start + update.count).max()) if update.count.numel() else 0
         cur = self._reserve_cached(layer, need, update.keys)
@@ -97,12 +100,12 @@ class ArkValePolicy(PageScoringPolicy):
 
     # page joins inside a captured decode step (Policy.capturable_index): the digest and the cache flag of
     # the joining page, written at the device start of each joining sequence
-    def reserve_index(self, layer, pages, store) -> None:
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         if pages > 0:
             self.digests.reserve(layer, pages, store)
             self._reserve_cached(layer, pages, torch.empty(store.batch, store.kv_heads, device=store.device))
 
-    def index_join(self, layer, join) -> None:
+    def index_join(self, layer: int, join: PageJoin) -> None:
         self.digests.write_join(layer, join)
         if layer in self.cached:
             b, h = join.keys.shape[:2]
@@ -121,14 +124,14 @@ class ArkValePolicy(PageScoringPolicy):
             self.cached[layer] = cur = new
         return cur
 
-    def page_scores(self, q, view):
+    def page_scores(self, q: torch.Tensor, view: LayerView):
         """The digest estimate of every indexed page per kv head (the group's max), -inf past each middle."""
         if view.layer not in self.digests:
             return None
         p = view.score_width(self.digests.centre[view.layer].shape[2], self.cached[view.layer].shape[2])
         return self.digests.page_scores(view.layer, q, p, view)
 
-    def chosen(self, q, view, pages, score) -> Selection:
+    def chosen(self, q: torch.Tensor, view: LayerView, pages: torch.Tensor, score: torch.Tensor | None) -> Selection:
         if score is not None:  # with rerank: the candidate pages (their keys are read)
             self._recall(view.layer, pages, score)
         return super().chosen(q, view, pages, score)

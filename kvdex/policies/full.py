@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kvdex.policies.base import IndexFreePolicy, register_policy
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore
+from kvdex.view import LayerView
 
 
 @register_policy
@@ -15,7 +20,7 @@ class FullPolicy(IndexFreePolicy):
     uses_budget = False
     capturable = True
 
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         """An offloaded store fetches the whole middle: the step's page count (after its token is appended, as
         ``attend`` sees it) is baked into the step. Keyed before the step, so it counts ``lengths + 1``: in a ragged
         batch a join step of a shorter row and one of the longest row start from the same count but attend
@@ -25,5 +30,5 @@ class FullPolicy(IndexFreePolicy):
             return (int(st.grid.num_middle_pages(st.lengths_host + 1).max()),)
         return ()
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         return Selection(everything=True)

@@ -24,14 +24,17 @@ In kvdex (per kv head; sink and window are always attended, so they count toward
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import JoinFreePolicy, group_reduce, register_policy, topk_ids
+from kvdex.policies.base import JoinFreePolicy, PolicyInfo, group_reduce, register_policy, topk_ids
 from kvdex.policies.observation import attention_mass, obs_rows
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
+from kvdex.storage import AttendSet, LayerStore, MiddleUpdate
+from kvdex.view import LayerView
 
 _GROW = 1024  # positions of score capacity added at a time
 
@@ -59,7 +62,7 @@ class H2OPolicy(JoinFreePolicy):
         """The prompt's last ``obs`` queries are kept for ``index`` at prefill."""
         return self.obs
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         c = self.cfg
         self.recent = min(max(round(self.recent_ratio * c.budget), c.window), c.budget - c.sink)
@@ -69,7 +72,7 @@ class H2OPolicy(JoinFreePolicy):
         self.pending: dict[int, object] = {}
         self._static = False  # the last select's store.static (observe sizes its tables the same way)
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.obs_queries is not None:
             self.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
@@ -93,7 +96,7 @@ class H2OPolicy(JoinFreePolicy):
     # ranks the whole score buffer (positions past the heavy range masked by the device lengths), the
     # recent part has the fixed width ``recent`` (-1 padded), and observe's scatter-add accumulates
     # the step's attention into the persistent score buffer inside the graph.
-    def graph_key(self, stores) -> tuple | None:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
         if self.pending:
             return None
         for layer in self.info.sparse_layers:
@@ -104,7 +107,7 @@ class H2OPolicy(JoinFreePolicy):
         ids = tuple((i, lay, id(t), tuple(t.shape)) for i, tab in enumerate(tabs) for lay, t in sorted(tab.items()))
         return ("h2o", *ids)
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store, h = view.layer, view.store, view.kv_heads
         static = view.static
         self._static = static
@@ -134,7 +137,7 @@ class H2OPolicy(JoinFreePolicy):
         rec = torch.where(rec < ws[:, None], rec, -1)[:, None, :].expand(-1, h, -1)
         return Selection(tokens=torch.cat([heavy, rec], dim=-1))
 
-    def observe(self, layer, q, attend_set, scale) -> None:
+    def observe(self, layer: int, q: torch.Tensor, attend_set: AttendSet, scale: float) -> None:
         a = attend_set
         b, hq, d = q.shape
         h = a.k.shape[1]

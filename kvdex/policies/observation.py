@@ -222,7 +222,7 @@ class RefreshSchedule:
         self.rebuild(layer, store, scale)
         self.refreshes.setdefault(layer, []).append(step)
 
-    def before_step(self, stores) -> None:
+    def before_step(self, stores: Sequence[LayerStore]) -> None:
         """The refresh of every layer that is due, before the step's first layer (its graph then replays)."""
         if not self.active or self.pending:
             return

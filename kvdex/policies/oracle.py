@@ -9,6 +9,7 @@ step (with ``offload=True`` it copies the whole middle to the device): a yardsti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from kvdex.policies.base import IndexFreePolicy, group_reduce, register_policy, topk_ids
 from kvdex.policies.reuse import SelectEveryOption, check_select_every
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore
+from kvdex.view import LayerView
 
 
 def true_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,15 +43,15 @@ class OraclePolicy(SelectEveryOption, IndexFreePolicy):
 
     # CUDA-graph decoding (kvdex.hf.graph). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).
-    def graph_unsupported(self, stores) -> str | None:
+    def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         if any(s.offloaded for s in stores):
             return "oracle with offload=True copies the whole middle through host memory every step"
         return None
 
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return ()
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         k, _ = view.store.dense()
         p = group_reduce(true_attention(q, k, view.lengths, view.scale), view.kv_heads, "sum")  # [B, H, L]
         pos = torch.arange(k.shape[2], device=k.device)

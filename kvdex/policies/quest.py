@@ -19,6 +19,7 @@ exact q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,7 +27,9 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.scoring import mask_pages, page_bounds, quest_page_scores
-from kvdex.policies.base import PageScoringPolicy, register_policy
+from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 __all__ = ["QuestPolicy", "page_bounds"]
 
@@ -48,12 +51,12 @@ class QuestPolicy(PageScoringPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         self.kmin: dict[int, torch.Tensor] = {}
         self.kmax: dict[int, torch.Tensor] = {}
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.empty:
             return
         lo = update.keys.amin(dim=3)  # [B, H, Pn, D]
@@ -67,12 +70,12 @@ class QuestPolicy(PageScoringPolicy):
 
     # page joins inside a captured decode step (Policy.capturable_index): the same bounds, written at the
     # device start of each joining sequence
-    def reserve_index(self, layer, pages, store) -> None:
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         if pages > 0:
             like = torch.empty(store.batch, store.kv_heads, 0, store.head_dim, dtype=store.dtype, device=store.device)
             self._reserve(layer, pages, like)
 
-    def index_join(self, layer, join) -> None:
+    def index_join(self, layer: int, join: PageJoin) -> None:
         if layer in self.kmin:
             join.write(self.kmin[layer], join.keys.amin(dim=3))
             join.write(self.kmax[layer], join.keys.amax(dim=3))
@@ -92,14 +95,14 @@ class QuestPolicy(PageScoringPolicy):
         return self.kmin[layer], self.kmax[layer]
 
     # CUDA-graph decoding (kvdex.hf.graph): static select reads only device tensors
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return (
             tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items()))
             + tuple((lay, id(t)) for lay, t in sorted(self.kmax.items()))
             + self.pools.key()
         )
 
-    def page_scores(self, q, view):
+    def page_scores(self, q: torch.Tensor, view: LayerView):
         """Quest's bounds of the indexed pages, -inf past each middle: per kv head (the group's max) or,
         with ``group`` "sum" / "heads", per query head."""
         if view.layer not in self.kmin:  # nothing indexed yet: the context is all sink + window

@@ -20,14 +20,17 @@ that is the first moment the selection is used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvdex.policies.base import JoinFreePolicy, register_policy, topk_ids
+from kvdex.policies.base import JoinFreePolicy, PolicyInfo, register_policy, topk_ids
 from kvdex.policies.observation import QueryRing, RefreshSchedule, check_kernel, middle_scores, obs_rows
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore, MiddleUpdate
+from kvdex.view import LayerView
 
 
 def check_obs(obs: int, refresh: int) -> None:
@@ -70,7 +73,7 @@ class SnapKVPolicy(JoinFreePolicy):
         """The prompt's last ``obs`` queries are kept for ``index`` at prefill."""
         return self.obs
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         # SnapKV+'s re-selection schedule, the prompt's observation rows and the query rings: a page that joins
         # the middle in a refresh step is re-selected with the rest (nothing else would reach it before the next)
@@ -81,7 +84,7 @@ class SnapKVPolicy(JoinFreePolicy):
         self._kept_host: dict[int, list[int]] = {}  # the same on the host (CUDA-graph decoding)
         self._kept_w: dict[int, int] = {}  # layer -> static width of the kept tokens (CUDA-graph decoding)
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.obs_queries is not None:
             self.schedule.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
@@ -98,10 +101,10 @@ class SnapKVPolicy(JoinFreePolicy):
         """SnapKV+ re-selects every ``refresh`` steps, before the step."""
         return self.refresh
 
-    def before_step(self, stores) -> None:
+    def before_step(self, stores: Sequence[LayerStore]) -> None:
         self.schedule.before_step(stores)
 
-    def graph_key(self, stores) -> tuple | None:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
         sched = self.schedule
         if sched.pending:
             return None
@@ -145,7 +148,7 @@ class SnapKVPolicy(JoinFreePolicy):
         else:
             self.chosen[layer] = chosen
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store, scale = view.layer, view.store, view.scale
         sched = self.schedule
         step = sched.start_step(layer, scale)

@@ -8,12 +8,15 @@ that complete it: ``budget - sink - (tokens in the window now)`` of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvdex.policies.base import IndexFreePolicy, register_policy
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore
+from kvdex.view import LayerView
 
 
 @register_policy
@@ -28,10 +31,10 @@ class StreamingPolicy(IndexFreePolicy):
         return 0
 
     # CUDA-graph decoding (kvdex.hf.graph): select is device arithmetic on the lengths only
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return ()
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         start = view.window_start  # [B]
         want = view.budget - view.sink - (view.lengths - start)  # [B], in [r, r + page_size - 1]
         width = view.retrieval_tokens + view.page_size - 1

@@ -45,6 +45,7 @@ mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -351,7 +352,7 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         return self.shared_scope.select(q, view)
 
     # ---- CUDA-graph decoding (kvdex.hf.graph; each scope's module says how) ----------------------------
-    def graph_key(self, stores) -> tuple | None:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
         if self.layer_scope is not None:
             return self.layer_scope.graph_key()
         assert self.shared_scope is not None

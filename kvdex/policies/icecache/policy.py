@@ -47,6 +47,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -367,7 +368,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
         return sel
 
     # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: summary_pages.py) ----
-    def graph_unsupported(self, stores) -> str | None:
+    def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         if self.search == "summary":
             return None
         return (f"policy 'icecache' with search={self.search!r} searches trees with host-driven shapes and threads; "

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from kvdex.policies.base import register_policy
+from kvdex.policies.base import PolicyInfo, register_policy
 from kvdex.policies.pariskv.policy import ParisKVPolicy
 
 
@@ -75,7 +75,7 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
     group: Literal["mean", "heads"] = "mean"
     coarse: Literal["tiers", "scores"] = "tiers"
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         if info.head_dim % self.m:
             raise ValueError(f"pariskv-kmeans: head_dim {info.head_dim} is not a multiple of m={self.m}")

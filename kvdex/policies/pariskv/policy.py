@@ -44,6 +44,7 @@ the coarse stage's pool and its device sizes); ``learned_centroids.py`` (``paris
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,11 +52,13 @@ import torch
 
 from kvdex.kernels import pariskv as K
 from kvdex.kernels.scoring import topk_ids
-from kvdex.policies.base import Policy, register_policy
+from kvdex.policies.base import Policy, PolicyInfo, register_policy
 from kvdex.policies.pariskv.pool import PoolSizes
 from kvdex.policies.pariskv.summary import KeySummary
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.view import LayerView
 
 # The paper's configuration, i.e. the four options whose defaults are kvdex's: make_policy("pariskv",
 # **PAPER_OPTIONS) or make_policy(PAPER_SPEC) runs the paper's retrieval pipeline (tested).
@@ -117,7 +120,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
             raise ValueError("pariskv: pool_every=N replaces select_every: pass one of them (the other 1)")
         self.sizes = PoolSizes(self.candidate_ratio, self.collision_ratio, self.pool_factor)  # pool.py
 
-    def bind(self, info) -> None:
+    def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
         if self.m not in K.VALID_M:
             raise ValueError(f"pariskv: m must be one of {K.VALID_M} (2**m centroids per subspace), got {self.m}")
@@ -184,7 +187,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         """:meth:`centroid_scores` on the scale of <q, key direction> (the analytic ones are of the unit query)."""
         return self.centroid_scores(layer, q, qb) * qn[..., None, None]
 
-    def index(self, layer, update) -> None:
+    def index(self, layer: int, update: MiddleUpdate) -> None:
         if update.empty:
             return
         b, h, pn, ps, d = update.keys.shape
@@ -203,13 +206,13 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         return self.assign(layer, keys, ids, valid), codes, weight
 
     # ---- page joins inside a captured decode step (Policy.capturable_index; summary.py) -----------------
-    def reserve_index(self, layer, pages, store) -> None:
+    def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         self.summary.reserve_pages(layer, pages, store)
 
-    def joined(self, layer, start, count) -> None:
+    def joined(self, layer: int, start: torch.Tensor, count: torch.Tensor) -> None:
         self.summary.joined(layer, start, count)
 
-    def index_join(self, layer, join) -> None:
+    def index_join(self, layer: int, join: PageJoin) -> None:
         if layer not in self.summary:
             return
         keys, valid = self.summary.join_keys(layer, join)
@@ -224,7 +227,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
     # only a new middle length rewrites, in place -- before a page-boundary step (graph_key sizes them for
     # the middle during the step); the page that joins is encoded inside the step (index_join).
     # Selected tokens == dynamic sizing.
-    def graph_key(self, stores) -> tuple:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         st = stores[-1]
         # host bookkeeping: the middle lengths during the step (a page that joins in it included)
         nmid = st.grid.num_middle_pages(st.lengths_host + 1) * st.grid.page_size
@@ -244,7 +247,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
     def reuse_steps(self) -> int:
         return self.pool_every if self.pool_every > 1 else self.select_every
 
-    def reused(self, q, view) -> Selection | None:
+    def reused(self, q: torch.Tensor, view: LayerView) -> Selection | None:
         """``pool_every``: a step between refreshes reranks the held candidates by its own query."""
         cand = self.pools.get(view.layer) if self.pool_every > 1 else None
         nmid = view.grid.num_middle_pages(view.lengths_host) * view.page_size  # [B] CPU, as select sees it
@@ -253,7 +256,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         final = self.fine(view.layer, q, cand, view.retrieval_tokens, view.scale)
         return Selection(tokens=torch.where(final >= 0, final + view.sink, -1))
 
-    def select(self, q, view) -> Selection:
+    def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, k = view.layer, view.retrieval_tokens
         b, h = view.batch, view.kv_heads
         static = view.static

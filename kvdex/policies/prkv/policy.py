@@ -62,6 +62,7 @@ StaticSet`: Algorithm 1, the relocation and its origin map, the ``auto`` split) 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -198,7 +199,7 @@ class PRKVPolicy(PageScoringPolicy):
         self.static_set.restructure(layer, store, scale, self.schedule.rings.get(layer))
 
     # ---- per step (the refresh schedule: observation.RefreshSchedule) -----------------------------------------
-    def before_step(self, stores) -> None:
+    def before_step(self, stores: Sequence[LayerStore]) -> None:
         self.schedule.before_step(stores)
 
     def _waits_for_joins(self, layer: int) -> bool:
@@ -309,7 +310,7 @@ class PRKVPolicy(PageScoringPolicy):
     # the query into the ring (in place) and scores the digests over the index capacity; the static
     # region is attended through fixed widths (n_static // page_size pages and up to page_size - 1
     # tail tokens, -1 padded) read from the device count, which a refresh rewrites in place.
-    def graph_key(self, stores) -> tuple | None:
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
         sched = self.schedule
         if sched.pending:
             return None  # the first decode step restructures
