@@ -215,18 +215,22 @@ def _host_pages(b=2, h=3, p=9, ps=4, d=16, dtype=torch.float32, seed=0):
 
 
 @run_kernels
+@pytest.mark.parametrize("keys_only", [False, True], ids=["kv", "keys"])
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
-def test_gather_pages_matches_twin(on_device):
+def test_gather_pages_matches_twin(on_device, keys_only):
     src = _host_pages()
     if on_device:
         src = src.to(DEV)
     gen = torch.Generator().manual_seed(1)
     pages = torch.randint(-1, src.shape[2], (2, 3, 6), generator=gen).to(DEV)
-    got = uva.gather_pages(src, pages)
-    assert got.device.type == DEV
-    want = uva.gather_pages_reference(src.cpu(), pages.cpu())
+    got = uva.gather_pages(src, pages, keys_only=keys_only)
+    assert got.device.type == DEV and got.shape[3] == (1 if keys_only else 2)
+    want = uva.gather_pages_reference(src.cpu(), pages.cpu(), keys_only=keys_only)
     torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
     assert bool((got[pages < 0] == 0).all())
+    bi, hi, ji = torch.nonzero(pages.cpu() >= 0, as_tuple=True)  # the keys of the pages asked for, K first
+    keys = src.cpu()[bi, hi, pages.cpu()[bi, hi, ji], 0]
+    torch.testing.assert_close(got.cpu()[bi, hi, ji, 0], keys, atol=0, rtol=0)
 
 
 @run_kernels

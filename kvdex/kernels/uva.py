@@ -240,9 +240,12 @@ def _readable(src: torch.Tensor, device: torch.device) -> None:
         raise ValueError("a CUDA kernel can read host memory only when it is pinned (pin_memory=True)")
 
 
-def gather_pages(src: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_pages(
+    src: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None, keys_only: bool = False
+) -> torch.Tensor:
     """src [B, H, P, 2, ps, D] (pinned host or device); pages [B, H, N] page ids on the kernel's device
-    (``-1`` = padding, gathered as zeros) -> ``out`` [B, H, N, 2, ps, D] on that device.
+    (``-1`` = padding, gathered as zeros) -> ``out`` [B, H, N, 2, ps, D] on that device (``keys_only``:
+    [B, H, N, 1, ps, D], the keys alone: half the bytes read).
 
     The kernel runs on ``pages.device``; reading pinned host memory from there is the UVA path.
     """
@@ -252,7 +255,8 @@ def gather_pages(src: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | Non
         raise ValueError(f"pages must be [B, H, N] = [{b}, {h}, N], got {tuple(pages.shape)}")
     _readable(src, pages.device)
     n = pages.shape[2]
-    shape = (b, h, n, 2, ps, d)
+    kv = 1 if keys_only else 2
+    shape = (b, h, n, kv, ps, d)
     if out is None:
         out = torch.empty(shape, dtype=src.dtype, device=pages.device)
     elif tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != src.dtype:
@@ -260,7 +264,7 @@ def gather_pages(src: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | Non
     if out.numel() == 0:
         return out
     pages = pages.contiguous()
-    block = 2 * ps * d
+    block = kv * ps * d  # a page's K rows come first in its [2, ps, D] block
     _pages_kernel[(b * h * n,)](
         src, pages, out, src.stride(0), src.stride(1), src.stride(2), h, n,
         BLOCK_SIZE=block, BLOCK=triton.next_power_of_2(block),
@@ -387,8 +391,10 @@ def page_cache_step(
 # ---- twins ------------------------------------------------------------------------------------------
 
 
-def gather_pages_reference(src: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def gather_pages_reference(src: torch.Tensor, pages: torch.Tensor, keys_only: bool = False) -> torch.Tensor:
     """The spec of :func:`gather_pages` (on ``src``'s device)."""
+    if keys_only:
+        src = src[:, :, :, :1]
     b, h = src.shape[:2]
     p = pages.to(src.device).long()
     bi = torch.arange(b, device=src.device)[:, None, None]

@@ -273,21 +273,23 @@ class HostPages:
         blocks.copy_(moved.view(b, h, 2, p, ps, d).permute(0, 1, 3, 2, 4, 5))
 
     # ---- host -> device ------------------------------------------------------------------
-    def fetch_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """pages [B, H, P] page ids (>= 0) -> device tensor [B, H, P, 2, ps, D] in one transfer."""
+    def fetch_pages(self, pages: torch.Tensor, keys_only: bool = False) -> torch.Tensor:
+        """pages [B, H, P] page ids (>= 0) -> device tensor [B, H, P, 2, ps, D] in one transfer (``keys_only``:
+        [B, H, P, 1, ps, D], the keys alone, half the bytes: what a rerank of candidate pages reads)."""
         b, h, p = pages.shape
+        kv = 1 if keys_only else 2
         if self._uva is not None:  # UVA zero-copy: ids stay on the device, no host sync, no staging
-            out = self._uva.gather_pages(self.data, pages.to(self.device))
+            out = self._uva.gather_pages(self.data, pages.to(self.device), keys_only=keys_only)
             self._count_uva(out)
             return out
         flat = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity
         ids = (flat + pages.cpu()).reshape(-1)
-        src = self.data.view(b * h * self.capacity, 2, self.page_size, self.head_dim)
-        stage = self._stage((ids.numel(), 2, self.page_size, self.head_dim))
+        src = self.data.view(b * h * self.capacity, 2, self.page_size, self.head_dim)[:, :kv]
+        stage = self._stage((ids.numel(), kv, self.page_size, self.head_dim))
         torch.index_select(src, 0, ids, out=stage)
         out = stage.to(self.device, non_blocking=True)
         self._count(stage)
-        return out.view(b, h, p, 2, self.page_size, self.head_dim)
+        return out.view(b, h, p, kv, self.page_size, self.head_dim)
 
     def fetch_rows(self, positions: torch.Tensor, sink: int) -> torch.Tensor:
         """positions [B, H, T] middle token positions (>= sink) -> device [B, H, T, 2, D]."""

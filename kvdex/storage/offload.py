@@ -315,9 +315,9 @@ class OffloadStore(PageCacheMixin, LayerStore):
         return AttendSet(self.k, self.v, idx, valid, pos)
 
     def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
-        """The pages' keys through the fetch path (one batched host -> device transfer of the pages, counted
-        like :meth:`attend`'s), not the whole middle as :meth:`dense` would copy."""
-        return self.host.fetch_pages(pages.clamp(min=0))[:, :, :, 0]
+        """The pages' keys through the fetch path (one batched host -> device transfer of their keys alone,
+        counted like :meth:`attend`'s), not the whole middle as :meth:`dense` would copy."""
+        return self.host.fetch_pages(pages.clamp(min=0), keys_only=True)[:, :, :, 0]
 
     def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
         """The middle lives in host memory only: the pages are reordered there."""
