@@ -113,7 +113,7 @@ class Cache(HFCache):
         self._init_sequence_state()
         self._handle = compiled_ops.register(self)  # how kvdex's ops find this cache under torch.compile
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
-        self._model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._model = weakref.ref(model)
         super().__init__(layers=[KVDexLayer(self, i, dense[i]) for i in range(n)])
         self._install_logits_hook(model)
@@ -175,15 +175,15 @@ class Cache(HFCache):
         @torch.compiler.disable  # host-side policy work (CHESS's trigger, PRKV's clock): never traced
         def hook(_module, _inputs, output):
             cache = ref()
-            if cache is not None and cache._in_forward:
-                cache._in_forward = False
+            if cache is not None and cache.in_forward:
+                cache.in_forward = False
                 if not cache.on_step_held:
                     logits = output[:, -1] if isinstance(output, torch.Tensor) else None
                     cache.policy.on_step(cache.step, logits)
 
         self._hook = head.register_forward_hook(hook)
         weakref.finalize(self, self._hook.remove)
-        self._in_forward = False
+        self.in_forward = False  # a forward pass is under way: the logits hook runs the policy's on_step after it
 
     def _install_input_hook(self, model) -> None:
         """Check every input the model gets with this cache against the tokens the cache holds
@@ -245,10 +245,12 @@ class Cache(HFCache):
                 got = f"{width} new token(s) from position {first.tolist()}, not {real.tolist()}"
                 raise ValueError(_reuse_message(held, got))
 
-    def _check_module(self, module, layer_idx: int) -> None:
+    def check_module(self, module: torch.nn.Module, layer_idx: int) -> None:
+        """The layer protocol (:class:`~kvdex.hf.layer.KVDexLayer`): ValueError unless ``module`` is the attention
+        module of ``layer_idx`` this cache was made for."""
         if self._modules.get(layer_idx) is not module:
             raise ValueError(
-                f"this kvdex.Cache was made for another model ({self._model_name}); "
+                f"this kvdex.Cache was made for another model ({self.model_name}); "
                 "create a new kvdex.Cache(model, ...) for each model"
             )
 
@@ -279,10 +281,12 @@ class Cache(HFCache):
     def update_eager(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _on_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
+    def begin_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """The layer protocol: called by each layer's ``update`` before its store; layer 0 starts a step (the
+        step count, the policy's ``before_step``, the reuse decision) and arms the logits hook (``on_step``)."""
         if layer_idx == 0:
             self.step += 1
-            self._in_forward = True
+            self.in_forward = True
             first = self.layers[0]
             if key_states.shape[2] == 1 and first.store is not None:  # a decode step (the step plans may have decided)
                 self.policy.before_step([lay.store for lay in self.layers])

@@ -77,7 +77,7 @@ class KVDexLayer(CacheLayerMixin):
             _check_shape(parent, store, key_states)
             if self.layer_idx == 0 and key_states.shape[2] == 1 and not parent.decoder_active:
                 steps.begin()  # a decode step outside GraphDecoder: per-layer graphs (kvdex.hf.step_graphs)
-        parent._on_update(self.layer_idx, key_states)
+        parent.begin_update(self.layer_idx, key_states)
         if store is not None:
             if steps.deferred():
                 steps.stash(self, key_states, value_states)  # appended inside the layer's graph
@@ -117,7 +117,7 @@ class KVDexLayer(CacheLayerMixin):
         self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         """q [B, Hq, T, D]; k/v as returned by ``update``. Returns [B, T, Hq, D]."""
-        self.parent._check_module(module, self.layer_idx)
+        self.parent.check_module(module, self.layer_idx)
         return self.attend(q, scale, k, v, key_mask)
 
     def attend(self, q: torch.Tensor, scale: float, k=None, v=None, key_mask=None) -> torch.Tensor:
@@ -140,6 +140,6 @@ def _check_shape(parent, store, key_states: torch.Tensor) -> None:
     if (b, h, d) != (store.batch, store.kv_heads, store.head_dim):
         raise ValueError(
             f"this kvdex.Cache holds a prompt of batch {store.batch} with {store.kv_heads} kv heads of dim "
-            f"{store.head_dim} (model {parent._model_name}); the new tokens have batch {b}, {h} kv heads of dim {d}. "
+            f"{store.head_dim} (model {parent.model_name}); the new tokens have batch {b}, {h} kv heads of dim {d}. "
             "A cache serves one model and one batch: create a new kvdex.Cache(model, ...) for this model or batch"
         )

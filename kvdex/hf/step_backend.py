@@ -154,7 +154,7 @@ class WholeStep(StepPlan):
                 if isinstance(s, torch.Tensor) and s is not a and not isinstance(s, torch.nn.Parameter):
                     s.copy_(a)
             self._bookkeeping(self._join_count if self._joins and key[1] else None, delta)
-            c._in_forward = True  # kvdex's logits hook (outside this graph) runs the policy's on_step
+            c.in_forward = True  # kvdex's logits hook (outside this graph) runs the policy's on_step
             graph.replay()
             self.counts["replays"] += 1
             c.policy.graph_replayed()
