@@ -46,6 +46,9 @@ def _fast_slot_list():
 
 
 class OffloadStore(PageCacheMixin, LayerStore):
+    k: torch.Tensor  # [B, H, sink + window + working set, D] on the device (_alloc_device)
+    v: torch.Tensor
+
     def __init__(self, *args, work_tokens: int, page_cache: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         g = self.grid
@@ -66,7 +69,7 @@ class OffloadStore(PageCacheMixin, LayerStore):
         shape = (self.batch, self.kv_heads, self.fixed + work, self.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if getattr(self, "k", None) is not None:
+        if "k" in self.__dict__:  # a resize (at construction there is nothing to keep)
             n = min(self.k.shape[2], shape[2])  # the fixed rows and the working set (the page cache's pool)
             k[:, :, :n] = self.k[:, :, :n]
             v[:, :, :n] = self.v[:, :, :n]
@@ -278,7 +281,7 @@ class OffloadStore(PageCacheMixin, LayerStore):
                     stacklevel=2,
                 )
         b, h = self.batch, self.kv_heads
-        if pooled:  # through the device page cache: only the misses cross PCIe
+        if pooled and sel.pages is not None:  # through the device page cache: only the misses cross PCIe
             parts_slot.append(self._cached_pages(sel.pages))  # [B, H, P * page_size] rows in the pool
             pos = Selection(pages=sel.pages).token_positions(g.sink, g.page_size)
             parts_valid.append(pos >= 0)
