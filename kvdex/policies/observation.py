@@ -22,8 +22,6 @@ from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import attention_mass_reference, ring_push_reference
 from kvdex.storage import LayerStore, page_joins
 
-POOLINGS = ("max", "avg")
-
 
 def check_kernel(kernel: int) -> None:
     """ValueError unless the pooling ``kernel`` is an odd int >= 1 (``pooling``'s choices are a ``Literal`` option)."""

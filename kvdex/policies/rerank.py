@@ -58,11 +58,8 @@ from kvdex.kernels.scoring import candidate_scores, slot_scores, topk_ids
 from kvdex.policies.reuse import check_select_every
 from kvdex.selection import Selection
 
-RERANK_GROUPS = ("max", "weight")
-RERANK_UNITS = ("token", "page")
 
-
-def check_rerank(rerank, group: str, share=0.0, unit: str = "token") -> None:
+def check_rerank(rerank: int, share: float = 0.0, unit: str = "token") -> None:
     """ValueError unless ``rerank`` is an int >= 0, ``unit`` is ``"page"`` only with ``rerank`` > 0 and ``share``
     passes :func:`check_share` (``rerank_group`` / ``rerank_unit``'s choices: ``Literal`` options, checked by
     :func:`kvdex.policies.base.check_choices`)."""
@@ -103,7 +100,7 @@ class RerankOption:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # the policy's own checks (kvdex.policies.base.Policy: the option choices)
             parent()
-        check_rerank(self.rerank, self.rerank_group, self.rerank_share, self.rerank_unit)
+        check_rerank(self.rerank, self.rerank_share, self.rerank_unit)
 
     @property
     def granularity(self) -> str:
