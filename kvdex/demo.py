@@ -1,3 +1,4 @@
+# Over 400 lines: the whole demo a newcomer runs (model, prompt, one prefill, the rows, the legend) in one place.
 """``kvdex demo``: passkey retrieval, one prefill, kvdex's policies at a small budget.
 
 The defaults depend on the device: on a CPU a 1000-token prompt, 6 new tokens and seven policies

@@ -1,3 +1,4 @@
+# Over 400 lines: one command (its rows, samples, fits, verdict, table and arguments) that reads as one.
 """``kvdex soak`` (``python -m kvdex.bench.soak``): does memory stay flat over thousands of decode steps?
 
 For each row (``POLICY[:OPTIONS]/device`` or ``/offload``) a random-weight model of a named shape

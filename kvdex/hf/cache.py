@@ -1,3 +1,4 @@
+# Over 400 lines: transformers' Cache protocol in one class (its checks, hooks, sizes and forks share state).
 """``kvdex.Cache``: a transformers ``Cache`` that stores KV in pages and attends to a budget.
 
 Data flow of one decoding step through one sparse layer (docs/architecture.md draws it):

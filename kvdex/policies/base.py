@@ -1,3 +1,4 @@
+# Over 400 lines: the policy contract (every hook with its doc), its option checks, the registry, PageScoringPolicy.
 """The policy interface and the mechanics every policy shares.
 
 A policy is one dataclass, in a module or in a package of components (its fields are its options, so

@@ -1,3 +1,4 @@
+# Over 400 lines: CHESS's options, their resolution and the life cycle over its components (hierarchy, trigger, scopes).
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page page selection, rebuilt only when the output
 distribution becomes uncertain (the paper: key-key, one context for every layer; default: scored by each
 layer's queries against its pages' digests).

@@ -1,3 +1,4 @@
+# Over 400 lines: IceCache's options and their checks, the per-step tree search and the summary path's selection.
 """``icecache``: IceCache (Mao et al., 2025) -- semantic pages from a DCI-tree, per-head retrieval.
 
 Per sparse layer and (sequence, kv head) a DCI-tree (:mod:`kvdex.index.dci`) indexes the middle
