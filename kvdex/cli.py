@@ -6,6 +6,7 @@
     kvdex demo                          passkey retrieval at ~6k tokens, every policy (kvdex.demo)
     kvdex eval ...                      the evaluation harness (present when kvdex.eval.cli exists)
     kvdex calibrate chess ...           CHESS's rebuild thresholds, offline (kvdex.calibrate)
+    kvdex vllm check --model DIR        kvdex's vLLM attention backend vs vLLM's own (kvdex.vllm.check)
 
 Every subcommand sets ``func(args) -> int | None`` with ``set_defaults``; ``kvdex.eval.cli`` follows
 the same contract through ``register(subparsers)``. Mistakes kvdex reports (``ValueError``,
@@ -279,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvdex.models import register as _register_models
 
     _register_models(sub)  # kvdex models list | fetch
+    from kvdex.vllm.check import register as _register_vllm
+
+    _register_vllm(sub)  # kvdex vllm check: kvdex's vLLM backend against vLLM's own (kvdex/vllm)
     return parser
 
 

@@ -1,0 +1,233 @@
+"""Per-request kvdex state inside vLLM, and its life cycle across engine steps.
+
+**One state per request.** A :class:`RequestState` is what ``kvdex.Cache`` is to transformers for a batch of one:
+the policy instance (bound to this request alone), one :class:`~kvdex.engine.LayerEngine` per attention layer with
+a :class:`~kvdex.vllm.store.PagedStore` over vLLM's blocks, the step counters, the selection-reuse schedule and the
+request's block-table row. vLLM's batch changes at every step (requests join, finish, are preempted, change rows),
+so nothing is kept per batch row: every step maps each row to its request's state.
+
+**Keying** (no request id reaches an attention backend). A request's state is filed under ``(block, length)``: the
+block holding its last token and the number of tokens it holds after the step that last ran it. At the next step a
+row with ``computed = seq_len - query_len`` tokens already in the cache continues the state filed under
+``(blocks[(computed - 1) // block_size], computed)`` -- the same request, grown by this step's tokens. Its block is
+its own: a partly filled block is never shared, and a full one is shared (prefix caching) only by requests whose
+tokens up to it are identical, which hold the same KV there. A row gets a new state, which indexes every token the
+request holds from the blocks in this step (:class:`Row.adopt`), when
+
+* ``computed == 0``: a new request, or one preempted and recomputed from its first token;
+* no state is filed under its key: a prefix-cache hit, a sequence shorter than the one held (rolled back), a
+  block table that does not continue the held one, or a state freed by the rules below;
+* the state filed under its key is claimed by an earlier row of the same batch (two requests whose whole held
+  context is one shared run of blocks: the first row keeps the state).
+
+**Freeing.** A state not in the batch is kept for ``max_idle_steps`` steps (a running request that the scheduler
+skips for a step comes back to it), and freed earlier when its last block, partly filled, appears in another
+request's row (vLLM freed the request and reassigned the block) or when a live request is filed under its key.
+A state of a finished request is otherwise dropped after ``max_idle_steps`` steps; nothing else holds it.
+
+**Steps.** :meth:`RequestTable.plan` runs once per engine step, before the layers (vLLM's metadata builder): it
+ends the previous step of the requests that ran it (``policy.on_step(step, None)``: an attention backend sees no
+logits), maps the rows and begins the step of each (a decode step: ``policy.before_step`` and the reuse decision,
+as ``kvdex.Cache`` does at its first layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdex.engine import GraphService, LayerEngine, SelectionReuse, StepCounters
+from kvdex.policies import PolicyInfo
+from kvdex.storage import Grid, LayerStore, TransferStats
+from kvdex.vllm.config import VllmSettings
+from kvdex.vllm.store import BlockRow, PagedStore
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The model as this process sees it: attention layers (numbered as in the model), this rank's query and kv
+    heads, the head size, the offset of its first kv head (tensor parallelism) and vLLM's block size."""
+
+    num_layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    head_offset: int = 0
+
+
+StoreFactory = Callable[["RequestState", int, tuple], LayerStore]
+
+
+class RequestState:
+    """kvdex's state of one vLLM request: its policy, its layers' engines and stores, its block-table row.
+    It is the :class:`~kvdex.engine.EngineHost` of its engines. ``store_factory(state, layer, args)`` makes a
+    layer's store (default: a :class:`PagedStore` over the layer's cache in :attr:`caches`)."""
+
+    def __init__(self, settings: VllmSettings, geometry: Geometry, store_factory: StoreFactory | None = None) -> None:
+        cfg = settings.config
+        self.config = cfg
+        self.geometry = geometry
+        self.policy = settings.make_policy()
+        n = geometry.num_layers
+        sparse = tuple(i for i in range(n) if i >= cfg.dense_layers)
+        info = PolicyInfo(cfg, n, sparse, geometry.q_heads, geometry.kv_heads, geometry.head_dim, geometry.head_offset)
+        self.policy.bind(info)
+        self.grid = Grid(cfg.sink, cfg.page_size, cfg.window_pages)
+        self.transfer = TransferStats()
+        self.counters = StepCounters()
+        self.graphs = GraphService()
+        self.reuse = SelectionReuse()
+        self.observer: Callable[..., None] | None = None  # EngineHost: no evaluation observer, no selection hook
+        self.on_select: Callable[..., None] | None = None
+        self.join_step: bool | None = None
+        self.joins_external = False
+        self.engines = [LayerEngine(self, i, dense=i < cfg.dense_layers) for i in range(n)]
+        self.row = BlockRow(torch.zeros(0, dtype=torch.long))
+        self.caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k_cache, v_cache)
+        self.store_factory = store_factory
+        self.step = -1  # engine steps this request ran, 0-based (the first one indexes the prompt)
+        self.length = 0  # tokens in the cache after the last step that ran it
+        self.idle = 0  # engine steps since the last one that ran it
+
+    # ---- EngineHost ---------------------------------------------------------------------------------
+    def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor) -> LayerStore:
+        b, h, _, d = k.shape
+        args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
+        if self.store_factory is not None:
+            return self.store_factory(self, layer_idx, args)
+        if layer_idx not in self.caches:
+            raise RuntimeError(f"layer {layer_idx}'s KV cache was not handed to the request state before its store")
+        kc, vc = self.caches[layer_idx]
+        return PagedStore(*args, k_cache=kc, v_cache=vc, row=self.row)
+
+    @property
+    def stores(self) -> list[LayerStore | None]:
+        return [e.store for e in self.engines]
+
+    # ---- steps --------------------------------------------------------------------------------------
+    def begin_step(self, row: Row) -> None:
+        """Before the step's first layer: a decode step asks the policy's ``before_step`` and decides whether the
+        step reuses the last selection; any other step (a prompt, several tokens) resets that schedule."""
+        self.step += 1
+        first = self.engines[0].store if self.engines else None
+        if row.decode and first is not None:
+            stores = [s for s in self.stores if s is not None]
+            self.policy.before_step(stores)
+            self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
+        else:
+            self.reuse.reset()
+
+    def end_step(self) -> None:
+        """After the step's last layer (called at the next step's plan): the policy's ``on_step``, no logits."""
+        self.policy.on_step(self.step, None)
+
+
+@dataclass
+class Row:
+    """One request's part of a step's batch: its state, its first token in the batch (``start``), its new tokens
+    (``query_len``) and its length after the step (``seq_len``). ``adopt``: the state is new, so every layer indexes
+    the request's ``seq_len`` tokens from the blocks in this step and attends densely."""
+
+    state: RequestState
+    index: int
+    start: int
+    query_len: int
+    seq_len: int
+    adopt: bool
+
+    @property
+    def computed(self) -> int:
+        """Tokens in the cache before this step."""
+        return self.seq_len - self.query_len
+
+    @property
+    def decode(self) -> bool:
+        """One new token on a state that holds the request: kvdex's sparse decode step."""
+        return not self.adopt and self.query_len == 1
+
+
+class RequestTable:
+    """The request states of one vLLM engine process, keyed as the module docstring says. ``make_state()`` makes
+    the state of a new request."""
+
+    def __init__(self, make_state: Callable[[], RequestState], block_size: int, max_idle_steps: int = 32) -> None:
+        self.make_state = make_state
+        self.block_size = block_size
+        self.max_idle_steps = max_idle_steps
+        self.held: dict[tuple[int, int], RequestState] = {}
+        self.running: list[RequestState] = []  # the states of the last plan (their step ends at the next plan)
+        self.made = self.freed = 0  # states made / freed so far
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> list[Row]:
+        """This step's rows. ``query_start_loc`` [n + 1] and ``seq_lens`` [n] (CPU): vLLM's per-request token
+        offsets in the batch and lengths after the step; ``block_table`` [n, max_blocks]: its block-table rows
+        (any device; each row's blocks are copied onto that device for the request's stores)."""
+        for st in self.running:
+            st.end_step()
+        n = int(seq_lens.shape[0])
+        qsl = query_start_loc.long().tolist()
+        lens = seq_lens.long().tolist()
+        table = block_table[:n].long()
+        table_cpu = table.cpu()
+        bs = self.block_size
+        rows: list[Row] = []
+        claimed: set[int] = set()
+        for i in range(n):
+            ql, sl = qsl[i + 1] - qsl[i], lens[i]
+            if ql <= 0 or sl <= 0:
+                continue  # a padding row
+            computed = sl - ql
+            state = None
+            if computed > 0:
+                key = (int(table_cpu[i, (computed - 1) // bs]), computed)
+                found = self.held.get(key)
+                if found is not None and id(found) not in claimed:
+                    state = self.held.pop(key)
+            adopt = state is None
+            if state is None:
+                state = self.make_state()
+                self.made += 1
+            claimed.add(id(state))
+            state.row.blocks = table[i, : -(-sl // bs)].clone()
+            rows.append(Row(state, i, qsl[i], ql, sl, adopt))
+        self._age(rows, table_cpu)
+        for row in rows:
+            st = row.state
+            key = (int(table_cpu[row.index, (row.seq_len - 1) // bs]), row.seq_len)
+            if self.held.get(key) is not None:
+                self.freed += 1  # a stale state under a live request's key: its blocks were reassigned
+            self.held[key] = st
+            st.length, st.idle = row.seq_len, 0
+            st.begin_step(row)
+        self.running = [row.state for row in rows]
+        return rows
+
+    def _age(self, rows: Sequence[Row], table_cpu: torch.Tensor) -> None:
+        """The states not in this step: one step older; freed past ``max_idle_steps`` or when their partly filled
+        last block is in another request's row."""
+        if not self.held:
+            return
+        live: set[int] | None = None
+        for key, st in list(self.held.items()):
+            st.idle += 1
+            block, length = key
+            dead = st.idle > self.max_idle_steps
+            if not dead and length % self.block_size:
+                if live is None:
+                    live = {b for r in rows for b in table_cpu[r.index, : -(-r.seq_len // self.block_size)].tolist()}
+                dead = block in live
+            if dead:
+                del self.held[key]
+                self.freed += 1
+
+    def clear(self) -> None:
+        """Forget every state (a new KV cache, e.g. after vLLM's memory profiling)."""
+        self.freed += len(self.held)
+        self.held.clear()
+        self.running = []

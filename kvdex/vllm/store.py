@@ -1,0 +1,222 @@
+"""``PagedStore``: a :class:`~kvdex.storage.LayerStore` over vLLM's paged KV cache -- one request's tokens of one
+layer, read through the request's block-table row, with no copy of its own.
+
+The engine (:class:`~kvdex.engine.LayerEngine`) and every policy see a store like any other: ``attend(selection)``
+gathers sink + window + the selected middle tokens from vLLM's blocks into an :class:`~kvdex.storage.AttendSet`
+(compact: slot ``i`` of its buffers is entry ``i`` of its list), ``dense()`` / ``page_keys()`` / ``middle_keys()``
+gather what they name, and ``ingest`` / ``append`` only count tokens and hand the pages that join the middle to the
+policy (vLLM has written the tokens through its slot mapping already; ``writes=True`` makes the store write them
+itself, for use without vLLM).
+
+**Relocation without moving KV** (PRKV). ``permute_middle`` does not touch vLLM's blocks (they may be shared by
+several requests under prefix caching): the store keeps the order as a map, middle slot ``j`` of kv head ``h``
+holding position ``sink + order[h, j]``, and every read goes through it. Reads see exactly what a
+:class:`~kvdex.storage.DeviceStore` whose buffers were permuted in place holds.
+
+The store is for one request (batch 1): vLLM batches change every step, so each request owns its stores and its
+policy (:mod:`kvdex.vllm.requests`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdex.selection import Selection
+from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, TransferStats
+from kvdex.vllm.paged import gather_heads, token_slots, write_slots
+
+
+class BlockRow:
+    """A request's block-table row: ``blocks`` [n] (long, on the cache's device), the vLLM blocks that hold its
+    tokens in order. One object per request, shared by its stores; the metadata builder replaces ``blocks`` at
+    every step (the row grows as the request does)."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+
+class PagedStore(LayerStore):
+    """One layer's KV of one request in vLLM's blocks ``k_cache`` / ``v_cache`` ([num_blocks, block_size, H, D]),
+    addressed through ``row``. ``writes``: ``ingest`` / ``append`` write the tokens they get into the blocks."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        stats: TransferStats,
+        *,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        row: BlockRow,
+        writes: bool = False,
+    ) -> None:
+        super().__init__(grid, batch, kv_heads, head_dim, dtype, device, stats)
+        if batch != 1:
+            raise ValueError(f"a PagedStore holds one request (batch 1), got batch {batch}")
+        if tuple(k_cache.shape[2:]) != (kv_heads, head_dim) or k_cache.shape != v_cache.shape:
+            raise ValueError(
+                f"k_cache / v_cache must be [num_blocks, block_size, {kv_heads}, {head_dim}], got "
+                f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+            )
+        self.k_cache, self.v_cache, self.row, self.writes = k_cache, v_cache, row, writes
+        self.order: torch.Tensor | None = None  # [1, H, M]: middle slot j holds position sink + order[..., j]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k_cache.shape[1])
+
+    # ---- reads through the block table --------------------------------------------------------------
+    def slot_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """Token positions [1, H, N] of the store slots ``slots`` [1, H, N] (``-1`` stays): the relocation map
+        applied to middle slots, identity elsewhere."""
+        if self.order is None:
+            return slots
+        m, s = self.order.shape[2], self.grid.sink
+        j = slots - s
+        mid = (j >= 0) & (j < m)
+        return torch.where(mid, s + self.order.gather(2, j.clamp(0, m - 1)), slots)
+
+    def _flat(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat cache slots [H, N], positions [1, H, N]) of store slots [1, H, N] (``-1``: none)."""
+        pos = self.slot_positions(slots.long())
+        return token_slots(self.row.blocks, pos[0], self.block_size), pos
+
+    def read(self, slots: torch.Tensor, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Keys, values (None unless ``values``) [1, H, N, D] and positions [1, H, N] of store slots [1, H, N]
+        (``-1`` or past the request's blocks: slot 0's row, which the caller masks)."""
+        flat, pos = self._flat(slots)
+        k = gather_heads(self.k_cache, flat)[None]
+        v = gather_heads(self.v_cache, flat)[None] if values else None
+        return k, v, pos
+
+    def _range(self, first: int, n: int) -> torch.Tensor:
+        """Store slots first .. first + n - 1 of every kv head, [1, H, n]."""
+        return torch.arange(first, first + n, device=self.device).expand(1, self.kv_heads, n)
+
+    # ---- writes -----------------------------------------------------------------------------------------
+    def _write(self, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k / v [H, t, D] at positions first .. first + t - 1 (``writes=True`` only)."""
+        pos = torch.arange(first, first + k.shape[1], device=self.device)
+        slots = token_slots(self.row.blocks, pos, self.block_size)
+        if bool((slots < 0).any()):
+            raise ValueError(f"positions {first}..{first + k.shape[1] - 1} lie past the request's blocks")
+        write_slots(self.k_cache, slots, k.transpose(0, 1))
+        write_slots(self.v_cache, slots, v.transpose(0, 1))
+
+    def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
+        """The request's first ``lengths[0]`` tokens, k/v [1, H, L, D] in position order (in the blocks already
+        unless ``writes``)."""
+        n = int(lengths[0])
+        if self.writes:
+            self._write(0, k[0, :, :n], v[0, :, :n])
+        self.order = None
+        self.lengths_host = lengths.clone().long().cpu()
+        self.lengths.copy_(self.lengths_host)
+        nmid = self.grid.num_middle_pages(self.lengths_host)
+        return self._middle_update(torch.zeros_like(nmid), nmid, k, v)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> MiddleUpdate:
+        """``t`` new tokens, k/v [1, H, t, D]: counted (written with ``writes``); the pages that join the middle
+        are read back from the blocks for the policy's index."""
+        before = self.grid.num_middle_pages(self.lengths_host)
+        if self.writes:
+            self._write(int(self.lengths_host[0]), k[0], v[0])
+        self._advance(k.shape[2])
+        count = self.grid.num_middle_pages(self.lengths_host) - before
+        return self._joined(torch.where(count > 0, before, 0), count)
+
+    def _joined(self, start: torch.Tensor, count: torch.Tensor) -> MiddleUpdate:
+        g, h, d = self.grid, self.kv_heads, self.head_dim
+        pn = int(count.max())
+        if pn == 0:
+            empty = torch.zeros(1, h, 0, g.page_size, d, dtype=self.dtype, device=self.device)
+            return MiddleUpdate(start, count, empty, empty)
+        first = g.sink + int(start[0]) * g.page_size  # pages past the relocation map: slot == position
+        k, v, _ = self.read(self._range(first, pn * g.page_size))
+        assert v is not None
+        shape = (1, h, pn, g.page_size, d)
+        return MiddleUpdate(start, count, k.reshape(shape), v.reshape(shape))
+
+    # ---- the engine's reads ---------------------------------------------------------------------------
+    def attend(self, sel: Selection) -> AttendSet:
+        g, dev, h = self.grid, self.device, self.kv_heads
+        sink = torch.arange(g.sink, device=dev).expand(1, g.sink)
+        fixed = torch.cat([sink, self._window_slots_positions()], dim=1)  # [1, sink + window]
+        fixed_valid = fixed < self.lengths[:, None]
+        fixed = torch.where(fixed_valid, fixed, -1)[:, None, :].expand(1, h, -1)
+        fixed_valid = fixed_valid[:, None, :].expand(1, h, -1)
+        if sel.everything:
+            mid = torch.arange(g.sink, int(g.window_start(self.lengths_host).max()), device=dev).expand(1, h, -1)
+            mid_valid = mid < g.window_start(self.lengths)[:, None, None]
+        elif sel.empty:
+            mid = torch.empty(1, h, 0, dtype=torch.long, device=dev)
+            mid_valid = torch.empty(1, h, 0, dtype=torch.bool, device=dev)
+        else:
+            mid = sel.token_positions(g.sink, g.page_size).to(dev)
+            mid_valid = mid >= 0
+        slots = torch.cat([fixed, mid.long()], dim=-1)
+        valid = torch.cat([fixed_valid, mid_valid], dim=-1)
+        k, v, pos = self.read(torch.where(valid, slots, -1))
+        assert v is not None
+        n = slots.shape[2]
+        idx = torch.arange(n, device=dev).expand(1, h, n)
+        return AttendSet(k, v, idx, valid, torch.where(valid, pos, 0))
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, _ = self.read(self._range(0, int(self.lengths_host.max())))
+        assert v is not None
+        return k, v
+
+    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        g = self.grid
+        b, h, p = pages.shape
+        slots = g.sink + pages.clamp(min=0).to(self.device)[..., None] * g.page_size
+        slots = slots + torch.arange(g.page_size, device=self.device)
+        k, _, _ = self.read(slots.view(b, h, p * g.page_size), values=False)
+        return k.view(b, h, p, g.page_size, self.head_dim)
+
+    def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
+        m = self._check_middle_order(order, validate)
+        if m == 0:
+            return
+        cur = self.order
+        have = 0 if cur is None else cur.shape[2]
+        ident = torch.arange(have, max(m, have), device=self.device).expand(1, self.kv_heads, -1)
+        full = ident if cur is None else torch.cat([cur, ident], dim=2)
+        head = full[:, :, :m].gather(2, order.to(self.device).long())
+        self.order = torch.cat([head, full[:, :, m:]], dim=2)
+
+    # ---- sink and window keys (CHESS's window anchor reads them through ``k`` / ``window_slots``) --------
+    def _window_positions(self) -> torch.Tensor:
+        """[1, sink + window] positions of the sink and the window rows (some past the length)."""
+        sink = torch.arange(self.grid.sink, device=self.device)[None, :]
+        return torch.cat([sink, self._window_slots_positions()], dim=1)
+
+    @property
+    def k(self) -> torch.Tensor:  # type: ignore[override]
+        """[1, H, sink + window, D]: the sink's and the window's keys, gathered from the blocks at each read
+        (:meth:`window_slots` addresses them)."""
+        pos = self._window_positions()
+        valid = pos < self.lengths[:, None]
+        slots = torch.where(valid, pos, -1)[:, None, :].expand(1, self.kv_heads, -1)
+        return self.read(slots, values=False)[0]
+
+    @k.setter
+    def k(self, value: torch.Tensor) -> None:
+        raise AttributeError("a PagedStore's keys live in vLLM's blocks")
+
+    def window_slots(self, pos: torch.Tensor) -> torch.Tensor:
+        ws = self.grid.window_start(self.lengths).view(-1, *([1] * (pos.dim() - 1)))
+        return torch.where(pos < self.grid.sink, pos, self.grid.sink + pos - ws)
+
+    # ---- capabilities -----------------------------------------------------------------------------------
+    def graph_unsupported(self) -> str | None:
+        return "a PagedStore gathers vLLM's blocks with shapes that follow the request's length"
+
+    def device_bytes(self) -> int:
+        """0: the keys and values belong to vLLM's cache, the store holds none."""
+        return 0

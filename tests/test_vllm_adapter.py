@@ -1,0 +1,403 @@
+"""kvdex's vLLM adapter without vLLM (``kvdex.vllm``): the block-table mapping, the per-request state life cycle
+and decoding over vLLM's paged layout, against PyTorch references and kvdex's own path.
+
+A small simulated engine (:class:`Sim`) plays vLLM's part: per-layer caches in the backend's layout, blocks handed
+out from a free list (freed blocks are handed out again), slot mappings, batches whose row order changes every
+step, requests that join and finish at different steps, a chunked prefill and a preemption with recompute. Every
+request's q / k / v are fixed random tensors per (layer, position), so the same request can be replayed through
+kvdex's own path (:class:`~kvdex.storage.DeviceStore`, the engine driven as ``kvdex.Cache`` drives it): the
+selections must be the same and the outputs equal within fp32 rounding; with a budget covering the context every
+output must equal dense causal attention.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvdex.config import CacheConfig
+from kvdex.storage import DeviceStore
+from kvdex.vllm import SUPPORTED, Geometry, RequestState, RequestTable, Row, VllmSettings, forward_layer, settings_from
+from kvdex.vllm.paged import (
+    check_block_size,
+    gather_heads,
+    kv_cache_shape,
+    page_blocks,
+    paged_decode_reference,
+    split_kv,
+    token_slots,
+    write_slots,
+)
+from kvdex.vllm.store import BlockRow, PagedStore
+
+PS = 16
+LAYERS, HQ, H, D = 3, 4, 2, 16
+SCALE = D**-0.5
+GEO = Geometry(num_layers=LAYERS, q_heads=HQ, kv_heads=H, head_dim=D, block_size=PS)
+SMALL = dict(budget=96, page_size=PS, sink=16, window=32, dense_layers=1)  # 3 retrieved pages
+FULL = dict(SMALL, budget=1024)
+NUM_BLOCKS = 96
+# every policy that runs under vLLM; prkv with a static part refreshed every 8 steps (its relocation, before_step),
+# chess rebuilding every 8 steps, quest reusing a selection for 4 steps
+VARIANTS = {"prkv": "prkv:static_ratio=0.5:refresh=8", "chess": "chess:interval=8"}
+SPECS = [VARIANTS.get(p, p) for p in SUPPORTED] + ["quest:select_every=4"]
+
+
+# ---- the mapping ---------------------------------------------------------------------------------------------
+def test_token_slots_and_page_blocks_match_a_loop():
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(50, generator=g)[:9]
+    pos = torch.tensor([[0, 5, 15, 16, 31, 100, 143, 144, -1]])
+    got = token_slots(blocks, pos, PS)
+    want = [int(blocks[p // PS]) * PS + p % PS if 0 <= p < 9 * PS else -1 for p in pos[0].tolist()]
+    assert got[0].tolist() == want
+    pages = torch.tensor([0, 3, 7, -1, 8])  # sink 16 = one block: middle page g is block g + 1
+    assert page_blocks(blocks, pages, 16, PS).tolist() == [int(blocks[1]), int(blocks[4]), int(blocks[8]), -1, -1]
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        page_blocks(blocks, pages, 8, PS)
+
+
+def test_layout_write_gather_round_trip():
+    kv = torch.zeros(kv_cache_shape(8, PS, H, D))
+    k_cache, v_cache = split_kv(kv)
+    assert k_cache.shape == (8, PS, H, D) and k_cache.data_ptr() == kv.data_ptr()
+    rows = torch.randn(5, H, D)
+    slots = torch.tensor([3, -1, 40, 127, 16])
+    write_slots(k_cache, slots, rows)
+    assert torch.equal(kv[0].view(-1, H, D)[40], rows[2]) and torch.equal(kv[0].view(-1, H, D)[127], rows[3])
+    assert kv[1].abs().sum() == 0 and kv[0].view(-1, H, D)[0].abs().sum() == 0  # the padding slot is skipped
+    got = gather_heads(k_cache, torch.tensor([[3, 40], [127, 16]]))
+    assert torch.equal(got[0, 1], rows[2][0]) and torch.equal(got[1, 0], rows[3][1])
+    with pytest.raises(ValueError, match="2, num_blocks"):
+        split_kv(torch.zeros(8, PS, H, 2 * D))
+
+
+def test_block_size_must_equal_page_size():
+    check_block_size(16, 16)
+    with pytest.raises(ValueError, match="--block-size 16"):
+        check_block_size(32, 16)
+
+
+def test_paged_decode_reference_is_dense_attention_over_all_tokens():
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(kv_cache_shape(12, PS, H, D), generator=g)
+    blocks = torch.randperm(12, generator=g)[:5]
+    L = 70
+    q = torch.randn(HQ, D, generator=g)
+    out = paged_decode_reference(q, kv[0], kv[1], blocks, torch.arange(L).expand(H, L), SCALE)
+    slots = token_slots(blocks, torch.arange(L), PS)
+    k, v = kv[0].reshape(-1, H, D)[slots], kv[1].reshape(-1, H, D)[slots]  # [L, H, D]
+    kr, vr = k.repeat_interleave(HQ // H, 1), v.repeat_interleave(HQ // H, 1)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q, kr) * SCALE, -1)
+    assert torch.allclose(out, torch.einsum("hl,lhd->hd", p, vr), atol=1e-5)
+
+
+def test_paged_store_relocation_reads_as_a_permuted_device_store():
+    """PRKV's permute_middle: the paged store keeps a map, a DeviceStore moves its rows; both read the same."""
+    from kvdex.storage import Grid, TransferStats
+
+    g = torch.Generator().manual_seed(2)
+    grid, L = Grid(16, PS, 2), 150
+    kv = torch.zeros(kv_cache_shape(20, PS, H, D))
+    row = BlockRow(torch.randperm(20, generator=g)[: -(-L // PS)])
+    k, v = torch.randn(1, H, L, D, generator=g), torch.randn(1, H, L, D, generator=g)
+    paged = PagedStore(grid, 1, H, D, torch.float32, "cpu", TransferStats(), k_cache=kv[0], v_cache=kv[1], row=row,
+                       writes=True)  # fmt: skip
+    dev = DeviceStore(grid, 1, H, D, torch.float32, "cpu", TransferStats())
+    for s in (paged, dev):
+        s.ingest(k, v, torch.tensor([L]))
+    m = int(grid.num_middle_pages(torch.tensor([L]))) * PS
+    for _ in range(2):  # two relocations compose
+        order = torch.stack([torch.randperm(m, generator=g) for _ in range(H)])[None]
+        paged.permute_middle(order)
+        dev.permute_middle(order)
+    for a, b in zip(paged.dense(), dev.dense(), strict=True):
+        assert torch.equal(a, b)
+    pages = torch.tensor([[[0, 4, -1], [2, 1, 5]]])
+    assert torch.equal(paged.page_keys(pages)[pages >= 0], dev.page_keys(pages)[pages >= 0])
+
+
+# ---- a simulated engine --------------------------------------------------------------------------------------
+@dataclass
+class Req:
+    """A request: its q / k / v per layer and position, its blocks and its tokens in the cache."""
+
+    name: str
+    length: int  # tokens it will have at most
+    seed: int
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    life: int = 0  # incarnations (a preemption starts a new one)
+    steps: list[list[tuple[int, int]]] = field(default_factory=lambda: [[]])  # per life: (start, n) of each step
+
+    def __post_init__(self) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        self.q = torch.randn(LAYERS, self.length, HQ, D, generator=g)
+        self.k = torch.randn(LAYERS, self.length, H, D, generator=g)
+        self.v = torch.randn(LAYERS, self.length, H, D, generator=g)
+
+
+class Sim:
+    """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
+
+    def __init__(self, settings: VllmSettings, seed: int = 0) -> None:
+        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D)) for _ in range(LAYERS)]
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.rng = random.Random(seed + 1)
+        self.table = RequestTable(lambda: self.recorded(RequestState(settings, GEO)), PS, settings.max_idle_steps)
+        self.out: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (req, life, layer, position) -> [Hq, D]
+        self.selections: dict[tuple[int, int, int], tuple] = {}  # (state id, layer, step) -> selection tensors
+        self.last_rows: list[Row] = []
+        self.state_of: dict[tuple[str, int], RequestState] = {}  # (req, life) -> its state here
+
+    def recorded(self, state: RequestState) -> RequestState:
+        state.on_select = lambda view, sel, st=state: self.selections.__setitem__(
+            (id(st), view.layer, st.step), (sel.pages, sel.tokens, sel.everything)
+        )
+        return state
+
+    def step(self, batch: list[tuple[Req, int]], shuffle: bool = True) -> list[Row]:
+        if shuffle:
+            self.rng.shuffle(batch)
+        starts, lens, table, slots = [0], [], [], []
+        for req, n in batch:
+            end = req.computed + n
+            while len(req.blocks) * PS < end:
+                req.blocks.append(self.free.pop())
+            pos = torch.arange(req.computed, end)
+            slots.append(token_slots(torch.tensor(req.blocks), pos, PS))
+            starts.append(starts[-1] + n)
+            lens.append(end)
+            req.steps[req.life].append((req.computed, n))
+        width = max(len(r.blocks) for r, _ in batch) + 2
+        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in batch])
+        rows = self.table.plan(torch.tensor(starts), torch.tensor(lens), table)
+        for (req, _), row in zip(batch, rows, strict=True):
+            self.state_of[(req.name, req.life)] = row.state
+        slot_mapping = torch.cat(slots)
+        for layer in range(LAYERS):
+            q = torch.cat([r.q[layer, r.computed : r.computed + n] for r, n in batch])
+            k = torch.cat([r.k[layer, r.computed : r.computed + n] for r, n in batch])
+            v = torch.cat([r.v[layer, r.computed : r.computed + n] for r, n in batch])
+            out = torch.full_like(q, float("nan"))
+            forward_layer(rows, layer, q, k, v, self.kv[layer][0], self.kv[layer][1], slot_mapping, SCALE, out)
+            for (req, n), s in zip(batch, starts, strict=False):
+                for j in range(n):
+                    self.out[(req.name, req.life, layer, req.computed + j)] = out[s + j]
+        for req, n in batch:
+            req.computed += n
+        self.last_rows = rows
+        return rows
+
+    def finish(self, req: Req) -> None:
+        self.free += req.blocks  # the last block (partly filled) is handed out first
+        req.blocks = []
+
+    def preempt(self, req: Req) -> None:
+        """vLLM's preemption by recompute: the blocks go back, the request later prefills every token it has."""
+        self.finish(req)
+        req.computed, req.life = 0, req.life + 1
+        req.steps.append([])
+
+
+def run_scenario(settings: VllmSettings) -> tuple[Sim, list[Req]]:
+    """Three requests: a joins with a 150-token prompt, b with a 230-token prompt in chunks of 96 while a decodes,
+    c (a 40-token prompt) later; rows shuffled every step; c is preempted and recomputed; a finishes and its blocks
+    go to c's recompute."""
+    sim = Sim(settings)
+    a, b, c = Req("a", 230, 1), Req("b", 300, 2), Req("c", 120, 3)
+    sim.step([(a, 150)])
+    sim.step([(a, 1), (b, 96)])
+    sim.step([(a, 1), (b, 96)])
+    sim.step([(a, 1), (b, 38)])
+    for _ in range(4):
+        sim.step([(a, 1), (b, 1)])
+    sim.step([(a, 1), (b, 1), (c, 40)])
+    for _ in range(14):  # a and c cross page joins, b too
+        sim.step([(a, 1), (b, 1), (c, 1)])
+    sim.preempt(c)
+    for _ in range(2):
+        sim.step([(a, 1), (b, 1)])
+    sim.finish(a)
+    sim.step([(b, 1), (c, 55)])  # recompute: c's 40 + 15 tokens, in blocks a just freed
+    for _ in range(14):
+        sim.step([(b, 1), (c, 1)])
+    return sim, [a, b, c]
+
+
+def replay(settings: VllmSettings, req: Req, life: int) -> tuple[dict, dict]:
+    """One life of ``req`` through kvdex's own path: a DeviceStore per layer, the engine driven as kvdex.Cache
+    drives it (prompt chunks through ``LayerEngine.attention``, then append + attention per token)."""
+    out, sels = {}, {}
+    state = RequestState(settings, GEO, store_factory=lambda st, layer, args: DeviceStore(*args))
+    state.on_select = lambda view, sel: sels.__setitem__((view.layer, state.step), (sel.pages, sel.tokens,
+                                                                                      sel.everything))  # fmt: skip
+    for i, (start, n) in enumerate(req.steps[life]):
+        if i:
+            state.end_step()
+        state.begin_step(Row(state, 0, 0, n, start + n, adopt=i == 0))
+        for layer in range(LAYERS):
+            q = req.q[layer, start : start + n].transpose(0, 1)[None]
+            k = req.k[layer, start : start + n].transpose(0, 1)[None]
+            v = req.v[layer, start : start + n].transpose(0, 1)[None]
+            eng = state.engines[layer]
+            if eng.store is not None:
+                eng.append(k, v)
+            o = eng.attention(q, k, v, None, SCALE)[0]  # [n, Hq, D]
+            for j in range(n):
+                out[(layer, start + j)] = o[j]
+    return out, sels
+
+
+def settings(policy: str, sizes: dict) -> VllmSettings:
+    return settings_from({"kvdex": {"policy": policy, **sizes}})
+
+
+@pytest.mark.parametrize("policy", SPECS)
+def test_batched_paged_decoding_equals_kvdex_device_path(policy):
+    """Join, chunked prefill, reordered rows, a preemption with recompute, freed blocks reused: every output and
+    every selection equals kvdex's own path on the same q / k / v (a DeviceStore, one request at a time)."""
+    st = settings(policy, SMALL)
+    sim, reqs = run_scenario(st)
+    for req in reqs:
+        for life in range(req.life + 1):
+            want, sels = replay(st, req, life)
+            got = {key[2:]: o for key, o in sim.out.items() if key[:2] == (req.name, life)}
+            assert got.keys() == want.keys()
+            for key, o in want.items():
+                assert torch.allclose(got[key], o, atol=2e-5, rtol=1e-4), (policy, req.name, life, key)
+            sid = id(sim.state_of[(req.name, life)])
+            mine = {key[1:]: s for key, s in sim.selections.items() if key[0] == sid}
+            assert mine.keys() == sels.keys(), (policy, req.name, life)
+            for key, sel in sels.items():
+                assert _same_sel(sel, mine[key]), (policy, req.name, life, key)
+    assert sim.table.made == 4  # a, b, c and c's recompute: no other state was made
+    if policy.startswith("prkv"):  # the relocation ran, as a map over vLLM's blocks
+        assert any(s.order is not None for s in sim.state_of[("b", 0)].stores if isinstance(s, PagedStore))
+
+
+def _same_sel(a: tuple, b: tuple) -> bool:
+    return a[2] == b[2] and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x.cpu(), y.cpu()))
+        for x, y in zip(a[:2], b[:2], strict=True)
+    )
+
+
+@pytest.mark.parametrize("policy", SPECS)
+def test_budget_covering_the_context_is_dense_attention(policy):
+    """With a budget covering every token, each output is dense causal attention over the request's tokens."""
+    sim, reqs = run_scenario(settings(policy, FULL))
+    g = HQ // H
+    for (name, _life, layer, pos), o in sim.out.items():
+        req = next(r for r in reqs if r.name == name)
+        k = req.k[layer, : pos + 1].repeat_interleave(g, 1)
+        v = req.v[layer, : pos + 1].repeat_interleave(g, 1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", req.q[layer, pos], k) * SCALE, -1)
+        assert torch.allclose(o, torch.einsum("hl,lhd->hd", p, v), atol=2e-5), (policy, name, layer, pos)
+
+
+# ---- the life cycle --------------------------------------------------------------------------------------------
+def test_states_follow_requests_across_joins_reorders_finishes_and_preemption():
+    sim = Sim(settings("quest", SMALL))
+    a, b, c = Req("a", 200, 1), Req("b", 200, 2), Req("c", 200, 3)
+    ra = sim.step([(a, 100)])[0]
+    assert ra.adopt and len(sim.table) == 1
+    rows = sim.step([(a, 1), (b, 50)])
+    by = {r.state: r for r in rows}
+    assert not by[ra.state].adopt and by[ra.state].decode  # a continues its state
+    rb = next(r for r in rows if r.state is not ra.state)
+    assert rb.adopt
+    for _ in range(3):  # rows reordered every step: each keeps its state
+        rows = sim.step([(a, 1), (b, 1)])
+        assert {r.state for r in rows} == {ra.state, rb.state} and not any(r.adopt for r in rows)
+    sim.finish(a)  # a's blocks are freed; c's prompt takes them (the partly filled one among them)
+    rows = sim.step([(b, 1), (c, 20)])
+    rc = next(r for r in rows if r.state is not rb.state)
+    assert rc.adopt and ra.state not in sim.table.held.values()  # a's state is freed: its last block is reused
+    sim.preempt(b)
+    rows = sim.step([(c, 1)])
+    assert rows[0].state is rc.state
+    rows = sim.step([(b, b.length - 100)])  # recompute from its first token: a new state
+    assert rows[0].adopt and rows[0].state is not rb.state
+    assert rb.state not in sim.table.held.values()  # b's old state was freed (its blocks were reassigned)
+
+
+def test_idle_states_are_freed_after_max_idle_steps():
+    sim = Sim(settings_from({"kvdex": {"policy": "quest", **SMALL, "max_idle_steps": 2}}))
+    a, b = Req("a", 200, 1), Req("b", 200, 2)
+    sim.step([(a, 100), (b, 60)])
+    sim.step([(a, 1), (b, 1)])
+    kept = next(r.state for r in sim.last_rows if r.seq_len == 61)
+    sim.step([(a, 1)])  # b skipped by the scheduler for two steps: its state waits
+    sim.step([(a, 1)])
+    rows = sim.step([(a, 1), (b, 1)])
+    assert any(r.state is kept and not r.adopt for r in rows)
+    for _ in range(3):
+        sim.step([(a, 1)])
+    rows = sim.step([(a, 1), (b, 1)])  # three steps away: freed, re-indexed from the blocks
+    rb = next(r for r in rows if r.seq_len == 63)
+    assert rb.adopt and rb.state is not kept
+
+
+def test_a_state_is_claimed_by_one_row_only():
+    """Two rows whose whole context is one shared run of blocks (prefix caching): the first keeps the state."""
+    st = settings("quest", SMALL)
+    table = RequestTable(lambda: RequestState(st, GEO), PS)
+    kv = [torch.zeros(kv_cache_shape(8, PS, H, D)) for _ in range(LAYERS)]
+    blocks = torch.tensor([[0, 1, 2]])
+    rows = table.plan(torch.tensor([0, 32]), torch.tensor([32]), blocks)
+    for layer in range(LAYERS):
+        t = torch.randn(32, H, D)
+        forward_layer(rows, layer, torch.randn(32, HQ, D), t, t, kv[layer][0], kv[layer][1],
+                      token_slots(blocks[0], torch.arange(32), PS), SCALE, torch.empty(32, HQ, D))  # fmt: skip
+    rows = table.plan(torch.tensor([0, 1, 2]), torch.tensor([33, 33]), torch.tensor([[0, 1, 2], [0, 1, 3]]))
+    assert not rows[0].adopt and rows[0].state is not rows[1].state and rows[1].adopt
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+def test_settings_parse_and_refuse():
+    s = settings_from({"kvdex": {"policy": "quest:select_every=4", "budget": 2048}})
+    assert s.config == CacheConfig(budget=2048) and s.make_policy().select_every == 4
+    assert settings_from(None).policy == "quest"
+    assert settings("chess", SMALL).make_policy().trigger == "interval"
+    with pytest.raises(ValueError, match="does not run inside vLLM.*quest"):
+        settings_from({"kvdex": {"policy": "icecache"}})
+    with pytest.raises(ValueError, match="trigger=interval"):
+        settings_from({"kvdex": {"policy": "chess:trigger=uncertainty"}})
+    with pytest.raises(ValueError, match="unknown policy"):
+        settings_from({"kvdex": {"policy": "nope"}})
+    with pytest.raises(ValueError, match="no offload"):
+        settings_from({"kvdex": {"offload": True}})
+    with pytest.raises(ValueError, match="budget must be an integer|must be an integer"):
+        settings_from({"kvdex": {"budget": "big"}})
+    with pytest.raises(ValueError, match="budget >= 64"):
+        settings_from({"kvdex": {"budget": 48}})
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        settings_from({"kvdex": {"sink": 8}})
+    with pytest.raises(ValueError, match="JSON object"):
+        settings_from({"kvdex": "quest"})
+    with pytest.raises(TypeError, match="no option"):
+        settings_from({"kvdex": {"policy": "quest:nope=1"}})
+
+
+def test_only_the_backend_imports_vllm():
+    """Importing kvdex.vllm (and the check command) loads no vLLM: only backend.py imports it at load time (vLLM
+    imports that module by the path the plugin registers)."""
+    import ast
+    from pathlib import Path
+
+    from test_imports import load_time_imports
+
+    root = Path(__file__).resolve().parents[1] / "kvdex" / "vllm"
+    for path in sorted(root.glob("*.py")):
+        names = []
+        for node in load_time_imports(ast.parse(path.read_text())):
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        loads_vllm = any(n == "vllm" or n.startswith("vllm.") for n in names)
+        assert loads_vllm == (path.name == "backend.py"), path.name
+        if path.name != "backend.py":
+            assert "kvdex.vllm.backend" not in names, path.name
