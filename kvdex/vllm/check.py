@@ -124,7 +124,7 @@ def register(sub: Any) -> None:
     """``kvdex vllm check`` (kvdex.cli)."""
     p = sub.add_parser("vllm", help="kvdex inside vLLM (docs/vllm.md): check the attention backend")
     vs = p.add_subparsers(dest="vllm_command", required=True, metavar="SUBCOMMAND")
-    c = vs.add_parser("check", help="greedy tokens with kvdex's backend vs vLLM's default backend, in one process",
-                      description=(__doc__ or "").split("\n\n")[0])  # fmt: skip
+    what = "greedy tokens of vLLM with kvdex's backend against vLLM's default backend, in one process (docs/vllm.md)"
+    c = vs.add_parser("check", help=what, description=what[:1].upper() + what[1:] + ".")
     add_arguments(c)
     c.set_defaults(func=main)
