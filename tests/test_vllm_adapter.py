@@ -161,24 +161,24 @@ def test_states_follow_requests_across_joins_reorders_finishes_and_preemption():
     sim = Sim(settings("quest", SMALL))
     a, b, c = Req("a", 200, 1), Req("b", 200, 2), Req("c", 200, 3)
     ra = sim.step([(a, 100)])[0]
-    assert ra.adopt and len(sim.table) == 1
+    assert ra.fresh and ra.kind == "prefill" and len(sim.table) == 1
     rows = sim.step([(a, 1), (b, 50)])
     by = {r.state: r for r in rows}
-    assert not by[ra.state].adopt and by[ra.state].decode  # a continues its state
+    assert not by[ra.state].fresh and by[ra.state].decode and ra.state.adopted  # a continues, its prompt indexed
     rb = next(r for r in rows if r.state is not ra.state)
-    assert rb.adopt
+    assert rb.fresh and rb.kind == "prefill"
     for _ in range(3):  # rows reordered every step: each keeps its state
         rows = sim.step([(a, 1), (b, 1)])
-        assert {r.state for r in rows} == {ra.state, rb.state} and not any(r.adopt for r in rows)
+        assert {r.state for r in rows} == {ra.state, rb.state} and not any(r.fresh for r in rows)
     sim.finish(a)  # a's blocks are freed; c's prompt takes them (the partly filled one among them)
     rows = sim.step([(b, 1), (c, 20)])
     rc = next(r for r in rows if r.state is not rb.state)
-    assert rc.adopt and ra.state not in sim.table.held.values()  # a's state is freed: its last block is reused
+    assert rc.fresh and ra.state not in sim.table.held.values()  # a's state is freed: its last block is reused
     sim.preempt(b)
     rows = sim.step([(c, 1)])
     assert rows[0].state is rc.state
     rows = sim.step([(b, b.length - 100)])  # recompute from its first token: a new state
-    assert rows[0].adopt and rows[0].state is not rb.state
+    assert rows[0].fresh and rows[0].state is not rb.state
     assert rb.state not in sim.table.held.values()  # b's old state was freed (its blocks were reassigned)
 
 
@@ -191,18 +191,18 @@ def test_idle_states_are_freed_after_max_idle_steps():
     sim.step([(a, 1)])  # b skipped by the scheduler for two steps: its state waits
     sim.step([(a, 1)])
     rows = sim.step([(a, 1), (b, 1)])
-    assert any(r.state is kept and not r.adopt for r in rows)
+    assert any(r.state is kept and not r.fresh for r in rows)
     for _ in range(3):
         sim.step([(a, 1)])
     rows = sim.step([(a, 1), (b, 1)])  # three steps away: freed, re-indexed from the blocks
     rb = next(r for r in rows if r.seq_len == 63)
-    assert rb.adopt and rb.state is not kept
+    assert rb.fresh and rb.decode and rb.state is not kept and rb.state.adopted
 
 
 def test_a_state_is_claimed_by_one_row_only():
     """Two rows whose whole context is one shared run of blocks (prefix caching): the first keeps the state."""
     st = settings("quest", SMALL)
-    table = RequestTable(lambda: RequestState(st, GEO), PS)
+    table = RequestTable(lambda caches: RequestState(st, GEO, caches=caches), PS)
     kv = [torch.zeros(kv_cache_shape(8, PS, H, D)) for _ in range(LAYERS)]
     blocks = torch.tensor([[0, 1, 2]])
     rows = table.plan(torch.tensor([0, 32]), torch.tensor([32]), blocks)
@@ -211,7 +211,16 @@ def test_a_state_is_claimed_by_one_row_only():
         forward_layer(rows, layer, torch.randn(32, HQ, D), t, t, kv[layer][0], kv[layer][1],
                       token_slots(blocks[0], torch.arange(32), PS), SCALE, torch.empty(32, HQ, D))  # fmt: skip
     rows = table.plan(torch.tensor([0, 1, 2]), torch.tensor([33, 33]), torch.tensor([[0, 1, 2], [0, 1, 3]]))
-    assert not rows[0].adopt and rows[0].state is not rows[1].state and rows[1].adopt
+    assert not rows[0].fresh and rows[0].state is not rows[1].state and rows[1].fresh
+
+
+def test_a_last_prompt_token_is_no_decode_step_where_vllm_says_so():
+    st = settings("quest", SMALL)
+    table = RequestTable(lambda caches: RequestState(st, GEO, caches=caches), PS)
+    blocks = torch.tensor([[0, 1, 2]])
+    table.plan(torch.tensor([0, 32]), torch.tensor([32]), blocks)
+    row = table.plan(torch.tensor([0, 1]), torch.tensor([33]), blocks, torch.tensor([True]))[0]
+    assert row.kind == "prefill" and not row.state.adopted
 
 
 # ---- configuration -------------------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ class Sim:
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
         self.rng = random.Random(seed + 1)
-        self.table = RequestTable(lambda: self.recorded(RequestState(settings, GEO)), PS, settings.max_idle_steps)
+        self.table = RequestTable(
+            lambda caches: self.recorded(RequestState(settings, GEO, caches=caches)), PS, settings.max_idle_steps
+        )
         self.out: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (req, life, layer, position) -> [Hq, D]
         self.selections: dict[tuple[int, int, int], tuple] = {}  # (state id, layer, step) -> selection tensors
         self.last_rows: list[Row] = []
@@ -131,16 +133,20 @@ def run_scenario(settings: VllmSettings) -> tuple[Sim, list[Req]]:
 
 
 def replay(settings: VllmSettings, req: Req, life: int) -> tuple[dict, dict]:
-    """One life of ``req`` through kvdex's own path: a DeviceStore per layer, the engine driven as kvdex.Cache
-    drives it (prompt chunks through ``LayerEngine.attention``, then append + attention per token)."""
+    """One life of ``req`` through kvdex's own path, as ``kvdex.Cache`` runs it: the prompt (every chunk the
+    simulated engine prefilled) in one forward of each layer's ``LayerEngine.attention`` over DeviceStores (dense
+    attention, then the prompt's ingest), ``on_step(0)``, then per decode step ``before_step`` and the reuse decision,
+    each layer's append + attention, ``on_step``."""
     out, sels = {}, {}
     state = RequestState(settings, GEO, store_factory=lambda st, layer, args: DeviceStore(*args))
     state.on_select = lambda view, sel: sels.__setitem__((view.layer, state.step), (sel.pages, sel.tokens,
                                                                                       sel.everything))  # fmt: skip
-    for i, (start, n) in enumerate(req.steps[life]):
+    steps = req.steps[life]
+    first = next((i for i, (s, n) in enumerate(steps) if n == 1 and s > 0), len(steps))
+    plan = [(0, sum(n for _, n in steps[:first]))] + steps[first:]
+    for i, (start, n) in enumerate(plan):
         if i:
-            state.end_step()
-        state.begin_step(Row(state, 0, 0, n, start + n, adopt=i == 0))
+            state.begin_step(Row(state, 0, 0, n, start + n, "decode"))
         for layer in range(LAYERS):
             q = req.q[layer, start : start + n].transpose(0, 1)[None]
             k = req.k[layer, start : start + n].transpose(0, 1)[None]
@@ -151,6 +157,11 @@ def replay(settings: VllmSettings, req: Req, life: int) -> tuple[dict, dict]:
             o = eng.attention(q, k, v, None, SCALE)[0]  # [n, Hq, D]
             for j in range(n):
                 out[(layer, start + j)] = o[j]
+        if i:
+            state.end_step()
+        else:
+            state.adopted = True
+            state.policy.on_step(0, None)
     return out, sels
 
 

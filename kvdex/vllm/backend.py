@@ -98,7 +98,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         self.geometry = geometry_of(vllm_config, kv_cache_spec)
         settings, geometry = self.settings, self.geometry
         self.table = RequestTable(
-            lambda: RequestState(settings, geometry), geometry.block_size, settings.max_idle_steps
+            lambda caches: RequestState(settings, geometry, caches=caches), geometry.block_size, settings.max_idle_steps
         )
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> KvdexMetadata:
@@ -106,7 +106,9 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         n = int(cm.num_reqs)
         qsl = cm.query_start_loc_cpu[: n + 1]
         seq_lens = cm.seq_lens[:n].cpu()  # exact lengths (a host copy; the CPU mirror may be an upper bound)
-        rows = self.table.plan(qsl, seq_lens, cm.block_table_tensor[:n])
+        prefilling = getattr(cm, "is_prefilling", None)  # recent vLLM: requests with prompt tokens left
+        prefilling = None if prefilling is None else prefilling[:n].cpu()
+        rows = self.table.plan(qsl, seq_lens, cm.block_table_tensor[:n], prefilling)
         return KvdexMetadata(
             rows=rows, num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,

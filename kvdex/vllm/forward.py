@@ -4,14 +4,13 @@ The step's new keys and values are written into the layer's cache at vLLM's ``sl
 ``reshape_and_cache_flash``), then each request of the batch (a :class:`~kvdex.vllm.requests.Row`) runs on its
 own state:
 
-* a new state (``row.adopt``: a prompt, or a request kvdex does not hold) stores the request's tokens, read back
-  from the blocks, through ``LayerEngine.adopt`` -- the layer's store and the policy's index over the whole
-  prompt, with this step's queries as the observation window -- and attends densely (causal, its new tokens
-  after the rest);
-* a held state with several new tokens (a later chunk of a chunked prefill) appends them (pages that join the
-  middle are indexed) and attends densely, as kvdex's own multi-token step does (``LayerEngine.attention``);
-* a held state with one new token decodes: ``LayerEngine`` appends it, the policy selects, the store gathers
-  sink + window + the selection from vLLM's blocks and kvdex's decode attention runs over it.
+* ``prefill`` (prompt tokens, any chunk of a chunked prefill): dense causal attention over the request's tokens,
+  read from the blocks; the layer's queries are kept for the prompt's observation window (the prompt is indexed
+  at the request's first decode step, :meth:`RequestState.adopt <kvdex.vllm.requests.RequestState.adopt>`);
+* ``decode`` (one token after the prompt): ``LayerEngine`` appends it, the policy selects, the store gathers sink +
+  window + the selection from vLLM's blocks and kvdex's decode attention runs over it;
+* ``extend`` (several tokens after the indexed prompt): appended (pages that join the middle are indexed) and
+  attended densely, as kvdex's own multi-token step does (``LayerEngine.attention``).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdex.kernels.attention import causal_chunk_attention
-from kvdex.vllm.paged import gather_tokens, token_slots, write_slots
+from kvdex.vllm.paged import request_kv, write_slots
 from kvdex.vllm.requests import Row
 
 
@@ -63,28 +62,15 @@ def _request(
 ) -> torch.Tensor:
     """One request's tokens of one layer -> [1, n, Hq, D]."""
     state = row.state
-    engine = state.engines[layer]
     state.caches[layer] = (k_cache, v_cache)
-    if row.adopt or engine.store is None:
+    if row.kind == "prefill":
         k, v = request_kv(state.row.blocks, row.seq_len, k_cache, v_cache)
-        lengths = torch.tensor([row.seq_len])
-        engine.adopt(k, v, lengths, torch.zeros(1, dtype=torch.long), q)
+        state.keep_queries(layer, q)
         return causal_chunk_attention(q, k, v, scale)
+    engine = state.engines[layer]
+    if engine.store is None:  # the layer's cache was unknown when the step began: its prompt is indexed now
+        state.adopt_layer(layer, row.computed)
     k = key.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, D]
     v = value.transpose(0, 1).unsqueeze(0).contiguous()
     engine.append(k, v)
     return engine.attention(q, k, v, None, scale)
-
-
-def request_kv(
-    blocks: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` tokens' keys and values [1, H, length, D] of the request whose block-table row is
-    ``blocks``, read from the cache."""
-    pos = torch.arange(length, device=k_cache.device)
-    slots = token_slots(blocks.to(k_cache.device), pos, k_cache.shape[1])
-    if bool((slots < 0).any()):
-        raise ValueError(f"the request's block-table row ({blocks.shape[0]} blocks) does not cover {length} tokens")
-    k = gather_tokens(k_cache, slots).transpose(0, 1).unsqueeze(0)
-    v = gather_tokens(v_cache, slots).transpose(0, 1).unsqueeze(0)
-    return k, v

@@ -84,6 +84,20 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
         flat[slots[keep].long()] = rows[keep].to(cache.dtype)
 
 
+def request_kv(
+    blocks: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens' keys and values [1, H, length, D] of the request whose block-table row is
+    ``blocks``, gathered from the cache."""
+    pos = torch.arange(length, device=k_cache.device)
+    slots = token_slots(blocks.to(k_cache.device), pos, k_cache.shape[1])
+    if bool((slots < 0).any()):
+        raise ValueError(f"the request's block-table row ({blocks.shape[0]} blocks) does not cover {length} tokens")
+    k = gather_tokens(k_cache, slots).transpose(0, 1).unsqueeze(0)
+    v = gather_tokens(v_cache, slots).transpose(0, 1).unsqueeze(0)
+    return k, v
+
+
 def page_blocks(blocks: torch.Tensor, pages: torch.Tensor, sink: int, page_size: int) -> torch.Tensor:
     """vLLM block ids of kvdex middle ``pages`` (any shape, ``-1``: none) of a request whose block-table row is
     ``blocks`` [n]; ``-1`` stays. Needs ``sink % page_size == 0`` and block size == page size."""

@@ -11,8 +11,8 @@ block holding its last token and the number of tokens it holds after the step th
 row with ``computed = seq_len - query_len`` tokens already in the cache continues the state filed under
 ``(blocks[(computed - 1) // block_size], computed)`` -- the same request, grown by this step's tokens. Its block is
 its own: a partly filled block is never shared, and a full one is shared (prefix caching) only by requests whose
-tokens up to it are identical, which hold the same KV there. A row gets a new state, which indexes every token the
-request holds from the blocks in this step (:class:`Row.adopt`), when
+tokens up to it are identical, which hold the same KV there. A row gets a new state (``Row.fresh``; the request's
+tokens are indexed from the blocks at its first decode step) when
 
 * ``computed == 0``: a new request, or one preempted and recomputed from its first token;
 * no state is filed under its key: a prefix-cache hit, a sequence shorter than the one held (rolled back), a
@@ -25,10 +25,16 @@ skips for a step comes back to it), and freed earlier when its last block, partl
 request's row (vLLM freed the request and reassigned the block) or when a live request is filed under its key.
 A state of a finished request is otherwise dropped after ``max_idle_steps`` steps; nothing else holds it.
 
-**Steps.** :meth:`RequestTable.plan` runs once per engine step, before the layers (vLLM's metadata builder): it
-ends the previous step of the requests that ran it (``policy.on_step(step, None)``: an attention backend sees no
-logits), maps the rows and begins the step of each (a decode step: ``policy.before_step`` and the reuse decision,
-as ``kvdex.Cache`` does at its first layer).
+**Prompt, then decoding** (as ``kvdex.Cache`` sees a prompt prefilled in one forward, whatever vLLM's chunking).
+The rows of a request's prompt (every chunk of a chunked prefill, a prefix-cache hit's remaining tokens) attend
+densely over the request's tokens in the blocks, and the state keeps each layer's last prompt queries. At the
+request's first decode step (``query_len == 1`` on cached tokens, vLLM's ``is_prefilling`` False where it says)
+the state indexes the whole prompt before any layer runs: each layer's ``LayerEngine.adopt`` over the prompt's
+keys and values, read back from the blocks, with the kept queries as the observation window -- kvdex's prefill
+ingest -- then the policy's ``on_step(0)``. From then on every step is a decode step (``policy.before_step`` and
+the reuse decision before the first layer, the append and the sparse attention in each layer,
+``policy.on_step(step, None)`` after the last: an attention backend sees no logits).
+:meth:`RequestTable.plan` runs once per engine step, before the layers (vLLM's metadata builder).
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.engine import GraphService, LayerEngine, SelectionReuse, StepCounters
+from kvdex.engine import OBS_KEEP, GraphService, LayerEngine, SelectionReuse, StepCounters
 from kvdex.policies import PolicyInfo
 from kvdex.storage import Grid, LayerStore, TransferStats
 from kvdex.vllm.config import VllmSettings
+from kvdex.vllm.paged import request_kv
 from kvdex.vllm.store import BlockRow, PagedStore
+
+Caches = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_cache, v_cache), shared by a table's states
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,13 @@ class RequestState:
     It is the :class:`~kvdex.engine.EngineHost` of its engines. ``store_factory(state, layer, args)`` makes a
     layer's store (default: a :class:`PagedStore` over the layer's cache in :attr:`caches`)."""
 
-    def __init__(self, settings: VllmSettings, geometry: Geometry, store_factory: StoreFactory | None = None) -> None:
+    def __init__(
+        self,
+        settings: VllmSettings,
+        geometry: Geometry,
+        store_factory: StoreFactory | None = None,
+        caches: Caches | None = None,
+    ) -> None:
         cfg = settings.config
         self.config = cfg
         self.geometry = geometry
@@ -86,9 +101,11 @@ class RequestState:
         self.joins_external = False
         self.engines = [LayerEngine(self, i, dense=i < cfg.dense_layers) for i in range(n)]
         self.row = BlockRow(torch.zeros(0, dtype=torch.long))
-        self.caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (k_cache, v_cache)
+        self.caches: Caches = {} if caches is None else caches  # the layers' vLLM caches, as forward sees them
         self.store_factory = store_factory
-        self.step = -1  # engine steps this request ran, 0-based (the first one indexes the prompt)
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> the prompt's last queries [1, Hq, <= OBS_KEEP, D]
+        self.adopted = False  # the prompt is stored and indexed (every layer's engine has its store)
+        self.step = 0  # 0: the prompt; then one per decode step
         self.length = 0  # tokens in the cache after the last step that ran it
         self.idle = 0  # engine steps since the last one that ran it
 
@@ -107,13 +124,47 @@ class RequestState:
     def stores(self) -> list[LayerStore | None]:
         return [e.store for e in self.engines]
 
+    # ---- the prompt ---------------------------------------------------------------------------------
+    def keep_queries(self, layer: int, q: torch.Tensor) -> None:
+        """A prompt chunk's queries q [1, Hq, n, D] of ``layer``: the prompt's last ones are kept (as many as
+        kvdex's prefill keeps, :data:`~kvdex.engine.OBS_KEEP`, or the policy's observation window) for the index."""
+        held = self.queries.get(layer)
+        q = q if held is None else torch.cat([held, q], dim=2)
+        self.queries[layer] = q[:, :, -max(OBS_KEEP, self.policy.obs_window) :]
+
+    def adopt(self, length: int) -> bool:
+        """Store and index the prompt, the request's first ``length`` tokens, in every layer (kvdex's prefill
+        ingest), then the policy's ``on_step(0)``; False (nothing done) while some layer's cache is unknown."""
+        if any(i not in self.caches for i in range(len(self.engines))):
+            return False
+        for i in range(len(self.engines)):
+            self.adopt_layer(i, length)
+        self.adopted = True
+        self.queries.clear()
+        self.policy.on_step(0, None)
+        return True
+
+    def adopt_layer(self, layer: int, length: int) -> None:
+        """The prompt's ``length`` tokens of one layer into its engine (store and index)."""
+        kc, vc = self.caches[layer]
+        k, v = request_kv(self.row.blocks, length, kc, vc)
+        q = self.queries.get(layer)
+        if q is None:  # no prompt query seen (a request kvdex meets at a decode step): no observation window
+            q = k.new_zeros(1, self.geometry.q_heads, 0, k.shape[-1])
+        self.engines[layer].adopt(k, v, torch.tensor([length]), torch.zeros(1, dtype=torch.long), q)
+
     # ---- steps --------------------------------------------------------------------------------------
     def begin_step(self, row: Row) -> None:
-        """Before the step's first layer: a decode step asks the policy's ``before_step`` and decides whether the
-        step reuses the last selection; any other step (a prompt, several tokens) resets that schedule."""
+        """Before the step's first layer. A decode step: the prompt indexed first if it is not yet, then the
+        policy's ``before_step`` and whether the step reuses the last selection. Several tokens on an indexed
+        state: a step that resets that schedule. A prompt chunk: nothing (the prompt is step 0)."""
+        if row.kind == "prefill":
+            return
+        if row.kind == "decode" and not self.adopted and not self.adopt(row.computed):
+            self.adopted = True  # some layer's cache is not known yet: each layer adopts in its forward
         self.step += 1
         first = self.engines[0].store if self.engines else None
-        if row.decode and first is not None:
+        if row.kind == "decode" and first is not None:
             stores = [s for s in self.stores if s is not None]
             self.policy.before_step(stores)
             self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
@@ -122,21 +173,25 @@ class RequestState:
 
     def end_step(self) -> None:
         """After the step's last layer (called at the next step's plan): the policy's ``on_step``, no logits."""
-        self.policy.on_step(self.step, None)
+        if self.adopted:
+            self.policy.on_step(self.step, None)
 
 
 @dataclass
 class Row:
-    """One request's part of a step's batch: its state, its first token in the batch (``start``), its new tokens
-    (``query_len``) and its length after the step (``seq_len``). ``adopt``: the state is new, so every layer indexes
-    the request's ``seq_len`` tokens from the blocks in this step and attends densely."""
+    """One request's part of a step's batch: its state, its row in the batch (``index``), its first token in the
+    batch (``start``), its new tokens (``query_len``) and its length after the step (``seq_len``). ``kind``:
+    ``"prefill"`` (prompt tokens: dense attention), ``"decode"`` (one token after the prompt: kvdex's sparse step)
+    or ``"extend"`` (several tokens after an indexed prompt: appended, dense attention). ``fresh``: the state was
+    made for this row."""
 
     state: RequestState
     index: int
     start: int
     query_len: int
     seq_len: int
-    adopt: bool
+    kind: str
+    fresh: bool = False
 
     @property
     def computed(self) -> int:
@@ -145,16 +200,16 @@ class Row:
 
     @property
     def decode(self) -> bool:
-        """One new token on a state that holds the request: kvdex's sparse decode step."""
-        return not self.adopt and self.query_len == 1
+        return self.kind == "decode"
 
 
 class RequestTable:
-    """The request states of one vLLM engine process, keyed as the module docstring says. ``make_state()`` makes
-    the state of a new request."""
+    """The request states of one vLLM engine process, keyed as the module docstring says. ``make_state(caches)``
+    makes the state of a new request (``caches``: the table's layer -> cache map, shared by its states)."""
 
-    def __init__(self, make_state: Callable[[], RequestState], block_size: int, max_idle_steps: int = 32) -> None:
+    def __init__(self, make_state: Callable[[Caches], RequestState], block_size: int, max_idle_steps: int = 32) -> None:
         self.make_state = make_state
+        self.caches: Caches = {}  # every layer's cache, as the layers' forwards hand them over
         self.block_size = block_size
         self.max_idle_steps = max_idle_steps
         self.held: dict[tuple[int, int], RequestState] = {}
@@ -164,15 +219,24 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self.held)
 
-    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> list[Row]:
+    def plan(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        is_prefilling: torch.Tensor | None = None,
+    ) -> list[Row]:
         """This step's rows. ``query_start_loc`` [n + 1] and ``seq_lens`` [n] (CPU): vLLM's per-request token
         offsets in the batch and lengths after the step; ``block_table`` [n, max_blocks]: its block-table rows
-        (any device; each row's blocks are copied onto that device for the request's stores)."""
+        (any device; each row's blocks are copied onto that device for the request's stores);
+        ``is_prefilling`` [n] (optional): the request still has prompt tokens to compute (a last prompt chunk of
+        one token is then no decode step)."""
         for st in self.running:
             st.end_step()
         n = int(seq_lens.shape[0])
         qsl = query_start_loc.long().tolist()
         lens = seq_lens.long().tolist()
+        prefilling = [False] * n if is_prefilling is None else [bool(x) for x in is_prefilling[:n].tolist()]
         table = block_table[:n].long()
         table_cpu = table.cpu()
         bs = self.block_size
@@ -189,13 +253,17 @@ class RequestTable:
                 found = self.held.get(key)
                 if found is not None and id(found) not in claimed:
                     state = self.held.pop(key)
-            adopt = state is None
+            fresh = state is None
             if state is None:
-                state = self.make_state()
+                state = self.make_state(self.caches)
                 self.made += 1
             claimed.add(id(state))
             state.row.blocks = table[i, : -(-sl // bs)].clone()
-            rows.append(Row(state, i, qsl[i], ql, sl, adopt))
+            if ql == 1 and computed > 0 and not prefilling[i]:
+                kind = "decode"
+            else:
+                kind = "extend" if state.adopted else "prefill"
+            rows.append(Row(state, i, qsl[i], ql, sl, kind, fresh))
         self._age(rows, table_cpu)
         for row in rows:
             st = row.state
