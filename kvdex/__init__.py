@@ -10,7 +10,8 @@ print(cache.stats())
 from kvdex.config import CacheConfig
 from kvdex.hf import Cache, enable, load
 from kvdex.hf.compat import cache_kwargs
-from kvdex.hf.graph import GraphDecoder, generate
+from kvdex.hf.generate import generate
+from kvdex.hf.graph import GraphDecoder
 from kvdex.policies import Policy, make_policy, policies, register_policy
 from kvdex.selection import Selection
 

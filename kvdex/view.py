@@ -3,7 +3,7 @@
 The engine (:meth:`kvdex.engine.LayerEngine.decode`) builds one view per sparse layer and step and
 calls ``policy.select(q, view)``. The view carries the layer index, its store, the attention scale,
 the sequence lengths (the store's own tensors: device and host), the page grid, the retrieval budget,
-and ``graphs``: the engine's CUDA-graph service (:class:`kvdex.engine.graphs.GraphService`), through
+and ``graphs``: the engine's CUDA-graph service (:class:`kvdex.engine.graphs.service.GraphService`), through
 which a policy replays a piece of its selection (IceCache's device search) without capturing graphs
 itself. A policy reads sizes from the view instead of asking the store or recomputing them.
 
@@ -28,7 +28,7 @@ class CaptureError(RuntimeError):
 
 
 class Graphs(Protocol):
-    """What a policy may ask of the engine's graph service (:class:`kvdex.engine.graphs.GraphService`)."""
+    """What a policy may ask of the engine's graph service (:class:`kvdex.engine.graphs.service.GraphService`)."""
 
     captures: int  # graphs captured so far
     replays: int

@@ -147,11 +147,13 @@ class _OpTracer(TorchDispatchMode):
 
 
 def _owner(frame) -> str:
+    while frame.f_back is not None and frame.f_code.co_filename.endswith(("graphs/capture.py", "contextlib.py")):
+        frame = frame.f_back  # kvdex.engine.graphs.capture_step: its caller captures
     name = frame.f_code.co_filename
-    if name.endswith("step_graphs.py"):
+    if name.endswith("layer_graphs.py"):
         layer = frame.f_locals.get("layer")
         return f"kvdex layer {getattr(layer, 'layer_idx', '?')}"
-    if name.endswith("graph_decoder.py"):
+    if name.endswith(os.path.join("hf", "graph.py")):
         return "kvdex step (GraphDecoder)"
     if "cudagraph_trees" in name:
         return "inductor"
@@ -299,17 +301,17 @@ def mechanism() -> dict:
 
 def unfix() -> None:
     """Switch kvdex's capture safety off (what the first GPU run had)."""
-    from kvdex.engine import graphs as graphs_mod
-    from kvdex.hf import graph_decoder, step_graphs
+    from kvdex.engine.graphs import capture, layer_graphs, service
+    from kvdex.hf import step_backend
 
-    class Strong(step_graphs.StepPlan):
+    class Strong(layer_graphs.StepPlan):
         def __init__(self, cache, weak=False):
             super().__init__(cache, weak=False)
 
-    step_graphs.StepPlan = Strong
-    graphs_mod.gc_paused = contextlib.nullcontext
-    graph_decoder.gc_paused = contextlib.nullcontext
-    graphs_mod.free_with = lambda owner, graphs: None
+    layer_graphs.StepPlan = Strong
+    capture.gc_paused = service.gc_paused = contextlib.nullcontext
+    for mod in (layer_graphs, service, step_backend):
+        mod.free_with = lambda owner, graphs: None
 
 
 def unfixed(model, args) -> dict:

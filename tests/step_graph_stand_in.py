@@ -1,4 +1,4 @@
-"""A CPU stand-in for the CUDA graphs of kvdex's per-layer decode step (``kvdex.hf.step_graphs``).
+"""A CPU stand-in for the CUDA graphs of kvdex's per-layer decode step (``kvdex.engine.graphs``).
 
 The capture records the aten ops of the captured region, except host-side ones (ops on the stores'
 host lengths and what is computed from them: on CUDA those run on the CPU at capture time and are not

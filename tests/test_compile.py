@@ -20,7 +20,8 @@ from conftest import PAGE, build_pair, left_padded, prompt, shared_pair
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench.compile import step_kernels
-from kvdex.hf.graph import GraphDecoder, decoder_layers
+from kvdex.hf.compiled_layers import decoder_layers
+from kvdex.hf.graph import GraphDecoder
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 

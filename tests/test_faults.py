@@ -23,7 +23,7 @@ from step_graph_stand_in import StepGraphStandIn
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import kvdex
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import capture as graphs_mod
 from kvdex.hf import compiled_ops
 from kvdex.storage import host as host_mod
 

@@ -1,4 +1,4 @@
-"""CUDA-graph decoding (kvdex.hf.graph): the capture-safety contract of every graph policy,
+"""CUDA-graph decoding (kvdex.engine.graphs, kvdex.hf.graph): the capture-safety contract of every graph policy,
 checked on CPU, plus graph == eager on a GPU.
 
 A CUDA graph replays the kernels of one captured step. A policy may be replayed when, under static
@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.bench import runner, shapes
-from kvdex.hf.graph import GraphDecoder, generate, graph_policies
+from kvdex.hf.generate import generate
+from kvdex.hf.graph import GraphDecoder, graph_policies
 
 BUDGET = 80  # sink 16 + window 32 + 32 retrieved tokens (2 pages of 16)
 
@@ -297,7 +298,7 @@ def _replay_contract(model, spec, static=True, steps=60, whole=False):
     by_key: dict = {}
     replayable, problems = 0, []
     for i in range(steps):
-        key = None if dec._needs_eager() else dec._key()
+        key = None if dec.plan.needs_eager() else dec.plan.key()
         tracer.on = key is not None
         tracer.steps.append([])
         nxt, _ = runner._step(model, cache, nxt)

@@ -1,4 +1,4 @@
-"""Page joins inside a captured decode step (``Policy.capturable_index``, kvdex.hf.graph).
+"""Page joins inside a captured decode step (``Policy.capturable_index``, kvdex.engine.graphs).
 
 Under static sizing a policy that declares ``capturable_index`` indexes the page that joins the middle
 (at most one per sequence and step) through ``LayerStore.append_join`` -> ``Policy.joined`` (host) ->
@@ -229,7 +229,7 @@ def _join_contract(model, spec, offload=False, steps=48):
     for lay in cache.layers:
         lay.store.static = True
     dec = GraphDecoder(model, cache)  # its decisions only (no CUDA: nothing is captured)
-    dec._joins, cache.joins_external = True, True
+    dec.plan.joins, cache.joins_external = True, True
     cache.counters.attended = (
         torch.zeros((), dtype=torch.long) if cache.counters.attended is None else cache.counters.attended.clone()
     )
@@ -247,8 +247,8 @@ def _join_contract(model, spec, offload=False, steps=48):
     by_key, problems, joins = {}, [], 0
     tok = out.logits[:, -1:].argmax(-1)
     for i in range(steps):
-        joining = dec._join_host()
-        key = None if dec._needs_eager() else dec._key()
+        joining = dec.plan.join_host()
+        key = None if dec.plan.needs_eager() else dec.plan.key()
         variant = joining or i % 3 == 0  # the join variant also on steps without a join (masked)
         cache.join_step = variant
         tracer.on = key is not None
@@ -402,7 +402,7 @@ class _Buffers(TorchDispatchMode):
 
 
 @contextmanager
-def _fake_capture(graph):
+def _fake_capture(graph, **_kw):
     with _Buffers(graph):
         yield
 

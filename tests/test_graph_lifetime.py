@@ -3,7 +3,7 @@
 Destroying a CUDA graph (``cudaGraphExecDestroy``) while any capture is underway only warns, but it
 invalidates that capture: its next launch fails ("operation failed due to a previous error during
 capture"). Python's cyclic collector picks an arbitrary allocation to run at, so kvdex (1) pauses it during
-its own captures (``kvdex.engine.graphs.gc_paused``), (2) keeps no reference cycle through a cache (a
+its own captures (``kvdex.engine.graphs.capture.gc_paused``), (2) keeps no reference cycle through a cache (a
 dropped cache and its graphs go at once, by reference counting) and (3) holds back the graphs of an owner
 collected during someone else's capture (inductor's, between kvdex's ops) until the next decode step.
 On the CPU: the graph stand-ins, and the capture state patched where CUDA would report it.
@@ -19,7 +19,8 @@ import torch
 from step_graph_stand_in import StepGraphStandIn
 
 import kvdex
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import GraphService
+from kvdex.engine.graphs import capture as graphs_mod
 from kvdex.hf.testing import tiny_llama
 
 
@@ -62,7 +63,7 @@ def _generate(model, monkeypatch, stand_in=StepGraphStandIn, new=24):
 
 def test_a_dropped_cache_and_its_step_graphs_go_by_reference_counting(model, monkeypatch, collector_off):
     cache = _generate(model, monkeypatch)
-    refs = [weakref.ref(cache), weakref.ref(cache.step_graphs), weakref.ref(cache.step_graphs._dec)]
+    refs = [weakref.ref(cache), weakref.ref(cache.step_graphs), weakref.ref(cache.step_graphs.plan)]
     del cache
     assert [r() for r in refs] == [None, None, None], "a reference cycle: only the cyclic collector frees the cache"
 
@@ -75,7 +76,7 @@ def test_kvdex_captures_run_with_the_collector_paused(model, monkeypatch):
     assert gc.isenabled()  # restored
     # the policy-side graph service too (IceCache's search graphs)
     _RecordingStandIn.gc_at_capture = []
-    svc = graphs_mod.GraphService()
+    svc = GraphService()
     q = torch.randn(1, 2, 4)
     (out,) = svc.run("layer 1", "sig", lambda x: (x * 2,), q)
     assert torch.equal(out, q * 2) and _RecordingStandIn.gc_at_capture == [False] and gc.isenabled()
@@ -95,7 +96,7 @@ def test_graphs_of_an_owner_collected_during_a_capture_wait_for_the_next_step(mo
     capturing = [True]
     monkeypatch.setattr(graphs_mod, "_capturing", lambda: capturing[0])
     monkeypatch.setattr(graphs_mod, "_DEFERRED", [])
-    svc = graphs_mod.GraphService()
+    svc = GraphService()
     g = _Graph()
     svc.graphs["k"] = (None, g)
     svc.cycle = svc  # freed only by the collector, which here runs "inside a capture"
@@ -109,7 +110,7 @@ def test_graphs_of_an_owner_collected_during_a_capture_wait_for_the_next_step(mo
     graphs_mod.free_deferred()
     assert ref() is None
     # outside a capture an owner's graphs go with it
-    svc = graphs_mod.GraphService()
+    svc = GraphService()
     svc.graphs["k"] = (None, _Graph())
     ref = weakref.ref(svc.graphs["k"][1])
     del svc

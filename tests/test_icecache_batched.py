@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import kvdex
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import capture as graphs_mod
 from kvdex.index import DCIParams, DCITree, transform_queries
 from kvdex.index import forest as forest_mod
 from kvdex.index.forest import DCIForest

@@ -48,7 +48,7 @@ def select_kernels(model, spec: str, steps: int = 12, budget: int = 176, length:
     tracer = G._Tracer(cache)
     last = None
     for _ in range(steps):
-        key = None if dec._needs_eager() else dec._key()
+        key = None if dec.plan.needs_eager() else dec.plan.key()
         tracer.on = key is not None
         tracer.steps.append([])
         nxt, _ = runner._step(model, cache, nxt)

@@ -21,7 +21,7 @@ from transformers import CompileConfig
 
 import kvdex
 from kvdex.bench import shapes, soak
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import capture as graphs_mod
 from kvdex.hf.testing import tiny_llama
 
 

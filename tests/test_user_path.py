@@ -1,9 +1,9 @@
 """The user's path: plain ``model.generate(..., cache=kvdex.Cache(...))``, no kvdex-specific call.
 
 On CUDA transformers compiles the decode step of a compileable cache (``kvdex.Cache.is_compileable``) and
-kvdex replays one graph per layer (``kvdex.hf.step_graphs``). On the CPU: transformers' own compile
+kvdex replays one graph per layer (``kvdex.engine.graphs.layer_graphs``). On the CPU: transformers' own compile
 switch for other devices (``CompileConfig._compile_all_devices``) and the CPU stand-in for CUDA graphs
-(``kvdex.engine.graphs.STAND_IN``). Invariants: the same tokens as eager generation (a left-padded batch,
+(``kvdex.engine.graphs.capture.STAND_IN``). Invariants: the same tokens as eager generation (a left-padded batch,
 page joins, CHESS rebuilds, PRKV refreshes), the same attended tokens, graphs captured once per key and
 replayed afterwards, no recompilation after the first compiled step, a cache that cannot be captured
 decodes eagerly with one warning saying why.
@@ -19,7 +19,7 @@ from step_graph_stand_in import StepGraphStandIn
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 import kvdex
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import capture as graphs_mod
 from kvdex.hf.testing import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")

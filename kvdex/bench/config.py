@@ -39,7 +39,7 @@ class BenchConfig:
     # "only": just the graph variants
     graph: bool | str = False
     # True: also the graph variants with the model's decoder layers through torch.compile (inductor, no
-    # inductor cudagraphs), as "POLICY/STORAGE+graph+compile" (kvdex.hf.graph.CompiledLayers)
+    # inductor cudagraphs), as "POLICY/STORAGE+graph+compile" (kvdex.hf.compiled_layers.CompiledLayers)
     compile: bool = False
     seed: int = 0
     policy_options: dict = field(default_factory=dict)

@@ -3,7 +3,7 @@
 
 For each row (``POLICY[:OPTIONS]/device`` or ``/offload``) a random-weight model of a named shape
 (:mod:`kvdex.bench.shapes`) prefills a context into a fresh :class:`kvdex.Cache`, then decodes ``--steps``
-greedy steps through :class:`~kvdex.hf.graph_decoder.GraphDecoder`, the loop of ``kvdex.generate``
+greedy steps through :class:`~kvdex.hf.graph.GraphDecoder`, the loop of ``kvdex.generate``
 (CUDA graphs on the GPU where the cache can be captured, eager steps elsewhere). After ``--warmup``
 steps, every ``--every`` steps (after a device synchronisation) it samples:
 
@@ -210,7 +210,7 @@ def run_row(model, cfg: SoakConfig, row: str, deadline: float | None = None) -> 
     """Decode ``cfg.steps`` steps of one row and sample its memory; the row's result (samples, fits, verdict)."""
     import kvdex
     from kvdex.bench import decoding
-    from kvdex.hf.graph_decoder import GraphDecoder
+    from kvdex.hf.graph import GraphDecoder
 
     spec, storage = split_row(row)
     p = next(model.parameters())

@@ -1,7 +1,8 @@
 """The decoding engine without a model framework: one sparse layer's step (:mod:`kvdex.engine.step`),
 the choice of store (:mod:`kvdex.engine.stores`), the step counters (:mod:`kvdex.engine.counters`) and
-the CUDA-graph service for work inside a policy's selection (:mod:`kvdex.engine.graphs`) and the schedule
-of steps that reuse a selection (:mod:`kvdex.engine.reuse`).
+CUDA-graph decoding (:mod:`kvdex.engine.graphs`: the step plan, the capture path, the per-layer step graphs
+and the graph service for work inside a policy's selection) and the schedule of steps that reuse a selection
+(:mod:`kvdex.engine.reuse`).
 
 It imports torch and kvdex's storage, policies, kernels, selection and config, never transformers:
 the transformers adapter (:mod:`kvdex.hf`) and any other backend drive it.

@@ -11,7 +11,7 @@ policy's :meth:`~kvdex.policies.base.Policy.reused` does its per-step bookkeepin
 window are attended every step as always, so the newest tokens are never missed.
 
 The decision is taken once per step, on the host, from the sequence lengths alone (no device value is
-read), by whoever starts the step first: the CUDA-graph step plans (:mod:`kvdex.hf.step_graphs`; a
+read), by whoever starts the step first: the CUDA-graph step plans (:mod:`kvdex.engine.graphs.plan`; a
 select step and a reuse step are two graph variants) or, for an eager step, the cache at its first
 layer. Eager and captured decoding therefore make the same choice on every step.
 """

@@ -16,7 +16,7 @@ A sparse layer's decoding step, top to bottom:
 
 At prefill :meth:`LayerEngine.attention` attends densely and :meth:`LayerEngine.ingest` stores and
 indexes the prompt. The engine reads the policy, the configuration, the counters and the graph service
-(:class:`~kvdex.engine.graphs.GraphService`, handed to the policy as ``view.graphs``) from its
+(:class:`~kvdex.engine.graphs.service.GraphService`, handed to the policy as ``view.graphs``) from its
 :class:`EngineHost` (``kvdex.Cache`` for transformers), held by a weak reference.
 """
 
@@ -24,20 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from kvdex.config import CacheConfig
 from kvdex.engine.counters import StepCounters
-from kvdex.engine.graphs import GraphService, as_current
+from kvdex.engine.graphs.capture import as_current
+from kvdex.engine.graphs.service import GraphService
 from kvdex.engine.reuse import SelectionReuse
 from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.reference import paged_attended_count_reference as paged_attended_count
 from kvdex.policies.base import Policy
 from kvdex.selection import Selection
-from kvdex.storage import left_padding, page_joins, strip_left_padding
+from kvdex.storage import LayerStore, left_padding, page_joins, strip_left_padding
 from kvdex.view import LayerView
 
 # Prompt queries kept per layer after prefill so a fork can serve observation-window policies.
@@ -53,16 +55,16 @@ class EngineHost(Protocol):
     graphs: GraphService  # CUDA graphs of work inside a policy's selection (one service per cache)
     reuse: SelectionReuse  # select_every: whether this step attends each layer's last selection
     # observer(layer, q [B,Hq,D], store, attend_set, scale): called after every sparse decode attention
-    observer: object
+    observer: Callable[..., None] | None
     # on_select(view, selection): called after every sparse layer's selection (e.g. kvdex bench's reuse meter);
     # unlike ``observer`` it keeps the fused fast paths
-    on_select: object
+    on_select: Callable[..., None] | None
     # CUDA-graph decoding: whether this step appends through the page-join path (None: where a page
     # joins); joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
     join_step: bool | None
     joins_external: bool
 
-    def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor): ...
+    def new_store(self, layer_idx: int, dense: bool, k: torch.Tensor) -> LayerStore: ...
 
 
 class LayerEngine:
@@ -72,7 +74,7 @@ class LayerEngine:
         self._host = weakref.ref(host)
         self.layer_idx = layer_idx
         self.dense = dense
-        self.store = None
+        self.store: LayerStore | None = None  # made at prefill (adopt)
         self.pads: torch.Tensor | None = None  # [B] (CPU) left padding of the prompt (set at prefill)
         self.obs_q: torch.Tensor | None = None  # the prompt's last OBS_KEEP queries (for fork)
         self._lengths_before: torch.Tensor | None = None
@@ -92,13 +94,15 @@ class LayerEngine:
             self._append(k, v)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        store = self.store
+        assert store is not None, "append after the prompt"
         if k.shape[2] > 1:  # read only by attention() over several new tokens (a kernel saved)
-            self._lengths_before = self.store.lengths.clone()
+            self._lengths_before = store.lengths.clone()
         if self._joins_static(k):
             self._append_join(k, v)
             return
-        update = self.store.append(k, v)
-        update.store = self.store
+        update = store.append(k, v)
+        update.store = store
         if not self.dense and not update.empty:
             self.host.policy.index(self.layer_idx, update)
 
@@ -107,6 +111,7 @@ class LayerEngine:
         token, a policy with ``capturable_index``) -- on a step that the decoder marks as a join step, or,
         without a decoder (``join_step`` None), on a step in which a page joins the middle."""
         host, store = self.host, self.store
+        assert store is not None
         if k.shape[2] != 1 or not store.static or not host.policy.capturable_index:
             return False
         if host.join_step is None:
@@ -120,6 +125,7 @@ class LayerEngine:
         with fixed shapes). The policy's host side (``joined``) runs here unless a decoder runs it before
         the step (``joins_external``: a replay skips this Python)."""
         host, store = self.host, self.store
+        assert store is not None
         join = store.append_join(k, v)
         if self.dense:
             return
@@ -137,9 +143,9 @@ class LayerEngine:
     def adopt(self, k, v, lengths, pads, q) -> None:
         """Store left-aligned prompt k/v [B, H, L, D] and index it; q: the prompt's last queries."""
         host = self.host
-        self.store = host.new_store(self.layer_idx, self.dense, k)
-        update = self.store.ingest(k, v, lengths)
-        update.store = self.store
+        self.store = store = host.new_store(self.layer_idx, self.dense, k)
+        update = store.ingest(k, v, lengths)
+        update.store = store
         # kept for fork(): policies with an observation window (a copy: a view would keep the whole prompt's q)
         self.obs_q = q[:, :, -OBS_KEEP:].clone()
         self.pads = pads
@@ -178,6 +184,7 @@ class LayerEngine:
         kd, vd = self.store.dense()
         if bool((self.store.lengths_host == kd.shape[2]).all()):  # no ragged lengths: fused lower-right causal
             return causal_chunk_attention(q, kd, vd, scale)
+        assert self._lengths_before is not None  # set by the append of these tokens
         q_pos = self._lengths_before[:, None] + torch.arange(t, device=q.device)[None, :]
         key_mask = torch.arange(kd.shape[2], device=q.device)[None, :] < self.store.lengths[:, None]
         return dense_attention(q, kd, vd, q_pos, key_mask, scale, chunk)
@@ -185,6 +192,7 @@ class LayerEngine:
     def decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """One token's attention, q [B, Hq, D] -> [B, Hq, D]: select -> fetch -> attend."""
         host, store = self.host, self.store
+        assert store is not None, "decode after the prompt"
         if self.dense:
             return self._dense_decode(q, scale)
         policy, counters, timing = host.policy, host.counters, host.config.timing
@@ -226,22 +234,27 @@ class LayerEngine:
         held = self._held
         names = ("pages", "tokens")
         fits = held is not None and held.everything == sel.everything
-        if fits and all(_same(getattr(held, n), getattr(sel, n)) for n in names):
+        if held is not None and fits and all(_same(getattr(held, n), getattr(sel, n)) for n in names):
             for n in names:
                 if getattr(sel, n) is not None:
                     getattr(held, n).copy_(getattr(sel, n))
             return held
-        self._held = Selection(*(None if getattr(sel, n) is None else getattr(sel, n).clone() for n in names),
-                               everything=sel.everything)  # fmt: skip
-        return self._held
+        pages, tokens = (None if getattr(sel, n) is None else getattr(sel, n).clone() for n in names)
+        self._held = held = Selection(pages, tokens, everything=sel.everything)
+        return held
 
     def _paged_decode(self, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor | None:
         """DeviceStore + a page and / or token selection on CUDA: one kernel instead of attend() + the slot
         kernel (the tokens listed after the pages, as ``Selection.token_positions`` lists them)."""
         host, store = self.host, self.store
+        assert store is not None
         counters, timing, g = host.counters, host.config.timing, store.grid
         tokens = sel.tokens
-        pages = sel.pages if sel.pages is not None else tokens[..., :0]  # no pages: an empty view
+        if sel.pages is not None:
+            pages = sel.pages
+        else:  # no pages: an empty view (a selection that is not empty holds pages or tokens)
+            assert tokens is not None
+            pages = tokens[..., :0]
         static = store.static  # CUDA-graph decode: device lengths (no host value baked in)
         acc = counters.attended if static and counters.inplace else None
         acc = acc if acc is not None and acc.device == q.device else None  # counted by the kernel, in place
@@ -259,6 +272,7 @@ class LayerEngine:
 
     def _dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         host, store = self.host, self.store
+        assert store is not None
         counters, timing = host.counters, host.config.timing
         with counters.timed("attention", timing):
             k, v = store.dense()

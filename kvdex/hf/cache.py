@@ -35,11 +35,11 @@ from kvdex.config import (
     CacheConfig,
 )
 from kvdex.engine import GraphService, SelectionReuse, StepCounters, make_store
+from kvdex.engine.graphs import StepGraphs
 from kvdex.hf import compiled_ops
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
 from kvdex.hf.step_backend import WholeStep
-from kvdex.hf.step_graphs import StepGraphs
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.storage import Grid, TransferStats
 
@@ -54,7 +54,7 @@ class Cache(HFCache):
     ``page_cache``: with ``offload=True``, a device cache of recently selected pages
     (``kvdex.storage.offload``); ``step_graphs``: decode steps outside ``kvdex.generate`` replay CUDA
     graphs, whole steps under kvdex's compile backend (:mod:`kvdex.hf.step_backend`), else one per layer
-    (:mod:`kvdex.hf.step_graphs`); False: eager. Long prompts: ``kvdex.hf.prefill``.
+    (:mod:`kvdex.engine.graphs.layer_graphs`); False: eager. Long prompts: ``kvdex.hf.prefill``.
     """
 
     def __init__(
@@ -128,7 +128,7 @@ class Cache(HFCache):
         self.counters = StepCounters()  # attended tokens, time per phase (every layer adds into them)
         self.graphs = GraphService()  # CUDA graphs a policy's selection replays (view.graphs; IceCache's search)
         self.reuse = SelectionReuse()  # select_every: this step selects or attends each layer's last selection
-        # CUDA-graph decoding (kvdex.hf.graph) of a policy with capturable_index: join_step says
+        # CUDA-graph decoding (kvdex.engine.graphs) of a policy with capturable_index: join_step says
         # whether this step appends through the page-join path (None: where a page joins);
         # joins_external: the decoder runs the policy's host side of a join (Policy.joined) itself
         self.join_step: bool | None = None
@@ -161,6 +161,11 @@ class Cache(HFCache):
             )
         args = (self.grid, b, h, d, k.dtype, k.device, self.transfer)
         return make_store(self.config, self.policy, layer_idx, dense, args)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model this cache was made for (held by a weak reference; None once it was garbage-collected)."""
+        return self._model()
 
     @property
     def page_cache(self) -> int:
@@ -321,7 +326,7 @@ class Cache(HFCache):
         """
         if self.step != 0 or self.layers[0].store is None:
             raise ValueError("fork() needs a cache that has prefilled a prompt and not decoded yet")
-        model = self._model()
+        model = self.model
         if model is None:
             raise RuntimeError("the model of this cache was garbage-collected")
         sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}

@@ -3,7 +3,7 @@
 **torch.compile of the model's own work** (``compile=True``, opt-in; docs/bench/compile.md). Inside a
 CUDA graph each kernel still costs ~2 us, and transformers' eager decoder layer issues ~40 small
 elementwise kernels (RMSNorm's cast / pow / mean / rsqrt / mul, RoPE's slices / neg / cat, SiLU * up,
-residual adds). The decoder (:class:`~kvdex.hf.graph_decoder.GraphDecoder`) compiles each
+residual adds). The decoder (:class:`~kvdex.hf.graph.GraphDecoder`) compiles each
 decoder layer with inductor (``dynamic=False``, no inductor cudagraphs: kvdex captures its own graph
 around the whole step) so that these fuse. kvdex's entry points stay eager Python: ``kvdex.Cache.update``
 and the ``"kvdex"`` attention function are ``torch.compiler.disable``d, so each layer compiles to the

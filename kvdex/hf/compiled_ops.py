@@ -8,7 +8,7 @@ layer, so no recompilation per layer). With kvdex's backend (:mod:`kvdex.hf.step
 config :func:`kvdex.enable` sets) the whole step, these ops included, is captured in one CUDA graph. Both
 ops carry the ``cudagraph_unsafe`` tag, so that under inductor's own CUDA graphs (another compile config)
 they run outside those graphs, as ordinary Python calls: the eager ``update`` / attention of
-:class:`~kvdex.hf.layer.KVDexLayer`, where kvdex's per-layer step graphs (:mod:`kvdex.hf.step_graphs`)
+:class:`~kvdex.hf.layer.KVDexLayer`, where kvdex's per-layer step graphs (:mod:`kvdex.engine.graphs.layer_graphs`)
 replay the layer's append -> select -> fetch -> attend.
 
 ``kvdex::append`` returns an empty key ``[B, H, 0, D]``: the token that tells the attention function (at

@@ -12,7 +12,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from kvdex.hf.cache import Cache
 from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.compiled_layers import _compile_mode
-from kvdex.hf.graph_decoder import GraphDecoder
+from kvdex.hf.graph import GraphDecoder
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:

@@ -76,7 +76,7 @@ class KVDexLayer(CacheLayerMixin):
         if store is not None:
             _check_shape(parent, store, key_states)
             if self.layer_idx == 0 and key_states.shape[2] == 1 and not parent.decoder_active:
-                steps.begin()  # a decode step outside GraphDecoder: per-layer graphs (kvdex.hf.step_graphs)
+                steps.begin()  # a decode step outside GraphDecoder: per-layer graphs (kvdex.engine.graphs.layer_graphs)
         parent.begin_update(self.layer_idx, key_states)
         if store is not None:
             if steps.deferred():

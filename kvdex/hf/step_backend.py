@@ -7,8 +7,8 @@ transformers compiles the decode step of a compileable cache with its ``generati
 
 * A graph that holds kvdex's ops (:mod:`kvdex.hf.compiled_ops`: the decode step of a prefilled kvdex
   cache) is compiled by inductor without CUDA graphs, and each call goes through :class:`WholeStep`, the
-  cache's step plan (:class:`~kvdex.hf.step_graphs.StepPlan`, shared with
-  :class:`~kvdex.hf.graph_decoder.GraphDecoder`): page joins and the step's graph key decided on the
+  cache's step plan (:class:`~kvdex.engine.graphs.plan.StepPlan`, as
+  :class:`~kvdex.hf.graph.GraphDecoder`'s): page joins and the step's graph key decided on the
   host, then an eager step (a new key, a boundary), a capture of the whole compiled step with kvdex's ops
   running inside it, or a replay followed by the host side of the replayed work. One launch per step
   instead of inductor's CUDA graphs split around kvdex's ops (one partition per layer) and a Python call
@@ -18,16 +18,23 @@ transformers compiles the decode step of a compileable cache with its ``generati
 
 Where a step cannot be captured (no CUDA device, ``step_graphs=False``, a policy or store without graph
 support, ``timing=True``), the call runs the compiled graph as it is and the cache's per-layer step graphs
-(:mod:`kvdex.hf.step_graphs`) decide, warning once why they are off.
+(:mod:`kvdex.engine.graphs.layer_graphs`) decide, warning once why they are off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvdex.engine import graphs as graphs_mod
+from kvdex.engine.graphs import (
+    HostCounts,
+    StepPlan,
+    as_current,
+    capture_step,
+    free_deferred,
+    free_with,
+    replay_unsupported,
+)
 from kvdex.hf import compiled_ops
-from kvdex.hf.step_graphs import StepPlan, _StandInCapture, replay_unsupported
 
 _APPEND = torch.ops.kvdex.append.default
 
@@ -103,24 +110,28 @@ class _Step:
 SPLIT = "the compiled decode step is split into several graphs (a graph break); per-layer step graphs decide"
 
 
-class WholeStep(StepPlan):
+class WholeStep:
     """One :class:`kvdex.Cache`'s whole-step CUDA graphs under :class:`Backend` (``cache.whole_step``):
     ``counts`` (eager steps, captures, replays), ``reason`` (why its steps are not captured; None: they are)."""
 
     def __init__(self, cache) -> None:
-        super().__init__(cache, weak=True)  # no reference cycle (kvdex.engine.graphs.free_with)
+        self.plan = StepPlan(cache, weak=True)  # no reference cycle (kvdex.engine.graphs.free_with)
         self.reason: str | None = None
         self._checked = False
-        self.graphs: dict = {}  # key -> (graph, static inputs, outputs, host-side deltas)
-        graphs_mod.free_with(self, self.graphs)
+        self.graphs: dict = {}  # key -> (graph, static inputs, outputs, HostCounts delta)
+        free_with(self, self.graphs)
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
+
+    @property
+    def cache(self):
+        return self.plan.cache
 
     def _prepare(self) -> None:
         self._checked = True
         c = self.cache
         self.reason = replay_unsupported(c) if c.step_graphs.enabled else "disabled (step_graphs=False)"
         if self.reason is None:
-            self._arm()
+            self.plan.arm()
 
     def run(self, step: _Step, args: tuple):
         if not self._checked:
@@ -131,18 +142,19 @@ class WholeStep(StepPlan):
             self.reason = SPLIT
         if self.reason is not None:  # the cache's per-layer step graphs decide (and warn why they are off)
             return step.inner(*args)
-        graphs_mod.free_deferred()
+        free_deferred()
         c = self.cache
-        c.joins_external, c.decoder_active = self._joins, True  # the per-layer step graphs stay out
+        c.joins_external, c.decoder_active = self.plan.joins, True  # the per-layer step graphs stay out
         try:
-            with graphs_mod.as_current(c.layers[0].store.device):
+            with as_current(c.layers[0].store.device):
                 return self._step(step, args)
         finally:
             c.join_step, c.joins_external, c.decoder_active = None, False, False
 
     def _step(self, step: _Step, args: tuple):
         c = self.cache
-        key, _, mode = self._decide(self.graphs, _signature(args, step.handle_at))
+        decision = self.plan.decide(self.graphs, _signature(args, step.handle_at))
+        key, mode = decision.key, decision.mode
         if mode == "eager":
             self.counts["eager"] += 1
             return step.inner(*args)
@@ -153,7 +165,7 @@ class WholeStep(StepPlan):
             for a, s in zip(args, static, strict=True):
                 if isinstance(s, torch.Tensor) and s is not a and not isinstance(s, torch.nn.Parameter):
                     s.copy_(a)
-            self._bookkeeping(self._join_count if self._joins and key[1] else None, delta)
+            self.plan.replayed(self.plan.replay_joins(decision), delta)
             c.in_forward = True  # kvdex's logits hook (outside this graph) runs the policy's on_step
             graph.replay()
             self.counts["replays"] += 1
@@ -165,24 +177,17 @@ class WholeStep(StepPlan):
 
     def _capture(self, key, step: _Step, args: tuple) -> None:
         c = self.cache
-        for k in [k for k in self.graphs if self._base(k) != self._base(key)]:
+        for k in [k for k in self.graphs if self.plan.base(k) != self.plan.base(key)]:
             del self.graphs[k]  # over buffers re-allocated since: never replayed again
         dev = c.layers[0].store.device
         c.counters.count_in_place(dev)
         static = [a if i == step.handle_at else _static(a) for i, a in enumerate(args)]
-        t = c.transfer
-        before = (t.h2d_bytes, t.h2d_calls, c.counters.calls)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            ctx = torch.cuda.graph(g, capture_error_mode="thread_local")
-        else:  # CPU tests: the stand-in records the step's ops
-            g = graphs_mod.STAND_IN(next(s for s in static if isinstance(s, torch.Tensor)))
-            ctx = _StandInCapture(g, c)
-        with graphs_mod.gc_paused(), ctx:  # no finalizer inside the capture
+        before = HostCounts.of(c)
+        first = next((s for s in static if isinstance(s, torch.Tensor)), None)  # a CPU test's stand-in is made with it
+        host = [lay.store.lengths_host for lay in c.layers]
+        with capture_step(dev, first, host) as g:  # a private pool
             outs = step.inner(*static)
-        delta = (t.h2d_bytes - before[0], t.h2d_calls - before[1], c.counters.calls - before[2])
-        self.graphs[key] = (g, static, list(outs), delta)
+        self.graphs[key] = (g, static, list(outs), before.since(c))
         self.counts["captures"] += 1
         if dev.type == "cuda":  # the capture ran this step's host side; the replay does its device work
             g.replay()

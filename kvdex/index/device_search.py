@@ -61,7 +61,7 @@ class DeviceSearch:
         q [B, Hq, 1, D]: rows ``searched`` from the batched search and page choice, the others from
         ``work`` (positions chosen on the host: a budget covering every key, or no tree).
         ``graph_run(layer, sig, run, qd, keep)`` runs the search through the engine's graph service
-        (:meth:`kvdex.engine.graphs.GraphService.run`; None: eagerly)."""
+        (:meth:`kvdex.engine.graphs.service.GraphService.run`; None: eagerly)."""
         dev = q.device
         parts = []
         if searched:

@@ -152,7 +152,9 @@ class LayerStore(ABC):
 
     #: The device key buffer [B, H, slots, D] every store keeps (a policy may read keys in place).
     k: torch.Tensor
-    #: Static sizing (CUDA-graph decoding, :mod:`kvdex.hf.graph`): reads of the store and the
+    #: The device value buffer beside it (the paged decode kernel reads both in place).
+    v: torch.Tensor
+    #: Static sizing (CUDA-graph decoding, :mod:`kvdex.engine.graphs`): reads of the store and the
     #: selections made over it keep shapes that no host value decides (``dense`` returns the whole slot
     #: buffer, policies score their whole reserved index), so one captured step replays on every step.
     #: Off by default; switched on by :meth:`use_static_sizing` (never off again for this store).
@@ -253,7 +255,7 @@ class LayerStore(ABC):
             raise ValueError("order must leave the slots past a sequence's own middle in place")
         return m
 
-    # ---- capturable page joins (CUDA-graph decoding, kvdex.hf.graph) ------------------
+    # ---- capturable page joins (CUDA-graph decoding, kvdex.engine.graphs) ------------------
     def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
         """One new token per sequence (k/v [B, H, 1, D]) with static shapes: every device op is the same
         whichever sequences' oldest window page joins the middle (a device mask), so a CUDA graph can

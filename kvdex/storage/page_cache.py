@@ -11,12 +11,29 @@ slot choices are made on the device with static shapes (graph-capturable), by on
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvdex.storage.host import HostPages
+    from kvdex.storage.layout import Grid
 
 
 class PageCacheMixin:
     """The page-cache methods of :class:`~kvdex.storage.offload.OffloadStore`."""
+
+    # the store's state these methods read (made by OffloadStore and LayerStore; declared, not set, here)
+    grid: Grid
+    batch: int
+    kv_heads: int
+    head_dim: int
+    device: torch.device
+    page_cache: int
+    host: HostPages
+    fixed: int  # sink + window: the working set's first slot
+    k: torch.Tensor
+    v: torch.Tensor
 
     def _page_cache_alloc(self) -> None:
         dev, shape = self.device, (self.batch, self.kv_heads, self.page_cache + 1)  # column C: a write sink

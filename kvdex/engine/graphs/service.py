@@ -12,73 +12,14 @@ device, each device with its own side stream.
 from __future__ import annotations
 
 import contextlib
-import gc
-import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
+from kvdex.engine.graphs import capture
+from kvdex.engine.graphs.capture import as_current, free_with, gc_paused
 from kvdex.view import CaptureError
-
-# tests: a factory ``f(static_q)`` of CUDA-graph stand-ins (capture_begin / capture_end / replay) that
-# runs the graph path on the CPU (tests/test_icecache_batched.py checks what a capture reads)
-STAND_IN = None
-
-
-def as_current(device: torch.device):
-    """``device`` as the current CUDA device while the block runs (nothing where it is current already, or not a
-    CUDA device). Triton launches a kernel on the current device, and ``torch.cuda.graph`` captures on a stream
-    of the current device: a layer (``device_map``) or a whole model on ``cuda:1`` while ``cuda:0`` is current
-    hit an illegal memory access, and its replays skipped the model's kernels (wrong tokens; two H200s)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic garbage collector paused (restored after) for a CUDA graph capture. A collection that
-    runs inside a capture finalizes whatever garbage is due, and some finalizers make CUDA calls that a
-    capture forbids (a CUDA graph's ``cudaGraphExecDestroy`` / ``cudaGraphDestroy``, a Triton kernel's
-    module unload): the call only warns ("operation not permitted when stream is capturing (function
-    reset)"), but the capture is invalidated and its next launch fails ("operation failed due to a previous
-    error during capture"). ``torch.cuda.graph`` neither pauses nor runs the collector (torch >= 2.9), so
-    every kvdex capture runs inside this."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-# graphs of owners that went while a capture was underway: freed at the next safe point (free_deferred)
-_DEFERRED: list = []
-
-
-def _capturing() -> bool:
-    """Whether this thread's current CUDA stream is capturing a graph (kvdex's, inductor's, the user's)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
-def free_with(owner, graphs: dict) -> None:
-    """Free ``graphs`` (a dict whose values hold CUDA graphs) when ``owner`` goes, but never inside a capture.
-    An owner is often freed by the cyclic collector (torch.compile's tracing keeps references to the first
-    cache it saw in cyclic garbage), which may run inside any capture, e.g. inductor recording its CUDA
-    graphs between kvdex's ops; destroying a graph there invalidates that capture (:func:`gc_paused`).
-    Such graphs are kept until :func:`free_deferred`, which kvdex calls at the start of every decode step."""
-    weakref.finalize(owner, _owner_gone, graphs).atexit = False
-
-
-def _owner_gone(graphs: dict) -> None:
-    if graphs and _capturing():
-        _DEFERRED.append(graphs)  # alive until free_deferred; otherwise freed when this returns
-
-
-def free_deferred() -> None:
-    """Free the graphs :func:`free_with` held back (nothing while a capture is underway)."""
-    if _DEFERRED and not _capturing():
-        _DEFERRED.clear()
 
 
 class GraphService:
@@ -100,9 +41,16 @@ class GraphService:
 
     def usable(self, device: torch.device) -> bool:
         """Whether work on ``device`` can go through a graph (CUDA; on the CPU only with a test stand-in)."""
-        return device.type == "cuda" or STAND_IN is not None
+        return device.type == "cuda" or capture.STAND_IN is not None
 
-    def run(self, key, sig, fn, qd: torch.Tensor, keep=()) -> tuple[torch.Tensor, ...]:
+    def run(
+        self,
+        key: Hashable,
+        sig: Hashable,
+        fn: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+        qd: torch.Tensor,
+        keep: Sequence[torch.Tensor] = (),
+    ) -> tuple[torch.Tensor, ...]:
         """``fn(qd)`` (a tuple of tensors) through the graph of ``key``, captured again when ``sig`` changes
         or the query's shape does. The capture is on a side stream in thread-local mode (index worker
         threads may use CUDA meanwhile), after one eager warm-up run there; the outputs are copied out of
@@ -119,7 +67,13 @@ class GraphService:
         self.replays += 1
         return tuple(t.clone() for t in ent[3])
 
-    def _capture(self, sig, fn, qd, keep):
+    def _capture(
+        self,
+        sig: Hashable,
+        fn: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+        qd: torch.Tensor,
+        keep: Sequence[torch.Tensor],
+    ) -> tuple:
         cuda = qd.device.type == "cuda"
         static_q = qd.clone()
         if cuda:
@@ -127,9 +81,11 @@ class GraphService:
                 self.streams[qd.device] = torch.cuda.Stream(qd.device)
             s, main = self.streams[qd.device], torch.cuda.current_stream(qd.device)
             s.wait_stream(main)
-            graph, ctx = torch.cuda.CUDAGraph(), torch.cuda.stream(s)
+            graph: Any = torch.cuda.CUDAGraph()
+            ctx: contextlib.AbstractContextManager = torch.cuda.stream(s)
         else:
-            graph, ctx = STAND_IN(static_q), contextlib.nullcontext()
+            assert capture.STAND_IN is not None, "usable(): CUDA or a stand-in"
+            graph, ctx = capture.STAND_IN(static_q), contextlib.nullcontext()
         try:
             with ctx, gc_paused():
                 fn(static_q)  # warm-up (lazy initialisations stay out of the capture)
