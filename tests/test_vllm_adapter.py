@@ -113,6 +113,30 @@ def test_paged_store_relocation_reads_as_a_permuted_device_store():
     assert torch.equal(paged.page_keys(pages)[pages >= 0], dev.page_keys(pages)[pages >= 0])
 
 
+def test_a_selection_over_the_paged_layout_is_the_reference_attention():
+    """``PagedStore.attend`` + kvdex's decode kernel == :func:`paged_decode_reference` over sink + window + the
+    selection's pages and tokens, per kv head, on a random block table."""
+    from kvdex.kernels import sparse_decode_attention
+    from kvdex.selection import Selection
+    from kvdex.storage import Grid, TransferStats
+    from kvdex.vllm.paged import request_kv
+
+    g = torch.Generator().manual_seed(3)
+    grid, L = Grid(16, PS, 2), 150
+    kv = torch.randn(kv_cache_shape(20, PS, H, D), generator=g)
+    row = BlockRow(torch.randperm(20, generator=g)[: -(-L // PS)])
+    store = PagedStore(grid, 1, H, D, torch.float32, "cpu", TransferStats(), k_cache=kv[0], v_cache=kv[1], row=row)
+    store.ingest(*request_kv(row.blocks, L, kv[0], kv[1]), torch.tensor([L]))
+    sel = Selection(pages=torch.tensor([[[0, 3, -1], [5, 1, 2]]]), tokens=torch.tensor([[[20, -1], [100, 99]]]))
+    q = torch.randn(HQ, D, generator=g)
+    a = store.attend(sel)
+    got = sparse_decode_attention(q[None], a.k, a.v, a.idx, a.valid, SCALE)[0]
+    ws = int(grid.window_start(torch.tensor([L])))
+    fixed = torch.cat([torch.arange(16), torch.arange(ws, L)])
+    pos = torch.cat([fixed.expand(H, -1), sel.token_positions(16, PS)[0]], dim=1)
+    assert torch.allclose(got, paged_decode_reference(q, kv[0], kv[1], row.blocks, pos, SCALE), atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", SPECS)
 def test_batched_paged_decoding_equals_kvdex_device_path(policy):
     """Join, chunked prefill, reordered rows, a preemption with recompute, freed blocks reused: every output and

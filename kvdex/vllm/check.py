@@ -35,9 +35,19 @@ def _engine(model: str, kvdex: dict[str, Any] | None, args: argparse.Namespace) 
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
     )  # fmt: skip
-    if kvdex is not None:
-        kw.update(attention_backend="CUSTOM", additional_config={"kvdex": kvdex})
-    return LLM(**kw)
+    if kvdex is None:
+        return LLM(**kw)
+    kw["additional_config"] = {"kvdex": kvdex}
+    try:
+        return LLM(**kw, attention_backend="CUSTOM")
+    except TypeError as e:  # a vLLM whose engine arguments name no attention backend: its environment variable
+        if "attention_backend" not in str(e):
+            raise
+    os.environ["VLLM_ATTENTION_BACKEND"] = "CUSTOM"
+    try:
+        return LLM(**kw)
+    finally:
+        os.environ.pop("VLLM_ATTENTION_BACKEND", None)
 
 
 def _free(llm: Any) -> None:

@@ -163,7 +163,7 @@ class PagedStore(LayerStore):
         k, v, pos = self.read(torch.where(valid, slots, -1))
         assert v is not None
         n = slots.shape[2]
-        idx = torch.arange(n, device=dev).expand(1, h, n)
+        idx = torch.arange(n, device=dev).expand(1, h, n).contiguous()  # kernels index it by its strides
         return AttendSet(k, v, idx, valid, torch.where(valid, pos, 0))
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
