@@ -94,6 +94,10 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             kv_cache_spec, layer_names, vllm_config, device,
         )  # fmt: skip
         self.settings = settings_from(getattr(vllm_config, "additional_config", None))
+        pp = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise NotImplementedError("kvdex's vLLM backend runs every layer of a request in one process: "
+                                      "pipeline parallelism is not supported (tensor parallelism is)")  # fmt: skip
         check_block_size(int(kv_cache_spec.block_size), self.settings.config.page_size)
         self.geometry = geometry_of(vllm_config, kv_cache_spec)
         settings, geometry = self.settings, self.geometry

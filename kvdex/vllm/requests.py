@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -134,10 +135,11 @@ class RequestState:
 
     def adopt(self, length: int) -> bool:
         """Store and index the prompt, the request's first ``length`` tokens, in every layer (kvdex's prefill
-        ingest), then the policy's ``on_step(0)``; False (nothing done) while some layer's cache is unknown."""
-        if any(i not in self.caches for i in range(len(self.engines))):
+        ingest), then the policy's ``on_step(0)``; False (nothing done) while no layer's cache is known."""
+        layers = sorted(self.caches)  # the attention layers this process runs (seen by the prompt's forwards)
+        if not layers:
             return False
-        for i in range(len(self.engines)):
+        for i in layers:
             self.adopt_layer(i, length)
         self.adopted = True
         self.queries.clear()
@@ -163,10 +165,9 @@ class RequestState:
         if row.kind == "decode" and not self.adopted and not self.adopt(row.computed):
             self.adopted = True  # some layer's cache is not known yet: each layer adopts in its forward
         self.step += 1
-        first = self.engines[0].store if self.engines else None
+        first = next((s for s in self.stores if s is not None), None)
         if row.kind == "decode" and first is not None:
-            stores = [s for s in self.stores if s is not None]
-            self.policy.before_step(stores)
+            self.policy.before_step(cast(list[LayerStore], self.stores))  # by layer index, as kvdex.Cache passes them
             self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
         else:
             self.reuse.reset()
