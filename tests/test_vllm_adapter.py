@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_sim import GEO, HQ, LAYERS, PS, SCALE, D, H, Req, Sim, replay, run_scenario, settings
+from vllm_sim import ATOL, GEO, HQ, LAYERS, PS, SCALE, D, H, Req, Sim, replay, run_scenario, settings
 
 from kvdex.config import CacheConfig
 from kvdex.storage import DeviceStore
@@ -149,7 +149,7 @@ def test_batched_paged_decoding_equals_kvdex_device_path(policy):
             got = {key[2:]: o for key, o in sim.out.items() if key[:2] == (req.name, life)}
             assert got.keys() == want.keys()
             for key, o in want.items():
-                assert torch.allclose(got[key], o, atol=2e-5, rtol=1e-4), (policy, req.name, life, key)
+                assert torch.allclose(got[key], o, atol=ATOL, rtol=1e-4), (policy, req.name, life, key)
             sid = id(sim.state_of[(req.name, life)])
             mine = {key[1:]: s for key, s in sim.selections.items() if key[0] == sid}
             assert mine.keys() == sels.keys(), (policy, req.name, life)
@@ -177,7 +177,7 @@ def test_budget_covering_the_context_is_dense_attention(policy):
         k = req.k[layer, : pos + 1].repeat_interleave(g, 1)
         v = req.v[layer, : pos + 1].repeat_interleave(g, 1)
         p = torch.softmax(torch.einsum("hd,lhd->hl", req.q[layer, pos], k) * SCALE, -1)
-        assert torch.allclose(o, torch.einsum("hl,lhd->hd", p, v), atol=2e-5), (policy, name, layer, pos)
+        assert torch.allclose(o, torch.einsum("hl,lhd->hd", p, v), atol=ATOL), (policy, name, layer, pos)
 
 
 # ---- the life cycle --------------------------------------------------------------------------------------------

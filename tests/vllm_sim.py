@@ -6,6 +6,7 @@ drives it)."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ LAYERS, HQ, H, D = 3, 4, 2, 16
 SCALE = D**-0.5
 GEO = Geometry(num_layers=LAYERS, q_heads=HQ, kv_heads=H, head_dim=D, block_size=PS)
 NUM_BLOCKS = 96
+# KVDEX_SIM_DEVICE=cuda runs the simulated engine on a GPU (kvdex's Triton kernels on both paths)
+DEV = torch.device(os.environ.get("KVDEX_SIM_DEVICE", "cpu"))
+ATOL = 2e-5 if DEV.type == "cpu" else 2e-3  # CUDA: the two paths take different kernels (TF32 products)
 
 
 @dataclass
@@ -36,16 +40,16 @@ class Req:
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(self.seed)
-        self.q = torch.randn(LAYERS, self.length, HQ, D, generator=g)
-        self.k = torch.randn(LAYERS, self.length, H, D, generator=g)
-        self.v = torch.randn(LAYERS, self.length, H, D, generator=g)
+        self.q = torch.randn(LAYERS, self.length, HQ, D, generator=g).to(DEV)
+        self.k = torch.randn(LAYERS, self.length, H, D, generator=g).to(DEV)
+        self.v = torch.randn(LAYERS, self.length, H, D, generator=g).to(DEV)
 
 
 class Sim:
     """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
 
     def __init__(self, settings: VllmSettings, seed: int = 0) -> None:
-        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D)) for _ in range(LAYERS)]
+        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D), device=DEV) for _ in range(LAYERS)]
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
         self.rng = random.Random(seed + 1)
@@ -77,11 +81,11 @@ class Sim:
             lens.append(end)
             req.steps[req.life].append((req.computed, n))
         width = max(len(r.blocks) for r, _ in batch) + 2
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in batch])
+        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in batch], device=DEV)
         rows = self.table.plan(torch.tensor(starts), torch.tensor(lens), table)
         for (req, _), row in zip(batch, rows, strict=True):
             self.state_of[(req.name, req.life)] = row.state
-        slot_mapping = torch.cat(slots)
+        slot_mapping = torch.cat(slots).to(DEV)
         for layer in range(LAYERS):
             q = torch.cat([r.q[layer, r.computed : r.computed + n] for r, n in batch])
             k = torch.cat([r.k[layer, r.computed : r.computed + n] for r, n in batch])
