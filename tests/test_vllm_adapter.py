@@ -247,6 +247,13 @@ def test_a_last_prompt_token_is_no_decode_step_where_vllm_says_so():
     assert row.kind == "prefill" and not row.state.adopted
 
 
+def test_dummy_rows_get_no_state():
+    """Rows that start with the null block (vLLM's warm-up and profiling runs) are skipped."""
+    table = RequestTable(lambda caches: RequestState(settings("quest", SMALL), GEO, caches=caches), PS)
+    rows = table.plan(torch.tensor([0, 4, 8]), torch.tensor([4, 8]), torch.tensor([[0, 0], [3, 0]]), null_block=0)
+    assert [r.index for r in rows] == [1] and table.made == 1
+
+
 # ---- configuration -------------------------------------------------------------------------------------------
 def test_settings_parse_and_refuse():
     s = settings_from({"kvdex": {"policy": "quest:select_every=4", "budget": 2048}})

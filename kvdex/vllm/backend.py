@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - older vLLM
     )
 
 NAME = "CUSTOM"  # the registry member the plugin registers (vllm serve --attention-backend CUSTOM)
+NULL_BLOCK = 0  # vLLM's block pool keeps block 0 as its null block: no request's row starts with it
 
 
 @dataclass
@@ -112,7 +113,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = cm.seq_lens[:n].cpu()  # exact lengths (a host copy; the CPU mirror may be an upper bound)
         prefilling = getattr(cm, "is_prefilling", None)  # recent vLLM: requests with prompt tokens left
         prefilling = None if prefilling is None else prefilling[:n].cpu()
-        rows = self.table.plan(qsl, seq_lens, cm.block_table_tensor[:n], prefilling)
+        rows = self.table.plan(qsl, seq_lens, cm.block_table_tensor[:n], prefilling, null_block=NULL_BLOCK)
         return KvdexMetadata(
             rows=rows, num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,

@@ -226,12 +226,14 @@ class RequestTable:
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         is_prefilling: torch.Tensor | None = None,
+        null_block: int | None = None,
     ) -> list[Row]:
         """This step's rows. ``query_start_loc`` [n + 1] and ``seq_lens`` [n] (CPU): vLLM's per-request token
         offsets in the batch and lengths after the step; ``block_table`` [n, max_blocks]: its block-table rows
         (any device; each row's blocks are copied onto that device for the request's stores);
         ``is_prefilling`` [n] (optional): the request still has prompt tokens to compute (a last prompt chunk of
-        one token is then no decode step)."""
+        one token is then no decode step); ``null_block``: a block id no request is given (vLLM's block 0): a row
+        that starts with it is a dummy run's (warm-up, profiling) and gets no state."""
         for st in self.running:
             st.end_step()
         n = int(seq_lens.shape[0])
@@ -245,8 +247,8 @@ class RequestTable:
         claimed: set[int] = set()
         for i in range(n):
             ql, sl = qsl[i + 1] - qsl[i], lens[i]
-            if ql <= 0 or sl <= 0:
-                continue  # a padding row
+            if ql <= 0 or sl <= 0 or (null_block is not None and int(table_cpu[i, 0]) == null_block):
+                continue  # a padding row, or a dummy run's
             computed = sl - ql
             state = None
             if computed > 0:
