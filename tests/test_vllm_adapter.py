@@ -171,13 +171,18 @@ def _same_sel(a: tuple, b: tuple) -> bool:
 def test_budget_covering_the_context_is_dense_attention(policy):
     """With a budget covering every token, each output is dense causal attention over the request's tokens."""
     sim, reqs = run_scenario(settings(policy, FULL))
-    g = HQ // H
+    want = {r.name: dense_causal(r) for r in reqs}
     for (name, _life, layer, pos), o in sim.out.items():
-        req = next(r for r in reqs if r.name == name)
-        k = req.k[layer, : pos + 1].repeat_interleave(g, 1)
-        v = req.v[layer, : pos + 1].repeat_interleave(g, 1)
-        p = torch.softmax(torch.einsum("hd,lhd->hl", req.q[layer, pos], k) * SCALE, -1)
-        assert torch.allclose(o, torch.einsum("hl,lhd->hd", p, v), atol=ATOL), (policy, name, layer, pos)
+        assert torch.allclose(o, want[name][layer, pos], atol=ATOL), (policy, name, layer, pos)
+
+
+def dense_causal(req: Req) -> torch.Tensor:
+    """[layers, length, Hq, D]: every position's causal attention over the request's q / k / v."""
+    n, g = req.length, HQ // H
+    k, v = req.k.repeat_interleave(g, 2), req.v.repeat_interleave(g, 2)  # [layers, n, Hq, D]
+    s = torch.einsum("lqhd,lkhd->lhqk", req.q, k) * SCALE
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.einsum("lhqk,lkhd->lqhd", torch.softmax(s, -1), v)
 
 
 # ---- the life cycle --------------------------------------------------------------------------------------------
