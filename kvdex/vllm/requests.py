@@ -131,7 +131,7 @@ class RequestState:
         kvdex's prefill keeps, :data:`~kvdex.engine.OBS_KEEP`, or the policy's observation window) for the index."""
         held = self.queries.get(layer)
         q = q if held is None else torch.cat([held, q], dim=2)
-        self.queries[layer] = q[:, :, -max(OBS_KEEP, self.policy.obs_window) :]
+        self.queries[layer] = q[:, :, -max(OBS_KEEP, self.policy.obs_window) :].clone()  # not a view of the chunk
 
     def adopt(self, length: int) -> bool:
         """Store and index the prompt, the request's first ``length`` tokens, in every layer (kvdex's prefill
