@@ -50,9 +50,16 @@ def _engine(model: str, kvdex: dict[str, Any] | None, args: argparse.Namespace) 
         os.environ.pop("VLLM_ATTENTION_BACKEND", None)
 
 
-def _free(llm: Any) -> None:
-    """Drop an engine and what it holds on the GPU, so the next one starts from a clean device."""
-    del llm
+def _cleanup() -> None:
+    """Free what the last engine held on the GPU (its distributed state, cached blocks), so the next one starts
+    from a clean device."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        return
+    except Exception:
+        pass
     try:
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
@@ -65,6 +72,16 @@ def _free(llm: Any) -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _tokens(model: str, kvdex: dict[str, Any] | None, ids: list[list[int]], args: argparse.Namespace) -> list:
+    """Greedy tokens of ``ids`` from a fresh engine (kvdex's backend with ``kvdex`` settings, else vLLM's default),
+    the engine dropped before returning."""
+    llm = _engine(model, kvdex, args)
+    out = _generate(llm, ids, args.max_tokens)
+    del llm
+    _cleanup()
+    return out
 
 
 def _generate(llm: Any, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -85,14 +102,10 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
     budget = args.budget or -(-longest // args.block_size) * args.block_size + args.block_size
-    llm = _engine(model, None, args)
-    base = _generate(llm, ids, args.max_tokens)
-    _free(llm)
+    base = _tokens(model, None, ids, args)
     report: dict[str, Any] = {"baseline": base, "budget": budget, "covering": not args.budget}
     for policy in policies:
-        llm = _engine(model, {"policy": policy, "budget": budget}, args)
-        got = _generate(llm, ids, args.max_tokens)
-        _free(llm)
+        got = _tokens(model, {"policy": policy, "budget": budget}, ids, args)
         agree = sum(a == b for x, y in zip(got, base, strict=True) for a, b in zip(x, y, strict=False))
         report[policy] = {"tokens": got, "match": got == base, "agree": agree, "of": sum(len(b) for b in base)}
     return report
