@@ -92,7 +92,7 @@ def test_policies_lists_registered_names(capsys):
         assert len(what) > 10, name
     papers = {r[0]: r[2] for r in rows}
     assert "[Quest (Tang et al., 2024)]" in papers["quest"] and "[IceCache" in papers["icecache"]
-    assert dict((r[0], r[1]) for r in rows)["icecache"] == "no" and "[" not in papers["full"]
+    assert dict((r[0], r[1]) for r in rows)["icecache"] == "yes" and "[" not in papers["full"]
 
 
 def test_policy_options_on_the_command_line_are_typed():

@@ -355,7 +355,8 @@ def test_contract_check_catches_dynamic_sizing(tiny, spec, what):
 def test_graph_policies_and_unsupported_reasons(tiny):
     names = set(graph_policies())
     assert {"full", "quest", "streaming", "oracle", "chess", "arkvale", "prkv", "snapkv", "h2o", "pariskv"} <= names
-    assert "icecache" not in names  # its tree search runs on CPU threads (overlapped with the step, not captured)
+    assert "icecache" in names  # its default scores device pages; the paper's tree search is not captured
+    assert not kvdex.make_policy("icecache:search=auto").capturable
     cache = _cache(tiny, "quest")
     runner._prefill(tiny, cache, _prompt(tiny))
     dec = GraphDecoder(tiny, cache)

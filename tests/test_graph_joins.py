@@ -83,12 +83,13 @@ BUDGET = 96
 def test_opted_in_policies_are_graph_policies():
     assert all(s in SPECS and base in JOIN_PATH_SPECS for s, base in SELECT_ONLY.items())
     names = {"quest", "pariskv", "pariskv-kmeans", "chess", "arkvale", "prkv", "full", "oracle", "streaming", "snapkv"}
-    names |= {"h2o"}
+    names |= {"h2o", "icecache"}
     assert all(policy_class(n).capturable_index for n in names)
     assert names <= set(graph_policies())
-    assert not policy_class("icecache").capturable_index
-    # icecache: only search="summary" (no tree search) indexes its joins inside the step (an instance attribute)
-    assert kvdex.make_policy("icecache", search="summary").capturable_index
+    # icecache: only search="summary" (its default; no tree search) indexes its joins inside the step (an instance
+    # attribute), and not offloaded with a rerank (the candidates' keys come from the host)
+    assert kvdex.make_policy("icecache").capturable_index
+    assert kvdex.make_policy("icecache:search=summary").capturable_index
     assert not any(kvdex.make_policy("icecache", search=s).capturable_index for s in ("auto", "device", "host"))
 
 
@@ -182,7 +183,7 @@ def test_join_path_equals_eager_index(spec, storage):
 
 def _skip_resident_only(spec, storage):
     if "rerank" in spec and storage == "offload":
-        pytest.skip("icecache rerank > 0 reads the keys in place: the GPU-resident store only (ValueError)")
+        pytest.skip("icecache's offloaded rerank reads the candidates' keys from the host: not captured")
 
 
 def _untimed(v):

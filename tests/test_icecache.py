@@ -18,6 +18,8 @@ from kvdex.storage.semantic import SemanticOffloadStore
 NEW = 56
 ATOL = 1e-4
 
+TREE = "icecache:search=auto"  # the paper's DCI-tree search (the default scores device pages)
+
 
 @pytest.mark.parametrize("n", [70, 30], ids=["prompt70", "prompt30"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
@@ -28,7 +30,7 @@ def test_covering_budget_matches_sdpa(family, offload, n, reuse):
     model, _ = shared_pair(family)
     ref_tokens, ref_logits = reference_greedy(family, n, n, NEW)
     cache = kvdex.Cache(
-        model, "icecache", budget=256, page_size=PAGE, sink=SINK, window=WINDOW, offload=offload,
+        model, TREE, budget=256, page_size=PAGE, sink=SINK, window=WINDOW, offload=offload,
         dense_layers=1, reuse=reuse,
     )  # fmt: skip
     tokens, logits = greedy(model, prompt(n, seed=n), cache=cache, new=NEW)
@@ -42,7 +44,7 @@ def test_exact_parents_at_a_covering_budget_match_sdpa(offload):
     """parents="exact" builds other trees (the prefill's and the decode-time insertions), the same invariant."""
     model, _ = shared_pair("llama_gqa")
     ref_tokens, ref_logits = reference_greedy("llama_gqa", 70, 70, NEW)
-    cache = kvdex.Cache(model, "icecache:parents=exact", budget=256, page_size=PAGE, sink=SINK, window=WINDOW,
+    cache = kvdex.Cache(model, TREE + ":parents=exact", budget=256, page_size=PAGE, sink=SINK, window=WINDOW,
                         offload=offload, dense_layers=1)  # fmt: skip
     tokens, logits = greedy(model, prompt(70, seed=70), cache=cache, new=NEW)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
@@ -62,7 +64,7 @@ def test_selection_is_whole_semantic_pages_within_budget(offload):
     """Every selection is whole leaf pages of the tree snapshot it was searched in."""
     model, _ = shared_pair("llama_gqa")
     budget = 96
-    cache = kvdex.Cache(model, "icecache", budget=budget, offload=offload, dense_layers=1)
+    cache = kvdex.Cache(model, TREE, budget=budget, offload=offload, dense_layers=1)
     log = []
     _observe(cache, log)
     pol = cache.policy
@@ -115,14 +117,14 @@ def test_search_asks_for_the_budget_many_keys_and_attends_within_the_budget(monk
     monkeypatch.setattr(DCITree, "search", spy)
     for budget in (64, 80):
         calls.clear()
-        cache = kvdex.Cache(model, "icecache", budget=budget, dense_layers=1)
+        cache = kvdex.Cache(model, TREE, budget=budget, dense_layers=1)
         log = []
         _observe(cache, log)
         greedy(model, prompt(400, seed=3), cache=cache, new=12)
         assert calls and all(k == budget and fov == budget for k, fov in calls)
         assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) <= budget
     calls.clear()
-    cache = kvdex.Cache(model, "icecache:topk=24:query_fov=40", budget=64, dense_layers=1)
+    cache = kvdex.Cache(model, "icecache:search=auto:topk=24:query_fov=40", budget=64, dense_layers=1)
     greedy(model, prompt(400, seed=3), cache=cache, new=4)
     assert calls and all(c == (24, 40) for c in calls)
 
@@ -133,7 +135,8 @@ def test_query_heads_split_over_threads_select_the_same_pages(chunks):
     what one batched search selects (the rows of a search are independent)."""
     model, _ = shared_pair("qwen3")
     logs = []
-    for spec in ("icecache:threads=4", f"icecache:threads=4:query_chunks={chunks}"):  # auto: 4 // 2 trees = 2
+    # query_chunks=0 (auto): 4 threads // 2 trees = 2
+    for spec in ("icecache:search=auto:threads=4", f"icecache:search=auto:threads=4:query_chunks={chunks}"):
         cache = kvdex.Cache(model, spec, budget=64, dense_layers=1)
         log = []
         _observe(cache, log)
@@ -163,7 +166,7 @@ def test_nsa_group_merge_orders_pages_by_importance_summed_over_the_group():
     assert _nsa_order(tree, torch.full((2, 2), -1), torch.full((2, 2), float("-inf")), 1.0).numel() == 0
     # through the cache: whole pages, within the budget
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "icecache:group_merge=nsa", budget=80, dense_layers=1)
+    cache = kvdex.Cache(model, "icecache:search=auto:group_merge=nsa", budget=80, dense_layers=1)
     log = []
     _observe(cache, log)
     greedy(model, prompt(300, seed=4), cache=cache, new=12)
@@ -178,7 +181,7 @@ def test_budget_rule_keys_attends_every_page_of_the_retrieved_keys():
     tree = DCITree.build(torch.randn(200, 8), torch.arange(200), DCIParams(page_size=4, promotion_ratio=0.25))
     ordered = torch.randperm(tree.page_fill.numel(), generator=torch.Generator().manual_seed(0))[:12]
     ordered = ordered[tree.page_fill[ordered] > 0]
-    keys, tok = make_policy("icecache", budget_rule="keys"), make_policy("icecache", max_pages=1000)
+    keys, tok = make_policy(TREE, budget_rule="keys"), make_policy(TREE, max_pages=1000)
     for p in (keys, tok):
         p._stats = {"pages_selected": 0, "tokens_selected": 0}
     every = set(tree.page_positions(ordered).flatten().tolist()) - {-1}
@@ -188,12 +191,12 @@ def test_budget_rule_keys_attends_every_page_of_the_retrieved_keys():
     assert got_tok.numel() <= 10 and set(got_tok.tolist()) <= every
     # through the cache: whole pages, and more than the budget on some step
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "icecache:budget_rule=keys", budget=64, dense_layers=1)
+    cache = kvdex.Cache(model, "icecache:search=auto:budget_rule=keys", budget=64, dense_layers=1)
     log = []
     _observe(cache, log)
     tokens, logits = greedy(model, prompt(400, seed=3), cache=cache, new=8)
     assert max(int(valid.sum(-1).max()) for _, _, valid, _ in log) > 64
-    off = kvdex.Cache(model, "icecache:budget_rule=keys", budget=64, dense_layers=1, offload=True)
+    off = kvdex.Cache(model, "icecache:search=auto:budget_rule=keys", budget=64, dense_layers=1, offload=True)
     tokens_off, logits_off = greedy(model, prompt(400, seed=3), cache=off, new=8)  # the semantic store grows
     assert torch.equal(tokens, tokens_off)
     torch.testing.assert_close(logits, logits_off, atol=0, rtol=0)
@@ -208,7 +211,7 @@ def _pages_of(tree, positions):
 def test_every_middle_token_is_in_exactly_one_page_after_decoding():
     model, _ = shared_pair("qwen2")
     ids, mask, prompts = left_padded([150, 40, 95], seed=3)
-    cache = kvdex.Cache(model, "icecache", budget=80, dense_layers=1)
+    cache = kvdex.Cache(model, TREE, budget=80, dense_layers=1)
     greedy(model, ids, mask, cache, new=70)
     cache.policy.flush()
     store = cache.layers[1].store
@@ -228,7 +231,7 @@ def test_every_middle_token_is_in_exactly_one_page_after_decoding():
 
 def test_offload_keeps_semantic_pages_physically_and_bulk_loads_only_missing_pages():
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "icecache", budget=96, offload=True, dense_layers=1)
+    cache = kvdex.Cache(model, TREE, budget=96, offload=True, dense_layers=1)
     greedy(model, prompt(260, seed=4), cache=cache, new=30)
     cache.policy.flush()
     store = cache.layers[1].store
@@ -265,7 +268,7 @@ def test_offload_bit_identical_to_device(dtype):
     ids, mask, _ = left_padded([120, 5, 33], seed=8)
     out = {}
     for offload in (False, True):
-        cache = kvdex.Cache(model, "icecache", 96, offload=offload, dense_layers=1)
+        cache = kvdex.Cache(model, TREE, 96, offload=offload, dense_layers=1)
         out[offload] = greedy(model, ids, mask, cache, new=40)
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-4, rtol=0)
@@ -276,12 +279,12 @@ def test_batch_equals_alone(offload):
     model, _ = shared_pair("llama_gqa")
     lengths = [90, 60, 120]
     ids, mask, prompts = left_padded(lengths, seed=10)
-    cache = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+    cache = kvdex.Cache(model, TREE, budget=96, offload=offload, dense_layers=1)
     tokens, logits = greedy(model, ids, mask, cache, new=50)
     assert cache.stats()["attended_tokens_per_step"] <= 96
     width = ids.shape[1]
     for i, p in enumerate(prompts):
-        alone = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+        alone = kvdex.Cache(model, TREE, budget=96, offload=offload, dense_layers=1)
         t1, l1 = greedy(model, p[None], None, alone, new=50)
         assert torch.equal(tokens[i, width:], t1[0, len(p) :]), f"sequence {i} differs in the batch"
         torch.testing.assert_close(logits[:, i], l1[:, 0], atol=1e-4, rtol=0)
@@ -289,7 +292,7 @@ def test_batch_equals_alone(offload):
 
 def test_reuse_indexes_anchor_layers_only_and_shares_their_selection():
     model, _ = shared_pair("llama_gqa")  # 3 layers, dense_layers=0: sparse 0,1,2 -> anchors 0 (every 2)
-    cache = kvdex.Cache(model, "icecache", budget=96, dense_layers=0, reuse=True, reuse_every=2)
+    cache = kvdex.Cache(model, TREE, budget=96, dense_layers=0, reuse=True, reuse_every=2)
     log = []
     _observe(cache, log)
     greedy(model, prompt(200, seed=6), cache=cache, new=20)
@@ -324,10 +327,10 @@ def test_registered_and_bad_options_raise():
         with pytest.raises(ValueError):
             make_policy("icecache", **bad)
     with pytest.raises(ValueError, match="parents must be one of dci, exact, got 'knn'"):
-        make_policy("icecache:parents=knn")
+        make_policy("icecache:search=auto:parents=knn")
     with pytest.raises(TypeError, match="no option"):
         make_policy("icecache", ratio=0.1)
-    p = make_policy("icecache:promotion_ratio=0.125:reuse=True")
+    p = make_policy("icecache:search=auto:promotion_ratio=0.125:reuse=True")
     assert p.promotion_ratio == 0.125 and p.reuse is True
 
 
@@ -371,8 +374,8 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
     cache selects; a fork's insertions never reach the shared trees, the original or a sibling."""
     model, _ = shared_pair("llama_gqa")
     ids, mask, base, first = _dense_prefill(model)
-    a = base.fork(policy="icecache", budget=96, offload=offload)
-    b = base.fork(policy="icecache", budget=64, offload=offload)  # another budget: the trees do not depend on it
+    a = base.fork(policy=TREE, budget=96, offload=offload)
+    b = base.fork(policy=TREE, budget=64, offload=offload)  # another budget: the trees do not depend on it
     a.policy.flush()
     b.policy.flush()
     assert a.policy.stats()["builds"] == 2 and a.policy.stats()["builds_reused"] == 0
@@ -382,7 +385,7 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
         assert all(x is y for x, y in zip(a.policy.tree_jobs.trees[lay], b.policy.tree_jobs.trees[lay], strict=True))
 
     # the trees equal a freshly built cache's, and so do the decoded tokens, logits and selections
-    fresh = kvdex.Cache(model, "icecache", budget=64, offload=offload, dense_layers=1)
+    fresh = kvdex.Cache(model, TREE, budget=64, offload=offload, dense_layers=1)
     log_fresh, log_b = [], []
     _observe(fresh, log_fresh)
     t_fresh, l_fresh = greedy(model, ids, mask, fresh, new=41)
@@ -405,12 +408,12 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
             assert _tree_tensors(t).keys() == snap.keys()
             assert all(torch.equal(_tree_tensors(t)[k], snap[k]) for k in snap)
         assert b.policy.tree_jobs.trees[lay][0].n > a.policy.tree_jobs.trees[lay][0].n
-    fresh96 = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+    fresh96 = kvdex.Cache(model, TREE, budget=96, offload=offload, dense_layers=1)
     t_f96, _ = greedy(model, ids, mask, fresh96, new=21)
     t_a, _ = _decode_from_fork(model, ids, mask, a, first, 20)
     assert torch.equal(t_a, t_f96)
     # a sibling forked after the others decoded still starts from the prefill trees
-    c = base.fork(policy="icecache", budget=64, offload=offload)
+    c = base.fork(policy=TREE, budget=64, offload=offload)
     c.policy.flush()
     assert c.policy.stats()["builds_reused"] == 2
     for lay in (1, 2):
@@ -421,14 +424,14 @@ def test_forks_share_the_prefill_trees_and_decode_like_a_fresh_cache(offload):
 def test_forks_with_other_tree_settings_build_their_own():
     model, _ = shared_pair("llama_gqa")
     ids = prompt(200, seed=7)
-    src = kvdex.Cache(model, "icecache", budget=96)  # an icecache source shares its own prefill build
+    src = kvdex.Cache(model, TREE, budget=96)  # an icecache source shares its own prefill build
     with torch.no_grad():
         model(ids, **cache_kwargs(src), use_cache=True)
     same = src.fork(budget=64)
-    other_seed = src.fork(policy="icecache:seed=3", budget=96)
-    other_r = src.fork(policy="icecache:promotion_ratio=0.25", budget=96)
+    other_seed = src.fork(policy=TREE + ":seed=3", budget=96)
+    other_r = src.fork(policy=TREE + ":promotion_ratio=0.25", budget=96)
     other_grid = src.fork(budget=96, page_size=8, window=32)
-    exact = src.fork(policy="icecache:parents=exact", budget=96)
+    exact = src.fork(policy=TREE + ":parents=exact", budget=96)
     for c in (src, same, other_seed, other_r, other_grid, exact):
         c.policy.flush()
     assert same.policy.stats()["builds_reused"] == 1 and same.policy.stats()["builds"] == 0
@@ -447,7 +450,7 @@ def test_forks_with_other_tree_settings_build_their_own():
 def test_prefill_index_is_built_off_the_main_thread_and_joined_at_the_first_select():
     """Figure 5b: ``index`` at prefill only submits the build; the layer's first ``select`` joins it."""
     model, _ = shared_pair("llama_gqa")
-    cache = kvdex.Cache(model, "icecache", budget=96, dense_layers=1, threads=2)
+    cache = kvdex.Cache(model, TREE, budget=96, dense_layers=1, threads=2)
     with torch.no_grad():
         model(prompt(200, seed=9), **cache_kwargs(cache), use_cache=True)
     pol = cache.policy
@@ -476,13 +479,13 @@ def test_eval_harness_runs_icecache_by_name_in_both_storage_modes(tmp_path):
     got = []
     for offload in (False, True):
         cfg = EvalConfig(
-            "tiny", ["icecache"], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False
+            "tiny", [TREE], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False
         )
         got.append({(r.policy, r.budget): r.metrics for r in run_task(RecallTask(steps=2), model, tok, cfg)})
-    ice = got[0][("icecache", 64)]
+    ice = got[0][(TREE, 64)]
     assert 0 < ice["recall"] < 1
     for metric in ("recall", "topk_hit", "rel_l2"):
-        assert got[1][("icecache", 64)][metric] == pytest.approx(ice[metric], abs=1e-6), metric
+        assert got[1][(TREE, 64)][metric] == pytest.approx(ice[metric], abs=1e-6), metric
 
 
 @pytest.mark.gpu
@@ -502,7 +505,7 @@ def test_cuda_semantic_offload_matches_resident(dtype, monkeypatch):
     ids, mask = ids.cuda(), mask.cuda()
     out = {}
     for offload in (False, True):
-        cache = kvdex.Cache(model, "icecache", budget=96, offload=offload, dense_layers=1)
+        cache = kvdex.Cache(model, TREE, budget=96, offload=offload, dense_layers=1)
         out[offload] = greedy(model, ids, mask, cache, new=60)
     assert torch.equal(out[True][0], out[False][0])
     assert cache.transfer.fields["icecache_pages_loaded"] > 0
@@ -511,6 +514,6 @@ def test_cuda_semantic_offload_matches_resident(dtype, monkeypatch):
         ref = ref.cuda()
         p = prompt(80, seed=1).cuda()
         want = greedy(ref, p, new=40)
-        got = greedy(model, p, cache=kvdex.Cache(model, "icecache", budget=512, offload=True, dense_layers=1), new=40)
+        got = greedy(model, p, cache=kvdex.Cache(model, TREE, budget=512, offload=True, dense_layers=1), new=40)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=0)

@@ -22,6 +22,8 @@ from kvdex.policies import make_policy
 
 G = 7  # query heads per kv head (Qwen2.5-0.5B)
 
+TREE = "icecache:search=auto"  # the paper's DCI-tree search (the default scores device pages)
+
 
 @pytest.fixture(autouse=True)
 def _seeded():
@@ -163,7 +165,7 @@ def test_greedy_fit_equals_the_take_pages_loop():
 def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge, static):
     trees = forest_of([1500, 0, 800, 2000])
     forest = DCIForest(trees, "cpu")
-    pol = make_policy("icecache", budget_rule=rule, group_merge=merge, topk=k)
+    pol = make_policy(TREE, budget_rule=rule, group_merge=merge, topk=k)
     pol._stats = {"pages_selected": 0, "tokens_selected": 0}
     pol._max_pages = lambda: 13
     rows = (0, 2, 3)
@@ -188,7 +190,7 @@ def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge, static):
     assert int(npages.sum()) == pol._stats["pages_selected"]
 
 
-@pytest.mark.parametrize("spec", ["icecache", "icecache:budget_rule=keys", "icecache:group_merge=nsa"])
+@pytest.mark.parametrize("spec", [TREE, TREE + ":budget_rule=keys", TREE + ":group_merge=nsa"])
 @pytest.mark.parametrize("budget", [64, 96])
 def test_device_search_decodes_like_the_host_search(spec, budget, static):
     """search=device (the batched forest, here on the CPU) vs search=host (one search per tree):
@@ -307,12 +309,12 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
     model = copy.deepcopy(model).cuda()
     x = prompt(300, seed=4).cuda()
     ref = greedy(model, x, cache=kvdex.Cache(model, "full", budget=64, dense_layers=1), new=24)
-    cache = kvdex.Cache(model, "icecache", budget=4096, dense_layers=1, offload=offload)
+    cache = kvdex.Cache(model, TREE, budget=4096, dense_layers=1, offload=offload)
     out = greedy(model, x, cache=cache, new=24)
     assert torch.equal(out[0], ref[0])
     torch.testing.assert_close(out[1], ref[1], atol=1e-3, rtol=0)
     # sparse: each device selection vs the host page choice on the same trees and q (up to near-ties)
-    cache = kvdex.Cache(model, "icecache", budget=64, dense_layers=1, offload=offload, search="auto")
+    cache = kvdex.Cache(model, TREE, budget=64, dense_layers=1, offload=offload, search="auto")
     pol, same = cache.policy, []
     assert pol.search == "auto"
     orig = pol.select

@@ -47,8 +47,10 @@ def test_full_budget_equals_dense(spec):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     assert torch.equal(tokens, ref_tokens)
     assert cache.stats()["selection_steps"]["reused"] > 0  # the steps between refreshes ran
-    with pytest.raises(ValueError, match="offload=False"):  # the rerank reads the keys in place
-        greedy(model, prompt(120, seed=1), cache=_cache(model, spec, 96, offload=True), new=2)
+    want = greedy(model, prompt(120, seed=1), cache=_cache(model, spec, 96), new=6)  # offloaded: the same tokens
+    got = greedy(model, prompt(120, seed=1), cache=_cache(model, spec, 96, offload=True), new=6)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
 
 
 def _decode(spec: str, budget: int, steps: int = 40, log=None):

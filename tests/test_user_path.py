@@ -165,10 +165,10 @@ def test_whole_step_backend_falls_back_per_layer(model, monkeypatch):
     """A policy that cannot be captured: the compiled step runs as it is, the per-layer path warns once."""
     from kvdex.hf.step_backend import Backend
 
-    ref, _, _ = _eager(model, "icecache")
+    ref, _, _ = _eager(model, "icecache:search=auto")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got, c, _ = _generate(model, "icecache", Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
+        got, c, _ = _generate(model, "icecache:search=auto", Backend("eager"), stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got)
     assert "icecache" in c.whole_step.reason and c.whole_step.counts["captures"] == 0
     assert len([x for x in w if "per-layer step graphs are off" in str(x.message)]) == 1

@@ -241,6 +241,20 @@ def slot_weights(q: torch.Tensor, view, slots: torch.Tensor) -> torch.Tensor:
     return group_weights(q, logits, view).masked_fill(~torch.isfinite(logits[:, :, 0]), float("-inf"))
 
 
+def fetched_token_scores(q: torch.Tensor, view, slots: torch.Tensor, group: str = "max") -> torch.Tensor:
+    """Scores [B, H, N] of the middle tokens at ``slots`` [B, H, N] (``-1``: none, ``-inf``) of a store whose keys
+    are not on the device (offloaded), their keys read through its fetch path (:meth:`LayerStore.slot_keys`):
+    ``group="max"`` the group's largest ``q.k``, ``"weight"`` :func:`group_weights`; the values the resident
+    store's keys give (IceCache's token rerank offloaded)."""
+    keys = view.store.slot_keys(slots).to(q.device)  # [B, H, N, D]
+    slots = slots.to(q.device)
+    local = torch.where(slots >= 0, torch.arange(slots.shape[-1], device=q.device), -1)
+    if group == "max":
+        return slot_scores(q, keys, local, "max")
+    logits = slot_scores(q, keys, local, "heads") * view.scale  # [B, H, G, N]
+    return group_weights(q, logits, view).masked_fill(~torch.isfinite(logits[:, :, 0]), float("-inf"))
+
+
 def group_weights(q: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:
     """``rerank_group="weight"``: each candidate's softmax weights summed over its kv head's query heads q
     [B, Hq, D], [B, H, N], from the candidates' ``logits`` [B, H, G, N] (scaled ``q.k``, ``-inf`` where not a

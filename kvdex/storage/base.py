@@ -215,6 +215,26 @@ class LayerStore(ABC):
         rows = k.gather(2, slots.view(b, h, p * g.page_size, 1).expand(-1, -1, -1, k.shape[-1]))
         return rows.view(b, h, p, g.page_size, k.shape[-1])
 
+    def slot_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """Keys of the middle tokens at ``slots`` [B, H, N] (positions; ``-1``: junk rows the caller masks) on the
+        device, [B, H, N, D]: read through :meth:`page_keys` as the distinct pages of each row (one fetch of their
+        keys on an offloaded store; IceCache's candidates, which semantic pages scatter over positional pages).
+        Reads the rows' page count on the host."""
+        g = self.grid
+        slots = slots.to(self.device).long()
+        page = torch.where(slots >= 0, (slots - g.sink).div(g.page_size, rounding_mode="floor"), -1)
+        srt, order = page.sort(dim=-1)
+        new = torch.ones_like(srt, dtype=torch.bool)
+        new[..., 1:] = srt[..., 1:] != srt[..., :-1]
+        rank = new.cumsum(-1) - 1  # each sorted entry's place among its row's distinct pages
+        width = int(rank.max()) + 1 if rank.numel() else 0
+        pages = torch.full((*slots.shape[:2], width), -1, dtype=torch.long, device=self.device)
+        pages.scatter_(-1, rank, srt)
+        where = torch.empty_like(rank).scatter_(-1, order, rank)  # each slot's page among the fetched ones
+        keys = self.page_keys(pages).flatten(2, 3)  # [B, H, width * ps, D]
+        at = where * g.page_size + (slots - g.sink).remainder(g.page_size)
+        return keys.gather(2, at.clamp(min=0)[..., None].expand(-1, -1, -1, keys.shape[-1]))
+
     # ---- restructuring (PRKV) -----------------------------------------------------------
     def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
         """Reorder the middle tokens of every (sequence, kv head) in place (PRKV's relocation).

@@ -63,12 +63,21 @@ from kvdex.index.workers import cpu_threads, run_all
 from kvdex.policies.base import Policy, PolicyInfo, register_policy
 from kvdex.policies.icecache.summary_pages import SummaryPages
 from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
-from kvdex.policies.rerank import check_share, slot_weights
+from kvdex.policies.rerank import check_share, fetched_token_scores, resolve_selection, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.semantic import SemanticOffloadStore
 from kvdex.view import CaptureError, LayerView
+
+# The selection. kvdex's default (docs/policies/icecache.md, "Default configuration"): the semantic leaf pages built
+# on the device at prefill, every page scored from its min / max summary each step, the best pages (4 x max_pages, at
+# least a quarter of the middle's) as candidates and their best tokens by exact q.k attended; capturable in a CUDA
+# graph. The paper's: the DCI trees built on the host and searched every step (on the GPU against a device mirror
+# where the model runs on CUDA), the pages holding the top-k keys attended. Naming any of these options starts the
+# others from the paper's values.
+DEFAULT_SELECTION = {"search": "summary", "build": "device", "rerank": 4, "rerank_unit": "token", "rerank_share": 0.25}
+PAPER_SELECTION = {"search": "auto", "build": "tree", "rerank": 0, "rerank_unit": "page", "rerank_share": 0.0}
 
 
 @register_policy
@@ -76,6 +85,8 @@ from kvdex.view import CaptureError, LayerView
 class IceCachePolicy(SelectEveryOption, Policy):
     name = "icecache"
     granularity = "token"
+    capturable = True  # the default (search="summary"); an instance with a tree search says no (_capture_flags)
+    capturable_index = True
 
     promotion_ratio: float = 0.0  # r; 0 -> 1 / page_size (a leaf node fills about one page)
     num_comp: int = 2  # composite indices per tree (m)
@@ -107,23 +118,23 @@ class IceCachePolicy(SelectEveryOption, Policy):
     # device when the model runs on CUDA, else host. Same pages as the host search, faster on the H200:
     # docs/policies/icecache.md, "Speed on the H200". "summary": no tree search per step, every leaf page
     # scored from its device summary (kvdex.index.summary; capturable in a CUDA graph; not the paper's).
-    search: Literal["auto", "device", "host", "summary"] = "auto"
+    search: Literal["auto", "device", "host", "summary"] | None = None
     # search="summary": "minmax" (per-channel min/max keys: an upper bound of q.k, Quest's on semantic pages)
     # or "centroid" (mean key + radius: q.mu + |q| r, also an upper bound, looser); ignored otherwise
     summary: Literal["minmax", "centroid"] = "minmax"
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
-    rerank: int = 0
+    rerank: int | None = None
     # rerank > 0: "page" = attend the candidate pages with the best exact max q.k (the budget rule above);
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
     # policies' ``rerank`` (kvdex/policies/rerank.py): no page-fit step, the budget spent on tokens
-    rerank_unit: Literal["page", "token"] = "page"
+    rerank_unit: Literal["page", "token"] | None = None
     # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
     # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)
     rerank_group: Literal["max", "weight"] = "max"
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
-    rerank_share: float = 0.0
+    rerank_share: float | None = None
     # rerank_unit="token": choose the candidates (the bounds' pass, the share) every N decode steps and whenever a
     # page joins, keeping the rerank x max_pages best of them by that step's token scores; every step still
     # ranks the held candidates' tokens by its own query (kvdex option: docs/policies/icecache.md, "A held pool")
@@ -133,7 +144,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     pool_pages: Literal["rerank", "all"] = "rerank"
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
-    build: Literal["tree", "device"] = "tree"
+    build: Literal["tree", "device"] | None = None
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -141,6 +152,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        resolve_selection(self, DEFAULT_SELECTION, PAPER_SELECTION)
         super().__post_init__()  # the Literal options' choices (Policy.__post_init__)
         if not 0.0 <= self.promotion_ratio < 1.0:
             raise ValueError(f"promotion_ratio must be in (0, 1) (0 = 1/page_size), got {self.promotion_ratio}")
@@ -174,21 +186,29 @@ class IceCachePolicy(SelectEveryOption, Policy):
             raise ValueError("search='summary' retrieves no keys: use budget_rule='tokens' (or another search)")
         if self.search != "summary" and self.group_merge == "max":
             raise ValueError("group_merge='max' (max of the group's page bounds) needs search='summary'")
-        # CUDA-graph decoding (kvdex.hf.graph) only without tree searches: the protocol's graph_key /
-        # graph_replayed exist on a search="summary" instance only (`kvdex policies` lists the default: no)
-        self.capturable = self.search == "summary"
-        # search="summary": a window page joining the middle is placed inside the captured step too
-        # (reserve_index / joined / index_join, summary_pages.py); the class says no (the tree searches)
-        self.capturable_index = self.capturable
-        if self.capturable:
-            self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
+        self._capture_flags()
         if not isinstance(self.graphs, bool):
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
 
+    def _capture_flags(self) -> None:
+        """CUDA-graph decoding (kvdex.hf.graph) only without tree searches: the protocol's ``graph_key`` /
+        ``graph_replayed`` exist on a ``search="summary"`` instance only, and a window page joining the middle is
+        then placed inside the captured step too (``reserve_index`` / ``joined`` / ``index_join``, summary_pages.py)."""
+        self.capturable = self.capturable_index = self.search == "summary"
+        if self.capturable:
+            self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
+        else:
+            self.__dict__.pop("graph_key", None)
+            self.__dict__.pop("graph_replayed", None)
+
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
+        if self.rerank and info.config.offload:  # the candidates' keys come from the host: a sync, not captured
+            self.capturable = self.capturable_index = False
+            self.__dict__.pop("graph_key", None)
+            self.__dict__.pop("graph_replayed", None)
         ps = self.cfg.page_size
         same = ("num_comp", "num_simp", "construction_fov", "construction_prop", "norm_margin", "seed", "parents")
         self.params = DCIParams(
@@ -272,11 +292,8 @@ class IceCachePolicy(SelectEveryOption, Policy):
             pages = self.summary_pages.pages_of(layer, store)
             P = pages.capacity if view.static else min(pages.bound, pages.capacity)
             room, cap = view.retrieval_tokens, self._max_pages()
-            if self.rerank and not store.positional_slots:
-                raise ValueError("icecache rerank > 0 reads the keys on the device: use offload=False (or rerank=0)")
-            keys = store.k if self.rerank else None
             qd = q.detach()
-            by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
+            keys, by = self._token_scores(qd, view)
             if self.pool_every > 1:  # the candidates, the step's tokens among them, and the pool held for reuse
                 _, slots = pages.candidates(qd, P, self.rerank * cap, self.rerank_share)
                 got: list = []
@@ -343,10 +360,22 @@ class IceCachePolicy(SelectEveryOption, Policy):
             return self._last[anchor]
         t0 = time.perf_counter()
         qd = q.detach()
-        by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
+        keys, by = self._token_scores(qd, view)
         pages = self.summary_pages.pages[layer]
-        tokens = pages.rerank_tokens(qd, self._pools.get(layer), view.retrieval_tokens, view.store.k, by)
+        tokens = pages.rerank_tokens(qd, self._pools.get(layer), view.retrieval_tokens, keys, by)
         return self._selected(layer, Selection(tokens=tokens), t0)
+
+    def _token_scores(self, qd: torch.Tensor, view: LayerView):
+        """(keys, token_scores) of a rerank (:meth:`SemanticPages.select`): the resident store's keys, read in
+        place, with ``rerank_group="weight"``'s scores; offloaded, scores of keys fetched from the host."""
+        store = view.store
+        if not self.rerank or store.positional_slots:
+            by = (lambda slots: slot_weights(qd, view, slots)) if self.rerank_group == "weight" else None
+            return (store.k if self.rerank else None), by
+        if self.rerank_unit != "token":
+            raise ValueError("icecache rerank_unit='page' reads the candidate pages' keys on the device: use "
+                             "offload=False, or rerank_unit=token")  # fmt: skip
+        return None, partial(fetched_token_scores, qd, view, group=self.rerank_group)
 
     def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
         """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
