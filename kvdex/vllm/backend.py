@@ -16,6 +16,7 @@ request states (:mod:`kvdex.vllm.requests`) and the per-layer forward (:mod:`kvd
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,19 +28,26 @@ from kvdex.vllm.forward import forward_layer
 from kvdex.vllm.paged import check_block_size, kv_cache_shape, split_kv, write_slots
 from kvdex.vllm.requests import Geometry, RequestState, RequestTable, Row
 
-try:  # the attention ABCs: vllm.v1.attention.backend in recent vLLM, earlier split over two modules
-    from vllm.v1.attention.backend import (
-        AttentionBackend,
-        AttentionCGSupport,
-        AttentionImpl,
-        AttentionMetadataBuilder,
-    )
-except ImportError:  # pragma: no cover - older vLLM
-    from vllm.attention.backends.abstract import AttentionBackend, AttentionImpl  # type: ignore[no-redef]
-    from vllm.v1.attention.backends.utils import (  # type: ignore[no-redef]
-        AttentionCGSupport,
-        AttentionMetadataBuilder,
-    )
+# vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
+_INTERFACES = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract", "vllm.v1.attention.backends.utils")
+
+
+def _interface(name: str) -> Any:
+    """vLLM's class ``name`` from the first module of :data:`_INTERFACES` that has it."""
+    for module in _INTERFACES:
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(found, name):
+            return getattr(found, name)
+    raise ImportError(f"vLLM has no {name} in {', '.join(_INTERFACES)}: kvdex's vLLM backend needs vllm>=0.26")
+
+
+AttentionBackend: Any = _interface("AttentionBackend")
+AttentionImpl: Any = _interface("AttentionImpl")
+AttentionMetadataBuilder: Any = _interface("AttentionMetadataBuilder")
+AttentionCGSupport: Any = _interface("AttentionCGSupport")
 
 NAME = "CUSTOM"  # the registry member the plugin registers (vllm serve --attention-backend CUSTOM)
 NULL_BLOCK = 0  # vLLM's block pool keeps block 0 as its null block: no request's row starts with it
