@@ -72,12 +72,14 @@ from kvdex.view import CaptureError, LayerView
 
 # The selection. kvdex's default (docs/policies/icecache.md, "Default configuration"): the semantic leaf pages built
 # on the device at prefill, every page scored from its min / max summary each step, the best pages (4 x max_pages, at
-# least a quarter of the middle's) as candidates and their best tokens by exact q.k attended; capturable in a CUDA
-# graph. The paper's: the DCI trees built on the host and searched every step (on the GPU against a device mirror
-# where the model runs on CUDA), the pages holding the top-k keys attended. Naming any of these options starts the
-# others from the paper's values.
-DEFAULT_SELECTION = {"search": "summary", "build": "device", "rerank": 4, "rerank_unit": "token", "rerank_share": 0.25}
-PAPER_SELECTION = {"search": "auto", "build": "tree", "rerank": 0, "rerank_unit": "page", "rerank_share": 0.0}
+# least a quarter of the middle's) as candidates and their best tokens by the group's softmax weights attended
+# (the oracle's criterion over the candidates); capturable in a CUDA graph. The paper's: the DCI trees built on the
+# host and searched every step (on the GPU against a device mirror where the model runs on CUDA), the pages holding
+# the top-k keys attended. Naming any of these options starts the others from the paper's values.
+DEFAULT_SELECTION = {"search": "summary", "build": "device", "rerank": 4, "rerank_unit": "token", "rerank_share": 0.25,
+                     "rerank_group": "weight"}  # fmt: skip
+PAPER_SELECTION = {"search": "auto", "build": "tree", "rerank": 0, "rerank_unit": "page", "rerank_share": 0.0,
+                   "rerank_group": "max"}  # fmt: skip
 
 
 @register_policy
@@ -131,7 +133,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     rerank_unit: Literal["page", "token"] | None = None
     # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
     # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)
-    rerank_group: Literal["max", "weight"] = "max"
+    rerank_group: Literal["max", "weight"] | None = None
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
     rerank_share: float | None = None
