@@ -18,7 +18,7 @@ from vllm_sim import ATOL, GEO, HQ, LAYERS, PS, SCALE, D, H, Req, Sim, replay, r
 
 from kvdex.config import CacheConfig
 from kvdex.storage import DeviceStore
-from kvdex.vllm import SUPPORTED, RequestState, RequestTable, forward_layer, settings_from
+from kvdex.vllm import REFUSED, SUPPORTED, RequestState, RequestTable, forward_layer, settings_from
 from kvdex.vllm.paged import (
     check_block_size,
     gather_heads,
@@ -260,13 +260,12 @@ def test_dummy_rows_get_no_state():
 
 
 # ---- configuration -------------------------------------------------------------------------------------------
-def test_settings_parse_and_refuse():
+def test_settings_parse_and_refuse(monkeypatch):
     s = settings_from({"kvdex": {"policy": "quest:select_every=4", "budget": 2048}})
     assert s.config == CacheConfig(budget=2048) and s.make_policy().select_every == 4
     assert settings_from(None).policy == "quest"
     assert settings("chess", SMALL).make_policy().trigger == "interval"
-    with pytest.raises(ValueError, match="does not run inside vLLM.*quest"):
-        settings_from({"kvdex": {"policy": "icecache"}})
+    assert settings_from({"kvdex": {"policy": "icecache"}}).make_policy().name == "icecache"
     with pytest.raises(ValueError, match="trigger=interval"):
         settings_from({"kvdex": {"policy": "chess:trigger=uncertainty"}})
     with pytest.raises(ValueError, match="unknown policy"):
@@ -283,6 +282,9 @@ def test_settings_parse_and_refuse():
         settings_from({"kvdex": "quest"})
     with pytest.raises(TypeError, match="no option"):
         settings_from({"kvdex": {"policy": "quest:nope=1"}})
+    monkeypatch.setitem(REFUSED, "streaming", "a reason")  # a policy the paged layout could not serve
+    with pytest.raises(ValueError, match="'streaming' does not run inside vLLM: a reason. Policies that run: .*quest"):
+        settings_from({"kvdex": {"policy": "streaming"}})
 
 
 def test_only_the_backend_imports_vllm():

@@ -128,6 +128,6 @@ def test_profiling_calls_and_refusals(backend):
                                      [], vllm_config({"budget": 512}), torch.device("cpu"))  # fmt: skip
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
         backend.KvdexMetadataBuilder(SPEC, [], vllm_config({}, pp=2), torch.device("cpu"))
-    with pytest.raises(ValueError, match="does not run inside vLLM"):
-        backend.KvdexMetadataBuilder(SPEC, [], vllm_config({"policy": "icecache"}), torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown policy"):
+        backend.KvdexMetadataBuilder(SPEC, [], vllm_config({"policy": "nope"}), torch.device("cpu"))
     assert backend.layer_index("model.layers.12.self_attn.attn") == 12

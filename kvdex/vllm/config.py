@@ -7,7 +7,7 @@ Keys: ``policy`` (a policy spec, ``"name:KEY=VALUE:..."``, as everywhere in kvde
 ``prefill_chunk``, and ``max_idle_steps`` (engine steps a request's state is kept while the request is not in the
 batch, :mod:`kvdex.vllm.requests`). ``offload`` / ``page_cache`` are refused: the KV lives in vLLM's blocks.
 
-Policies: every registered policy but those in :data:`REFUSED` runs (:data:`SUPPORTED`). CHESS's default trigger
+Policies: every registered policy but those in :data:`REFUSED` (none) runs (:data:`SUPPORTED`). CHESS's default trigger
 (``uncertainty``) measures the next-token distribution, which an attention backend never sees: under vLLM a plain
 ``chess`` rebuilds its selection on a fixed interval (``trigger=interval``, Appendix C of the paper) and
 ``trigger=uncertainty`` named explicitly is refused.
@@ -25,11 +25,9 @@ from kvdex.policies import make_policy, policies
 from kvdex.policies.base import Policy
 from kvdex.policies.spec import parse_policy_spec
 
-#: Policies that cannot run on vLLM's paged layout, and why.
-REFUSED: dict[str, str] = {
-    "icecache": "IceCache lays the middle out in semantic pages (its own store) and ranks tokens by reading keys in "
-    "place at their positions; vLLM's blocks hold tokens in position order, read through the block table",
-}
+#: Policies that cannot run on vLLM's paged layout, and why (none at present: IceCache's semantic re-layout belongs
+#: to its offloaded store, and offload is refused; on vLLM's blocks it reads keys through the store's fetch path).
+REFUSED: dict[str, str] = {}
 
 DEFAULT_POLICY = "quest"
 DEFAULT_MAX_IDLE_STEPS = 32
