@@ -66,7 +66,7 @@ class KvdexMetadata:
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
-    causal: bool = True
+    causal: Any = True  # bool, or a per-request tensor in recent vLLM (kvdex attends causally)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,7 +125,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         return KvdexMetadata(
             rows=rows, num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, causal=bool(getattr(cm, "causal", True)),
+            seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, causal=getattr(cm, "causal", True),
         )  # fmt: skip
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> KvdexMetadata:
