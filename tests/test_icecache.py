@@ -12,6 +12,7 @@ from conftest import PAGE, SINK, WINDOW, greedy, left_padded, prompt, reference_
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.policies import make_policy
+from kvdex.policies.icecache.tree_search import TreeSearch
 from kvdex.selection import Selection
 from kvdex.storage.semantic import SemanticOffloadStore
 
@@ -181,12 +182,10 @@ def test_budget_rule_keys_attends_every_page_of_the_retrieved_keys():
     tree = DCITree.build(torch.randn(200, 8), torch.arange(200), DCIParams(page_size=4, promotion_ratio=0.25))
     ordered = torch.randperm(tree.page_fill.numel(), generator=torch.Generator().manual_seed(0))[:12]
     ordered = ordered[tree.page_fill[ordered] > 0]
-    keys, tok = make_policy(TREE, budget_rule="keys"), make_policy(TREE, max_pages=1000)
-    for p in (keys, tok):
-        p._stats = {"pages_selected": 0, "tokens_selected": 0}
+    keys, tok = TreeSearch(64, 1000, budget_rule="keys"), TreeSearch(64, 1000, max_pages=1000)
     every = set(tree.page_positions(ordered).flatten().tolist()) - {-1}
-    got_keys = keys._take_pages(tree, ordered, room=10)
-    got_tok = tok._take_pages(tree, ordered, room=10)
+    got_keys = keys.take_pages(tree, ordered, room=10)
+    got_tok = tok.take_pages(tree, ordered, room=10)
     assert set(got_keys.tolist()) == every and got_keys.numel() == int(tree.page_fill[ordered].sum())
     assert got_tok.numel() <= 10 and set(got_tok.tolist()) <= every
     # through the cache: whole pages, and more than the budget on some step

@@ -19,6 +19,7 @@ from kvdex.index import forest as forest_mod
 from kvdex.index.forest import DCIForest
 from kvdex.index.pages import greedy_fit as _greedy_fit
 from kvdex.policies import make_policy
+from kvdex.policies.icecache.tree_search import TreeSearch
 
 G = 7  # query heads per kv head (Qwen2.5-0.5B)
 
@@ -136,7 +137,7 @@ def test_mirror_after_insertions_equals_a_fresh_mirror():
 
 def test_greedy_fit_equals_the_take_pages_loop():
     """The batched page choice (cumsum prefix + automaton prefix scan) takes exactly the pages of
-    IceCachePolicy._take_pages' loop, for random fills, rooms and caps."""
+    TreeSearch.take_pages' loop, for random fills, rooms and caps."""
     g = torch.Generator().manual_seed(0)
     ps = 16
     for _ in range(300):
@@ -165,9 +166,7 @@ def test_greedy_fit_equals_the_take_pages_loop():
 def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge, static):
     trees = forest_of([1500, 0, 800, 2000])
     forest = DCIForest(trees, "cpu")
-    pol = make_policy(TREE, budget_rule=rule, group_merge=merge, topk=k)
-    pol._stats = {"pages_selected": 0, "tokens_selected": 0}
-    pol._max_pages = lambda: 13
+    pol = TreeSearch(96, 13, budget_rule=rule, group_merge=merge, topk=k)  # the policy's tree search, 13 pages
     rows = (0, 2, 3)
     q = torch.randn(len(rows) * G, 32) * 3
     tq = torch.tensor(rows).repeat_interleave(G)
@@ -182,12 +181,12 @@ def test_batched_page_choice_equals_the_policy_per_tree(k, rule, merge, static):
             torch.where(gid >= 0, gid - r * forest.S, -1),
             dot[j * G : (j + 1) * G] * qk_scale[j * G : (j + 1) * G],
         )
-        want = pol._select_pages(trees[r], None, room, found, 0.125)
+        want = pol.select_pages(trees[r], None, room, found, 0.125)
         got = toks[j][toks[j] >= 0]
         assert got.tolist() == want.tolist()  # same pages in the same order
         if rule == "tokens":
             assert got.numel() <= room
-    assert int(npages.sum()) == pol._stats["pages_selected"]
+    assert int(npages.sum()) == pol.stats["pages_selected"]
 
 
 @pytest.mark.parametrize("spec", [TREE, TREE + ":budget_rule=keys", TREE + ":group_merge=nsa"])
@@ -208,7 +207,7 @@ def test_device_search_decodes_like_the_host_search(spec, budget, static):
         out = greedy(model, ids, mask, cache, new=40)
         outs.append((out, log, cache.stats()["policy_stats"]))
         if where == "device":  # insertions reached the mirror through the worker-staged copies
-            assert sum(f.staged_puts for f in cache.policy._device.forests.values()) > 0
+            assert sum(f.staged_puts for f in cache.policy.tree_search.device.forests.values()) > 0
     (t1, l1), log1, s1 = outs[0]
     (t2, l2), log2, s2 = outs[1]
     assert torch.equal(t1, t2)
@@ -327,7 +326,8 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
         for h in range(H):
             tree = pol.tree_jobs.trees[layer][h]
             if tree is not None and tree.n > pol.cfg.retrieval_tokens:
-                want = pol._select_pages(tree, qc[0, h * G : (h + 1) * G], pol.cfg.retrieval_tokens, scale=scale)
+                qg = qc[0, h * G : (h + 1) * G]
+                want = pol.tree_search.select_pages(tree, qg, pol.cfg.retrieval_tokens, scale=scale)
                 same.append(set(want.tolist()) == set(tok[0, h][tok[0, h] >= 0].tolist()))
         pol._stats.clear()
         pol._stats.update(saved)  # in place: the components count into the same dict
@@ -335,7 +335,7 @@ def test_cuda_device_search_full_budget_equals_dense_and_tracks_host(offload):
 
     pol.select = both
     greedy(model, x, cache=cache, new=24)
-    assert pol._device.forests  # auto on CUDA = the device search
+    assert pol.tree_search.device.forests  # auto on CUDA = the device search
     assert len(same) > 20 and sum(same) >= 0.8 * len(same)
 
 
@@ -533,11 +533,11 @@ def test_tree_first_built_during_decode_is_mirrored_whole(offload, static, monke
             assert "graph_error" not in st, st.get("graph_error")
             assert (st["graph_captures"] > 1) == static  # graphs run only with static shapes on the CPU
             pol.flush()
-            assert pol._device.forests  # the searches ran on the mirror
-            for layer, forest in pol._device.forests.items():
+            assert pol.tree_search.device.forests  # the searches ran on the mirror
+            for layer, forest in pol.tree_search.device.forests.items():
                 trees = pol.tree_jobs.trees[layer]
                 assert all(t is not None for t in trees)
-                forest = forest.update(trees, pol._device.staged.get(layer))
+                forest = forest.update(trees, pol.tree_search.device.staged.get(layer))
                 fresh = DCIForest(trees, "cpu", capacity=(forest.S, forest.Pc), static_shapes=forest.static)
                 for name in ("X", "proj", "dirs", "pt_page", "page_pos", "page_fill", "c", "root", "starts_at"):
                     assert torch.equal(getattr(forest, name), getattr(fresh, name)), (layer, name)

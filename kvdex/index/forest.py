@@ -269,7 +269,7 @@ class DCIForest:
         qk_scale: torch.Tensor | None = None,
         scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """IceCachePolicy._select_pages for R trees at once: ids/dot [R*G, k'] (global, the search's
+        """TreeSearch.select_pages for R trees at once: ids/dot [R*G, k'] (global, the search's
         output; the G query heads of row r are rows r*G ... r*G+G-1), rows_tree [R] (device). Returns
         token positions [R, T] (-1 padded, in page order) and the number of pages taken [R]."""
         return select_pages(self, ids, dot, rows_tree, G, room, cap, rule, merge, qk_scale, scale)

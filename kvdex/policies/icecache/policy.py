@@ -1,4 +1,3 @@
-# Over 400 lines: IceCache's options and their checks, the per-step tree search and the summary path's selection.
 """``icecache``: IceCache (Mao et al., 2025) -- semantic pages from a DCI-tree, per-head retrieval.
 
 Per sparse layer and (sequence, kv head) a DCI-tree (:mod:`kvdex.index.dci`) indexes the middle
@@ -37,17 +36,18 @@ the captured step too (``capturable_index``: ``reserve_index`` / ``joined`` / ``
 makes those pages on the device inside the prefill instead of from host trees: the trees' promotions, each
 key's exact nearest promoted point as its parent (:mod:`kvdex.index.leaf_pages`).
 
-The package, by concept: ``policy.py`` (this file: options, life cycle, the per-step selection by tree search or
-by summaries, reporting), ``tree_jobs.py`` (:class:`~kvdex.policies.icecache.tree_jobs.TreeJobs`: the host trees,
-their background jobs and the fork memo) and ``summary_pages.py`` (:class:`~kvdex.policies.icecache.summary_pages.
-SummaryPages`: the device semantic pages of ``search="summary"``). Each component owns its state.
+The package, by concept: ``policy.py`` (this file: options, life cycle, the per-step selection by summaries,
+reporting), ``tree_search.py`` (:class:`~kvdex.policies.icecache.tree_search.TreeSearch`: the paper's per-step
+tree searches and page choice, on host threads or batched on the device), ``tree_jobs.py``
+(:class:`~kvdex.policies.icecache.tree_jobs.TreeJobs`: the host trees, their background jobs and the fork memo) and
+``summary_pages.py`` (:class:`~kvdex.policies.icecache.summary_pages.SummaryPages`: the device semantic pages of
+``search="summary"``). Each component owns its state.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -55,20 +55,18 @@ from typing import Literal
 
 import torch
 
-from kvdex.index.dci import DCIParams, DCITree, transform_queries
-from kvdex.index.device_search import DeviceSearch
-from kvdex.index.pages import cat_rows, nsa_order, pad_rows, rank_order, take_pages
+from kvdex.index.dci import DCIParams
 from kvdex.index.summary import summary_stats
-from kvdex.index.workers import cpu_threads, run_all
 from kvdex.policies.base import Policy, PolicyInfo, register_policy
 from kvdex.policies.icecache.summary_pages import SummaryPages
 from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
+from kvdex.policies.icecache.tree_search import TreeSearch
 from kvdex.policies.rerank import check_share, fetched_token_scores, resolve_selection, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.storage.semantic import SemanticOffloadStore
-from kvdex.view import CaptureError, LayerView
+from kvdex.view import LayerView
 
 # The selection. kvdex's default (docs/policies/icecache.md, "Default configuration"): the semantic leaf pages built
 # on the device at prefill, every page scored from its min / max summary each step, the best pages (4 x max_pages, at
@@ -223,12 +221,16 @@ class IceCachePolicy(SelectEveryOption, Policy):
         self._lock = threading.Lock()
         self._stats = {k: 0.0 for k in ("build_s", "build_keys", "builds", "insert_s", "inserts", "wait_s")}
         self._stats.update(query_s=0.0, q_wait_s=0.0, queries=0, pages_selected=0, tokens_selected=0, builds_reused=0)
-        self._device = DeviceSearch()  # search="device": the layers' mirrors of their trees
-        self._services: dict = {}  # the engine's graph services the device search ran through (graphs=True)
         self._pools = HeldPools()  # pool_every: layer -> the held candidates' positions [R, N]
+        self.tree_search = TreeSearch(
+            self.cfg.budget, self._max_pages(), topk=self.topk, query_fov=self.query_fov, query_prop=self.query_prop,
+            max_pages=self.max_pages, budget_rule=self.budget_rule, group_merge=self.group_merge,
+            threads=self.threads, query_chunks=self.query_chunks, graphs=self.graphs, stats=self._stats,
+            lock=self._lock,
+        )  # fmt: skip
         self.tree_jobs = TreeJobs(
             self.cfg, self.params, seed=self.seed, search=self.search, summary=self.summary, threads=self.threads,
-            head_offset=info.head_offset, device=self._device, stats=self._stats, lock=self._lock,
+            head_offset=info.head_offset, device=self.tree_search.device, stats=self._stats, lock=self._lock,
         )  # fmt: skip
         self.summary_pages = SummaryPages(
             self.cfg, self.params, summary=self.summary, anchor_of=self.anchor_of, tree_jobs=self.tree_jobs,
@@ -308,47 +310,11 @@ class IceCachePolicy(SelectEveryOption, Policy):
                                       unit=self.rerank_unit, share=self.rerank_share, token_scores=by)  # fmt: skip
             return self._selected(layer, Selection(tokens=tokens), t0)
         pending = self.tree_jobs.sync(layer, store)
-        trees = self.tree_jobs.trees.get(layer)
-        B, H, G = view.batch, view.kv_heads, q.shape[1] // view.kv_heads
-        budget = view.retrieval_tokens
         on_device = self.search == "device" or (self.search == "auto" and q.device.type == "cuda")
-        qc = None if on_device else q.detach().float().cpu()  # the host search needs q on the CPU (a sync)
         t1 = time.perf_counter()
         self._stats["q_wait_s"] += t1 - t0  # waiting for the device to produce q (and applying jobs)
-        work, searches = [], []  # per (b, h): a result or a tree to pick pages from; search tasks
-        for b in range(B):
-            for h in range(H):
-                tree = trees[b * H + h] if trees is not None else None
-                n = (0 if tree is None else tree.n) + pending[b].numel()
-                if n <= budget:  # a top-k with k >= n is every key, indexed or being inserted
-                    work.append(pending[b] if tree is None else torch.cat([tree.pos, pending[b]]))
-                elif tree is None:
-                    work.append(torch.empty(0, dtype=torch.long))
-                else:  # Alg. 1: a page leaving the window this step is selectable from the next step
-                    work.append(tree)
-                    searches.append((len(work) - 1, tree, None if qc is None else qc[b, h * G : (h + 1) * G]))
-        if on_device:
-            return self._select_device(view, q, trees, work, searches, t1)
-        threads = self.threads or cpu_threads()
-        chunks = self.query_chunks or max(1, threads // max(1, len(searches)))
-        chunks = min(chunks, G)
-        if chunks == 1:  # one task per tree: its search and its page choice
-            tasks = [lambda t=t, qg=qg: self._select_pages(t, qg, budget, scale=scale) for _, t, qg in searches]
-        else:  # the group's query heads in `chunks` searches (rows are independent); pages chosen below
-            parts = [(t, part) for _, t, qg in searches for part in qg.tensor_split(chunks)]
-            tasks = [lambda t=t, part=part: self._search(t, part) for t, part in parts]
-        done = run_all(tasks, threads)  # the trees of one layer (and their heads) are searched in parallel
-        for j, (i, tree, _) in enumerate(searches):
-            if chunks == 1:
-                work[i] = done[j]
-            else:
-                found = cat_rows(done[j * chunks : (j + 1) * chunks])
-                work[i] = self._select_pages(tree, None, budget, found, scale)
-        pin = q.device.type == "cuda"
-        tokens = pad_rows(B * H, enumerate(work), pin).view(B, H, -1)
-        # the semantic store reads the CPU copy (no device round trip)
-        sel = Selection(tokens=tokens.to(q.device, non_blocking=pin), host_tokens=tokens)
-        return self._selected(layer, sel, t1)  # query_s: tree searches + page choice, on the CPU
+        sel = self.tree_search.select(q, view, self.tree_jobs.trees.get(layer), pending, on_device)
+        return self._selected(layer, sel, t1)  # query_s: tree searches + page choice (device: issuing them)
 
     def reuse_steps(self) -> int:
         return self.pool_every if self.pool_every > 1 else self.select_every
@@ -379,20 +345,6 @@ class IceCachePolicy(SelectEveryOption, Policy):
                              "offload=False, or rerank_unit=token")  # fmt: skip
         return None, partial(fetched_token_scores, qd, view, group=self.rerank_group)
 
-    def _select_device(self, view, q, trees, work, searches, t1) -> Selection:
-        """The layer's tree searches as one batched search on q's device (:class:`DeviceSearch`; ``graphs``:
-        replayed through ``view.graphs``): the host path's M-DCI / P-DCI and page choice, no host sync."""
-        k = self.topk or view.budget  # Alg. 3's k (see _search)
-        cap = (self.max_pages or 1 << 40) if self.budget_rule == "keys" else self._max_pages()
-        service = view.graphs if self.graphs and view.graphs is not None and view.graphs.usable(q.device) else None
-        tokens = self._device.select(
-            view.layer, trees, q, work, [i for i, _, _ in searches], k, self.query_fov or k, self.query_prop,
-            view.retrieval_tokens, cap, self.budget_rule, self.group_merge, view.scale,
-            None if service is None else partial(self._graph_run, service),
-        )  # fmt: skip
-        sel = Selection(tokens=tokens.view(q.shape[0], len(work) // q.shape[0], -1))
-        return self._selected(view.layer, sel, t1)  # query_s: host time to issue the search (device: asynchronous)
-
     def _selected(self, layer, sel: Selection, t1: float) -> Selection:
         self._last[layer] = sel
         self._stats["query_s"] += time.perf_counter() - t1
@@ -402,9 +354,9 @@ class IceCachePolicy(SelectEveryOption, Policy):
     # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: summary_pages.py) ----
     def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         if self.search == "summary":
-            return None
+            return None if self.capturable else "icecache's offloaded rerank reads the candidates' keys from the host"
         return (f"policy 'icecache' with search={self.search!r} searches trees with host-driven shapes and threads; "
-                "icecache:search=summary is capturable")  # fmt: skip
+                "icecache (its default, search=summary) is capturable")  # fmt: skip
 
     def _graph_key(self, stores) -> tuple | None:
         """None while a prefill build is pending (joined by an eager step), else every device tensor the
@@ -418,62 +370,17 @@ class IceCachePolicy(SelectEveryOption, Policy):
     def _graph_replayed(self) -> None:
         self._stats["queries"] += len(self.summary_pages.pages)
 
-    def _graph_run(self, service, layer, sig, run, qd, keep=()):
-        """``run(qd)`` through the layer's graph in the engine's graph ``service`` (``GraphService.run``)."""
-        self._services[id(service)] = service  # stats: its captures and replays
-        try:
-            return service.run(layer, sig, run, qd, keep)
-        except CaptureError as err:  # not capturable here: eager from now on, said in stats and a warning
-            e = err.__cause__
-            self.graphs = False
-            self._stats["graph_error"] = repr(e)[:300]
-            warnings.warn(f"icecache: CUDA graph capture failed, searching eagerly: {e!r}", stacklevel=2)
-            return run(qd)
-
-    def _search(self, tree: DCITree, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query head's top-k keys (M-DCI, Algorithm 4): point ids [G, k'] in descending order
-        (-1 padded) and their inner products q.k [G, k'] (-inf padded)."""
-        # Alg. 3's k is the cache budget (the paper's "budget 64" retrieves the top-64 keys; sink and
-        # window pages are kept on top, App. A). The pages attended still fit the retrieval budget
-        # in tokens (kvdex's equal-budget rule). k = budget - sink - window (16 at budget 64) made
-        # the M-DCI beam too narrow to find the needle: docs/policies/icecache.md, "budget 64".
-        k = self.topk or self.cfg.budget
-        ids, dot = tree.search(transform_queries(qg), k, 0, self.query_fov or k, self.query_prop, collect_all=True)
-        # dot = T_Q(q).T_K(k) = q.k / (c |q|) (eq. 2/3), so q.k = dot * c * |q|
-        return ids, dot * (tree.c * qg.float().norm(dim=-1, keepdim=True))
-
-    def _select_pages(self, tree: DCITree, qg, room: int, found=None, scale: float = 1.0) -> torch.Tensor:
-        """Token positions of the pages holding each query head's top-k keys (GQA union), qg [G, D]
-        (or the search's ``found`` = (ids, q.k) [G, k'])."""
-        ids, qk = self._search(tree, qg) if found is None else found
-        ordered = nsa_order(tree, ids, qk, scale) if self.group_merge == "nsa" else rank_order(tree, ids)
-        return self._take_pages(tree, ordered, room)
-
-    def _take_pages(self, tree: DCITree, ordered: torch.Tensor, room: int) -> torch.Tensor:
-        """Token positions of the pages ``ordered`` (best first) that fit ``room`` tokens."""
-        if self.budget_rule == "keys":  # the paper's accounting: every page of the top-k keys
-            room, cap = int(tree.page_fill.sum()), self.max_pages or ordered.numel()
-        else:
-            cap = self._max_pages()
-        chosen, pos = take_pages(tree, ordered, room, cap)
-        with self._lock:  # the host searches of a layer run on several threads: += on a dict item is not atomic
-            self._stats["pages_selected"] += chosen.numel()
-            self._stats["tokens_selected"] += pos.numel()
-        return pos
-
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         s = dict(self._stats)
-        pages, tokens = self._device.selected()
-        s["pages_selected"] += pages
-        s["tokens_selected"] += tokens
+        searched = self.tree_search.counts()
+        s["pages_selected"] += searched["pages"]
+        s["tokens_selected"] += searched["tokens"]
         if self.summary_pages.pages:  # search="summary": pages on the device, their index bytes vs the KV they hold
             for k, v in summary_stats(self.summary_pages.pages.values()).items():
                 s[k] = s.get(k, 0) + v
         s["clamped_keys"] = sum(self.tree_jobs.clamped.values())
-        services = self._services.values()
-        s["graph_captures"] = sum(g.captures for g in services)
-        s["graph_replays"] = sum(g.replays for g in services)
+        s["graph_captures"], s["graph_replays"] = searched["graph_captures"], searched["graph_replays"]
         s["build_s"] += self.summary_pages.built_s()
         if s["build_keys"]:
             s["build_s_per_32k_keys"] = s["build_s"] / s["build_keys"] * 32768
