@@ -273,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvdex.bench.cli import register as _register_bench
 
     _register_bench(sub)  # kvdex bench (kvdex/bench)
-    from kvdex.bench.soak import register as _register_soak
+    from kvdex.bench.soak.cli import register as _register_soak
 
-    _register_soak(sub)  # kvdex soak: memory over thousands of decode steps (kvdex/bench/soak.py)
+    _register_soak(sub)  # kvdex soak: memory over thousands of decode steps (kvdex/bench/soak)
     _add_calibrate(sub)
     from kvdex.models import register as _register_models
 
