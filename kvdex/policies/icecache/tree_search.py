@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -70,11 +71,12 @@ class TreeSearch:
             return self._select_device(view, q, trees, work, searches)
         threads = self.threads or cpu_threads()
         chunks = min(self.query_chunks or max(1, threads // max(1, len(searches))), G)
+        tasks: list[Callable[[], object]]
         if chunks == 1:  # one task per tree: its search and its page choice
-            tasks = [lambda t=t, qg=qg: self.select_pages(t, qg, budget, scale=scale) for _, t, qg in searches]
+            tasks = [partial(self.select_pages, t, qg, budget, scale=scale) for _, t, qg in searches]
         else:  # the group's query heads in `chunks` searches (rows are independent); pages chosen below
-            parts = [(t, part) for _, t, qg in searches for part in qg.tensor_split(chunks)]
-            tasks = [lambda t=t, part=part: self.search(t, part) for t, part in parts]
+            parts = [(t, part) for _, t, qg in searches if qg is not None for part in qg.tensor_split(chunks)]
+            tasks = [partial(self.search, t, part) for t, part in parts]
         done = run_all(tasks, threads)  # the trees of one layer (and their heads) are searched in parallel
         for j, (i, tree, _) in enumerate(searches):
             if chunks == 1:
