@@ -284,9 +284,9 @@ def test_triton_page_cache_step_matches_twin(c, chunk, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("store-level comparison on host tensors: interpreter only (the CUDA end-to-end test covers GPU)")
     monkeypatch.setenv("KVDEX_PC_FUSED", "1")
-    from kvdex.kernels import uva as uva_mod
+    from kvdex.kernels import page_cache_triton
 
-    monkeypatch.setattr(uva_mod, "_PC_CHUNK", chunk)  # several tag chunks per program when chunk < C
+    monkeypatch.setattr(page_cache_triton, "_PC_CHUNK", chunk)  # several tag chunks per program when chunk < C
     twin, kern = _store(c), _store(c, uva=True)
     twin.host._uva = None
     assert kern._pc_fused() is not None and twin._pc_fused() is None

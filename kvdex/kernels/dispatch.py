@@ -3,8 +3,9 @@
 A Triton kernel module of ``kvdex.kernels`` is used when
 
 * its environment switch is not ``0``: ``KVDEX_TRITON`` for every kernel module except the host-memory
-  gathers of ``uva``, which have their own ``KVDEX_UVA`` (offloaded stores and CUDA-graph decoding
-  depend on them separately from the compute kernels);
+  gathers of ``uva`` and the page-cache bookkeeping that runs with them (``page_cache_triton``), which
+  have their own ``KVDEX_UVA`` (offloaded stores and CUDA-graph decoding depend on them separately from
+  the compute kernels);
 * triton imports (the package works without it: every kernel has a PyTorch twin);
 * the tensors passed as ``on=`` are CUDA tensors. On the CPU the PyTorch twins run, also under
   ``TRITON_INTERPRET=1``: the interpreter tests call the Triton functions directly.
@@ -21,7 +22,7 @@ import os
 import torch
 
 # kernel module -> the environment variable that turns it off ("0"); others: KVDEX_TRITON
-_SWITCHES = {"uva": "KVDEX_UVA"}
+_SWITCHES = {"uva": "KVDEX_UVA", "page_cache_triton": "KVDEX_UVA"}
 
 
 def switched_on(module: str = "") -> bool:

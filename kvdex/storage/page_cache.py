@@ -2,7 +2,7 @@
 describes it): C page slots per (sequence, kv head) at the front of the working set that keep recently
 selected pages, so a step transfers only the selected pages that are not there yet. Hits, misses and
 slot choices are made on the device with static shapes (graph-capturable), by one Triton kernel
-(``kvdex.kernels.uva.page_cache_step``) or its PyTorch twin below.
+(``kvdex.kernels.page_cache_triton.page_cache_step``) or its PyTorch twin below.
 
 :class:`PageCacheMixin` holds the methods; :class:`~kvdex.storage.offload.OffloadStore` owns the state
 (``page_cache``, ``host``, ``fixed``, the device buffers ``k`` / ``v``).
@@ -14,6 +14,8 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+
+from kvdex.kernels.dispatch import triton_kernel
 
 if TYPE_CHECKING:
     from kvdex.storage.host import HostPages
@@ -57,13 +59,13 @@ class PageCacheMixin:
         return {"hits": hits, "misses": misses, "bytes_moved": misses * page}
 
     def _pc_fused(self):
-        """kvdex.kernels.uva when the bookkeeping runs as one Triton kernel (UVA stores, at most 512 slots;
-        ``KVDEX_PC_FUSED=0`` turns it off), else None (the PyTorch ops below, the kernel's twin). On by
+        """kvdex.kernels.page_cache_triton when the bookkeeping runs as one Triton kernel (UVA stores, at most
+        512 slots; ``KVDEX_PC_FUSED=0`` turns it off), else None (the PyTorch ops below, the kernel's twin). On by
         default: one kernel instead of a dozen small ones per layer and step; its GPU test decodes
         bit-identically to the PyTorch bookkeeping."""
         if self.host._uva is None or os.environ.get("KVDEX_PC_FUSED", "1") != "1" or self.page_cache > 512:
             return None
-        return self.host._uva
+        return triton_kernel("page_cache_triton")
 
     def _cached_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """Make every selected page resident in the pool; returns the rows of the selected pages' tokens in
