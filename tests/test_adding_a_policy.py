@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import test_contract as C
 
-from kvdex.policies import base
+from kvdex.policies import registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-policy.md"
 
@@ -17,11 +17,11 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-policy.md"
 @pytest.fixture
 def pagemean(monkeypatch):
     """Register the doc's example in a copy of the registry (the built-in registry is left as it was)."""
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     block = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
     namespace: dict = {"__name__": "kvdex_doc_example"}
     exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102  (the documentation's own code)
-    assert "pagemean" in base.policies()
+    assert "pagemean" in registry.policies()
     yield "pagemean"
 
 

@@ -12,7 +12,7 @@ from conftest import build_pair, prompt, shared_pair
 import kvdex
 from kvdex import cache_kwargs
 from kvdex.config import CacheConfig
-from kvdex.policies import base as policy_base
+from kvdex.policies import registry as policy_registry
 
 
 def test_policies_lists_builtins():
@@ -75,7 +75,7 @@ def test_unknown_policy_option_lists_options(llama, monkeypatch):
         kvdex.Cache(model, "quest", 96, foo=1)
 
     # a policy with options lists them
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.setattr(policy_registry, "_REGISTRY", dict(policy_registry._REGISTRY))
 
     @kvdex.register_policy
     @dataclasses.dataclass

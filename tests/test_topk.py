@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import CUDA, DEV, INTERP, run_kernels
 
-from kvdex.policies.base import topk_ids as seam_topk_ids
+from kvdex.kernels.scoring import topk_ids as seam_topk_ids
 
 
 def _twin():

@@ -30,7 +30,7 @@ from kvdex.hf.compiled_layers import CompiledLayers, _compile_mode
 
 def graph_policies() -> list[str]:
     """Registered policies whose decode step can be captured (with a suitable store)."""
-    from kvdex.policies.base import policy_classes
+    from kvdex.policies.registry import policy_classes
 
     return sorted(n for n, cls in policy_classes().items() if cls.capturable)
 

@@ -40,7 +40,8 @@ from kvdex.hf.compat import cache_kwargs
 from kvdex.hf.loading import enable
 from kvdex.models import resolve_model
 from kvdex.policies import make_policy, policies
-from kvdex.policies.base import parse_policy_spec, policy_class
+from kvdex.policies.registry import policy_class
+from kvdex.policies.spec import parse_policy_spec
 
 # kvdex.Cache's keyword arguments (sizes, offload, page_cache, ...): the CacheConfig fields besides budget
 CACHE_ARGS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name != "budget")

@@ -30,8 +30,11 @@ from typing import Literal
 
 import torch
 
-from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy, topk_ids
+from kvdex.kernels.scoring import topk_ids
+from kvdex.policies.base import PolicyInfo
 from kvdex.policies.digest import DigestIndex
+from kvdex.policies.page_scoring import PageScoringPolicy
+from kvdex.policies.registry import register_policy
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import JoinFreePolicy, PolicyInfo, group_reduce, register_policy, topk_ids
+from kvdex.kernels.scoring import group_reduce, topk_ids
+from kvdex.policies.base import JoinFreePolicy, PolicyInfo
 from kvdex.policies.observation import attention_mass, obs_rows
+from kvdex.policies.registry import register_policy
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
 from kvdex.storage import AttendSet, LayerStore, MiddleUpdate

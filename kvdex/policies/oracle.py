@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import IndexFreePolicy, group_reduce, register_policy, topk_ids
+from kvdex.kernels.scoring import group_reduce, topk_ids
+from kvdex.policies.base import IndexFreePolicy
+from kvdex.policies.registry import register_policy
 from kvdex.policies.reuse import SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore

@@ -12,7 +12,7 @@ group combine when ranking pages -- ``"max"`` (default, as above), ``"sum"`` of 
 taken round-robin over the heads' rankings (every head's best page first) until the budget is filled.
 
 ``rerank`` / ``rerank_group`` / ``rerank_share`` (kvdex options,
-:class:`~kvdex.policies.base.PageScoringPolicy`; default 0, the paper): the bounds choose ``rerank x`` as many
+:class:`~kvdex.policies.page_scoring.PageScoringPolicy`; default 0, the paper): the bounds choose ``rerank x`` as many
 candidate pages (``rerank_share``: at least that share of the middle's pages) and the best tokens of them by
 exact q.k are attended (:mod:`kvdex.policies._rerank`; docs/policies/quest.md).
 """
@@ -27,7 +27,9 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.scoring import mask_pages, page_bounds, quest_page_scores
-from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
+from kvdex.policies.base import PolicyInfo
+from kvdex.policies.page_scoring import PageScoringPolicy
+from kvdex.policies.registry import register_policy
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
 

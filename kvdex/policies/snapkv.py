@@ -26,8 +26,10 @@ from typing import Literal
 
 import torch
 
-from kvdex.policies.base import JoinFreePolicy, PolicyInfo, register_policy, topk_ids
+from kvdex.kernels.scoring import topk_ids
+from kvdex.policies.base import JoinFreePolicy, PolicyInfo
 from kvdex.policies.observation import QueryRing, RefreshSchedule, check_kernel, middle_scores, obs_rows
+from kvdex.policies.registry import register_policy
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate
 from kvdex.view import LayerView

@@ -1,5 +1,5 @@
 """Policy spec strings (``"name:KEY=VALUE:..."``) and the typing of their option values: the text side of
-:func:`kvdex.policies.base.make_policy`."""
+:func:`kvdex.policies.registry.make_policy`."""
 
 from __future__ import annotations
 

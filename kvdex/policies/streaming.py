@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdex.policies.base import IndexFreePolicy, register_policy
+from kvdex.policies.base import IndexFreePolicy
+from kvdex.policies.registry import register_policy
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore
 from kvdex.view import LayerView

@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from kvdex.policies.base import Policy, PolicyInfo, register_policy
+from kvdex.policies.base import Policy, PolicyInfo
 from kvdex.policies.chess.hierarchy import Hierarchy
 from kvdex.policies.chess.layer_scope import LayerScope
 from kvdex.policies.chess.levels import PRESETS
@@ -60,6 +60,7 @@ from kvdex.policies.chess.scope import BuildLog, ScopeSettings
 from kvdex.policies.chess.shared_scope import SharedScope
 from kvdex.policies.chess.trigger import Trigger, load_thresholds
 from kvdex.policies.digest import DigestIndex
+from kvdex.policies.registry import register_policy
 from kvdex.policies.rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin

@@ -57,10 +57,11 @@ import torch
 
 from kvdex.index.dci import DCIParams
 from kvdex.index.summary import summary_stats
-from kvdex.policies.base import Policy, PolicyInfo, register_policy
+from kvdex.policies.base import Policy, PolicyInfo
 from kvdex.policies.icecache.summary_pages import SummaryPages
 from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
 from kvdex.policies.icecache.tree_search import TreeSearch
+from kvdex.policies.registry import register_policy
 from kvdex.policies.rerank import check_share, fetched_token_scores, resolve_selection, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection

@@ -14,8 +14,9 @@ from typing import Literal
 
 import torch
 
-from kvdex.policies.base import PolicyInfo, register_policy
+from kvdex.policies.base import PolicyInfo
 from kvdex.policies.pariskv.policy import ParisKVPolicy
+from kvdex.policies.registry import register_policy
 
 
 def kmeans(

@@ -52,9 +52,10 @@ import torch
 
 from kvdex.kernels import pariskv as K
 from kvdex.kernels.scoring import topk_ids
-from kvdex.policies.base import Policy, PolicyInfo, register_policy
+from kvdex.policies.base import Policy, PolicyInfo
 from kvdex.policies.pariskv.pool import PoolSizes
 from kvdex.policies.pariskv.summary import KeySummary
+from kvdex.policies.registry import register_policy
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin

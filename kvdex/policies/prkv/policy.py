@@ -70,11 +70,13 @@ import torch
 
 from kvdex.kernels.scoring import mask_pages
 from kvdex.policies.arkvale import _ids
-from kvdex.policies.base import PageScoringPolicy, PolicyInfo, register_policy
+from kvdex.policies.base import PolicyInfo
 from kvdex.policies.digest import DigestIndex
 from kvdex.policies.observation import QueryRing, RefreshSchedule, check_kernel, obs_rows
+from kvdex.policies.page_scoring import PageScoringPolicy
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.policies.prkv.static_set import StaticSet, split_budget
+from kvdex.policies.registry import register_policy
 from kvdex.policies.rerank import resolve_selection
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
