@@ -2,12 +2,8 @@
 owns what). Importing it registers the policy."""
 
 from kvdex.policies.chess.levels import PRESETS, count_mask, entropy_varentropy, level_mask, window_keys
-from kvdex.policies.chess.policy import (
-    DEFAULT_SELECTION,
-    PLAIN_SELECTION,
-    ChessPolicy,
-    resolve_selection_options,
-)
+from kvdex.policies.chess.options import DEFAULT_SELECTION, PLAIN_SELECTION, resolve_selection_options
+from kvdex.policies.chess.policy import ChessPolicy
 from kvdex.policies.chess.trigger import DEFAULT_THRESHOLDS
 
 __all__ = [

@@ -1,4 +1,3 @@
-# Over 400 lines: CHESS's options, their resolution and the life cycle over its components (hierarchy, trigger, scopes).
 """``chess``: CHESS (Fei et al.) -- Grid -> Chunk -> Page page selection, rebuilt only when the output
 distribution becomes uncertain (the paper: key-key, one context for every layer; default: scored by each
 layer's queries against its pages' digests).
@@ -26,7 +25,8 @@ Mechanism (the CHESS paper, §3, Algorithm 1; docs/policies/chess.md):
 
 Where the paper is vague, the choices (and why) are in comments marked ``CHOICE`` and in the docs.
 
-The package, by concept: ``policy.py`` (this file: options, the life cycle, the counters), ``hierarchy.py``
+The package, by concept: ``policy.py`` (this file: the options, the life cycle, the counters), ``options.py`` (the
+defaults the paper leaves open, the selection options' resolution), ``hierarchy.py``
 (:class:`~kvdex.policies.chess.hierarchy.Hierarchy`: the page/chunk/grid buffer, eq. 1-4 and the masks),
 ``shared_scope.py`` and ``layer_scope.py`` (the two ways a selection is built and served), ``trigger.py``
 (:class:`~kvdex.policies.chess.trigger.Trigger`: when to rebuild), ``levels.py`` (pure tensor arithmetic) and
@@ -36,12 +36,12 @@ kvdex's default goes beyond the paper in named options, chosen by the scorecard 
 (docs/policies/chess.md): ``anchor_from="query"`` scores the hierarchy with the decode step's queries
 instead of the window's keys, and ``scope="layer"`` (``layer_scope.py``) gives every sparse layer its
 own selection per kv head, built inside ``select`` from that step's queries; its selection
-(:data:`DEFAULT_SELECTION`) scores the hierarchy's pages by ArkVale's digests (``units="digest"``,
-chunks and grids by their pages' max), takes its top pages, at least a quarter of the middle's, as
-candidates and keeps their best pages by exact softmax weight (``rerank=4``, ``rerank_unit="page"``,
-``rerank_group="weight"``, ``rerank_share=0.25``) until the next rebuild. Naming any selection option
-starts the others from :data:`PLAIN_SELECTION` (``chess:rerank=0``: the hierarchy's own top pages by
-mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=shared``.
+(:data:`~kvdex.policies.chess.options.DEFAULT_SELECTION`) scores the hierarchy's pages by ArkVale's digests
+(``units="digest"``, chunks and grids by their pages' max), takes its top pages, at least a quarter of the
+middle's, as candidates and keeps their best pages by exact softmax weight (``rerank=4``, ``rerank_unit="page"``,
+``rerank_group="weight"``, ``rerank_share=0.25``) until the next rebuild. Naming any selection option starts the
+others from :data:`~kvdex.policies.chess.options.PLAIN_SELECTION` (``chess:rerank=0``: the hierarchy's own top
+pages by mean key). The paper's mode, exactly as above: ``chess:anchor_from=window:scope=shared``.
 """
 
 from __future__ import annotations
@@ -56,45 +56,23 @@ from kvdex.policies.base import Policy, PolicyInfo
 from kvdex.policies.chess.hierarchy import Hierarchy
 from kvdex.policies.chess.layer_scope import LayerScope
 from kvdex.policies.chess.levels import PRESETS
+from kvdex.policies.chess.options import (
+    DEFAULT_CHUNK_PAGES,
+    DEFAULT_GRID_CHUNKS,
+    DEFAULT_INTERVAL_PAGES,
+    resolve_selection_options,
+)
 from kvdex.policies.chess.scope import BuildLog, ScopeSettings
 from kvdex.policies.chess.shared_scope import SharedScope
 from kvdex.policies.chess.trigger import Trigger, load_thresholds
 from kvdex.policies.digest import DigestIndex
 from kvdex.policies.registry import register_policy
-from kvdex.policies.rerank import RerankOption, candidate_pages, rerank_tokens, resolve_selection
+from kvdex.policies.rerank import RerankOption, candidate_pages, rerank_tokens
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
 
-__all__ = ["DEFAULT_SELECTION", "PLAIN_SELECTION", "ChessPolicy", "resolve_selection_options"]
-
-# CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
-# 512 tokens at page size 32) keep >= 8 grids at 4k tokens, so the grid quantile is not a coin
-# flip between two halves of a short context, and ~60 grids at 32k.
-DEFAULT_CHUNK_PAGES = 4
-DEFAULT_GRID_CHUNKS = 4
-# Appendix C's fixed-interval baseline rebuilds "every 6 pages" of generated tokens.
-DEFAULT_INTERVAL_PAGES = 6
-
-# How a build picks pages. kvdex's default (docs/policies/chess.md, "Default configuration"): the hierarchy is
-# scored by ArkVale's page digests (chunks and grids by their pages' max), its top pages -- at least a quarter of
-# the middle's -- are candidates, and the candidates' best pages by their keys' exact softmax weights are kept
-# until the next rebuild. PLAIN_SELECTION: the hierarchy's own top pages by q . mean key (the paper's units).
-DEFAULT_SELECTION = {"group": "max", "units": "digest", "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25,
-                     "rerank_unit": "page"}  # fmt: skip
-PLAIN_SELECTION = {"group": "max", "units": "mean", "rerank": 0, "rerank_group": "max", "rerank_share": 0.0,
-                   "rerank_unit": "token"}  # fmt: skip
-
-
-def resolve_selection_options(policy) -> None:
-    """Fill the selection options left at None: none named, in budget mode with ``scope="layer"`` and
-    ``anchor_from="query"`` (kvdex's default mode) -> :data:`DEFAULT_SELECTION`; otherwise (any of them named,
-    the paper's mode ``anchor_from=window:scope=shared``, a preset or ratios) the others take
-    :data:`PLAIN_SELECTION`'s values, so ``chess:rerank=0`` is the hierarchy's own top pages by mean key."""
-    ratio_mode = bool(policy.preset) or any(getattr(policy, r) is not None for r in ("rho_g", "rho_c", "rho_p"))
-    kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
-    resolve_selection(policy, DEFAULT_SELECTION, PLAIN_SELECTION, allowed=kvdex_mode)
-
+__all__ = ["ChessPolicy"]
 
 @register_policy
 @dataclass

@@ -1,0 +1,33 @@
+"""CHESS's option defaults where the paper is silent, and how a spec's selection options resolve (kvdex's default
+selection or the plain hierarchy's): :func:`resolve_selection_options`."""
+
+from __future__ import annotations
+
+from kvdex.policies.rerank import resolve_selection
+
+# CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
+# 512 tokens at page size 32) keep >= 8 grids at 4k tokens, so the grid quantile is not a coin
+# flip between two halves of a short context, and ~60 grids at 32k.
+DEFAULT_CHUNK_PAGES = 4
+DEFAULT_GRID_CHUNKS = 4
+# Appendix C's fixed-interval baseline rebuilds "every 6 pages" of generated tokens.
+DEFAULT_INTERVAL_PAGES = 6
+
+# How a build picks pages. kvdex's default (docs/policies/chess.md, "Default configuration"): the hierarchy is
+# scored by ArkVale's page digests (chunks and grids by their pages' max), its top pages -- at least a quarter of
+# the middle's -- are candidates, and the candidates' best pages by their keys' exact softmax weights are kept
+# until the next rebuild. PLAIN_SELECTION: the hierarchy's own top pages by q . mean key (the paper's units).
+DEFAULT_SELECTION = {"group": "max", "units": "digest", "rerank": 4, "rerank_group": "weight", "rerank_share": 0.25,
+                     "rerank_unit": "page"}  # fmt: skip
+PLAIN_SELECTION = {"group": "max", "units": "mean", "rerank": 0, "rerank_group": "max", "rerank_share": 0.0,
+                   "rerank_unit": "token"}  # fmt: skip
+
+
+def resolve_selection_options(policy) -> None:
+    """Fill the selection options left at None: none named, in budget mode with ``scope="layer"`` and
+    ``anchor_from="query"`` (kvdex's default mode) -> :data:`DEFAULT_SELECTION`; otherwise (any of them named,
+    the paper's mode ``anchor_from=window:scope=shared``, a preset or ratios) the others take
+    :data:`PLAIN_SELECTION`'s values, so ``chess:rerank=0`` is the hierarchy's own top pages by mean key."""
+    ratio_mode = bool(policy.preset) or any(getattr(policy, r) is not None for r in ("rho_g", "rho_c", "rho_p"))
+    kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
+    resolve_selection(policy, DEFAULT_SELECTION, PLAIN_SELECTION, allowed=kvdex_mode)
