@@ -1,4 +1,3 @@
-# Over 400 lines: transformers' Cache protocol in one class (its checks, hooks, sizes and forks share state).
 """``kvdex.Cache``: a transformers ``Cache`` that stores KV in pages and attends to a budget.
 
 Data flow of one decoding step through one sparse layer (docs/architecture.md draws it):
@@ -37,6 +36,8 @@ from kvdex.config import (
 from kvdex.engine import GraphService, SelectionReuse, StepCounters, make_store
 from kvdex.engine.graphs import StepGraphs
 from kvdex.hf import compiled_ops
+from kvdex.hf.cache_checks import check_continues, check_retrieves
+from kvdex.hf.cache_report import cache_stats
 from kvdex.hf.distributed import tensor_parallel
 from kvdex.hf.layer import OBS_KEEP, KVDexLayer, _on_device  # noqa: F401 (re-exported)
 from kvdex.hf.step_backend import WholeStep
@@ -100,7 +101,7 @@ class Cache(HFCache):
         dense = [i < dense_layers for i in range(n)]
         sparse = tuple(i for i in range(n) if not dense[i])
         offset = self.tp.rank * kv_heads
-        _check_retrieves(self.config, self.policy)
+        check_retrieves(self.config, self.policy)
         self.policy.bind(PolicyInfo(self.config, n, sparse, q_heads, kv_heads, head_dim, offset, self.tp))
         self.grid = Grid(sink, page_size, self.config.window_pages)
         self._hook = None
@@ -231,25 +232,7 @@ class Cache(HFCache):
         than what the cache holds), a different batch size. A new prompt longer than what the cache holds
         reaches the model as its tail only, with the positions of a continuation, and cannot be told from
         one here: create a cache per prompt or call :meth:`reset` (docs/usage.md)."""
-        held = self.layers[0].seen
-        store = self.layers[0].store
-        if held == 0 or store is None:
-            return
-        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):  # prepared masks: positions
-            attention_mask = None
-        batch = store.batch
-        ref = input_ids if input_ids is not None else attention_mask
-        if ref is not None and ref.shape[0] != batch:
-            raise ValueError(_reuse_message(held, f"a batch of {ref.shape[0]} sequences where it holds {batch}"))
-        if attention_mask is not None and attention_mask.shape[1] != held + width:
-            got = f"{width} new token(s) with an attention mask of {attention_mask.shape[1]} columns"
-            raise ValueError(_reuse_message(held, f"{got}, not {held} + {width}"))
-        if attention_mask is None and position_ids is not None and width > 1:  # one read of the first positions
-            first = position_ids[:, 0].to("cpu").reshape(-1)
-            real = store.lengths_host.reshape(-1)
-            if first.shape == real.shape and not torch.equal(first, real.to(first.dtype)):
-                got = f"{width} new token(s) from position {first.tolist()}, not {real.tolist()}"
-                raise ValueError(_reuse_message(held, got))
+        check_continues(self, input_ids, width, attention_mask, position_ids)
 
     def check_module(self, module: torch.nn.Module, layer_idx: int) -> None:
         """The layer protocol (:class:`~kvdex.hf.layer.KVDexLayer`): ValueError unless ``module`` is the attention
@@ -396,89 +379,12 @@ class Cache(HFCache):
 
     # ---- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Sizes, memory, transfers, attended tokens and (with ``timing=True``) time per phase.
+        """Sizes, memory, transfers, attended tokens and (with ``timing=True``) time per phase
+        (:func:`kvdex.hf.cache_report.cache_stats`).
 
         Under tensor parallelism bytes, transfers and page-cache counts are totals over the ranks
         (one all-reduce: call ``stats()`` on every rank); timings are this rank's."""
-        layers = [lay for lay in self.layers if lay.store is not None]
-        dev = sum(lay.store.device_bytes() for lay in layers)
-        host = sum(lay.store.host_bytes() for lay in layers)
-        lengths = layers[0].store.lengths_host.tolist() if layers else []
-        sparse = [lay for lay in layers if not lay.dense]
-        t = self.transfer
-        pcs = [lay.store.page_cache_stats() for lay in sparse if lay.store.page_cache]
-        pc = [sum(p[k] for p in pcs) for k in ("hits", "misses", "bytes_moved")]
-        cnt = self.counters
-        attended = float(cnt.attended) if cnt.attended is not None else 0.0
-        counts = self.tp.sum_values(dev, host, t.h2d_bytes, t.d2h_bytes, t.h2d_calls, attended, *pc)
-        dev, host, h2d, d2h, calls, hits, misses, moved = (int(v) for v in counts[:5] + counts[6:])
-        per_head = None
-        if cnt.attended is not None and sparse:
-            b, h = sparse[0].store.batch, sparse[0].store.kv_heads * self.tp.size
-            per_head = counts[5] / (cnt.calls * b * h)
-        c = self.config
-        out = {
-            "policy": self.policy.name,
-            "policy_options": self.policy.options(),
-            "budget": c.budget if self.policy.uses_budget else None,
-            "page_size": c.page_size,
-            "sink": c.sink,
-            "window": c.window,
-            "retrieval_tokens": c.retrieval_tokens if self.policy.uses_budget else None,
-            "dense_layers": c.dense_layers,
-            "sparse_layers": len(self.policy.info.sparse_layers),
-            "offload": c.offload,
-            "context_tokens": lengths,
-            "decode_steps": max(self.step, 0),
-            "kv_bytes_device": dev,
-            "kv_bytes_host": host,
-            "bytes_host_to_device": h2d,
-            "bytes_device_to_host": d2h,
-            "host_to_device_transfers": calls,
-            "attended_tokens_per_step": per_head,
-            "tensor_parallel_ranks": self.tp.size,
-            "policy_stats": self.policy.stats(),
-        }
-        # the decode steps that selected anew and those that attended the last selection (select_every > 1)
-        every = self.policy.reuse_steps()
-        selected, reused = (self.reuse.selected, self.reuse.reused) if every > 1 else (out["decode_steps"], 0)
-        out["selection_steps"] = {"select_every": every, "selected": selected, "reused": reused}
-        if pcs:  # offloaded with a device page cache: its hits, and the bytes it moved (not in the line above)
-            out["page_cache"] = {
-                "slots": self.page_cache,
-                "hits": hits,
-                "misses": misses,
-                "hit_rate": hits / (hits + misses) if hits + misses else None,
-                "bytes_moved": moved,
-            }
-        if c.timing:
-            steps = max(self.step, 1)
-            out["time_ms_per_step"] = {k: v / steps for k, v in sorted(self.counters.timing.items())}
-        return out
-
-
-def _reuse_message(held: int, got: str) -> str:
-    return (
-        f"this kvdex.Cache already holds {held} tokens of an earlier input, and got {got}: the input does not "
-        "continue them. Create a new kvdex.Cache for each prompt (or call cache.reset()), or, to continue a "
-        "conversation, pass the whole conversation (earlier input + generated tokens + new tokens) with its "
-        "attention_mask"
-    )
-
-
-def _check_retrieves(config: CacheConfig, policy) -> None:
-    """A budget that leaves no room for retrieval after sink + window would attend only those: refused."""
-    if not policy.uses_budget:
-        return
-    unit = policy.smallest_retrieval(config.page_size)
-    if config.retrieval_tokens < unit:
-        need = config.sink + config.window + unit
-        what = "token" if unit == 1 else f"page ({unit} tokens)"
-        raise ValueError(
-            f"budget {config.budget} leaves {config.retrieval_tokens} tokens for retrieval after sink {config.sink} "
-            f"+ window {config.window}, less than one {what}: {policy.name} would retrieve nothing from the middle "
-            f"of the context. Pass budget >= {need}, or a smaller sink / window"
-        )
+        return cache_stats(self)
 
 
 def dynamic_cache(model, offloading: bool = False) -> DynamicCache:
