@@ -76,7 +76,7 @@ class ArkValePolicy(PageScoringPolicy):
         self.lookups = 0  # (layer, step, sequence, kv head) selections
         self._lookups_per_step = 0  # what one step's selects add to lookups (CUDA-graph replays)
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs) ------------------------------------------------
     # Under static sizing the digests are scored over the index capacity (masked past the middle) and
     # the cache bookkeeping runs every step on the device, in place, so select has no host read. With
     # p = the capacity (> c) the eviction branch runs every step; when the cached pages number <= c it

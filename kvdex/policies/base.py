@@ -17,7 +17,7 @@ Life cycle, driven by :class:`kvdex.Cache`:
                                      store, scale, lengths, page grid, budget, the engine's graph service);
 * ``on_step(step, logits)``          after every decode step, with the last-position logits.
 
-**Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.hf.graph).
+**Capturable page joins** (``capturable_index = True``; CUDA-graph decoding, kvdex.engine.graphs).
 Under static sizing, a single-token decode step in which pages join the middle (at most one per
 sequence) does not call ``index``; instead, per sparse layer:
 
@@ -184,7 +184,7 @@ class Policy:
 
     def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         """Why this policy's decode step cannot be captured in a CUDA graph with these ``stores``, or None
-        (``kvdex.hf.graph``). Default: None for a ``capturable`` policy."""
+        (``kvdex.engine.graphs``). Default: None for a ``capturable`` policy."""
         if self.capturable:
             return None
         return f"policy {self.name!r} does not support graph capture (its selection touches the CPU)"
@@ -192,7 +192,7 @@ class Policy:
     def graph_key(self, stores: Sequence[LayerStore]) -> tuple[Any, ...] | None:
         """Before each step of a captured decode: what the step's captured work depends on beyond the
         stores' buffers (ids and shapes of the policy's device buffers, widths baked into the step), or
-        None when this step must run eagerly (``kvdex.hf.graph``). Asked only where
+        None when this step must run eagerly (``kvdex.engine.graphs``). Asked only where
         :meth:`graph_unsupported` is None. Default: ``()``, a step that reads no policy buffer."""
         return ()
 

@@ -92,7 +92,7 @@ class H2OPolicy(JoinFreePolicy):
             evicted[:, :, :cap] = self.evicted[layer]
         self.score[layer], self.evicted[layer] = score, evicted
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs) ------------------------------------------------
     # The first decode step (prefill scores) runs eagerly, and so does a step whose position would
     # outgrow the score buffers (re-allocated: a new graph key). Otherwise, under static sizing, select
     # ranks the whole score buffer (positions past the heavy range masked by the device lengths), the

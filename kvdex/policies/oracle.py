@@ -43,7 +43,7 @@ class OraclePolicy(SelectEveryOption, IndexFreePolicy):
     def __post_init__(self) -> None:
         check_select_every(self.select_every)
 
-    # CUDA-graph decoding (kvdex.hf.graph). On the resident store with static sizing,
+    # CUDA-graph decoding (kvdex.engine.graphs). On the resident store with static sizing,
     # dense() is the whole slot buffer (rows past each length masked here by the device lengths).
     def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         if any(s.offloaded for s in stores):

@@ -96,7 +96,7 @@ class QuestPolicy(PageScoringPolicy):
             self.kmin[layer], self.kmax[layer] = kmin, kmax
         return self.kmin[layer], self.kmax[layer]
 
-    # CUDA-graph decoding (kvdex.hf.graph): static select reads only device tensors
+    # CUDA-graph decoding (kvdex.engine.graphs): static select reads only device tensors
     def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return (
             tuple((lay, id(t), tuple(t.shape)) for lay, t in sorted(self.kmin.items()))

@@ -90,7 +90,7 @@ class SnapKVPolicy(JoinFreePolicy):
         if update.obs_queries is not None:
             self.schedule.pending[layer] = obs_rows(update)  # not the update: it holds the whole prompt's queries
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs) ------------------------------------------------
     # The first decode step (the prompt's votes) runs eagerly; every refresh-th step (SnapKV+) re-selects
     # before the step (before_step, on the queries up to the step before) and replays like the
     # others, which only push the query into the ring (in place) and read the chosen tokens (a buffer that a

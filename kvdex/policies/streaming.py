@@ -31,7 +31,7 @@ class StreamingPolicy(IndexFreePolicy):
         """budget == sink + window is StreamingLLM's cache of the sink and the recent tokens: accepted."""
         return 0
 
-    # CUDA-graph decoding (kvdex.hf.graph): select is device arithmetic on the lengths only
+    # CUDA-graph decoding (kvdex.engine.graphs): select is device arithmetic on the lengths only
     def graph_key(self, stores: Sequence[LayerStore]) -> tuple:
         return ()
 

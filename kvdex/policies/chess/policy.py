@@ -331,7 +331,7 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         assert self.shared_scope is not None
         return self.shared_scope.select(q, view)
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph; each scope's module says how) ----------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs; each scope's module says how) ----------------------------
     def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
         if self.layer_scope is not None:
             return self.layer_scope.graph_key()

@@ -6,7 +6,7 @@ A build scores the whole hierarchy once (eq. 3-4, Algorithm 1) with the window's
 publishes the pages as one :class:`~kvdex.selection.Selection`. In budget mode a selection that kept every
 middle page keeps covering the pages that join it while the budget has room (:meth:`SharedScope.cover`).
 
-CUDA-graph decoding (kvdex.hf.graph): the selection only changes in a build, which runs in ``on_step``
+CUDA-graph decoding (kvdex.engine.graphs): the selection only changes in a build, which runs in ``on_step``
 (after the step, outside a captured graph) or before a page-boundary step (the budget cover). Under static
 sizing ``select`` returns one persistent [B, W] buffer (-1 padded, W >= the budget's pages) that a build
 rewrites in place, so a captured step reads the current selection without a new capture; a wider selection

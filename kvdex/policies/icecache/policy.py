@@ -193,7 +193,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
 
     def _capture_flags(self) -> None:
-        """CUDA-graph decoding (kvdex.hf.graph) only without tree searches: the protocol's ``graph_key`` /
+        """CUDA-graph decoding (kvdex.engine.graphs) only without tree searches: the protocol's ``graph_key`` /
         ``graph_replayed`` exist on a ``search="summary"`` instance only, and a window page joining the middle is
         then placed inside the captured step too (``reserve_index`` / ``joined`` / ``index_join``, summary_pages.py)."""
         self.capturable = self.capturable_index = self.search == "summary"
@@ -352,7 +352,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
         self._stats["queries"] += 1
         return sel
 
-    # ---- search="summary": CUDA-graph decoding (kvdex.hf.graph; pages: summary_pages.py) ----
+    # ---- search="summary": CUDA-graph decoding (kvdex.engine.graphs; pages: summary_pages.py) ----
     def graph_unsupported(self, stores: Sequence[LayerStore]) -> str | None:
         if self.search == "summary":
             return None if self.capturable else "icecache's offloaded rerank reads the candidates' keys from the host"

@@ -305,7 +305,7 @@ class PRKVPolicy(PageScoringPolicy):
         static_pages = region.pages.expand(view.batch, view.kv_heads, -1)
         return Selection(pages=torch.cat([static_pages, pages], dim=-1), tokens=tokens)
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) ------------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs) ------------------------------------------------
     # A step replays unless it restructures (the first decode step runs eagerly: Algorithm 1 permutes
     # the store with data-dependent shapes; every refresh-th step's refresh runs before it, in
     # before_step, and the step replays). Otherwise select pushes
