@@ -16,7 +16,9 @@ from conftest import CUDA, DEV, INTERP, run_kernels
 
 triton = pytest.importorskip("triton")
 
-from kvdex.kernels import step_triton as ap  # noqa: E402
+from kvdex.kernels import append_triton as ap  # noqa: E402
+from kvdex.kernels import query_ring_triton as qring  # noqa: E402
+from kvdex.kernels import slots_triton as slots  # noqa: E402
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="runs the kernels itself")
@@ -243,7 +245,7 @@ def test_ring_push_equals_twin(size, dtype):
         pos = torch.tensor([1000 + step, 2000 + step])
         off = -(step % 2)  # odd steps: pos are lengths, the position one before (offset=-1)
         ring_push_reference(*want, q, pos, off)
-        ap.ring_push_(*got, q.to(DEV), pos.int().to(DEV), off)
+        qring.ring_push_(*got, q.to(DEV), pos.int().to(DEV), off)
         for w, x in zip(want, got, strict=True):
             assert torch.equal(w, x.cpu()), step
     assert bool(want[2].all()) and int(want[1][0, -1]) == 1000 + size + 1 - (size + 1) % 2
@@ -251,10 +253,10 @@ def test_ring_push_equals_twin(size, dtype):
 
 def test_ring_push_bad_inputs():
     with pytest.raises(ValueError, match="contiguous ring"):
-        ap.ring_push_(torch.zeros(1, 2, 3, 4)[:, :, :, :2], torch.zeros(1, 3, dtype=torch.long),
+        qring.ring_push_(torch.zeros(1, 2, 3, 4)[:, :, :, :2], torch.zeros(1, 3, dtype=torch.long),
                       torch.zeros(1, 3, dtype=torch.bool), torch.zeros(1, 2, 2), torch.zeros(1))  # fmt: skip
     with pytest.raises(ValueError, match="int64"):
-        ap.ring_push_(torch.zeros(1, 2, 3, 4), torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool),
+        qring.ring_push_(torch.zeros(1, 2, 3, 4), torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool),
                       torch.zeros(1, 2, 4), torch.zeros(1))  # fmt: skip
 
 
@@ -282,7 +284,7 @@ def test_offload_slot_list_equals_store_attend(sink, ps, wp, p):
     nmid = int(st.grid.num_middle_pages(st.lengths_host).max())
     pages = torch.randint(-1, nmid, (st.batch, st.kv_heads, p), generator=g)
     a = st.attend(Selection(pages=pages))  # the PyTorch ops (CPU store)
-    idx, valid, pos = ap.offload_slot_list(
+    idx, valid, pos = slots.offload_slot_list(
         st.lengths.to(DEV), pages.to(DEV), sink, ps, wp, st.fixed
     )  # fmt: skip
     assert idx.dtype == a.idx.dtype and valid.dtype == a.valid.dtype and pos.dtype == a.positions.dtype
@@ -323,7 +325,7 @@ def test_device_slot_list_equals_store_attend(sink, ps, wp, parts):
     }[parts]
     a = st.attend(sel)  # the PyTorch ops (CPU store)
     on = lambda x: None if x is None else x.to(DEV)  # noqa: E731
-    idx, valid = ap.device_slot_list(st.lengths.to(DEV), on(sel.pages), on(sel.tokens), sink, ps, wp)
+    idx, valid = slots.device_slot_list(st.lengths.to(DEV), on(sel.pages), on(sel.tokens), sink, ps, wp)
     assert idx.dtype == a.idx.dtype and valid.dtype == a.valid.dtype
     assert torch.equal(idx.cpu(), a.idx) and torch.equal(valid.cpu(), a.valid)
 
@@ -342,14 +344,14 @@ def test_rerank_slots_equals_twin(prefix):
     pre = {None: None, "one": torch.randint(-1, 30, (b, 1, 6), generator=g),
            "heads": torch.randint(-1, 30, (b, h, 6), generator=g)}[prefix]  # fmt: skip
     want = rerank_slots_reference(ids, pages, 7, ps, pre)
-    got = ap.rerank_slots(ids.to(DEV), pages.to(DEV), 7, ps, None if pre is None else pre.to(DEV))
+    got = slots.rerank_slots(ids.to(DEV), pages.to(DEV), 7, ps, None if pre is None else pre.to(DEV))
     assert got.dtype == torch.long and torch.equal(got.cpu(), want)
     assert (want[..., -t:][ids < 0] == -1).all()
 
 
 def test_device_slot_list_needs_a_selection():
     with pytest.raises(ValueError, match="pages"):
-        ap.device_slot_list(torch.zeros(1, dtype=torch.long), None, None, 4, 16, 1)
+        slots.device_slot_list(torch.zeros(1, dtype=torch.long), None, None, 4, 16, 1)
 
 
 @pytest.mark.gpu

@@ -34,9 +34,9 @@ def window_start(lengths: torch.Tensor, sink: int, page_size: int, window_pages:
 def ring_push_reference(
     rq: torch.Tensor, rp: torch.Tensor, rv: torch.Tensor, q: torch.Tensor, pos: torch.Tensor, offset: int = 0
 ):
-    """A query ring's push in place (``kvdex.policies.observation.QueryRing``; Triton: ``step_triton.ring_push_``): the
-    ring rq [B, Hq, S, D], positions rp [B, S] and validity rv [B, S] shift by one row, q [B, Hq, D] at
-    positions pos + offset [B] becomes the newest (valid) row."""
+    """A query ring's push in place (``kvdex.policies.observation.QueryRing``; Triton:
+    ``query_ring_triton.ring_push_``): the ring rq [B, Hq, S, D], positions rp [B, S] and validity rv [B, S]
+    shift by one row, q [B, Hq, D] at positions pos + offset [B] becomes the newest (valid) row."""
     rq.copy_(torch.cat([rq[:, :, 1:], q[:, :, None]], dim=2))
     rp.copy_(torch.cat([rp[:, 1:], pos.to(rp.device, torch.long)[:, None] + offset], dim=1))
     rv.copy_(torch.cat([rv[:, 1:], torch.ones(rv.shape[0], 1, dtype=torch.bool, device=rv.device)], dim=1))
@@ -88,7 +88,7 @@ def permute_slots_reference(x: torch.Tensor, order: torch.Tensor, start: int) ->
 
 
 def rerank_slots_reference(ids, pages, sink: int, page_size: int, prefix=None):
-    """Twin of ``step_triton.rerank_slots``: the slots [B, H, S + T] of ids [B, H, T] into the flattened candidate
+    """Twin of ``slots_triton.rerank_slots``: the slots [B, H, S + T] of ids [B, H, T] into the flattened candidate
     ``pages`` [B, H, C] (``-1``: none), behind ``prefix`` [B, 1 or H, S] when given."""
     pid = pages.gather(2, ids.clamp(min=0) // page_size)
     slot = torch.where((ids >= 0) & (pid >= 0), sink + pid * page_size + ids % page_size, -1)
@@ -107,7 +107,7 @@ def append_join_rows_reference(k_buf, v_buf, k, v, lengths, grid):
     """One token per sequence (k/v [B, H, 1, D]) written at ``lengths`` [B] of the buffers [B, H, S, D], and the
     page that joins the middle with it (``grid``: the store's ``Grid``) -> ``joins`` [B] bool, ``start`` [B]
     int64, the page's ``keys`` [B, H, 1, ps, D] (read after the write) and ``positions`` [B, ps]: the PyTorch
-    path of ``DeviceStore.append_join`` (Triton: ``step_triton.append_join_rows``). The caller advances
+    path of ``DeviceStore.append_join`` (Triton: ``append_triton.append_join_rows``). The caller advances
     ``lengths``."""
     bi = torch.arange(k_buf.shape[0], device=k_buf.device)
     k_buf[bi, :, lengths] = k[:, :, 0].to(k_buf.dtype)

@@ -148,7 +148,7 @@ class QueryRing:
             self.load(q.new_zeros(b, hq, 0, d), pos.new_zeros(b, 0), torch.zeros(b, 0, dtype=torch.bool))
         # in place: the buffers keep their identity, so a captured CUDA graph (kvdex.hf.graph)
         # that pushes reads and writes the same ring on every replay; on CUDA one Triton launch
-        push = triton_kernel("step_triton", "ring_push_", on=q) or ring_push_reference
+        push = triton_kernel("query_ring_triton", "ring_push_", on=q) or ring_push_reference
         push(*self.buffers(), q, pos, offset)
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -175,7 +175,7 @@ def rerank_tokens(
     pages = pages.to(q.device)
     score = _candidate_scores(q, view, pages, group, first)
     ids = topk_ids(score, tokens, ordered=False)  # [B, H, min(tokens, N)]: a set (attention sums in any order)
-    slots = triton_kernel("step_triton", "rerank_slots", on=q) or rerank_slots_reference  # one launch on CUDA
+    slots = triton_kernel("slots_triton", "rerank_slots", on=q) or rerank_slots_reference  # one launch on CUDA
     return slots(ids, pages, view.sink, view.page_size, None if prefix is None else prefix.to(q.device))
 
 

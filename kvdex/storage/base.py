@@ -135,10 +135,10 @@ class TransferStats:
 
 
 def fast_append(on: torch.Tensor | None = None):
-    """kvdex.kernels.step_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
+    """kvdex.kernels.append_triton.append_rows when triton imports and ``on`` (the store's buffer, if given) is on
     CUDA (``KVDEX_TRITON=0``: the PyTorch writes). The device and offloaded stores' gate, imported by each as
     ``_fast_append`` (tests switch it per module)."""
-    return triton_kernel("step_triton", "append_rows", on=on)
+    return triton_kernel("append_triton", "append_rows", on=on)
 
 
 class LayerStore(ABC):
@@ -174,7 +174,7 @@ class LayerStore(ABC):
         self.lengths_host = torch.zeros(batch, dtype=torch.long)  # real tokens per sequence (CPU)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         # the append kernels' per-sequence counters when they advance ``lengths`` themselves (kvdex.kernels.
-        # step_triton, ``advance=True``): zero between launches; made here, never during a capture
+        # append_triton, ``advance=True``): zero between launches; made here, never during a capture
         self.lengths_ticket = torch.zeros(batch, dtype=torch.int32, device=self.device)
 
     # ---- writes -------------------------------------------------------------------------

@@ -17,13 +17,13 @@ _GROW_TOKENS = 1024
 
 
 def _fast_append_join(on: torch.Tensor | None = None):
-    """kvdex.kernels.step_triton.append_join_rows, as :func:`_fast_append` (else ``append_join_rows_reference``)."""
-    return triton_kernel("step_triton", "append_join_rows", on=on)
+    """kvdex.kernels.append_triton.append_join_rows, as :func:`_fast_append` (else ``append_join_rows_reference``)."""
+    return triton_kernel("append_triton", "append_join_rows", on=on)
 
 
 def _fast_slot_list(on: torch.Tensor | None = None):
-    """kvdex.kernels.step_triton.device_slot_list on CUDA (``KVDEX_TRITON=0``: the PyTorch ops of ``attend``)."""
-    return triton_kernel("step_triton", "device_slot_list", on=on)
+    """kvdex.kernels.slots_triton.device_slot_list on CUDA (``KVDEX_TRITON=0``: the PyTorch ops of ``attend``)."""
+    return triton_kernel("slots_triton", "device_slot_list", on=on)
 
 
 class DeviceStore(LayerStore):
@@ -81,7 +81,7 @@ class DeviceStore(LayerStore):
         before = self.grid.num_middle_pages(self.lengths_host)
         self._reserve(int(self.lengths_host.max()) + t)
         fast = _fast_append(self.k)
-        if fast is not None:  # one Triton launch instead of six kernels, lengths advanced (kvdex.kernels.step_triton)
+        if fast is not None:  # one Triton launch instead of six kernels, lengths advanced (kvdex.kernels.append_triton)
             fast(self.k, self.v, k, v, self.lengths, advance=True, ticket=self.lengths_ticket)
         else:
             pos = self.lengths[:, None] + torch.arange(t, device=self.device)[None, :]  # [B, t]
@@ -117,7 +117,7 @@ class DeviceStore(LayerStore):
         g, dev = self.grid, self.device
         b, h = self.batch, self.kv_heads
         fast = None if sel.everything or sel.empty else _fast_slot_list(self.k)
-        if fast is not None:  # the lists below in one launch on CUDA (kvdex.kernels.step_triton)
+        if fast is not None:  # the lists below in one launch on CUDA (kvdex.kernels.slots_triton)
             idx, valid = fast(self.lengths, sel.pages, sel.tokens, g.sink, g.page_size, g.window_pages)
             return AttendSet(self.k, self.v, idx, valid, idx)
         sink = torch.arange(g.sink, device=dev).expand(b, g.sink)

@@ -41,8 +41,8 @@ from kvdex.storage.page_cache import PageCacheMixin
 
 
 def _fast_slot_list():
-    """kvdex.kernels.step_triton.offload_slot_list when triton imports (``KVDEX_TRITON=0``: the PyTorch ops)."""
-    return triton_kernel("step_triton", "offload_slot_list")
+    """kvdex.kernels.slots_triton.offload_slot_list when triton imports (``KVDEX_TRITON=0``: the PyTorch ops)."""
+    return triton_kernel("slots_triton", "offload_slot_list")
 
 
 class OffloadStore(PageCacheMixin, LayerStore):
@@ -147,7 +147,7 @@ class OffloadStore(PageCacheMixin, LayerStore):
                 self.host.write(b, page, kp[:, None], vp[:, None])
                 evicted[b].append((page, kp, vp))
             fast = _fast_append(self.k) if g.window else None
-            if fast is not None:  # one Triton launch instead of ~10 kernels, lengths too (kvdex.kernels.step_triton)
+            if fast is not None:  # one Triton launch instead of ~10 kernels, lengths too (kvdex.kernels.append_triton)
                 kj, vj, ring = k[:, :, j : j + 1], v[:, :, j : j + 1], (g.sink, g.window)
                 fast(self.k, self.v, kj, vj, self.lengths, ring=ring, advance=True, ticket=self.lengths_ticket)
             else:
@@ -294,7 +294,7 @@ class OffloadStore(PageCacheMixin, LayerStore):
             self.k[:, :, cursor : cursor + n] = blocks[:, :, :, 0].reshape(b, h, n, self.head_dim)
             self.v[:, :, cursor : cursor + n] = blocks[:, :, :, 1].reshape(b, h, n, self.head_dim)
             fast = _fast_slot_list() if self.k.is_cuda and sel.tokens is None and g.window_pages else None
-            if fast is not None:  # the lists built below, in one launch (kvdex.kernels.step_triton)
+            if fast is not None:  # the lists built below, in one launch (kvdex.kernels.slots_triton)
                 idx, valid, pos = fast(self.lengths, sel.pages, g.sink, g.page_size, g.window_pages, cursor)
                 return AttendSet(self.k, self.v, idx, valid, pos)
             parts_slot.append(cursor + torch.arange(n, device=self.device).expand(b, h, n))
