@@ -316,9 +316,10 @@ def test_triton_kernels_refuse_cpu_tensors():
 
 
 def test_without_triton_auto_falls_back_and_triton_is_refused(monkeypatch):
+    from kvdex.kernels import pariskv_coarse_triton
     from kvdex.kernels import pariskv_triton as T
 
-    monkeypatch.setattr(T, "_HAS_TRITON", False)
+    monkeypatch.setattr(pariskv_coarse_triton, "_HAS_TRITON", False)  # the check both stages make
     p = make_policy("pariskv")
     p.bind(_info())
     assert p.ops(torch.device("cuda")) is K  # 'auto': the twins

@@ -16,7 +16,7 @@ The pipeline of one decode step (ParisKV, arXiv 2602.07721, §4), for one (seque
 6. ``rerank_scores``   -- ``<k, q> ~ |q| sum_b w_b <v_b, q~_b>`` from the 4-bit codes;
 7. ``gather_rows``     -- fetch the final top-k K/V rows (UVA from pinned host memory on the GPU).
 
-``kvdex.kernels.pariskv_triton`` holds the Triton kernels of 4-7; each must equal its twin here.
+Triton runs 4-5 in ``kernels.pariskv_coarse_triton``, 6-7 in ``kernels.pariskv_rerank_triton``; each equals its twin.
 """
 
 from __future__ import annotations
