@@ -84,7 +84,7 @@ def check_share(rerank, share) -> None:
 @dataclass
 class RerankOption:
     """The ``rerank`` / ``rerank_group`` options of a page policy (a base before :class:`Policy`:
-    :class:`~kvdex.policies.base.PageScoringPolicy` and ``chess``): their fields, their check and the
+    :class:`~kvdex.policies.page_scoring.PageScoringPolicy` and ``chess``): their fields, their check and the
     selection's granularity (tokens with ``rerank``)."""
 
     rerank: int = 0  # 0: the pages; N > 0: the best tokens of N x as many candidate pages by exact q.k

@@ -219,7 +219,7 @@ class ParisKVPolicy(SelectEveryOption, Policy):
         keys, valid = self.summary.join_keys(layer, join)
         self.summary.write_join(layer, join, *self.encode(layer, keys, valid), valid)
 
-    # ---- CUDA-graph decoding (kvdex.hf.graph) -----------------------------------------------
+    # ---- CUDA-graph decoding (kvdex.engine.graphs) -----------------------------------------------
     # Under static sizing (``store.static``, set by the graph decoder) select issues the same device work
     # on every step between two page boundaries and reads no device value on the host: it votes over the
     # whole index capacity (slots past each row's middle length masked on the device), keeps the pool in a
