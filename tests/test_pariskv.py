@@ -519,7 +519,7 @@ def test_center_keeps_the_ranking_target_and_spreads_offset_keys():
     centred = torch.einsum("bhd,bhnd->bhn", qm, keys - mu)
     assert torch.equal(exact.topk(k).indices.sort().values, centred.topk(k).indices.sort().values)
     info = PolicyInfo(CacheConfig(budget=k), 4, (2, 3), 2 * h, h, d)
-    from kvdex.storage.base import MiddleUpdate
+    from kvdex.storage.joins import MiddleUpdate
 
     out = {}
     for center in (False, True):  # the paper's mean query and tier votes, with a fixed beta / rho

@@ -21,7 +21,7 @@ from kvdex.config import CacheConfig
 from kvdex.kernels import pariskv as K
 from kvdex.policies import PolicyInfo, make_policy
 from kvdex.policies.pariskv import PAPER_SPEC, recall_at_k
-from kvdex.storage.base import MiddleUpdate
+from kvdex.storage.joins import MiddleUpdate
 
 PAGE = 16
 

@@ -8,8 +8,9 @@ import torch
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import append_join_rows_reference, page_rows, permute_slots_reference
 from kvdex.selection import Selection
-from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage.base import AttendSet, LayerStore
 from kvdex.storage.base import fast_append as _fast_append
+from kvdex.storage.joins import MiddleUpdate, PageJoin
 
 # Capacity grows in steps of at least this many tokens (and 25%), so a decode step
 # almost never reallocates.

@@ -34,9 +34,10 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
-from kvdex.storage.base import AttendSet, LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage.base import AttendSet, LayerStore
 from kvdex.storage.base import fast_append as _fast_append
 from kvdex.storage.host import _GROW_PAGES, HostPages
+from kvdex.storage.joins import MiddleUpdate, PageJoin
 from kvdex.storage.page_cache import PageCacheMixin
 
 
