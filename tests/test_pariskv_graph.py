@@ -61,8 +61,9 @@ class _StaticVsDynamic:
     """Static sizing selects exactly what dynamic sizing selects, checked two ways while a dynamic run and then
     a static run (teacher-forced with the same tokens) decode:
 
-    * lockstep, exact: every static select call is repeated with dynamic sizing on the same query and index;
-      both must attend the same positions (the policy's two paths, bit for bit);
+    * lockstep: every static select call is repeated with dynamic sizing on the same query and index; both
+      must attend the same positions, up to a tie that the two paths' sums (over other widths: the CPU's BLAS
+      may pick other kernels) round apart, accepted as below;
     * across the runs: each call attends what the dynamic run's call attended. The runs' queries are not bit
       identical (static sizing attends a fixed-width buffer, so the attention sums run in another order: logits
       agree to ~1e-7), so a token whose fine-stage score ties the k-th score may swap places with another. A
@@ -110,13 +111,17 @@ class _StaticVsDynamic:
             i = self.calls
             self.calls += 1
             layer, want, dyn_scores = self.dyn[i]
-            _, same_inputs, _ = self._select(
+            _, same_inputs, same_scores = self._select(
                 policy, q, _DynamicView(**{f.name: getattr(view, f.name) for f in fields(view)})
             )
             sel, have, scores = self._select(policy, q, view)
             where = f"step {i // 2} layer {layer}"
             assert layer == view.layer, where
-            assert have == same_inputs, f"{where}: static selection differs from dynamic on the same inputs"
+            if have != same_inputs:  # the paths sum over other widths: a CPU's BLAS may round a tie apart
+                msg = f"{where}: static selection differs from dynamic on the same inputs"
+                assert isinstance(have, list) and isinstance(same_inputs, list), msg
+                self._adopt_ties(sel, view, same_inputs, have, same_scores, scores, f"{where} (same inputs)")
+                have = _sets(sel, view)
             if have != want:
                 assert isinstance(have, list) and isinstance(want, list), f"{where}: static selection differs"
                 self._adopt_ties(sel, view, want, have, dyn_scores, scores, where)
