@@ -237,7 +237,13 @@ def slot_weights(q: torch.Tensor, view, slots: torch.Tensor) -> torch.Tensor:
     if fast is not None:
         return fast(q, store.k, slots, view.window_start, view.lengths, sink=view.sink, window=view.window,
                     scale=view.scale)  # fmt: skip
-    logits = slot_scores(q, store.k, slots, "heads") * view.scale  # [B, H, G, N]
+    return _slot_weights(q, view, store.k, slots)
+
+
+def _slot_weights(q: torch.Tensor, view, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`group_weights` [B, H, N] of the keys at ``slots`` [B, H, N] of ``keys`` [B, H, S, D] (``-1``: none,
+    ``-inf``): the PyTorch path of :func:`slot_weights` and :func:`fetched_token_scores`."""
+    logits = slot_scores(q, keys, slots, "heads") * view.scale  # [B, H, G, N]
     return group_weights(q, logits, view).masked_fill(~torch.isfinite(logits[:, :, 0]), float("-inf"))
 
 
@@ -249,10 +255,7 @@ def fetched_token_scores(q: torch.Tensor, view, slots: torch.Tensor, group: str 
     keys = view.store.slot_keys(slots).to(q.device)  # [B, H, N, D]
     slots = slots.to(q.device)
     local = torch.where(slots >= 0, torch.arange(slots.shape[-1], device=q.device), -1)
-    if group == "max":
-        return slot_scores(q, keys, local, "max")
-    logits = slot_scores(q, keys, local, "heads") * view.scale  # [B, H, G, N]
-    return group_weights(q, logits, view).masked_fill(~torch.isfinite(logits[:, :, 0]), float("-inf"))
+    return slot_scores(q, keys, local, "max") if group == "max" else _slot_weights(q, view, keys, local)
 
 
 def group_weights(q: torch.Tensor, logits: torch.Tensor, view) -> torch.Tensor:

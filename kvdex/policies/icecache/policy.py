@@ -192,11 +192,12 @@ class IceCachePolicy(SelectEveryOption, Policy):
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         self._lock = threading.Lock()  # (again in bind) stats shared by the search threads
 
-    def _capture_flags(self) -> None:
+    def _capture_flags(self, offload: bool = False) -> None:
         """CUDA-graph decoding (kvdex.engine.graphs) only without tree searches: the protocol's ``graph_key`` /
         ``graph_replayed`` exist on a ``search="summary"`` instance only, and a window page joining the middle is
-        then placed inside the captured step too (``reserve_index`` / ``joined`` / ``index_join``, summary_pages.py)."""
-        self.capturable = self.capturable_index = self.search == "summary"
+        then placed inside the captured step too (``reserve_index`` / ``joined`` / ``index_join``, summary_pages.py).
+        ``offload`` with a rerank: the candidates' keys come from the host (a sync), so no step is captured."""
+        self.capturable = self.capturable_index = self.search == "summary" and not (offload and self.rerank)
         if self.capturable:
             self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
         else:
@@ -206,10 +207,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info: PolicyInfo) -> None:
         super().bind(info)
-        if self.rerank and info.config.offload:  # the candidates' keys come from the host: a sync, not captured
-            self.capturable = self.capturable_index = False
-            self.__dict__.pop("graph_key", None)
-            self.__dict__.pop("graph_replayed", None)
+        self._capture_flags(info.config.offload)
         ps = self.cfg.page_size
         same = ("num_comp", "num_simp", "construction_fov", "construction_prop", "norm_margin", "seed", "parents")
         self.params = DCIParams(
