@@ -80,15 +80,13 @@ class PolicyInfo:
 @dataclass
 class Policy:
     name: ClassVar[str] = ""
-    # "page": selections name middle pages (``Selection.pages``; a page policy may add single tokens, as
-    # PRKV's static ones) or everything; "token": selections name tokens only (``Selection.tokens``).
-    # tests/test_selection_golden.py holds every registered policy to it.
-    granularity: ClassVar[str] = "page"
     uses_budget: ClassVar[bool] = True  # False: attends everything (``full``)
     observes: ClassVar[bool] = False  # True: ``observe`` is called after every sparse decode attention
-    capturable: ClassVar[bool] = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
+    # Class defaults that an instance may refine from its options (icecache: its search), so not ClassVars (and,
+    # unannotated, not dataclass fields either):
+    capturable = False  # True: its decode step can be replayed from a CUDA graph (graph_key)
     # True: a page joining the middle is indexed inside a captured step (reserve_index / joined / index_join)
-    capturable_index: ClassVar[bool] = False
+    capturable_index = False
     # True: it reorders its store's middle slots (``LayerStore.permute_middle``); ``positions`` undoes that
     relocates: ClassVar[bool] = False
 
@@ -96,6 +94,15 @@ class Policy:
         """The options' checks: every option annotated with a ``Literal`` (or one or None) holds one of its
         values (:func:`check_choices`). A subclass with its own ``__post_init__`` calls ``super().__post_init__()``."""
         check_choices(self)
+
+    @property
+    def granularity(self) -> str:
+        """What the selections name: ``"page"``, middle pages (``Selection.pages``; a page policy may add single
+        tokens, as PRKV's static ones) or everything; ``"token"``, tokens only (``Selection.tokens``). A policy
+        declares it as a class attribute (``granularity = "token"``), or as a property where its options decide
+        (``rerank``: :class:`~kvdex.policies.rerank.RerankOption`). tests/test_selection_golden.py holds every
+        registered policy to it. Default: ``"page"``."""
+        return "page"
 
     @property
     def obs_window(self) -> int:
@@ -258,7 +265,7 @@ class JoinFreePolicy(Policy):
     policies below; SnapKV, whose prompt choice is fixed; H2O, whose score buffers cover every position):
     CUDA-graph decoding replays those steps too (``capturable_index``) instead of running them eagerly."""
 
-    capturable_index: ClassVar[bool] = True
+    capturable_index = True
 
     def reserve_index(self, layer: int, pages: int, store: LayerStore) -> None:
         """Nothing to reserve (buffers that grow with the lengths are sized in ``graph_key`` / ``select``)."""

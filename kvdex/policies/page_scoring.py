@@ -21,7 +21,7 @@ from kvdex.view import LayerView
 
 
 @dataclass
-class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):  # type: ignore[override]  # granularity: a property
+class PageScoringPolicy(SelectEveryOption, RerankOption, PoolOption, Policy):
     """A page policy that is its score function: it implements :meth:`page_scores` (and its index);
     :meth:`select` does the rest once -- pages past each sequence's middle (the window's) set to
     ``-inf``, query-head scores combined per kv head (``group``), the top :meth:`page_budget` pages

@@ -47,8 +47,10 @@ scoring and the candidates' top-k; the rerank, the step's main cost with ``reran
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import torch
 
@@ -139,13 +141,43 @@ class PoolOption:
             )
 
 
-def resolve_selection(policy, default: dict, other: dict, allowed: bool = True) -> None:
-    """Fill ``policy``'s selection options left at None (the keys of ``default``): none of them named and
-    ``allowed`` -> ``default``'s values; otherwise the unnamed ones take ``other``'s, so a spec means what it
-    names on top of ``other`` (``prkv``'s and ``chess``'s defaults are kvdex's selections, ``other`` the papers')."""
-    named = any(getattr(policy, key) is not None for key in default)
+_Named = TypeVar("_Named", bound="NamedOptions")
+
+
+class NamedOptions:
+    """A base of a policy dataclass whose options' values depend on which of them a constructor call names
+    (:func:`resolve_selection`): ``named_options`` holds the names of the options the call passed (keyword or
+    positional; :func:`dataclasses.replace` and ``make_policy(policy, ...)`` pass every option), recorded before
+    ``__init__`` runs, so ``__post_init__`` can tell an option left at its default from one named with that
+    value."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # a base of dataclasses only
+    named_options: frozenset[str]
+
+    def __new__(cls: type[_Named], *args: Any, **kwargs: Any) -> _Named:
+        policy = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        policy.named_options = frozenset(names[: len(args)]).union(kwargs)
+        return policy
+
+
+class HasNamedOptions(Protocol):
+    """What :func:`resolve_selection` reads: the options a constructor call named (:class:`NamedOptions`)."""
+
+    @property
+    def named_options(self) -> frozenset[str]: ...
+
+
+def resolve_selection(
+    policy: HasNamedOptions, default: Mapping[str, object], other: Mapping[str, object], allowed: bool = True
+) -> None:
+    """Set ``policy``'s selection options (the keys of ``default``) that its constructor call did not name: none
+    of them named and ``allowed`` -> ``default``'s values; otherwise the unnamed ones take ``other``'s, so a spec
+    means what it names on top of ``other`` (``prkv``'s and ``chess``'s defaults are kvdex's selections, ``other``
+    the papers')."""
+    named = policy.named_options & default.keys()
     for key, value in (default if allowed and not named else other).items():
-        if getattr(policy, key) is None:
+        if key not in named:
             setattr(policy, key, value)
 
 

@@ -3,7 +3,9 @@ selection or the plain hierarchy's): :func:`resolve_selection_options`."""
 
 from __future__ import annotations
 
-from kvdex.policies.rerank import resolve_selection
+from typing import Protocol
+
+from kvdex.policies.rerank import HasNamedOptions, resolve_selection
 
 # CHOICE: the paper does not give N_c and N_g. 4 pages per chunk and 4 chunks per grid (grids of
 # 512 tokens at page size 32) keep >= 8 grids at 4k tokens, so the grid quantile is not a coin
@@ -23,11 +25,28 @@ PLAIN_SELECTION = {"group": "max", "units": "mean", "rerank": 0, "rerank_group":
                    "rerank_unit": "token"}  # fmt: skip
 
 
-def resolve_selection_options(policy) -> None:
-    """Fill the selection options left at None: none named, in budget mode with ``scope="layer"`` and
+class _ModeHost(HasNamedOptions, Protocol):
+    """What :func:`resolve_selection_options` reads of a ``chess`` policy besides its named options: its mode."""
+
+    @property
+    def preset(self) -> str: ...
+    @property
+    def rho_g(self) -> float | None: ...
+    @property
+    def rho_c(self) -> float | None: ...
+    @property
+    def rho_p(self) -> float | None: ...
+    @property
+    def scope(self) -> str: ...
+    @property
+    def anchor_from(self) -> str: ...
+
+
+def resolve_selection_options(policy: _ModeHost) -> None:
+    """Set the selection options the spec does not name: none named, in budget mode with ``scope="layer"`` and
     ``anchor_from="query"`` (kvdex's default mode) -> :data:`DEFAULT_SELECTION`; otherwise (any of them named,
     the paper's mode ``anchor_from=window:scope=shared``, a preset or ratios) the others take
     :data:`PLAIN_SELECTION`'s values, so ``chess:rerank=0`` is the hierarchy's own top pages by mean key."""
-    ratio_mode = bool(policy.preset) or any(getattr(policy, r) is not None for r in ("rho_g", "rho_c", "rho_p"))
+    ratio_mode = bool(policy.preset) or any(r is not None for r in (policy.rho_g, policy.rho_c, policy.rho_p))
     kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
     resolve_selection(policy, DEFAULT_SELECTION, PLAIN_SELECTION, allowed=kvdex_mode)

@@ -67,16 +67,17 @@ from kvdex.policies.chess.shared_scope import SharedScope
 from kvdex.policies.chess.trigger import Trigger, load_thresholds
 from kvdex.policies.digest import DigestIndex
 from kvdex.policies.registry import register_policy
-from kvdex.policies.rerank import RerankOption, candidate_pages, rerank_tokens
+from kvdex.policies.rerank import NamedOptions, RerankOption, candidate_pages, rerank_tokens
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
 from kvdex.view import LayerView
 
 __all__ = ["ChessPolicy"]
 
+
 @register_policy
 @dataclass
-class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
+class ChessPolicy(NamedOptions, RerankOption, Policy):  # rerank: budget mode only
     """CHESS. Ratio mode (``preset`` or ``rho_g/rho_c/rho_p``): the paper's retention ratios, the
     budget is not used. Budget mode (the default): the same hierarchy cut to exactly
     ``(budget - sink - window) / page_size`` pages per sequence, for comparisons at equal budget.
@@ -115,17 +116,17 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
     # shared: one selection for every layer and head (the paper); layer: each sparse layer scores its own
     # slice of the hierarchy per kv head (a kvdex option, kvdex/policies/chess/layer_scope.py)
     scope: Literal["shared", "layer"] = "layer"
-    # the selection (None: resolved by resolve_selection_options -- DEFAULT_SELECTION when none is named in
-    # kvdex's default mode, else PLAIN_SELECTION's values for the unnamed ones)
-    group: Literal["max", "sum", "mean"] | None = None  # scope=layer, anchor_from=query: the GQA reduction
+    # the selection (resolved by resolve_selection_options: DEFAULT_SELECTION, the defaults below, when none is
+    # named in kvdex's default mode, else PLAIN_SELECTION's values for the unnamed ones)
+    group: Literal["max", "sum", "mean"] = "max"  # scope=layer, anchor_from=query: the GQA reduction
     # mean: a unit's score is the query . its mean key (eq. 1-2's vectors); digest: a page's score is the query's
     # estimate from its keys' bounding box (ArkVale's cuboid-mean digest, kvdex.policies.digest), a chunk's and a
     # grid's the max of their pages' (a kvdex option for scope=layer with anchor_from=query, not in the paper)
-    units: Literal["mean", "digest"] | None = None
-    rerank: int | None = None
-    rerank_group: Literal["max", "weight"] | None = None
-    rerank_share: float | None = None
-    rerank_unit: Literal["token", "page"] | None = None
+    units: Literal["mean", "digest"] = "digest"
+    rerank: int = 4
+    rerank_group: Literal["max", "weight"] = "weight"
+    rerank_share: float = 0.25
+    rerank_unit: Literal["token", "page"] = "page"
 
     def __post_init__(self) -> None:
         resolve_selection_options(self)
@@ -181,8 +182,10 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         """(rho_g, rho_c, rho_p) in ratio mode, None in budget mode."""
         if self.preset:
             return PRESETS[self.preset]
-        if self.rho_g is not None:
-            return (float(self.rho_g), float(self.rho_c), float(self.rho_p))
+        rho_g, rho_c, rho_p = self.rho_g, self.rho_c, self.rho_p
+        if rho_g is not None:
+            assert rho_c is not None and rho_p is not None  # __post_init__: all three or none
+            return (float(rho_g), float(rho_c), float(rho_p))
         return None
 
     def bind(self, info: PolicyInfo) -> None:
@@ -204,9 +207,8 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         settings = ScopeSettings(
             sparse_layers=info.sparse_layers, page_size=ps, retrieval_tokens=r, retrieval_pages=cfg.retrieval_pages,
             timing=cfg.timing, budget_pages=self.budget_pages, ratio_mode=self.ratios is not None,
-            anchor_from=self.anchor_from, group=str(self.group), rerank=int(self.rerank or 0),
-            rerank_unit=str(self.rerank_unit), rerank_group=str(self.rerank_group),
-            rerank_share=float(self.rerank_share or 0.0),
+            anchor_from=self.anchor_from, group=self.group, rerank=self.rerank, rerank_unit=self.rerank_unit,
+            rerank_group=self.rerank_group, rerank_share=float(self.rerank_share),
         )  # fmt: skip
         self.digests = DigestIndex("cuboid-mean") if self.units == "digest" else None  # units="digest"
         self.layer_scope = (
@@ -321,6 +323,7 @@ class ChessPolicy(RerankOption, Policy):  # rerank: budget mode only
         sel = self._page_selection(q, view)
         if self.rerank and self.rerank_unit == "token":  # the chosen pages are candidates: their best tokens
             # by exact q.k, every step (the page unit picked its pages at the build: layer_scope)
+            assert sel.pages is not None  # the scopes select pages
             return Selection(tokens=rerank_tokens(q, view, sel.pages, view.retrieval_tokens, self.rerank_group))
         return sel
 

@@ -62,7 +62,7 @@ from kvdex.policies.icecache.summary_pages import SummaryPages
 from kvdex.policies.icecache.tree_jobs import TreeJobs, page_positions
 from kvdex.policies.icecache.tree_search import TreeSearch
 from kvdex.policies.registry import register_policy
-from kvdex.policies.rerank import check_share, fetched_token_scores, resolve_selection, slot_weights
+from kvdex.policies.rerank import NamedOptions, check_share, fetched_token_scores, resolve_selection, slot_weights
 from kvdex.policies.reuse import HeldPools, SelectEveryOption, check_select_every
 from kvdex.selection import Selection
 from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
@@ -83,7 +83,7 @@ PAPER_SELECTION = {"search": "auto", "build": "tree", "rerank": 0, "rerank_unit"
 
 @register_policy
 @dataclass
-class IceCachePolicy(SelectEveryOption, Policy):
+class IceCachePolicy(NamedOptions, SelectEveryOption, Policy):
     name = "icecache"
     granularity = "token"
     capturable = True  # the default (search="summary"); an instance with a tree search says no (_capture_flags)
@@ -114,28 +114,31 @@ class IceCachePolicy(SelectEveryOption, Policy):
     # "keys": the paper's accounting (Alg. 3, App. A): every page holding one of the group's top-k keys is
     # attended (at most max_pages if set), sink and window on top, so a step may attend more than the budget.
     budget_rule: Literal["tokens", "keys"] = "tokens"
+    # The selection options (search, rerank, rerank_unit, rerank_group, rerank_share, build; resolve_selection): a
+    # spec that names none of them gets DEFAULT_SELECTION (the defaults below); one that names any gets
+    # PAPER_SELECTION's values for the others.
     # where the per-step tree searches run: "device" = one batched search over all trees of a layer on q's
     # device (kvdex.index.forest, no host sync), "host" = one search per tree on the CPU thread pool, "auto" =
     # device when the model runs on CUDA, else host. Same pages as the host search, faster on the H200:
     # docs/policies/icecache.md, "Speed on the H200". "summary": no tree search per step, every leaf page
     # scored from its device summary (kvdex.index.summary; capturable in a CUDA graph; not the paper's).
-    search: Literal["auto", "device", "host", "summary"] | None = None
+    search: Literal["auto", "device", "host", "summary"] = "summary"
     # search="summary": "minmax" (per-channel min/max keys: an upper bound of q.k, Quest's on semantic pages)
     # or "centroid" (mean key + radius: q.mu + |q| r, also an upper bound, looser); ignored otherwise
     summary: Literal["minmax", "centroid"] = "minmax"
     # search="summary": 0 = pages ranked by their summaries; N > 0 = the N * max_pages best pages by summary
     # (the group's max) are ranked by the exact max q.k of their keys (GPU-resident store only)
-    rerank: int | None = None
+    rerank: int = 4
     # rerank > 0: "page" = attend the candidate pages with the best exact max q.k (the budget rule above);
     # "token" = attend the candidates' tokens with the best exact q.k (the group's max), as the page
     # policies' ``rerank`` (kvdex/policies/rerank.py): no page-fit step, the budget spent on tokens
-    rerank_unit: Literal["page", "token"] | None = None
+    rerank_unit: Literal["page", "token"] = "token"
     # rerank_unit="token": rank the candidates' tokens by the group's "max" q.k, or by "weight" (each query
     # head's softmax over sink + window + the candidates, summed over the group: the page policies' option)
-    rerank_group: Literal["max", "weight"] | None = None
+    rerank_group: Literal["max", "weight"] = "weight"
     # rerank > 0: the candidates at least this share of each row's pages (kvdex option, as the page policies'
     # ``rerank_share``: a pool of a fixed multiple of the budget covers less of a longer context)
-    rerank_share: float | None = None
+    rerank_share: float = 0.25
     # rerank_unit="token": choose the candidates (the bounds' pass, the share) every N decode steps and whenever a
     # page joins, keeping the rerank x max_pages best of them by that step's token scores; every step still
     # ranks the held candidates' tokens by its own query (kvdex option: docs/policies/icecache.md, "A held pool")
@@ -145,7 +148,7 @@ class IceCachePolicy(SelectEveryOption, Policy):
     pool_pages: Literal["rerank", "all"] = "rerank"
     # search="summary": the prefill's pages. "tree": the host DCI trees' leaves (the paper's construction, on CPU
     # threads); "device": the same leaf-node definition with exact parents, on the device inside the prefill
-    build: Literal["tree", "device"] | None = None
+    build: Literal["tree", "device"] = "device"
     # search=device on CUDA: replay each layer's batched search + page choice as a CUDA graph (one launch
     # instead of ~300 small kernels), re-captured when the layer's mirror changes (an insertion); selections
     # == the eager device search (GPU test). No effect on the host search or on the CPU.
@@ -194,15 +197,11 @@ class IceCachePolicy(SelectEveryOption, Policy):
 
     def _capture_flags(self, offload: bool = False) -> None:
         """CUDA-graph decoding (kvdex.engine.graphs) only without tree searches: the protocol's ``graph_key`` /
-        ``graph_replayed`` exist on a ``search="summary"`` instance only, and a window page joining the middle is
-        then placed inside the captured step too (``reserve_index`` / ``joined`` / ``index_join``, summary_pages.py).
-        ``offload`` with a rerank: the candidates' keys come from the host (a sync), so no step is captured."""
+        ``graph_replayed`` are this policy's on a ``search="summary"`` instance only (else :class:`Policy`'s), and a
+        window page joining the middle is then placed inside the captured step too (``reserve_index`` / ``joined``
+        / ``index_join``, summary_pages.py). ``offload`` with a rerank: the candidates' keys come from the host (a
+        sync), so no step is captured."""
         self.capturable = self.capturable_index = self.search == "summary" and not (offload and self.rerank)
-        if self.capturable:
-            self.graph_key, self.graph_replayed = self._graph_key, self._graph_replayed
-        else:
-            self.__dict__.pop("graph_key", None)
-            self.__dict__.pop("graph_replayed", None)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def bind(self, info: PolicyInfo) -> None:
@@ -357,17 +356,20 @@ class IceCachePolicy(SelectEveryOption, Policy):
         return (f"policy 'icecache' with search={self.search!r} searches trees with host-driven shapes and threads; "
                 "icecache (its default, search=summary) is capturable")  # fmt: skip
 
-    def _graph_key(self, stores) -> tuple | None:
-        """None while a prefill build is pending (joined by an eager step), else every device tensor the
-        selection reads, with its shape."""
+    def graph_key(self, stores: Sequence[LayerStore]) -> tuple | None:
+        """A capturable instance (``search="summary"``): None while a prefill build is pending (joined by an eager
+        step), else every device tensor the selection reads, with its shape. Otherwise :class:`Policy`'s."""
+        if not self.capturable:
+            return super().graph_key(stores)
         if any(self.tree_jobs.jobs.values()):
             return None
         layers = sorted(self.summary_pages.pages.items())
         pages = tuple((lay, *map(id, p.tensors()), *p.pos.shape) for lay, p in layers)
         return pages + self._pools.key()
 
-    def _graph_replayed(self) -> None:
-        self._stats["queries"] += len(self.summary_pages.pages)
+    def graph_replayed(self) -> None:
+        if self.capturable:
+            self._stats["queries"] += len(self.summary_pages.pages)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def stats(self) -> dict:

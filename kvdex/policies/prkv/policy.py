@@ -77,7 +77,7 @@ from kvdex.policies.page_scoring import PageScoringPolicy
 from kvdex.policies.prkv.region import StaticRegion
 from kvdex.policies.prkv.static_set import StaticSet, split_budget
 from kvdex.policies.registry import register_policy
-from kvdex.policies.rerank import resolve_selection
+from kvdex.policies.rerank import NamedOptions, resolve_selection
 from kvdex.policies.snapkv import check_obs, prompt_rows
 from kvdex.selection import Selection
 from kvdex.storage import Grid, LayerStore, MiddleUpdate, PageJoin
@@ -92,16 +92,16 @@ PAPER_SELECTION = {"group": "max", "rerank": 0, "rerank_group": "max", "rerank_s
                    "select_every": 1, "pool_every": 1}  # fmt: skip
 
 
-def resolve_selection_options(policy) -> None:
-    """Fill the selection options left at None: all of them unnamed -> :data:`DEFAULT_SELECTION`; any named
-    (``prkv:rerank=0`` is the paper's selection) -> the others take :data:`PAPER_SELECTION`'s values, so a spec
-    means what it names on top of the paper's selection."""
+def resolve_selection_options(policy: NamedOptions) -> None:
+    """Set the selection options the spec does not name: none of them named -> :data:`DEFAULT_SELECTION`; any
+    named (``prkv:rerank=0`` is the paper's selection) -> the others take :data:`PAPER_SELECTION`'s values, so a
+    spec means what it names on top of the paper's selection."""
     resolve_selection(policy, DEFAULT_SELECTION, PAPER_SELECTION)
 
 
 @register_policy
 @dataclass
-class PRKVPolicy(PageScoringPolicy):
+class PRKVPolicy(NamedOptions, PageScoringPolicy):
     name = "prkv"
     capturable = True
     relocates = True
@@ -122,18 +122,16 @@ class PRKVPolicy(PageScoringPolicy):
     # GQA (kvdex options): how a kv head's query heads combine when ranking the dynamic pages -- "max"
     # (ArkVale's rule), "sum", or "heads" (each head ranks; union round-robin, kernels.scoring.group_topk);
     # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
-    group: Literal["max", "sum", "heads"] | None = (
-        None  # None: resolved with the selection options below ("max" in both)
-    )
+    group: Literal["max", "sum", "heads"] = "max"  # resolved with the selection options below ("max" in both)
     static_group: Literal["mean", "heads"] = "mean"  # the group's mean score (Algorithm 1) or each head's own top
-    # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options):
-    # None everywhere -> DEFAULT_SELECTION; any of them named -> the others from PAPER_SELECTION
-    rerank: int | None = None
-    rerank_group: Literal["max", "weight"] | None = None
-    rerank_share: float | None = None
-    rerank_unit: Literal["token", "page"] | None = None
-    select_every: int | None = None
-    pool_every: int | None = None
+    # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options): none
+    # of them named -> DEFAULT_SELECTION (the defaults below); any of them named -> the others from PAPER_SELECTION
+    rerank: int = 4
+    rerank_group: Literal["max", "weight"] = "weight"
+    rerank_share: float = 0.25
+    rerank_unit: Literal["token", "page"] = "page"
+    select_every: int = 16
+    pool_every: int = 1
 
     def __post_init__(self) -> None:
         resolve_selection_options(self)
