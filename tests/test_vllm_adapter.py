@@ -287,6 +287,28 @@ def test_settings_parse_and_refuse(monkeypatch):
         settings_from({"kvdex": {"policy": "streaming"}})
 
 
+def test_check_compares_as_vllms_backend_tests_do():
+    """kvdex vllm check: identical tokens match; a first difference where each token is among the other engine's
+    top log-probabilities is close (a near-tie, vLLM's check_logprobs_close), with its position and margin; a token
+    outside the other's top ones, or a missing one, is not."""
+    from kvdex.vllm.check import compare, verdict
+
+    base = [[5, 6, 7], [1, 2, 3]]
+    top = [[{5: -0.1}, {6: -0.6, 9: -0.8}, {7: -0.2}], [{1: -0.1}, {2: -0.1}, {3: -0.1}]]
+    same = compare(base, top, [[5, 6, 7], [1, 2, 3]], top)
+    assert same["match"] and same["close"] and same["agree"] == 6 and same["first_diff"] == [None, None]
+    assert verdict(same).startswith("same")
+    got_top = [[{5: -0.1}, {9: -0.65, 6: -0.75}, {4: -0.1}], top[1]]
+    tie = compare(base, top, [[5, 9, 4], [1, 2, 3]], got_top)
+    assert not tie["match"] and tie["close"] and tie["agree"] == 4
+    assert tie["first_diff"] == [1, None] and tie["margin"][0] == pytest.approx(0.2)
+    assert "prompt 0: token 1 (margin 0.200)" in verdict(tie)
+    far = compare(base, top, [[5, 8, 4], [1, 2, 3]], [[{5: -0.1}, {8: -0.1}, {4: -0.1}], top[1]])
+    assert not far["close"] and far["margin"] == [None, None] and verdict(far).startswith("DIFFERENT")
+    short = compare(base, top, [[5, 6], [1, 2, 3]], [top[0][:2], top[1]])
+    assert short["first_diff"] == [2, None] and not short["close"]
+
+
 def test_only_the_backend_imports_vllm():
     """Importing kvdex.vllm (and the check command) loads no vLLM: only backend.py reads vLLM at load time (vLLM
     imports that module by the path the plugin registers)."""

@@ -4,8 +4,10 @@ model directory vLLM loads, e.g. Qwen2.5-Coder-0.5B-Instruct).
 In one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), through :func:`kvdex.vllm.check.run_check` (what ``kvdex vllm
 check`` runs): three prompts of different lengths served together with chunked prefill, greedy decoding
 
-* with a budget covering every prompt and its new tokens, each of full, quest, prkv, chess and pariskv gives exactly
-  the tokens of vLLM's default backend (eager, then under vLLM's default CUDA-graph mode);
+* with a budget covering every prompt and its new tokens, each of full, quest, prkv, chess and pariskv gives the
+  tokens of vLLM's default backend, up to a near-tie as vLLM's own backend tests allow (``close``: the first
+  differing tokens each among the other engine's top log-probabilities), eager and under vLLM's default
+  CUDA-graph mode;
 * at budget 256 the sparse policies decode every requested token.
 """
 
@@ -20,7 +22,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
-from kvdex.vllm.check import add_arguments, run_check  # noqa: E402
+from kvdex.vllm.check import add_arguments, run_check, verdict  # noqa: E402
 
 MODEL = os.environ.get("KVDEX_VLLM_MODEL", "")
 POLICIES = ["full", "quest", "prkv", "chess", "pariskv"]
@@ -44,14 +46,14 @@ def test_covering_budget_gives_the_default_backends_tokens():
     report = run_check(MODEL, POLICIES, check_args(prompt_tokens=1536, max_tokens=32))
     assert report["covering"]
     for p in POLICIES:
-        assert report[p]["match"], f"{p}: {report[p]['agree']}/{report[p]['of']} tokens agree"
+        assert report[p]["close"], f"{p}: {verdict(report[p])}"
 
 
 def test_covering_budget_under_cuda_graphs():
     """vLLM's default mode: the model's pieces replay CUDA graphs, kvdex's attention runs between them."""
     report = run_check(MODEL, ["quest", "prkv"], check_args(prompt_tokens=1024, max_tokens=24, cuda_graphs=True))
     for p in ("quest", "prkv"):
-        assert report[p]["match"], f"{p}: {report[p]['agree']}/{report[p]['of']} tokens agree"
+        assert report[p]["close"], f"{p}: {verdict(report[p])}"
 
 
 def test_sparse_budget_decodes_every_token():
