@@ -7,6 +7,7 @@
     kvdex eval ...                      the evaluation harness (present when kvdex.eval.cli exists)
     kvdex calibrate chess ...           CHESS's rebuild thresholds, offline (kvdex.calibrate)
     kvdex vllm check --model DIR        kvdex's vLLM attention backend vs vLLM's own (kvdex.vllm.check)
+    kvdex vllm bench                    its serving speed vs vLLM's default backend (kvdex.vllm.bench)
 
 Every subcommand sets ``func(args) -> int | None`` with ``set_defaults``; ``kvdex.eval.cli`` follows
 the same contract through ``register(subparsers)``. Mistakes kvdex reports (``ValueError``,

@@ -192,10 +192,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
-    """``kvdex vllm check`` (kvdex.cli)."""
-    p = sub.add_parser("vllm", help="kvdex inside vLLM (docs/vllm.md): check the attention backend")
+    """``kvdex vllm check`` and ``kvdex vllm bench`` (kvdex.cli)."""
+    p = sub.add_parser("vllm", help="kvdex inside vLLM (docs/vllm.md): check the attention backend, benchmark it")
     vs = p.add_subparsers(dest="vllm_command", required=True, metavar="SUBCOMMAND")
     what = "greedy tokens of vLLM with kvdex's backend against vLLM's default backend, in one process (docs/vllm.md)"
     c = vs.add_parser("check", help=what, description=what[:1].upper() + what[1:] + ".")
     add_arguments(c)
     c.set_defaults(func=main)
+    from kvdex.vllm.bench import register as register_bench
+
+    register_bench(vs)  # kvdex vllm bench: serving speed against vLLM's default backend

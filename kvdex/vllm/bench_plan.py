@@ -1,0 +1,243 @@
+"""What ``kvdex vllm bench`` (:mod:`kvdex.vllm.bench`) runs and records, without running it: the checked settings,
+the dummy-weight model folder, the ``vllm serve`` and ``vllm bench serve`` command lines, the reading of vLLM's saved
+result, the ratios to the default backend, the table and the resumable record (``bench.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttention on a Hopper GPU)
+METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
+# settings a resumed run shares with the rows already recorded (the grid itself may grow)
+SAME = ("shape", "budget", "output_len", "prompts_per_concurrency", "request_rate", "gpu_memory_utilization",
+        "enforce_eager", "seed", "serve_args")  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MARGIN = 256  # max-model-len room over context + output: a random prompt re-encoded may come out a little longer
+SERVED = "kvdex-bench"  # --served-model-name
+BLOCK_SIZE = 16  # vLLM's --block-size, both backends: kvdex's page size (its default, which the sink is a multiple of)
+Row = tuple[str | None, int, int]  # (kvdex policy spec, None for the default backend; context; concurrency)
+
+
+def parse_lengths(text: str, option: str) -> list[int]:
+    """``"32k,128k"`` -> [32768, 131072] (``kvdex bench``'s size lists); a ValueError names ``option``."""
+    from kvdex.bench.cli import parse_sizes
+
+    try:
+        return sorted(set(parse_sizes(text)))
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: {e}") from None
+
+
+def kvdex_settings(policy: str, budget: int) -> dict[str, Any]:
+    """``additional_config["kvdex"]`` of a kvdex row."""
+    return {"policy": policy, "budget": budget}
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings from the parsed arguments, each checked before any server starts (ValueError: the fix)."""
+    from kvdex.bench.shapes import SHAPES, shape_names
+    from kvdex.vllm.config import settings_from
+
+    if args.shape not in SHAPES:
+        raise ValueError(f"unknown --shape {args.shape!r}; shapes: {', '.join(shape_names())}")
+    for name, value in (("--output-len", args.output_len), ("--prompts-per-concurrency", args.prompts_per_concurrency)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if len(set(policies)) != len(policies) or DEFAULT_ROW in policies:
+        raise ValueError(f"--policies {args.policies!r}: name each policy spec once ({DEFAULT_ROW!r} is vLLM's row)")
+    for p in policies:  # the engine's own check, so a bad spec or budget fails now, not after a server start
+        try:
+            settings_from({"kvdex": kvdex_settings(p, args.budget)})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--policies {p!r}: {e}") from None
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}")
+    rate = str(args.request_rate)
+    if rate != "inf" and not (re.fullmatch(r"[0-9]*\.?[0-9]+", rate) and float(rate) > 0):
+        raise ValueError(f"--request-rate must be inf (every request at once) or requests/s > 0, got {rate!r}")
+    return {"shape": args.shape, "contexts": parse_lengths(args.contexts, "--contexts"),
+            "concurrency": parse_lengths(args.concurrency, "--concurrency"), "policies": policies,
+            "budget": args.budget, "output_len": args.output_len,
+            "prompts_per_concurrency": args.prompts_per_concurrency, "request_rate": rate,
+            "block_size": BLOCK_SIZE, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enforce_eager": args.enforce_eager, "seed": args.seed, "serve_args": args.serve_args,
+            "port": args.port}  # fmt: skip
+
+
+def num_prompts(concurrency: int, per: int) -> int:
+    return max(concurrency * per, concurrency)
+
+
+def max_model_len(s: dict[str, Any]) -> int:
+    return max(s["contexts"]) + s["output_len"] + MARGIN
+
+
+def tokenizer_vocab(folder: Path) -> int:
+    """One past the largest token id in ``folder``/tokenizer.json (0 where it lists none)."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok.get("model", {}).get("vocab", {})
+    ids = [*(vocab.values() if isinstance(vocab, dict) else []), *(t["id"] for t in tok.get("added_tokens", []))]
+    return max(ids, default=-1) + 1
+
+
+def write_model_dir(shape: str, dest: Path, max_positions: int) -> Path:
+    """A folder vLLM loads with ``--load-format dummy``: ``config.json`` of ``shape`` (bf16, at least
+    ``max_positions`` positions) and the tokenizer files of the fetched SmolLM2 (kept where ``dest`` has them)."""
+    from kvdex import models
+    from kvdex.bench.shapes import SHAPES, make_config
+
+    dest = Path(dest)
+    source = models.converted("smollm2")
+    if source is None and not (dest / "tokenizer.json").is_file():
+        raise ValueError(
+            "kvdex vllm bench takes SmolLM2's tokenizer (its 49152 token ids all lie inside the shape's vocabulary) "
+            f"from the fetched model: run `kvdex models fetch smollm2` (it installs under {models.models_dir()}; set "
+            f"{models.ENV} to choose another folder), or pass --model-dir a folder that holds its tokenizer.json"
+        )
+    cfg = make_config(shape, max_positions)  # ValueError for an unknown shape
+    needed = tokenizer_vocab(source or dest)
+    if cfg.vocab_size < needed:
+        raise ValueError(f"shape {shape} has a vocabulary of {cfg.vocab_size} tokens, SmolLM2's tokenizer {needed}: "
+                         "pick a shape with a larger vocabulary (llama3-8b)")  # fmt: skip
+    dest.mkdir(parents=True, exist_ok=True)
+    if source is not None and source.resolve() != dest.resolve():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, dest / name)
+    cfg.architectures = [ARCHITECTURES[SHAPES[shape][0]]]
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(dest)
+    return dest
+
+
+def _vllm() -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def serve_command(model: Path, policy: str | None, s: dict[str, Any]) -> list[str]:
+    """``vllm serve`` for vLLM's default backend (``policy`` None) or kvdex's backend with ``policy``."""
+    cmd = [*_vllm(), "serve", str(model), "--served-model-name", SERVED, "--load-format", "dummy",
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len(s)), "--block-size", str(s["block_size"]),
+           "--gpu-memory-utilization", str(s["gpu_memory_utilization"]), "--no-enable-prefix-caching",
+           "--seed", str(s["seed"]), "--host", "127.0.0.1", "--port", str(s["port"])]  # fmt: skip
+    if s["enforce_eager"]:
+        cmd.append("--enforce-eager")
+    if policy is not None:
+        config = {"kvdex": kvdex_settings(policy, s["budget"])}
+        cmd += ["--attention-backend", "CUSTOM", "--additional-config", json.dumps(config)]
+    return cmd + shlex.split(s["serve_args"])
+
+
+def bench_command(model: Path, context: int, concurrency: int, s: dict[str, Any], result: Path) -> list[str]:
+    """``vllm bench serve`` of one row, its result JSON saved as ``result``."""
+    return [*_vllm(), "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(s["port"]),
+            "--model", SERVED, "--tokenizer", str(model), "--dataset-name", "random",
+            "--random-input-len", str(context), "--random-output-len", str(s["output_len"]),
+            "--random-range-ratio", "0", "--num-prompts", str(num_prompts(concurrency, s["prompts_per_concurrency"])),
+            "--max-concurrency", str(concurrency), "--request-rate", s["request_rate"], "--ignore-eos",
+            "--temperature", "0", "--seed", str(s["seed"]), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result",
+            "--result-dir", str(result.parent), "--result-filename", result.name]  # fmt: skip
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """``{"metrics": the four reported, "raw": the whole saved result}`` of a ``vllm bench serve`` result JSON."""
+    raw = json.loads(Path(path).read_text())
+    missing = [k for k in METRICS if raw.get(k) is None]
+    if missing:
+        raise ValueError(f"{path}: vllm bench serve saved no {', '.join(missing)}")
+    return {"metrics": {k: float(raw[k]) for k in METRICS}, "raw": raw}
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows``, each kvdex row with ``vs_default``: each metric over that of the default backend's row of the same
+    context, concurrency and GPU (no ``vs_default`` where that row is missing)."""
+    base = {(r["context"], r["concurrency"], r.get("gpu")): r for r in rows
+            if r["label"] == DEFAULT_ROW and r["status"] == "ok"}  # fmt: skip
+    out = []
+    for r in rows:
+        r = {k: v for k, v in r.items() if k != "vs_default"}
+        ref = base.get((r["context"], r["concurrency"], r.get("gpu")))
+        if r["label"] != DEFAULT_ROW and r["status"] == "ok" and ref is not None:
+            r["vs_default"] = {k: r["metrics"][k] / ref["metrics"][k] if ref["metrics"][k] else None for k in METRICS}
+        out.append(r)
+    return out
+
+
+def ctx(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as text; ``x``: over the default backend's row (tok/s above 1, TPOT and TTFT below 1: faster)."""
+    head = ("backend", "context", "conc", "prompts", "out tok/s", "TPOT med ms", "TPOT mean ms", "TTFT med ms",
+            "tok/s x", "TPOT med x", "TTFT med x")  # fmt: skip
+    lines: list[tuple[str, ...]] = [head]
+    gpus = {r.get("gpu") for r in rows}
+    for r in sorted(with_ratios(rows), key=lambda r: (str(r.get("gpu")), r["context"], r["concurrency"],
+                                                       r["label"] != DEFAULT_ROW, r["label"])):  # fmt: skip
+        name = r["label"] if r["label"] == DEFAULT_ROW else f"kvdex {r['label']}"
+        name += f" ({r.get('gpu')})" if len(gpus) > 1 else ""
+        m, x = r.get("metrics") or {}, r.get("vs_default") or {}
+        cells = [_f(m.get(k), ".1f") for k in METRICS] if r["status"] == "ok" else [r["status"], "", "", ""]
+        ratios = [_f(x.get(k), ".2f") for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")]
+        lines.append((name, ctx(r["context"]), str(r["concurrency"]), str(r["num_prompts"]), *cells, *ratios))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def load(out: Path, s: dict[str, Any]) -> dict[str, Any]:
+    """``out``/bench.json (a fresh record where there is none); ValueError where it holds other settings."""
+    path = out / "bench.json"
+    if not path.is_file():
+        return {"settings": s, "rows": []}
+    record = json.loads(path.read_text())
+    old = record.get("settings", {})
+    diff = [f"{k} {old.get(k)!r} -> {s[k]!r}" for k in SAME if old.get(k) != s[k]]
+    if diff:
+        raise ValueError(f"{path} holds rows measured with other settings ({'; '.join(diff)}): pass another --out, "
+                         "or that run's settings to continue it")  # fmt: skip
+    return record
+
+
+def save(out: Path, record: dict[str, Any]) -> None:
+    """Write ``out``/bench.json (whole, then renamed over the old one), ratios recomputed."""
+    record["rows"] = with_ratios(record["rows"])
+    part = out / "bench.json.part"
+    part.write_text(json.dumps(record, indent=1))
+    part.replace(out / "bench.json")
+
+
+def label(policy: str | None) -> str:
+    return policy or DEFAULT_ROW
+
+
+def pending(record: dict[str, Any], s: dict[str, Any], gpu: str | None, retry: bool = False) -> list[Row]:
+    """The rows of grid ``s`` not yet in ``record`` for ``gpu`` (rows recorded as errors too where ``retry``),
+    backend by backend: the default backend, then each policy."""
+    done = {(r["label"], r["context"], r["concurrency"]) for r in record["rows"]
+            if r.get("gpu") == gpu and (r["status"] == "ok" or not retry)}  # fmt: skip
+    return [(p, c, n) for p in [None, *s["policies"]] for c in s["contexts"] for n in s["concurrency"]
+            if (label(p), c, n) not in done]  # fmt: skip
+
+
+def put(record: dict[str, Any], row: dict[str, Any]) -> None:
+    """Add ``row`` to ``record``, replacing a row of the same backend, context, concurrency and GPU."""
+    key = (row["label"], row["context"], row["concurrency"], row.get("gpu"))
+    record["rows"] = [r for r in record["rows"] if (r["label"], r["context"], r["concurrency"], r.get("gpu")) != key]
+    record["rows"].append(row)
