@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 
-def _fmt(v, spec: str) -> str:
+def fmt(v, spec: str) -> str:
+    """``v`` formatted by ``spec``, ``-`` for None (a table cell)."""
     return "-" if v is None else format(v, spec)
 
 
-def _ctx(n: int) -> str:
+def ctx(n: int) -> str:
+    """A context length as a label: ``131072`` -> ``128k``."""
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
@@ -46,7 +48,7 @@ def table(result: dict) -> str:
     lines = [head, "-" * len(head)]
     filled = False
     for r in result.get("results", []):
-        lead = f"{r['method']:<26} {_ctx(r['context']):>5} {r['batch']:>2}"
+        lead = f"{r['method']:<26} {ctx(r['context']):>5} {r['batch']:>2}"
         if r["status"] != "ok":
             lines.append(f"{lead} {r['status']}: {r.get('error', '')[:80]}")
             continue
@@ -54,20 +56,20 @@ def table(result: dict) -> str:
         split = "-"
         if sp:
             split = "/".join(
-                _fmt(None if sp[f"{k}_frac"] is None else 100 * sp[f"{k}_frac"], ".0f")
+                fmt(None if sp[f"{k}_frac"] is None else 100 * sp[f"{k}_frac"], ".0f")
                 for k in ("selection", "transfer", "attention", "rest")
             )
         host = r.get("kv_host_gb")
         random_kv = r.get("kv") == "random"  # no prefill ran: no prefill time, no whole-method peak
         filled = filled or random_kv
         lines.append(
-            f"{lead} {r['tokens_per_s']:>9.1f} {_fmt(_vs_full(result, r), '.2f'):>6} {r['ms_median']:>8.2f} "
-            f"{r['ms_p90']:>8.2f} {_fmt(r.get('ms_mean'), '.2f'):>8} {_fmt(r.get('prefill_s'), '.2f'):>9} "
-            f"{_fmt(None if random_kv else r.get('peak_device_gb'), '.1f'):>7} "
-            f"{_fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
-            f"{_fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
-            f"{_fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {_fmt(r.get('page_cache_hit_rate'), '.3f'):>6} "
-            f"{_fmt(r.get('eager_steps'), 'd'):>5}"
+            f"{lead} {r['tokens_per_s']:>9.1f} {fmt(_vs_full(result, r), '.2f'):>6} {r['ms_median']:>8.2f} "
+            f"{r['ms_p90']:>8.2f} {fmt(r.get('ms_mean'), '.2f'):>8} {fmt(r.get('prefill_s'), '.2f'):>9} "
+            f"{fmt(None if random_kv else r.get('peak_device_gb'), '.1f'):>7} "
+            f"{fmt(r.get('decode_peak_device_gb'), '.1f'):>7} "
+            f"{fmt(host, '.1f'):>7} {r['h2d_bytes_per_step'] / 1e6:>11.1f} {split:>22} "
+            f"{fmt(sp.get('page_reuse') if sp else None, '.2f'):>5} {fmt(r.get('page_cache_hit_rate'), '.3f'):>6} "
+            f"{fmt(r.get('eager_steps'), 'd'):>5}"
         )
     if filled:
         lines.append(

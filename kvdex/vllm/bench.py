@@ -29,11 +29,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvdex.bench.report import ctx
 from kvdex.vllm.bench_plan import (
     DEFAULT_ROW,
     METRICS,
     bench_command,
-    ctx,
     label,
     load,
     max_model_len,

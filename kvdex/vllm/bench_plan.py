@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvdex.bench.report import ctx, fmt
+
 DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttention on a Hopper GPU)
 METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
 # settings a resumed run shares with the rows already recorded (the grid itself may grow)
@@ -175,14 +177,6 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def ctx(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as text; ``x``: over the default backend's row (tok/s above 1, TPOT and TTFT below 1: faster)."""
     head = ("backend", "context", "conc", "prompts", "out tok/s", "TPOT med ms", "TPOT mean ms", "TTFT med ms",
@@ -194,8 +188,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         name = r["label"] if r["label"] == DEFAULT_ROW else f"kvdex {r['label']}"
         name += f" ({r.get('gpu')})" if len(gpus) > 1 else ""
         m, x = r.get("metrics") or {}, r.get("vs_default") or {}
-        cells = [_f(m.get(k), ".1f") for k in METRICS] if r["status"] == "ok" else [r["status"], "", "", ""]
-        ratios = [_f(x.get(k), ".2f") for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")]
+        cells = [fmt(m.get(k), ".1f") for k in METRICS] if r["status"] == "ok" else [r["status"], "", "", ""]
+        ratios = [fmt(x.get(k), ".2f") for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")]
         lines.append((name, ctx(r["context"]), str(r["concurrency"]), str(r["num_prompts"]), *cells, *ratios))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
