@@ -288,3 +288,20 @@ def test_share_widens_the_pool_past_rerank():
     plain, shared = _run(spec), _run(f"{spec}:rerank_share=1.0")
     assert len(plain) == len(shared)
     assert any(not torch.equal(x, y) for x, y in zip(plain, shared, strict=True))  # a wider pool chose otherwise
+
+
+@pytest.mark.parametrize("name", ["prkv", "chess", "icecache"])
+def test_declared_defaults_are_the_default_selection(name):
+    """A policy whose selection options resolve by what a spec names (resolve_selection) declares kvdex's default
+    selection as its fields' defaults too, so the class, its option listing and an unnamed spec agree."""
+    import dataclasses
+    import importlib
+
+    from kvdex.policies.registry import make_policy
+
+    module = importlib.import_module(f"kvdex.policies.{name}")
+    default = module.DEFAULT_SELECTION if hasattr(module, "DEFAULT_SELECTION") else module.policy.DEFAULT_SELECTION
+    policy = make_policy(name)
+    declared = {f.name: f.default for f in dataclasses.fields(policy) if f.name in default}
+    assert declared == default
+    assert {key: getattr(policy, key) for key in default} == default
