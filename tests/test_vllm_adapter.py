@@ -309,6 +309,28 @@ def test_check_compares_as_vllms_backend_tests_do():
     assert short["first_diff"] == [2, None] and not short["close"]
 
 
+@pytest.mark.parametrize("spec", ["quest", "chess", "prkv"])
+def test_check_transformers_reference_is_kvdex_generate(spec):
+    """kvdex vllm check --reference transformers: each prompt alone through kvdex's transformers path with the policy
+    vLLM's requests get (plain chess: trigger=interval) gives kvdex.generate's greedy tokens at the same budget, with
+    no end-of-sequence stop, and each token is the top of its own log-probabilities."""
+    import kvdex
+    from kvdex.hf.testing import tiny_llama
+    from kvdex.vllm.check import prompts, transformers_tokens
+
+    model = tiny_llama()
+    ids = prompts([200, 150], seed=1, low=10, high=250)
+    s = settings_from({"kvdex": {"policy": spec, "budget": 80}})
+    tokens, top = transformers_tokens(model, s, ids, max_tokens=10, logprobs=3)
+    named = "chess:trigger=interval" if spec == "chess" else spec
+    for p, got, tops in zip(ids, tokens, top, strict=True):
+        cache = kvdex.Cache(model, named, 80)
+        ref = kvdex.generate(model, cache, torch.tensor([p]), max_new_tokens=10, cuda_graph=False, eos_token_id=[],
+                             pad_token_id=0)  # fmt: skip
+        assert got == ref[0, len(p) :].tolist()
+        assert all(len(t) == 3 and max(t, key=t.get) == g for g, t in zip(got, tops, strict=True))
+
+
 def test_only_the_backend_imports_vllm():
     """Importing kvdex.vllm (and the check command) loads no vLLM: only backend.py reads vLLM at load time (vLLM
     imports that module by the path the plugin registers)."""

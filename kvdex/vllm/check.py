@@ -8,7 +8,10 @@ covers every prompt and its new tokens, so each policy must give the default bac
 compare two attention backends (``check_logprobs_close``): identical, or identical up to a first position where the
 two greedy tokens differ and each is among the other engine's top ``--logprobs`` tokens there (a near-tie that two
 kernels' rounding decides apart; the sequences part there). With a smaller budget the report gives how many tokens
-agree. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is imported only when the command runs.
+agree; ``--reference transformers`` compares each policy instead with kvdex's transformers path at the same policy and
+budget (each prompt alone), where a sparse budget's tokens should be the same up to near-ties that the two prefills'
+rounding decides. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is imported only when the command
+runs.
 """
 
 from __future__ import annotations
@@ -129,8 +132,75 @@ def compare(base: list[list[int]], base_top: Top, got: list[list[int]], got_top:
             "first_diff": first, "margin": margin}  # fmt: skip
 
 
+def transformers_tokens(
+    model: Any, settings: Any, ids: list[list[int]], max_tokens: int, logprobs: int
+) -> tuple[list[list[int]], Top]:
+    """kvdex's transformers path on the same prompts: each prompt alone (batch 1) prefilled into a
+    ``kvdex.Cache`` with the policy and sizes of ``settings`` (a :class:`~kvdex.vllm.config.VllmSettings`: the same
+    policy instance vLLM's requests get, e.g. ``chess`` with ``trigger=interval``), then ``max_tokens`` greedy eager
+    decode steps (no end-of-sequence stop, as vLLM's ``ignore_eos``). Returns the tokens and the top ``logprobs``
+    log-probabilities of each, as :func:`_generate` does for vLLM."""
+    import torch
+
+    import kvdex
+    from kvdex.hf.compat import cache_kwargs
+    from kvdex.hf.graph import GraphDecoder
+
+    device = next(model.parameters()).device
+    c = settings.config
+    tokens: list[list[int]] = []
+    top: Top = []
+    with torch.inference_mode():
+        for p in ids:
+            sizes = dict(page_size=c.page_size, sink=c.sink, window=c.window, dense_layers=c.dense_layers)
+            cache = kvdex.Cache(model, settings.make_policy(), c.budget, prefill_chunk=c.prefill_chunk, **sizes)
+            x = torch.tensor([p], device=device)
+            logits = model(input_ids=x, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+            dec = GraphDecoder(model, cache, enabled=False, warn=False)
+            row: list[int] = []
+            row_top: list[dict[int, float]] = []
+            for i in range(max_tokens):
+                lp = torch.log_softmax(logits.float(), -1)[0]
+                nxt = int(lp.argmax())
+                best = torch.topk(lp, logprobs)
+                row.append(nxt)
+                row_top.append({int(t): float(v) for t, v in zip(best.indices, best.values, strict=True)})
+                if i + 1 < max_tokens:
+                    logits = dec.step(torch.tensor([[nxt]], device=device))
+            tokens.append(row)
+            top.append(row_top)
+            del dec, cache
+    return tokens, top
+
+
+def _transformers_reference(
+    model_dir: str, policies: list[str], budget: int, ids: list[list[int]], args: argparse.Namespace
+) -> dict[str, tuple[list[list[int]], Top]]:
+    """:func:`transformers_tokens` of every policy, the model loaded once (bf16, on the GPU where there is one)
+    and freed before any vLLM engine starts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvdex.vllm.config import settings_from
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    hf = hf.to(device).eval()
+    out = {}
+    for policy in policies:
+        kv = {"policy": policy, "budget": budget, "page_size": args.block_size}
+        out[policy] = transformers_tokens(hf, settings_from({"kvdex": kv}), ids, args.max_tokens, args.logprobs)
+    del hf
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """{"baseline": tokens, policy: {"tokens", "match", "agree", "budget"}} for each policy."""
+    """{"baseline": tokens, policy: {"tokens", "match", "agree", "budget"}} for each policy; with ``--reference
+    transformers`` each policy's baseline is kvdex's transformers path at the same policy and budget
+    (``reference_tokens`` per policy) instead of vLLM's default backend."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from kvdex.vllm.plugin import register
 
@@ -139,11 +209,20 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
     budget = args.budget or -(-longest // args.block_size) * args.block_size + args.block_size
-    base, base_top = _tokens(model, None, ids, args)
-    report: dict[str, Any] = {"baseline": base, "baseline_top": base_top, "budget": budget, "covering": not args.budget}
+    reference = getattr(args, "reference", "vllm")
+    report: dict[str, Any] = {"budget": budget, "covering": not args.budget, "reference": reference}
+    if reference == "transformers":
+        refs = _transformers_reference(model, policies, budget, ids, args)
+    else:
+        base, base_top = _tokens(model, None, ids, args)
+        report |= {"baseline": base, "baseline_top": base_top}
     for policy in policies:
-        got, got_top = _tokens(model, {"policy": policy, "budget": budget}, ids, args)
+        if reference == "transformers":
+            base, base_top = refs[policy]
+        got, got_top = _tokens(model, {"policy": policy, "budget": budget, "page_size": args.block_size}, ids, args)
         report[policy] = compare(base, base_top, got, got_top) | {"top": got_top}
+        if reference == "transformers":
+            report[policy] |= {"reference_tokens": base, "reference_top": base_top}
     return report
 
 
@@ -162,14 +241,16 @@ def main(args: argparse.Namespace) -> int:
     report = run_check(args.model, policies, args)
     width = max(len(p) for p in policies)
     what = "covering the context" if report["covering"] else "sparse"
-    print(f"kvdex vllm check: {args.model}, budget {report['budget']} ({what}), greedy tokens vs vLLM's default")
+    against = ("kvdex's transformers path, same policy and budget" if report["reference"] == "transformers"
+               else "vLLM's default backend")  # fmt: skip
+    print(f"kvdex vllm check: {args.model}, budget {report['budget']} ({what}), greedy tokens vs {against}")
     for p in policies:
         print(f"  {p:<{width}}  {verdict(report[p])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     ok = all(report[p]["close"] for p in policies)
-    return 0 if ok or not report["covering"] else 1
+    return 0 if ok or not (report["covering"] or report["reference"] == "transformers") else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -188,6 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=5,
                    help="top log-probabilities kept per token: a first difference passes where each token is among the "
                         "other engine's top ones there (vLLM's check_logprobs_close)")  # fmt: skip
+    p.add_argument("--reference", choices=("vllm", "transformers"), default="vllm",
+                   help="what each policy is compared with: vLLM's default backend (vllm), or kvdex's transformers "
+                        "path with the same policy and budget, each prompt alone (transformers: for sparse budgets, "
+                        "where dense attention is not the expected answer)")  # fmt: skip
     p.add_argument("--json", default="", help="write the report (tokens included) to this file")
 
 
