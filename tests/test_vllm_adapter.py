@@ -331,6 +331,48 @@ def test_check_transformers_reference_is_kvdex_generate(spec):
         assert all(len(t) == 3 and max(t, key=t.get) == g for g, t in zip(got, tops, strict=True))
 
 
+def test_check_teacher_forced_comparison():
+    """--reference transformers, teacher-forced: a position counts as the same token, a near-tie (each token among
+    the other's top log-probabilities) or another difference; with follow=, the reference is fed the given tokens."""
+    from kvdex.hf.testing import tiny_llama
+    from kvdex.vllm.check import compare_forced, prompts, transformers_tokens
+
+    got, got_top = [[5, 6, 7]], [[{5: -0.1}, {6: -0.5, 8: -0.6}, {7: -0.1}]]
+    ref, ref_top = [[5, 8, 9]], [[{5: -0.1}, {8: -0.5, 6: -0.6}, {9: -0.1}]]
+    f = compare_forced(got, got_top, ref, ref_top)
+    assert (f["agree"], f["near"], f["far"], f["of"], f["first_far"]) == (1, 1, 1, 3, [2])
+    model = tiny_llama()
+    ids = prompts([120], seed=2, low=10, high=250)
+    s = settings_from({"kvdex": {"policy": "quest", "budget": 80}})
+    free, _ = transformers_tokens(model, s, ids, max_tokens=8, logprobs=2)
+    forced, _ = transformers_tokens(model, s, ids, max_tokens=8, logprobs=2, follow=free)
+    assert forced == free  # fed its own tokens, it predicts them again
+    other = [[(t + 1) % 250 for t in free[0]]]
+    moved, _ = transformers_tokens(model, s, ids, max_tokens=8, logprobs=2, follow=other)
+    assert moved[0][0] == free[0][0] and moved != free  # the first token comes from the prefill alone
+
+
+def _double(x):
+    return 2 * x
+
+
+def _fail(x):
+    raise ValueError(f"bad {x}")
+
+
+def test_check_runs_each_engine_in_its_own_process():
+    """kvdex vllm check's engines run through isolated(): the result comes back from a spawned process, and an
+    error there is raised here with its message."""
+    import os
+
+    from kvdex.vllm.check import isolated
+
+    assert isolated(_double, 21) == 42
+    assert isolated(os.getpid) != os.getpid()
+    with pytest.raises(RuntimeError, match="ValueError: bad 3"):
+        isolated(_fail, 3)
+
+
 def test_only_the_backend_imports_vllm():
     """Importing kvdex.vllm (and the check command) loads no vLLM: only backend.py reads vLLM at load time (vLLM
     imports that module by the path the plugin registers)."""

@@ -82,16 +82,59 @@ def _cleanup() -> None:
 Top = list[list[dict[int, float]]]  # per prompt, per generated token: {token id: log-probability} of the top ones
 
 
-def _tokens(
+def _child(send: Any, fn: Any, args: tuple) -> None:
+    try:
+        send.send(("ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which raises it
+        import traceback
+
+        send.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        send.close()
+
+
+def isolated(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh (spawned, non-daemonic) process, its result sent back. Each engine of a check runs
+    in its own process: one process's second vLLM engine can neither reuse the first one's CUDA-graph memory pool
+    (under CUDA graphs it failed an allocator assertion while capturing) nor lose the memory the first one did not
+    give back. A failure in the child raises ``RuntimeError`` here with its traceback."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args))
+    proc.start()
+    send.close()
+    try:
+        status, value = recv.recv()
+    except EOFError:
+        status, value = "error", "the process ended without a result"
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its process (exit code {proc.exitcode}): {value}")
+    return value
+
+
+def _engine_tokens(
     model: str, kvdex: dict[str, Any] | None, ids: list[list[int]], args: argparse.Namespace
 ) -> tuple[list[list[int]], Top]:
-    """Greedy tokens of ``ids`` and their top ``args.logprobs`` log-probabilities, from a fresh engine (kvdex's
-    backend with ``kvdex`` settings, else vLLM's default), the engine dropped before returning."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kvdex.vllm.plugin import register
+
+    register()
     llm = _engine(model, kvdex, args)
     out = _generate(llm, ids, args.max_tokens, args.logprobs)
     del llm
     _cleanup()
     return out
+
+
+def _tokens(
+    model: str, kvdex: dict[str, Any] | None, ids: list[list[int]], args: argparse.Namespace
+) -> tuple[list[list[int]], Top]:
+    """Greedy tokens of ``ids`` and their top ``args.logprobs`` log-probabilities, from a fresh engine (kvdex's
+    backend with ``kvdex`` settings, else vLLM's default) in a process of its own (:func:`isolated`)."""
+    return isolated(_engine_tokens, model, kvdex, ids, args)
 
 
 def _generate(llm: Any, ids: list[list[int]], max_tokens: int, logprobs: int) -> tuple[list[list[int]], Top]:
@@ -133,13 +176,20 @@ def compare(base: list[list[int]], base_top: Top, got: list[list[int]], got_top:
 
 
 def transformers_tokens(
-    model: Any, settings: Any, ids: list[list[int]], max_tokens: int, logprobs: int
+    model: Any,
+    settings: Any,
+    ids: list[list[int]],
+    max_tokens: int,
+    logprobs: int,
+    follow: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], Top]:
     """kvdex's transformers path on the same prompts: each prompt alone (batch 1) prefilled into a
     ``kvdex.Cache`` with the policy and sizes of ``settings`` (a :class:`~kvdex.vllm.config.VllmSettings`: the same
     policy instance vLLM's requests get, e.g. ``chess`` with ``trigger=interval``), then ``max_tokens`` greedy eager
     decode steps (no end-of-sequence stop, as vLLM's ``ignore_eos``). Returns the tokens and the top ``logprobs``
-    log-probabilities of each, as :func:`_generate` does for vLLM."""
+    log-probabilities of each, as :func:`_generate` does for vLLM. ``follow`` (per prompt, ``max_tokens`` tokens):
+    teacher forcing -- each step is fed ``follow``'s token instead of its own greedy one, so every position is
+    predicted after the same context as the engine that produced ``follow``."""
     import torch
 
     import kvdex
@@ -151,7 +201,7 @@ def transformers_tokens(
     tokens: list[list[int]] = []
     top: Top = []
     with torch.inference_mode():
-        for p in ids:
+        for j, p in enumerate(ids):
             sizes = dict(page_size=c.page_size, sink=c.sink, window=c.window, dense_layers=c.dense_layers)
             cache = kvdex.Cache(model, settings.make_policy(), c.budget, prefill_chunk=c.prefill_chunk, **sizes)
             x = torch.tensor([p], device=device)
@@ -166,7 +216,8 @@ def transformers_tokens(
                 row.append(nxt)
                 row_top.append({int(t): float(v) for t, v in zip(best.indices, best.values, strict=True)})
                 if i + 1 < max_tokens:
-                    logits = dec.step(torch.tensor([[nxt]], device=device))
+                    fed = nxt if follow is None else follow[j][i]
+                    logits = dec.step(torch.tensor([[fed]], device=device))
             tokens.append(row)
             top.append(row_top)
             del dec, cache
@@ -174,10 +225,15 @@ def transformers_tokens(
 
 
 def _transformers_reference(
-    model_dir: str, policies: list[str], budget: int, ids: list[list[int]], args: argparse.Namespace
-) -> dict[str, tuple[list[list[int]], Top]]:
-    """:func:`transformers_tokens` of every policy, the model loaded once (bf16, on the GPU where there is one)
-    and freed before any vLLM engine starts."""
+    model_dir: str,
+    policies: list[str],
+    budget: int,
+    ids: list[list[int]],
+    args: argparse.Namespace,
+    follow: dict[str, list[list[int]]],
+) -> dict[str, dict[str, tuple[list[list[int]], Top]]]:
+    """Per policy, :func:`transformers_tokens` free-running (``"free"``) and teacher-forced on that policy's vLLM
+    tokens ``follow[policy]`` (``"forced"``), the model loaded once (bf16, on the GPU where there is one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -189,7 +245,11 @@ def _transformers_reference(
     out = {}
     for policy in policies:
         kv = {"policy": policy, "budget": budget, "page_size": args.block_size}
-        out[policy] = transformers_tokens(hf, settings_from({"kvdex": kv}), ids, args.max_tokens, args.logprobs)
+        settings = settings_from({"kvdex": kv})
+        out[policy] = {
+            "free": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs),
+            "forced": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs, follow[policy]),
+        }
     del hf
     gc.collect()
     if torch.cuda.is_available():
@@ -200,30 +260,55 @@ def _transformers_reference(
 def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """{"baseline": tokens, policy: {"tokens", "match", "agree", "budget"}} for each policy; with ``--reference
     transformers`` each policy's baseline is kvdex's transformers path at the same policy and budget
-    (``reference_tokens`` per policy) instead of vLLM's default backend."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from kvdex.vllm.plugin import register
-
-    register()
+    (``reference_tokens`` per policy) instead of vLLM's default backend, and ``forced`` (:func:`compare_forced`)
+    compares the two position by position after the same context. Every engine runs in its own process."""
     n = args.prompt_tokens
     ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
     budget = args.budget or -(-longest // args.block_size) * args.block_size + args.block_size
     reference = getattr(args, "reference", "vllm")
     report: dict[str, Any] = {"budget": budget, "covering": not args.budget, "reference": reference}
-    if reference == "transformers":
-        refs = _transformers_reference(model, policies, budget, ids, args)
-    else:
+    if reference != "transformers":
         base, base_top = _tokens(model, None, ids, args)
         report |= {"baseline": base, "baseline_top": base_top}
+    sizes = {"budget": budget, "page_size": args.block_size}
+    got = {p: _tokens(model, {"policy": p, **sizes}, ids, args) for p in policies}
+    if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
+        refs = _transformers_reference(model, policies, budget, ids, args, {p: got[p][0] for p in policies})
     for policy in policies:
+        tokens, top = got[policy]
         if reference == "transformers":
-            base, base_top = refs[policy]
-        got, got_top = _tokens(model, {"policy": policy, "budget": budget, "page_size": args.block_size}, ids, args)
-        report[policy] = compare(base, base_top, got, got_top) | {"top": got_top}
-        if reference == "transformers":
+            base, base_top = refs[policy]["free"]
+            forced = compare_forced(tokens, top, *refs[policy]["forced"])
+            report[policy] = compare(base, base_top, tokens, top) | {"top": top, "forced": forced}
             report[policy] |= {"reference_tokens": base, "reference_top": base_top}
+        else:
+            report[policy] = compare(base, base_top, tokens, top) | {"top": top}
     return report
+
+
+def compare_forced(got: list[list[int]], got_top: Top, ref: list[list[int]], ref_top: Top) -> dict[str, Any]:
+    """Position by position, the reference's greedy token after the same context as the engine's (the reference
+    teacher-forced on the engine's tokens ``got``): ``agree`` (the same token), ``near`` (different, each among the
+    other's top log-probabilities: a near-tie), ``far`` (the rest), ``of`` (positions) and ``first_far``
+    (per prompt, the first far position, None where none is)."""
+    agree = near = far = 0
+    first_far: list[int | None] = []
+    for j, (x, y) in enumerate(zip(got, ref, strict=True)):
+        first = None
+        for i, (a, b) in enumerate(zip(x, y, strict=True)):
+            if a == b:
+                agree += 1
+                continue
+            gt = got_top[j][i] if i < len(got_top[j]) else {}
+            rt = ref_top[j][i] if i < len(ref_top[j]) else {}
+            if b in gt and a in rt:
+                near += 1
+            else:
+                far += 1
+                first = i if first is None else first
+        first_far.append(first)
+    return {"agree": agree, "near": near, "far": far, "of": sum(len(x) for x in got), "first_far": first_far}
 
 
 def verdict(r: dict[str, Any]) -> str:
@@ -246,6 +331,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"kvdex vllm check: {args.model}, budget {report['budget']} ({what}), greedy tokens vs {against}")
     for p in policies:
         print(f"  {p:<{width}}  {verdict(report[p])}")
+        f = report[p].get("forced")
+        if f:
+            print(f"  {'':<{width}}  teacher-forced on vLLM's tokens: {f['agree']}/{f['of']} the same, {f['near']} "
+                  f"near-ties, {f['far']} other differences")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
