@@ -235,13 +235,12 @@ def _transformers_reference(
     """Per policy, :func:`transformers_tokens` free-running (``"free"``) and teacher-forced on that policy's vLLM
     tokens ``follow[policy]`` (``"forced"``), the model loaded once (bf16, on the GPU where there is one)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    import kvdex
     from kvdex.vllm.config import settings_from
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    hf = hf.to(device).eval()
+    hf, _ = kvdex.load(model_dir, dtype=torch.bfloat16, device=device)
     out = {}
     for policy in policies:
         kv = {"policy": policy, "budget": budget, "page_size": args.block_size}
