@@ -360,6 +360,10 @@ def _fail(x):
     raise ValueError(f"bad {x}")
 
 
+def _lookup(key):
+    return {}[key]
+
+
 def test_check_runs_each_engine_in_its_own_process():
     """kvdex vllm check's engines run through isolated(): the result comes back from a spawned process, and an
     error there is raised here with its message."""
@@ -369,8 +373,28 @@ def test_check_runs_each_engine_in_its_own_process():
 
     assert isolated(_double, 21) == 42
     assert isolated(os.getpid) != os.getpid()
-    with pytest.raises(RuntimeError, match="ValueError: bad 3"):
+    with pytest.raises(ValueError, match="^bad 3$"):  # a settings mistake comes back as it was raised
         isolated(_fail, 3)
+    with pytest.raises(RuntimeError, match="KeyError"):  # anything else with the child's traceback
+        isolated(_lookup, "missing")
+
+
+def test_check_stops_before_any_engine_on_a_bad_setup(monkeypatch):
+    """kvdex vllm check without vLLM, or with an unknown policy, stops with a ValueError naming the fix."""
+    import argparse
+    import importlib.util
+
+    from kvdex.vllm import check
+
+    args = argparse.Namespace(prompt_tokens=64, requests=1, seed=0, max_tokens=4, block_size=16, budget=0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'kvdex\[vllm\]'"):
+        check.run_check("model", ["quest"], args)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(check, "_tokens", lambda *a: pytest.fail("an engine started"))
+    with pytest.raises(ValueError, match="unknown policy 'qeust'"):
+        check.run_check("model", ["quest", "qeust"], args)
 
 
 def test_only_the_backend_imports_vllm():

@@ -85,6 +85,8 @@ Top = list[list[dict[int, float]]]  # per prompt, per generated token: {token id
 def _child(send: Any, fn: Any, args: tuple) -> None:
     try:
         send.send(("ok", fn(*args)))
+    except (ValueError, TypeError) as e:  # a mistake in the settings: the parent raises it as it is
+        send.send((type(e).__name__, str(e)))
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which raises it
         import traceback
 
@@ -97,7 +99,8 @@ def isolated(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a fresh (spawned, non-daemonic) process, its result sent back. Each engine of a check runs
     in its own process: one process's second vLLM engine can neither reuse the first one's CUDA-graph memory pool
     (under CUDA graphs it failed an allocator assertion while capturing) nor lose the memory the first one did not
-    give back. A failure in the child raises ``RuntimeError`` here with its traceback."""
+    give back. A ``ValueError`` or ``TypeError`` in the child is raised here as it is; any other failure as
+    ``RuntimeError`` with the child's traceback."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -110,6 +113,8 @@ def isolated(fn: Any, *args: Any) -> Any:
     except EOFError:
         status, value = "error", "the process ended without a result"
     proc.join()
+    if status in ("ValueError", "TypeError"):
+        raise {"ValueError": ValueError, "TypeError": TypeError}[status](value)
     if status != "ok":
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its process (exit code {proc.exitcode}): {value}")
     return value
@@ -261,6 +266,14 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     transformers`` each policy's baseline is kvdex's transformers path at the same policy and budget
     (``reference_tokens`` per policy) instead of vLLM's default backend, and ``forced`` (:func:`compare_forced`)
     compares the two position by position after the same context. Every engine runs in its own process."""
+    import importlib.util
+
+    from kvdex.vllm.config import check_policy
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed in this environment: pip install 'kvdex[vllm]' (vllm>=0.26)")
+    for policy in policies:
+        check_policy(policy)  # before any engine starts: a mistake stops the check at once
     n = args.prompt_tokens
     ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
