@@ -160,6 +160,47 @@ def test_batched_paged_decoding_equals_kvdex_device_path(policy):
         assert any(s.order is not None for s in sim.state_of[("b", 0)].stores if isinstance(s, PagedStore))
 
 
+def _blockwise_prefill(q, blocks, seq_len, k_cache, v_cache, scale):
+    """The prefill contract computed another way: block by block into a dense [L, H, D], then a masked softmax in
+    float64 per query head (what vLLM's FlashAttention computes on the paged cache)."""
+    bs = k_cache.shape[1]
+    nb = -(-seq_len // bs)
+    k = torch.cat([k_cache[int(b)] for b in blocks[:nb]])[:seq_len].double()
+    v = torch.cat([v_cache[int(b)] for b in blocks[:nb]])[:seq_len].double()
+    n, hq, _ = q.shape
+    g = hq // k.shape[1]
+    pos = torch.arange(seq_len - n, seq_len)[:, None]
+    mask = torch.arange(seq_len)[None, :] <= pos  # [n, L]
+    out = torch.empty(n, hq, q.shape[-1], dtype=torch.float64)
+    for h in range(hq):
+        s = (q[:, h].double() @ k[:, h // g].T) * scale
+        out[:, h] = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[:, h // g]
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("policy", ["quest", "prkv:static_ratio=0.5:refresh=8"])
+def test_prefill_attention_is_a_drop_in(policy):
+    """forward_layer's ``prefill`` (the backend passes vLLM's FlashAttention there): any attention that keeps the
+    contract of paged.prefill_attention_reference -- here one computed block by block in float64 -- gives the
+    scenario's every output and selection as the default does (chunked prefill, a recompute into reused blocks)."""
+    st = settings(policy, SMALL)
+    base, reqs = run_scenario(st)
+    other, _ = run_scenario(st, prefill=_blockwise_prefill)
+    assert base.out.keys() == other.out.keys()
+    for key, o in base.out.items():
+        assert torch.allclose(other.out[key], o, atol=ATOL, rtol=1e-4), key
+    assert base.selections.keys().__len__() == other.selections.keys().__len__()
+    for a, b in zip(base.selections.values(), other.selections.values(), strict=True):
+        assert _same_sel(a, b)
+
+
+def test_prefill_attention_setting():
+    assert settings_from(None).prefill_attention == "torch"
+    assert settings_from({"kvdex": {"prefill_attention": "flash"}}).prefill_attention == "flash"
+    with pytest.raises(ValueError, match="prefill_attention must be one of torch, flash, got 'auto'"):
+        settings_from({"kvdex": {"prefill_attention": "auto"}})
+
+
 def _same_sel(a: tuple, b: tuple) -> bool:
     return a[2] == b[2] and all(
         (x is None and y is None) or (x is not None and y is not None and torch.equal(x.cpu(), y.cpu()))

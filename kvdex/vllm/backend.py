@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvdex.vllm.config import settings_from
-from kvdex.vllm.forward import forward_layer
+from kvdex.vllm.forward import PrefillAttention, forward_layer
 from kvdex.vllm.paged import check_block_size, kv_cache_shape, split_kv, write_slots
 from kvdex.vllm.requests import Geometry, RequestState, RequestTable, Row
 
@@ -67,7 +67,38 @@ class KvdexMetadata:
     seq_lens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     causal: Any = True  # bool, or a per-request tensor in recent vLLM (kvdex attends causally)
+    prefill: PrefillAttention | None = None  # prompt chunks' attention (None: kvdex's PyTorch path)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def flash_prefill() -> PrefillAttention | None:
+    """vLLM's FlashAttention (its varlen kernel, straight on the paged cache through the block table) as the
+    attention of prompt chunks, with the contract of :func:`~kvdex.vllm.paged.prefill_attention_reference`; None
+    where this vLLM or platform has no such kernel."""
+    try:
+        from vllm.v1.attention.backends import fa_utils
+    except ImportError:
+        return None
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        return None
+    versions: dict[int, int | None] = {}
+
+    def prefill(q: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                scale: float) -> torch.Tensor:  # fmt: skip
+        n, d = q.shape[0], q.shape[-1]
+        if d not in versions:
+            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
+        version = {} if versions[d] is None else {"fa_version": versions[d]}
+        out = torch.empty_like(q)
+        fa_utils.flash_attn_varlen_func(
+            q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=n, max_seqlen_k=seq_len, softmax_scale=scale,
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=q.device),
+            seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=q.device),
+            causal=True, block_table=blocks[None].to(device=q.device, dtype=torch.int32), **version,
+        )  # fmt: skip
+        return out
+
+    return prefill
 
 
 def geometry_of(vllm_config: Any, kv_cache_spec: Any) -> Geometry:
@@ -110,6 +141,12 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         check_block_size(int(kv_cache_spec.block_size), self.settings.config.page_size)
         self.geometry = geometry_of(vllm_config, kv_cache_spec)
         settings, geometry = self.settings, self.geometry
+        self.prefill = None
+        if settings.prefill_attention == "flash":
+            self.prefill = flash_prefill() if torch.device(device).type == "cuda" else None
+            if self.prefill is None:
+                raise ValueError("kvdex setting prefill_attention=flash needs vLLM's FlashAttention varlen kernel, "
+                                 "which this vLLM or device does not have: use prefill_attention=torch")  # fmt: skip
         self.table = RequestTable(
             lambda caches: RequestState(settings, geometry, caches=caches), geometry.block_size, settings.max_idle_steps
         )
@@ -126,6 +163,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             rows=rows, num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, causal=getattr(cm, "causal", True),
+            prefill=self.prefill,
         )  # fmt: skip
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> KvdexMetadata:
@@ -213,7 +251,8 @@ class KvdexImpl(AttentionImpl):
         v = value.view(-1, self.num_kv_heads, self.head_size)[:n]
         k_cache, v_cache = split_kv(kv_cache)
         slots = attn_metadata.slot_mapping[:n]
-        forward_layer(attn_metadata.rows, self.layer_of(layer), q, k, v, k_cache, v_cache, slots, self.scale, out[:n])
+        forward_layer(attn_metadata.rows, self.layer_of(layer), q, k, v, k_cache, v_cache, slots, self.scale, out[:n],
+                      prefill=attn_metadata.prefill)  # fmt: skip
         return output
 
     def do_kv_cache_update(

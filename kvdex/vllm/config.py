@@ -4,8 +4,9 @@ and checked once, with a ``ValueError`` naming the fix for every mistake.
 
 Keys: ``policy`` (a policy spec, ``"name:KEY=VALUE:..."``, as everywhere in kvdex; default ``quest``), the
 :class:`~kvdex.config.CacheConfig` sizes ``budget``, ``page_size``, ``sink``, ``window``, ``dense_layers``,
-``prefill_chunk``, and ``max_idle_steps`` (engine steps a request's state is kept while the request is not in the
-batch, :mod:`kvdex.vllm.requests`). ``offload`` / ``page_cache`` are refused: the KV lives in vLLM's blocks.
+``prefill_chunk``, ``max_idle_steps`` (engine steps a request's state is kept while the request is not in the
+batch, :mod:`kvdex.vllm.requests`) and ``prefill_attention`` (:data:`PREFILL_ATTENTION`). ``offload`` /
+``page_cache`` are refused: the KV lives in vLLM's blocks.
 
 Policies: every registered policy but those in :data:`REFUSED` (none) runs (:data:`SUPPORTED`). CHESS's default trigger
 (``uncertainty``) measures the next-token distribution, which an attention backend never sees: under vLLM a plain
@@ -32,7 +33,10 @@ REFUSED: dict[str, str] = {}
 DEFAULT_POLICY = "quest"
 DEFAULT_MAX_IDLE_STEPS = 32
 _CACHE_KEYS = ("budget", "page_size", "sink", "window", "dense_layers", "prefill_chunk")
-_KEYS = ("policy", *_CACHE_KEYS, "max_idle_steps")
+_KEYS = ("policy", *_CACHE_KEYS, "max_idle_steps", "prefill_attention")
+#: how prompt chunks attend: kvdex's PyTorch path (``torch``: the request's keys gathered from the blocks, then
+#: SDPA), or vLLM's FlashAttention kernel straight on the paged cache (``flash``, CUDA)
+PREFILL_ATTENTION = ("torch", "flash")
 
 
 def supported() -> tuple[str, ...]:
@@ -50,6 +54,7 @@ class VllmSettings:
     policy: str = DEFAULT_POLICY
     config: CacheConfig = field(default_factory=lambda: CacheConfig(budget=DEFAULT_BUDGET))
     max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS
+    prefill_attention: str = "torch"
 
     def make_policy(self) -> Policy:
         """A fresh policy instance (one per request)."""
@@ -116,9 +121,14 @@ def settings_from(additional_config: Mapping[str, Any] | None) -> VllmSettings:
     idle = raw.get("max_idle_steps", DEFAULT_MAX_IDLE_STEPS)
     if idle < 0:
         raise ValueError(f"max_idle_steps must be >= 0, got {idle}")
-    return VllmSettings(policy=spec, config=config, max_idle_steps=idle)
+    prefill = raw.get("prefill_attention", "torch")
+    if prefill not in PREFILL_ATTENTION:
+        allowed = ", ".join(PREFILL_ATTENTION)
+        raise ValueError(f"kvdex setting prefill_attention must be one of {allowed}, got {prefill!r}")
+    return VllmSettings(policy=spec, config=config, max_idle_steps=idle, prefill_attention=prefill)
 
 
 def describe(settings: VllmSettings) -> dict[str, Any]:
     """The settings as a plain dict (logs, the check command's report)."""
-    return {"policy": settings.policy, **dataclasses.asdict(settings.config), "max_idle_steps": settings.max_idle_steps}
+    return {"policy": settings.policy, **dataclasses.asdict(settings.config), "max_idle_steps": settings.max_idle_steps,
+            "prefill_attention": settings.prefill_attention}  # fmt: skip

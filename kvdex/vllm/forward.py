@@ -4,8 +4,9 @@ The step's new keys and values are written into the layer's cache at vLLM's ``sl
 ``reshape_and_cache_flash``), then each request of the batch (a :class:`~kvdex.vllm.requests.Row`) runs on its
 own state:
 
-* ``prefill`` (prompt tokens, any chunk of a chunked prefill): dense causal attention over the request's tokens,
-  read from the blocks; the layer's queries are kept for the prompt's observation window (the prompt is indexed
+* ``prefill`` (prompt tokens, any chunk of a chunked prefill): dense causal attention over the request's tokens
+  in the blocks (vLLM's FlashAttention on the paged cache where the backend passes it, else the PyTorch reference,
+  which gathers them); the layer's queries are kept for the prompt's observation window (the prompt is indexed
   at the request's first decode step, :meth:`RequestState.adopt <kvdex.vllm.requests.RequestState.adopt>`);
 * ``decode`` (one token after the prompt): ``LayerEngine`` appends it, the policy selects, the store gathers sink +
   window + the selection from vLLM's blocks and kvdex's decode attention runs over it;
@@ -15,13 +16,16 @@ own state:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvdex.kernels.attention import causal_chunk_attention
-from kvdex.vllm.paged import request_kv, write_slots
+from kvdex.vllm.paged import prefill_attention_reference, write_slots
 from kvdex.vllm.requests import Row
+
+#: ``(q [n, Hq, D], block-table row, seq_len, k_cache, v_cache, scale) -> [n, Hq, D]``: a prompt chunk's attention
+#: over the paged cache (:func:`~kvdex.vllm.paged.prefill_attention_reference` is its PyTorch form)
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def forward_layer(
@@ -35,15 +39,25 @@ def forward_layer(
     slot_mapping: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    prefill: PrefillAttention | None = None,
 ) -> torch.Tensor:
     """Layer ``layer`` of a step: query [T, Hq, D], key / value [T, H, D] of the step's T tokens (the rows' tokens
     at ``row.start ...``), k_cache / v_cache [num_blocks, block_size, H, D], slot_mapping [T]. Writes the
-    attention output into ``out`` [T, Hq, D] and returns it (rows of tokens no row covers are left as they are)."""
+    attention output into ``out`` [T, Hq, D] and returns it (rows of tokens no row covers are left as they are).
+    ``prefill``: the attention of prompt chunks (default :func:`~kvdex.vllm.paged.prefill_attention_reference`;
+    the backend passes vLLM's FlashAttention where vLLM has it)."""
     t = query.shape[0]
     write_slots(k_cache, slot_mapping[:t], key[:t])
     write_slots(v_cache, slot_mapping[:t], value[:t])
     for row in rows:
         s, n = row.start, row.query_len
+        if row.kind == "prefill":
+            row.state.caches[layer] = (k_cache, v_cache)
+            q = query[s : s + n]
+            row.state.keep_queries(layer, q.transpose(0, 1).unsqueeze(0))
+            attend = prefill or prefill_attention_reference
+            out[s : s + n] = attend(q, row.state.row.blocks, row.seq_len, k_cache, v_cache, scale).to(out.dtype)
+            continue
         q = query[s : s + n].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, n, D]
         o = _request(row, layer, q, key[s : s + n], value[s : s + n], k_cache, v_cache, scale)
         out[s : s + n] = o[0].to(out.dtype)
@@ -60,13 +74,9 @@ def _request(
     v_cache: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One request's tokens of one layer -> [1, n, Hq, D]."""
+    """One request's decode or extend tokens of one layer -> [1, n, Hq, D]."""
     state = row.state
     state.caches[layer] = (k_cache, v_cache)
-    if row.kind == "prefill":
-        k, v = request_kv(state.row.blocks, row.seq_len, k_cache, v_cache)
-        state.keep_queries(layer, q)
-        return causal_chunk_attention(q, k, v, scale)
     engine = state.engines[layer]
     if engine.store is None:  # the layer's cache was unknown when the step began: its prompt is indexed now
         state.adopt_layer(layer, row.computed)

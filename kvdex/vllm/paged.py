@@ -84,6 +84,20 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
         flat[slots[keep].long()] = rows[keep].to(cache.dtype)
 
 
+def prefill_attention_reference(
+    q: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A prompt chunk's attention over its request's tokens in the paged cache: q [n, Hq, D] the queries of
+    positions ``seq_len - n ... seq_len - 1``, attending causally to the request's first ``seq_len`` tokens, whose
+    block-table row is ``blocks``. Returns [n, Hq, D]. PyTorch: the keys and values gathered from the blocks, then
+    fused SDPA with a lower-right causal mask; vLLM's FlashAttention on the paged cache computes the same
+    (:func:`kvdex.vllm.backend.flash_prefill`)."""
+    from kvdex.kernels.attention import causal_chunk_attention
+
+    k, v = request_kv(blocks, seq_len, k_cache, v_cache)
+    return causal_chunk_attention(q.transpose(0, 1).unsqueeze(0), k, v, scale)[0]
+
+
 def request_kv(
     blocks: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

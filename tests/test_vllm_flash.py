@@ -1,0 +1,34 @@
+"""vLLM's FlashAttention as kvdex's prompt-chunk attention, on a GPU (``-m gpu``; skipped without vLLM or CUDA):
+:func:`kvdex.vllm.backend.flash_prefill` on a random paged cache equals the PyTorch reference
+(:func:`kvdex.vllm.paged.prefill_attention_reference`) for chunks at the start, the middle and the end of a prompt,
+blocks scattered and in any order, query heads grouped over kv heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("seq_len,n", [(40, 40), (700, 128), (1000, 1), (1537, 513)])
+def test_flash_prefill_is_the_reference(seq_len, n):
+    from kvdex.vllm.backend import flash_prefill
+    from kvdex.vllm.paged import prefill_attention_reference
+
+    prefill = flash_prefill()
+    if prefill is None:
+        pytest.skip("this vLLM has no FlashAttention varlen kernel here")
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    blocks_total, bs, h, hq, d = 160, 16, 2, 8, 64
+    k_cache = torch.randn(blocks_total, bs, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v_cache = torch.randn(blocks_total, bs, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    need = -(-seq_len // bs)
+    blocks = torch.randperm(blocks_total, device="cuda", generator=g)[: need + 3].int()  # a row wider than needed
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    got = prefill(q, blocks, seq_len, k_cache, v_cache, d**-0.5)
+    want = prefill_attention_reference(q, blocks, seq_len, k_cache, v_cache, d**-0.5)
+    assert got.shape == want.shape == (n, hq, d)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
