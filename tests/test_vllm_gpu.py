@@ -1,7 +1,7 @@
 """kvdex inside vLLM on a GPU (``-m gpu``; skipped without vLLM, without CUDA, or without ``KVDEX_VLLM_MODEL``, a
 model directory vLLM loads, e.g. Qwen2.5-Coder-0.5B-Instruct).
 
-In one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), through :func:`kvdex.vllm.check.run_check` (what ``kvdex vllm
+Each engine in a process of its own, through :func:`kvdex.vllm.check.run_check` (what ``kvdex vllm
 check`` runs): three prompts of different lengths served together with chunked prefill, greedy decoding
 
 * with a budget covering every prompt and its new tokens, each of full, quest, prkv, chess and pariskv gives the

@@ -1,4 +1,4 @@
-"""``kvdex vllm check``: greedy tokens of vLLM with kvdex's backend against vLLM's default backend, in one process.
+"""``kvdex vllm check``: greedy tokens of vLLM with kvdex's backend against vLLM's default backend.
 
     kvdex vllm check --model DIR [--policies full,quest,prkv,chess,pariskv] [--budget 0] [--prompt-tokens 1536]
 
@@ -10,8 +10,8 @@ two greedy tokens differ and each is among the other engine's top ``--logprobs``
 kernels' rounding decides apart; the sequences part there). With a smaller budget the report gives how many tokens
 agree; ``--reference transformers`` compares each policy instead with kvdex's transformers path at the same policy and
 budget (each prompt alone), where a sparse budget's tokens should be the same up to near-ties that the two prefills'
-rounding decides. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is imported only when the command
-runs.
+rounding decides. Each engine runs in a spawned process of its own (:func:`isolated`), vLLM inside it without its
+engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); vLLM is imported only there.
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def register(sub: Any) -> None:
     """``kvdex vllm check`` and ``kvdex vllm bench`` (kvdex.cli)."""
     p = sub.add_parser("vllm", help="kvdex inside vLLM (docs/vllm.md): check the attention backend, benchmark it")
     vs = p.add_subparsers(dest="vllm_command", required=True, metavar="SUBCOMMAND")
-    what = "greedy tokens of vLLM with kvdex's backend against vLLM's default backend, in one process (docs/vllm.md)"
+    what = "greedy tokens of vLLM with kvdex's backend against vLLM's default backend (docs/vllm.md)"
     c = vs.add_parser("check", help=what, description=what[:1].upper() + what[1:] + ".")
     add_arguments(c)
     c.set_defaults(func=main)
