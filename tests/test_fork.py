@@ -128,3 +128,48 @@ def test_pariskv_kmeans_forks_learn_the_centroids_once(monkeypatch):
         t_fresh, _ = greedy(model, ids, mask, fresh, new=12)
         t_fork, _ = greedy(model, ids2, mask2, fork, new=11)
         assert torch.equal(t_fork, t_fresh)
+
+
+@pytest.mark.parametrize("policy", ["quest", "prkv", "chess", "pariskv", "icecache", "icecache:search=auto"])
+def test_deepcopy_after_the_prefill_is_a_fork(policy):
+    """copy.deepcopy(cache) right after the prefill (transformers' recipe for reusing a prompt's cache): the copy and
+    the original, stepped in turn with the same tokens, each give the logits of a cache that was never copied, past
+    page joins (a generic copy of prkv's state decoded differently from its third step, and IceCache's locks could
+    not be copied)."""
+    import copy
+
+    model, _ = shared_pair("llama_gqa")
+    ids = prompt(150, 5)
+
+    def prefill():
+        cache = kvdex.Cache(model, policy, budget=96, dense_layers=1)
+        with torch.no_grad():
+            out = model(ids, **cache_kwargs(cache))
+        return cache, out.logits[:, -1:].argmax(-1)
+
+    ref, nxt = prefill()
+    steps, want = [], []
+    with torch.no_grad():
+        for _ in range(24):
+            steps.append(nxt)
+            want.append(model(nxt, **cache_kwargs(ref)).logits)
+            nxt = want[-1][:, -1:].argmax(-1)
+    orig, _ = prefill()
+    twin = copy.deepcopy(orig)
+    assert twin is not orig and twin.policy is not orig.policy and twin.step == 0
+    with torch.no_grad():
+        for t, w in zip(steps, want, strict=True):
+            assert torch.equal(model(t, **cache_kwargs(orig)).logits, w)
+            assert torch.equal(model(t, **cache_kwargs(twin)).logits, w)
+
+
+def test_deepcopy_of_an_empty_or_a_decoded_cache():
+    import copy
+
+    model, _ = shared_pair("llama_gqa")
+    empty = kvdex.Cache(model, "prkv", budget=96, dense_layers=1, window=48)
+    twin = copy.deepcopy(empty)
+    assert twin.step == -1 and twin.config == empty.config and twin.policy.name == "prkv"
+    model.generate(prompt(60, 2), **cache_kwargs(empty), max_new_tokens=3, do_sample=False)
+    with pytest.raises(TypeError, match=r"has decoded \(2 steps\) cannot be deep-copied: copy it right after"):
+        copy.deepcopy(empty)

@@ -328,6 +328,28 @@ class Cache(HFCache):
         )
         return new
 
+    def __deepcopy__(self, memo: dict) -> Cache:
+        """``copy.deepcopy(cache)``, transformers' recipe for reusing a prompt's cache: right after the prefill it is
+        :meth:`fork` (the same policy, budget and sizes: the copy decodes exactly as the original would); a cache
+        that has not prefilled copies to a new empty one. A cache that has decoded cannot be copied: its policy's
+        state (selection history, buffers a captured step reads) does not survive a generic copy, and a wrong copy
+        would decode silently differently."""
+        if self.step > 0:
+            raise TypeError(
+                f"a kvdex.Cache that has decoded ({self.step} steps) cannot be deep-copied: copy it right after the "
+                "prefill (copy.deepcopy(cache) then is cache.fork()), or prefill the prompt again"
+            )
+        if self.step == 0 and self.layers[0].store is not None:
+            new = self.fork()
+        else:
+            model = self.model
+            if model is None:
+                raise RuntimeError("the model of this cache was garbage-collected")
+            sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
+            new = Cache(model, self.policy, self.config.budget, step_graphs=self._step_graphs_enabled, **sizes)
+        memo[id(self)] = new
+        return new
+
     def adopt_prefill(self, layers, lengths: torch.Tensor, pads: torch.Tensor | None = None) -> None:
         """Take a prefilled prompt's keys and values without running the model, as a prefill leaves them.
 
