@@ -35,7 +35,7 @@ from kvdex.config import (
 )
 from kvdex.engine import GraphService, SelectionReuse, StepCounters, make_store
 from kvdex.engine.graphs import StepGraphs
-from kvdex.hf import compiled_ops
+from kvdex.hf import cache_fork, compiled_ops
 from kvdex.hf.cache_checks import check_continues, check_retrieves
 from kvdex.hf.cache_report import cache_stats
 from kvdex.hf.distributed import tensor_parallel
@@ -309,14 +309,7 @@ class Cache(HFCache):
         """
         if self.step != 0 or self.layers[0].store is None:
             raise ValueError("fork() needs a cache that has prefilled a prompt and not decoded yet")
-        model = self.model
-        if model is None:
-            raise RuntimeError("the model of this cache was garbage-collected")
-        sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-        args = {"step_graphs": self._step_graphs_enabled, **sizes, **overrides}
-        policy = self.policy if policy is None else policy
-        budget = self.config.budget if budget is None else budget
-        new = Cache(model, policy, budget, **args)
+        new = self._sibling(policy, budget, **overrides)
         # every fork of this prefill shares one memo of immutable index state (Policy.share_index)
         memo = self.__dict__.setdefault("_index_memo", {})
         new._index_memo = memo
@@ -339,16 +332,19 @@ class Cache(HFCache):
                 f"a kvdex.Cache that has decoded ({self.step} steps) cannot be deep-copied: copy it right after the "
                 "prefill (copy.deepcopy(cache) then is cache.fork()), or prefill the prompt again"
             )
-        if self.step == 0 and self.layers[0].store is not None:
-            new = self.fork()
-        else:
-            model = self.model
-            if model is None:
-                raise RuntimeError("the model of this cache was garbage-collected")
-            sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
-            new = Cache(model, self.policy, self.config.budget, step_graphs=self._step_graphs_enabled, **sizes)
+        new = self.fork() if self.step == 0 and self.layers[0].store is not None else self._sibling()
         memo[id(self)] = new
         return new
+
+    def _sibling(self, policy=None, budget: int | None = None, **overrides) -> Cache:
+        """A new empty cache on this cache's model, with its policy, budget and sizes unless given others."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("the model of this cache was garbage-collected")
+        sizes = {k: v for k, v in self.config.to_dict().items() if k != "budget"}
+        args = {"step_graphs": self._step_graphs_enabled, **sizes, **overrides}
+        policy = self.policy if policy is None else policy
+        return Cache(model, policy, self.config.budget if budget is None else budget, **args)
 
     def adopt_prefill(self, layers, lengths: torch.Tensor, pads: torch.Tensor | None = None) -> None:
         """Take a prefilled prompt's keys and values without running the model, as a prefill leaves them.
@@ -364,25 +360,7 @@ class Cache(HFCache):
         prompt's left padding, default none) are CPU integer tensors. :meth:`fork` and ``kvdex bench
         --kv random`` adopt their prompts through here.
         """
-        if self.step != -1 or any(lay.store is not None or lay.seen for lay in self.layers):
-            raise ValueError("adopt_prefill() needs a new cache (no prompt, no decoded token)")
-        lengths = torch.as_tensor(lengths).cpu()
-        pads = torch.zeros_like(lengths) if pads is None else torch.as_tensor(pads).cpu()
-        seen = int((lengths + pads).max())  # columns of the padded prompt (transformers' sequence length)
-        layers = iter(layers)  # not zip(): its reused result tuple would keep a layer alive into the next
-        for dst in self.layers:
-            k, v, obs_q = next(layers, (None,) * 3)
-            if k is None:
-                n = len(self.layers)
-                raise ValueError(f"adopt_prefill(): layers gave {dst.layer_idx} layers, the model has {n}")
-            dst.lazy_initialization(k, v)
-            dst.seen = seen
-            dst.engine.adopt(k, v, lengths, pads, obs_q)
-            dst.prefilled = True
-            del k, v, obs_q  # before the next layer is made: one layer's prompt alive at a time
-        if next(layers, None) is not None:
-            raise ValueError(f"adopt_prefill(): layers gave more than the model's {len(self.layers)} layers")
-        self.step = 0
+        cache_fork.adopt_prefill(self, layers, lengths, pads)
 
     # ---- transformers' cache protocol that kvdex does not support --------------------------------
     def reorder_cache(self, beam_idx):
