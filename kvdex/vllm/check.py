@@ -17,7 +17,6 @@ engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); vLLM is imported onl
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -55,30 +54,6 @@ def _engine(model: str, kvdex: dict[str, Any] | None, args: argparse.Namespace) 
         os.environ.pop("VLLM_ATTENTION_BACKEND", None)
 
 
-def _cleanup() -> None:
-    """Free what the last engine held on the GPU (its distributed state, cached blocks), so the next one starts
-    from a clean device."""
-    try:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-        return
-    except Exception:
-        pass
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:
-        pass
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 Top = list[list[dict[int, float]]]  # per prompt, per generated token: {token id: log-probability} of the top ones
 
 
@@ -86,7 +61,7 @@ def _child(send: Any, fn: Any, args: tuple) -> None:
     try:
         send.send(("ok", fn(*args)))
     except (ValueError, TypeError) as e:  # a mistake in the settings: the parent raises it as it is
-        send.send((type(e).__name__, str(e)))
+        send.send(("raise", e))
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the parent, which raises it
         import traceback
 
@@ -113,8 +88,8 @@ def isolated(fn: Any, *args: Any) -> Any:
     except EOFError:
         status, value = "error", "the process ended without a result"
     proc.join()
-    if status in ("ValueError", "TypeError"):
-        raise {"ValueError": ValueError, "TypeError": TypeError}[status](value)
+    if status == "raise":
+        raise value
     if status != "ok":
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its process (exit code {proc.exitcode}): {value}")
     return value
@@ -127,11 +102,7 @@ def _engine_tokens(
     from kvdex.vllm.plugin import register
 
     register()
-    llm = _engine(model, kvdex, args)
-    out = _generate(llm, ids, args.max_tokens, args.logprobs)
-    del llm
-    _cleanup()
-    return out
+    return _generate(_engine(model, kvdex, args), ids, args.max_tokens, args.logprobs)  # the process ends after it
 
 
 def _tokens(
@@ -254,10 +225,6 @@ def _transformers_reference(
             "free": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs),
             "forced": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs, follow[policy]),
         }
-    del hf
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return out
 
 

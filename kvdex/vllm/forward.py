@@ -51,8 +51,8 @@ def forward_layer(
     write_slots(v_cache, slot_mapping[:t], value[:t])
     for row in rows:
         s, n = row.start, row.query_len
+        row.state.caches[layer] = (k_cache, v_cache)
         if row.kind == "prefill":
-            row.state.caches[layer] = (k_cache, v_cache)
             q = query[s : s + n]
             row.state.keep_queries(layer, q.transpose(0, 1).unsqueeze(0))
             attend = prefill or prefill_attention_reference
@@ -76,7 +76,6 @@ def _request(
 ) -> torch.Tensor:
     """One request's decode or extend tokens of one layer -> [1, n, Hq, D]."""
     state = row.state
-    state.caches[layer] = (k_cache, v_cache)
     engine = state.engines[layer]
     if engine.store is None:  # the layer's cache was unknown when the step began: its prompt is indexed now
         state.adopt_layer(layer, row.computed)
