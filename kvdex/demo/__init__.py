@@ -16,7 +16,8 @@ What it does, in order:
 4. prints the settings and one row per policy: whether the key was retrieved, tokens attended per
    decode step per kv head (and their share of the context), the bytes of the keys and values held on
    the device and on the host, and the row's wall time (its fork and decode); then a legend: what each
-   column means and which rows are expected to miss the key, and why.
+   column means and why each row that misses the key misses (by design, or what the run measured:
+   :func:`kvdex.demo.report.explain_miss`).
    On a CUDA device it also decodes the prompt with transformers' own dense cache and shows each
    policy's decode speed next to it (ms/token and the speed-up) and the peak device memory of its
    decode. On a CPU it shows no timings: kvdex's speed comes from its CUDA kernels and graphs, and

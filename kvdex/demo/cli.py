@@ -148,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
     print()
     context = rows[0].stats.get("context_tokens") if rows else None
     kv = kv_bytes(model, context[0]) if context else None
-    print(format_legend(rows, answer, args.depth, args.budget, args.offload, args.max_new_tokens, kv, cuda))
+    legend = (rows, answer, args.depth, args.budget, args.offload, args.max_new_tokens, kv, cuda)
+    print(format_legend(*legend, context=ids.shape[1]))  # the prompt: the share of it a missing row attended
     print()
     total = time.perf_counter() - t0
     pre = f"prefill {prefill_ms / 1e3:.1f} s, " if prefill_ms is not None else ""

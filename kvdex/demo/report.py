@@ -1,6 +1,7 @@
 """What ``kvdex demo`` prints under its settings: the table (:func:`format_table`: one row per policy) and the
-legend under it (:func:`format_legend`: what each column means, how the device KV figure is made, and which
-rows are expected to miss the key by design and why)."""
+legend under it (:func:`format_legend`: what each column means, how the device KV figure is made, and why each
+row that misses the key misses: by design (:data:`BY_DESIGN`), or at this budget, measured from the run
+(:func:`explain_miss`))."""
 
 from __future__ import annotations
 
@@ -12,6 +13,60 @@ BY_DESIGN = {
     "streaming": "keeps only the sink and the newest tokens (StreamingLLM) by design and drops the middle of the "
     "context, where the needle is",
 }
+
+# Policies whose misses at a small budget have a measured cause (the docs page named), added to the legend's
+# line for such a row after what the run itself shows (:func:`explain_miss`).
+KNOWN_LIMITS = {
+    "quest": "Quest ranks pages by an upper bound on q.k from each page's per-channel key min and max: filler "
+    "pages with wide key ranges can bound above the needle's page, which a small budget then leaves out "
+    "(docs/policies/quest.md)",
+}
+
+
+def _base(policy: str) -> str:
+    return policy.split(":")[0]
+
+
+def _attended(row: Row) -> float | None:
+    return row.stats.get("attended_tokens_per_step")
+
+
+def explain_miss(row: Row, rows: list[Row], context: int | None = None) -> str:
+    """Why ``row`` (one of ``rows``, a miss not by design) missed the key, from the run: for ``full``, that the
+    model itself does not answer; else the tokens the row attended and their share of the ``context``, then
+    whether ``full`` missed too, or which rows answered attending as many tokens (the budget could hold the
+    key), or that none did (the budget is too small here); then the policy's :data:`KNOWN_LIMITS` entry."""
+    dense = "dense attention over the whole context"
+    if _base(row.policy) == "full":
+        return f"{dense}: the model does not answer this prompt (try another --model, --length or --depth)"
+    att = _attended(row)
+    parts = []
+    if att is not None:
+        of, share = (f" of the {context}", f" ({min(att / context, 1.0):.0%})") if context else ("", "")
+        parts.append(f"attends {att:.0f}{of} tokens per step per kv head{share}")
+    full = [r for r in rows if _base(r.policy) == "full"]
+
+    def as_few(r: Row) -> bool:  # a sparse row attending as many tokens as the table shows for ``row``, or fewer
+        a = _attended(r)
+        return _base(r.policy) != "full" and a is not None and att is not None and round(a) <= round(att)
+
+    peers = [
+        r.policy + (" (the exact top-k)" if _base(r.policy) == "oracle" else "")
+        for r in rows
+        if r.correct and as_few(r)
+    ]
+    if full and not any(r.correct for r in full):
+        parts.append(f"full ({dense}) misses too: the model does not answer this prompt")
+    elif peers:
+        verb = "answers" if len(peers) == 1 else "answer"
+        parts.append(
+            f"{', '.join(peers)} {verb} attending as many, so the budget can hold the key and "
+            f"{row.policy}'s choice of tokens left it out"
+        )
+    elif att is not None:
+        parts.append("no policy here answers attending as few tokens: this prompt needs a larger --budget")
+    known = KNOWN_LIMITS.get(_base(row.policy))
+    return "; ".join(parts) + (f". {known}" if known else "")
 
 
 def _mib(n: int) -> str:
@@ -71,9 +126,12 @@ def format_legend(
     max_new_tokens: int,
     kv: tuple[int, str] | None = None,
     cuda: bool = False,
+    context: int | None = None,
 ) -> str:
-    """What each column of :func:`format_table` means, and which rows are expected to miss the key and why.
-    ``kv``: :func:`kv_bytes` of the context, to show how the device KV figure is made."""
+    """What each column of :func:`format_table` means, and why each row that missed the key missed: by design
+    (:data:`BY_DESIGN`, a needle in the middle) or, for every other miss, :func:`explain_miss`.
+    ``kv``: :func:`kv_bytes` of the context, to show how the device KV figure is made; ``context``: the
+    prompt's tokens (the share of it a missing row attended)."""
     device = (
         "bytes of the keys and values held on the device: every token's with --offload off (the same for every "
         "policy: they save attention reads, not memory), the sink, the window and the working set of selected "
@@ -100,4 +158,9 @@ def format_legend(
     if middle and expected:
         lines.append(f"expected to miss the key (the needle is at depth {depth:.2f}):")
         lines += [f"  {name:<18}  {why}" for name, why in expected]
+    # every other NO gets its reason, measured in this run: no row misses without a line here
+    missed = [r for r in rows if not r.correct and not (middle and _base(r.policy) in BY_DESIGN)]
+    if missed:
+        lines.append(f"missed the key, not by design (budget {budget}):")
+        lines += [f"  {r.policy:<18}  {explain_miss(r, rows, context)}" for r in missed]
     return "\n".join(lines)
