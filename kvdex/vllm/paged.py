@@ -75,13 +75,18 @@ def gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``rows`` [T, H, D] into ``cache`` at the flat ``slots`` [T]; :data:`PAD_SLOT_ID` entries are skipped (the
-    PyTorch form of vLLM's ``reshape_and_cache_flash``)."""
-    keep = slots >= 0
+    PyTorch form of vLLM's ``reshape_and_cache_flash``). Nothing is read back to the host (no device sync, as in
+    every layer of every step): a padding entry writes a real entry's row again, to that entry's slot, and when
+    every entry is padding the cache's first row is written back unchanged."""
+    if slots.numel() == 0:
+        return
     flat = _rows(cache)
-    if bool(keep.all()):
-        flat[slots.long()] = rows.to(cache.dtype)
-    else:
-        flat[slots[keep].long()] = rows[keep].to(cache.dtype)
+    keep = slots >= 0
+    first = keep.int().argmax().view(1)  # a real entry (entry 0 when there is none); a tensor index, not an int
+    target = torch.where(keep, slots, slots.index_select(0, first)).clamp(min=0).long()
+    src = torch.where(keep[:, None, None], rows, rows.index_select(0, first)).to(cache.dtype)
+    src = torch.where(keep.any(), src, flat[:1])
+    flat.index_put_((target,), src)
 
 
 def prefill_attention_reference(
