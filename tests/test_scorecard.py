@@ -185,6 +185,10 @@ def test_resumed_run_gives_the_same_table(tiny, whole, tmp_path):
     assert again["cells"] == done["cells"] and again["complete"] and again["device"] == "cpu"
     with pytest.raises(ValueError, match="no finished cells"):
         scorecard(_cfg(tmp_path / "empty", report_only=True))
+    (tmp_path / "b/scorecard.json").unlink()  # the cells alone (e.g. copied from a GPU machine): their dtype found
+    assert scorecard(_cfg(tmp_path / "b", report_only=True, dtype="auto"))["cells"] == done["cells"]
+    with pytest.raises(ValueError, match="no cells under .* match these settings"):
+        scorecard(_cfg(tmp_path / "b", report_only=True, dtype="bfloat16"))
     assert (a / "scorecard.md").read_text().split("## Retrieval")[0].splitlines()[6:] == (
         tmp_path / "b/scorecard.md"
     ).read_text().split("## Retrieval")[0].splitlines()[6:]

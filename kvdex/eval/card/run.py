@@ -95,7 +95,8 @@ def _prepare(cfg: ScorecardConfig, tokenizer) -> dict:
 
 def _report_only(cfg: ScorecardConfig) -> dict:
     """Write the table of ``cfg`` from the cells already under ``cfg.out``, loading no model. The device named
-    is every device the cells were computed on; the dtype is the earlier report's (or ``cfg.dtype``)."""
+    is every device the cells were computed on. The dtype (part of each cell's identity) is ``cfg.dtype`` when
+    given, else the earlier report's, else the one the folder's cells were computed in."""
     from kvdex.eval import models
     from kvdex.eval.card import report
 
@@ -109,14 +110,22 @@ def _report_only(cfg: ScorecardConfig) -> dict:
         devices.add(dev)
         if f.parent.parent.name == "speed":
             speed.add(dev)
-    old, env = out / "scorecard.json", None
+    old, env, dtypes = out / "scorecard.json", None, [] if dtype == "auto" else [dtype]
     if old.is_file():  # the last measuring command's report: its dtype and machine (the cells' versions)
         prev = json.loads(old.read_text())
-        dtype, env = prev.get("dtype", dtype), prev.get("environment")
+        dtypes, env = dtypes or [prev.get("dtype")], prev.get("environment")
     if not devices - {None}:
         raise ValueError(f"report_only: no finished cells under {out}; run the scorecard there first")
     name = " + ".join(sorted(devices - {None}))
-    plan = Plan(cfg, models.tag(cfg.model, cfg.gguf), dtype, data.data_root(cfg.data, required=False), name)
+    tag, root = models.tag(cfg.model, cfg.gguf), data.data_root(cfg.data, required=False)
+    plans = [Plan(cfg, tag, d, root, name) for d in dict.fromkeys(dtypes or ["bfloat16", "float16", "float32"])]
+    found = [sum(p.cell_dir(g, n).is_dir() for g in p.groups for n in cfg.lengths) for p in plans]
+    plan = plans[found.index(max(found))]
+    if not max(found):
+        raise ValueError(
+            f"report_only: no cells under {out} match these settings ({plan.common_batched['dtype']}, cache sizes, "
+            "batch, seed, tasks, data folder): give the options of the command that computed them"
+        )
     if len(speed - {None}) == 1:  # the speed columns of the one device that timed them
         plan.speed_device = next(iter(speed - {None}))
     state = SimpleNamespace(model=None, failures=[], stopped=None, clock=Clock(None), environment=env)
