@@ -250,7 +250,9 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     if reference != "transformers":
         base, base_top = _tokens(model, None, ids, args)
         report |= {"baseline": base, "baseline_top": base_top}
-    sizes = {"budget": budget, "page_size": args.block_size}
+    graphs = bool(getattr(args, "decode_graphs", False))
+    report["decode_graphs"] = graphs
+    sizes = {"budget": budget, "page_size": args.block_size, **({"decode_graphs": True} if graphs else {})}
     got = {p: _tokens(model, {"policy": p, **sizes}, ids, args) for p in policies}
     if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
         refs = _transformers_reference(model, policies, budget, ids, args, {p: got[p][0] for p in policies})
@@ -333,6 +335,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="small: prompts prefill in chunks")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--cuda-graphs", action="store_true", help="vLLM's default CUDA-graph mode instead of eager")
+    graphs = "kvdex's setting decode_graphs: each request's decode step replays one graph per layer"
+    p.add_argument("--decode-graphs", action="store_true", help=graphs)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprobs", type=int, default=5,
                    help="top log-probabilities kept per token: a first difference passes where each token is among the "

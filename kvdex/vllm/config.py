@@ -5,7 +5,9 @@ and checked once, with a ``ValueError`` naming the fix for every mistake.
 Keys: ``policy`` (a policy spec, ``"name:KEY=VALUE:..."``, as everywhere in kvdex; default ``quest``), the
 :class:`~kvdex.config.CacheConfig` sizes ``budget``, ``page_size``, ``sink``, ``window``, ``dense_layers``,
 ``prefill_chunk``, ``max_idle_steps`` (engine steps a request's state is kept while the request is not in the
-batch, :mod:`kvdex.vllm.requests`) and ``prefill_attention`` (:data:`PREFILL_ATTENTION`). ``offload`` /
+batch, :mod:`kvdex.vllm.requests`), ``prefill_attention`` (:data:`PREFILL_ATTENTION`) and ``decode_graphs``
+(each request's decode step replays one CUDA graph per layer, kvdex's per-layer step graphs over the request's
+blocks; off by default). ``offload`` /
 ``page_cache`` are refused: the KV lives in vLLM's blocks.
 
 Policies: every registered policy but those in :data:`REFUSED` (none) runs (:data:`SUPPORTED`). CHESS's default trigger
@@ -33,7 +35,7 @@ REFUSED: dict[str, str] = {}
 DEFAULT_POLICY = "quest"
 DEFAULT_MAX_IDLE_STEPS = 32
 _CACHE_KEYS = ("budget", "page_size", "sink", "window", "dense_layers", "prefill_chunk")
-_KEYS = ("policy", *_CACHE_KEYS, "max_idle_steps", "prefill_attention")
+_KEYS = ("policy", *_CACHE_KEYS, "max_idle_steps", "prefill_attention", "decode_graphs")
 #: how prompt chunks attend: kvdex's PyTorch path (``torch``: the request's keys gathered from the blocks, then
 #: SDPA), or vLLM's FlashAttention kernel straight on the paged cache (``flash``, CUDA)
 PREFILL_ATTENTION = ("torch", "flash")
@@ -55,6 +57,7 @@ class VllmSettings:
     config: CacheConfig = field(default_factory=lambda: CacheConfig(budget=DEFAULT_BUDGET))
     max_idle_steps: int = DEFAULT_MAX_IDLE_STEPS
     prefill_attention: str = "torch"
+    decode_graphs: bool = False
 
     def make_policy(self) -> Policy:
         """A fresh policy instance (one per request)."""
@@ -125,10 +128,14 @@ def settings_from(additional_config: Mapping[str, Any] | None) -> VllmSettings:
     if prefill not in PREFILL_ATTENTION:
         allowed = ", ".join(PREFILL_ATTENTION)
         raise ValueError(f"kvdex setting prefill_attention must be one of {allowed}, got {prefill!r}")
-    return VllmSettings(policy=spec, config=config, max_idle_steps=idle, prefill_attention=prefill)
+    graphs = raw.get("decode_graphs", False)
+    if not isinstance(graphs, bool):
+        raise ValueError(f"kvdex setting decode_graphs must be true or false, got {graphs!r}")
+    return VllmSettings(policy=spec, config=config, max_idle_steps=idle, prefill_attention=prefill,
+                        decode_graphs=graphs)  # fmt: skip
 
 
 def describe(settings: VllmSettings) -> dict[str, Any]:
     """The settings as a plain dict (logs, the check command's report)."""
     return {"policy": settings.policy, **dataclasses.asdict(settings.config), "max_idle_steps": settings.max_idle_steps,
-            "prefill_attention": settings.prefill_attention}  # fmt: skip
+            "prefill_attention": settings.prefill_attention, "decode_graphs": settings.decode_graphs}  # fmt: skip

@@ -81,5 +81,13 @@ def _request(
         state.adopt_layer(layer, row.computed)
     k = key.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, D]
     v = value.transpose(0, 1).unsqueeze(0).contiguous()
+    steps = state.step_graphs if row.decode else None
+    if steps is not None and steps.deferred():  # decode_graphs: the layer's append + decode as one graph replay
+        lay = state.layers[layer]
+        steps.stash(lay, k, v)
+        return steps.attend(lay, q, scale)
     engine.append(k, v)
-    return engine.attention(q, k, v, None, scale)
+    out = engine.attention(q, k, v, None, scale)
+    if steps is not None and steps.in_step and layer == len(state.layers) - 1:
+        steps.end()  # an eager step the step graphs planned
+    return out

@@ -35,6 +35,12 @@ ingest -- then the policy's ``on_step(0)``. From then on every step is a decode 
 the reuse decision before the first layer, the append and the sparse attention in each layer,
 ``policy.on_step(step, None)`` after the last: an attention backend sees no logits).
 :meth:`RequestTable.plan` runs once per engine step, before the layers (vLLM's metadata builder).
+
+**Graphs** (the setting ``decode_graphs``): a state is also the :class:`~kvdex.engine.graphs.plan.StepHost` of
+kvdex's per-layer step graphs (:class:`~kvdex.engine.graphs.layer_graphs.StepGraphs`): at a decode step the plan
+decides eager, capture or replay before the first layer, and each layer's append + decode is one replay. Its
+block-table row is kept in a persistent buffer (:class:`~kvdex.vllm.store.BlockRow`) that its stores read under
+static sizing.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from typing import cast
 import torch
 
 from kvdex.engine import OBS_KEEP, GraphService, LayerEngine, SelectionReuse, StepCounters
+from kvdex.engine.graphs.layer_graphs import StepGraphs
+from kvdex.engine.graphs.plan import StepHost
 from kvdex.policies import PolicyInfo
 from kvdex.storage import Grid, LayerStore, TransferStats
 from kvdex.vllm.config import VllmSettings
@@ -101,7 +109,13 @@ class RequestState:
         self.join_step: bool | None = None
         self.joins_external = False
         self.engines = [LayerEngine(self, i, dense=i < cfg.dense_layers) for i in range(n)]
-        self.row = BlockRow(torch.zeros(0, dtype=torch.long))
+        self.row = BlockRow(torch.zeros(0, dtype=torch.long), persistent=settings.decode_graphs)
+        # decode_graphs: each decode step replays one CUDA graph per layer (kvdex.engine.graphs.layer_graphs),
+        # this state being the StepHost those graphs decode (its layers, model, decoder_active, warn_if_long)
+        self.layers = [_StepLayer(e) for e in self.engines]
+        self.decoder_active = False
+        # (a StepHost by its members; cast: the protocol's attributes are typed more loosely than this state's)
+        self.step_graphs = StepGraphs(cast(StepHost, self)) if settings.decode_graphs else None
         self.caches: Caches = {} if caches is None else caches  # the layers' vLLM caches, as forward sees them
         self.store_factory = store_factory
         self.queries: dict[int, torch.Tensor] = {}  # layer -> the prompt's last queries [1, Hq, <= OBS_KEEP, D]
@@ -124,6 +138,15 @@ class RequestState:
     @property
     def stores(self) -> list[LayerStore | None]:
         return [e.store for e in self.engines]
+
+    # ---- StepHost (decode_graphs) ---------------------------------------------------------------------
+    @property
+    def model(self) -> object:
+        """No model object under vLLM: the geometry stands for it (the step graphs only ask that it exists)."""
+        return self.geometry
+
+    def warn_if_long(self, total: int, stacklevel: int = 2) -> None:
+        """Nothing: vLLM refuses requests past the model's length."""
 
     # ---- the prompt ---------------------------------------------------------------------------------
     def keep_queries(self, layer: int, q: torch.Tensor) -> None:
@@ -167,6 +190,10 @@ class RequestState:
         self.step += 1
         first = next((s for s in self.stores if s is not None), None)
         if row.kind == "decode" and first is not None:
+            for lay in self.layers:
+                lay.seen = row.computed
+            if self.step_graphs is not None and all(s is not None for s in self.stores):
+                self.step_graphs.begin()  # eager, capture or replay (the plan runs before_step and the reuse first)
             self.policy.before_step(cast(list[LayerStore], self.stores))  # by layer index, as kvdex.Cache passes them
             self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
         else:
@@ -176,6 +203,20 @@ class RequestState:
         """After the step's last layer (called at the next step's plan): the policy's ``on_step``, no logits."""
         if self.adopted:
             self.policy.on_step(self.step, None)
+
+
+class _StepLayer:
+    """One layer of a request as its step graphs see it (:class:`kvdex.engine.graphs.plan.StepLayer`)."""
+
+    def __init__(self, engine: LayerEngine) -> None:
+        self.engine = engine
+        self.layer_idx = engine.layer_idx
+        self.seen = 0  # tokens in the cache before the step (set by RequestState.begin_step)
+
+    @property
+    def store(self) -> LayerStore:
+        assert self.engine.store is not None, "a step graph runs on an indexed prompt"
+        return self.engine.store
 
 
 @dataclass
@@ -261,7 +302,7 @@ class RequestTable:
                 state = self.make_state(self.caches)
                 self.made += 1
             claimed.add(id(state))
-            state.row.blocks = table[i, : -(-sl // bs)].clone()
+            state.row.assign(table[i], -(-sl // bs))
             if ql == 1 and computed > 0 and not prefilling[i]:
                 kind = "decode"
             else:

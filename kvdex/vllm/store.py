@@ -22,17 +22,30 @@ from __future__ import annotations
 import torch
 
 from kvdex.selection import Selection
-from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, TransferStats
+from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats
 from kvdex.vllm.paged import gather_heads, token_slots, write_slots
 
 
 class BlockRow:
     """A request's block-table row: ``blocks`` [n] (long, on the cache's device), the vLLM blocks that hold its
     tokens in order. One object per request, shared by its stores; the metadata builder replaces ``blocks`` at
-    every step (the row grows as the request does)."""
+    every step (the row grows as the request does). ``persistent``: the whole row is also copied, in place, into
+    ``buffer`` (vLLM's block-table width; entries past the request's blocks are whatever vLLM holds there), which
+    the stores read under static sizing: a captured decode step reads it by address."""
 
-    def __init__(self, blocks: torch.Tensor) -> None:
+    def __init__(self, blocks: torch.Tensor, persistent: bool = False) -> None:
         self.blocks = blocks
+        self.persistent = persistent
+        self.buffer: torch.Tensor | None = None
+
+    def assign(self, row: torch.Tensor, n: int) -> None:
+        """This step's row: ``row`` [width] (long) of which the first ``n`` blocks hold the request's tokens."""
+        self.blocks = row[:n].clone()
+        if not self.persistent:
+            return
+        if self.buffer is None or self.buffer.shape != row.shape or self.buffer.device != row.device:
+            self.buffer = torch.zeros_like(row)  # a new buffer: a new graph key (PagedStore.graph_buffers)
+        self.buffer.copy_(row)
 
 
 class PagedStore(LayerStore):
@@ -80,10 +93,16 @@ class PagedStore(LayerStore):
         mid = (j >= 0) & (j < m)
         return torch.where(mid, s + self.order.gather(2, j.clamp(0, m - 1)), slots)
 
+    def _blocks(self) -> torch.Tensor:
+        """The block-table row reads go through: the persistent whole row under static sizing (no length of this
+        step baked into a captured step), else this step's blocks."""
+        buf = self.row.buffer
+        return buf if self.static and buf is not None else self.row.blocks
+
     def _flat(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat cache slots [H, N], positions [1, H, N]) of store slots [1, H, N] (``-1``: none)."""
         pos = self.slot_positions(slots.long())
-        return token_slots(self.row.blocks, pos[0], self.block_size), pos
+        return token_slots(self._blocks(), pos[0], self.block_size), pos
 
     def read(self, slots: torch.Tensor, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Keys, values (None unless ``values``) [1, H, N, D] and positions [1, H, N] of store slots [1, H, N]
@@ -149,8 +168,10 @@ class PagedStore(LayerStore):
         fixed_valid = fixed < self.lengths[:, None]
         fixed = torch.where(fixed_valid, fixed, -1)[:, None, :].expand(1, h, -1)
         fixed_valid = fixed_valid[:, None, :].expand(1, h, -1)
-        if sel.everything:
-            mid = torch.arange(g.sink, int(g.window_start(self.lengths_host).max()), device=dev).expand(1, h, -1)
+        if sel.everything:  # static: every middle token the persistent row can address, masked past the length
+            end = self._blocks().shape[0] * self.block_size if self.static else None
+            end = int(g.window_start(self.lengths_host).max()) if end is None else end
+            mid = torch.arange(g.sink, max(end, g.sink), device=dev).expand(1, h, -1)
             mid_valid = mid < g.window_start(self.lengths)[:, None, None]
         elif sel.empty:
             mid = torch.empty(1, h, 0, dtype=torch.long, device=dev)
@@ -167,7 +188,9 @@ class PagedStore(LayerStore):
         return AttendSet(k, v, idx, valid, torch.where(valid, pos, 0))
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v, _ = self.read(self._range(0, int(self.lengths_host.max())))
+        # static: every token the persistent row can address (rows past the length are masked by the kernels)
+        n = self._blocks().shape[0] * self.block_size if self.static else int(self.lengths_host.max())
+        k, v, _ = self.read(self._range(0, n))
         assert v is not None
         return k, v
 
@@ -178,6 +201,12 @@ class PagedStore(LayerStore):
         slots = slots + torch.arange(g.page_size, device=self.device)
         k, _, _ = self.read(slots.view(b, h, p * g.page_size), values=False)
         return k.view(b, h, p, g.page_size, self.head_dim)
+
+    def slot_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """Keys [1, H, N, D] of the store slots ``slots`` [1, H, N] (``-1``: junk rows the caller masks), gathered
+        from the blocks directly: fixed shapes, no host read."""
+        slots = slots.to(self.device).long()
+        return self.read(torch.where(slots >= 0, slots, 0), values=False)[0]
 
     def permute_middle(self, order: torch.Tensor, validate: bool = True) -> None:
         m = self._check_middle_order(order, validate)
@@ -213,9 +242,42 @@ class PagedStore(LayerStore):
         ws = self.grid.window_start(self.lengths).view(-1, *([1] * (pos.dim() - 1)))
         return torch.where(pos < self.grid.sink, pos, self.grid.sink + pos - ws)
 
-    # ---- capabilities -----------------------------------------------------------------------------------
+    # ---- capturable decode steps (kvdex.engine.graphs; the vLLM setting decode_graphs) ---------------------
+    def append_join(self, k: torch.Tensor, v: torch.Tensor) -> PageJoin:
+        """One token (k/v [1, H, 1, D], in the blocks already unless ``writes``) with static shapes: the joining
+        page's keys are read from the blocks at the device lengths."""
+        if k.shape[2] != 1:
+            raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
+        if self.writes:
+            at = token_slots(self._blocks(), self.lengths.long(), self.block_size)
+            write_slots(self.k_cache, at, k[0].transpose(0, 1))
+            write_slots(self.v_cache, at, v[0].transpose(0, 1))
+        joins, start = self._join_pages(self.lengths)
+        pos = self.grid.page_positions(start)  # [1, ps]: a joining page lies past the relocation map
+        slots = pos[:, None, :].expand(1, self.kv_heads, -1)
+        keys = self.read(slots, values=False)[0][:, :, None]
+        self.lengths += 1
+        host_start, host_count = self._advance_join()
+
+        def values() -> torch.Tensor:  # read on first use (no policy indexes values)
+            v = self.read(slots)[1]
+            assert v is not None
+            return v[:, :, None]
+
+        return PageJoin(joins, start, keys, values, host_start, host_count, self, pos)
+
     def graph_unsupported(self) -> str | None:
-        return "a PagedStore gathers vLLM's blocks with shapes that follow the request's length"
+        if self.row.buffer is None:
+            return "its request's block-table row is not kept in a persistent buffer (the vLLM setting decode_graphs)"
+        return None
+
+    def graph_buffers(self) -> tuple:
+        bufs = [(id(t), tuple(t.shape)) for t in (self.k_cache, self.v_cache, self.row.buffer) if t is not None]
+        if self.order is not None:  # PRKV's relocation map, replaced at each refresh
+            bufs.append((id(self.order), tuple(self.order.shape)))
+        return tuple(bufs)
+
+    # ---- capabilities -----------------------------------------------------------------------------------
 
     def device_bytes(self) -> int:
         """0: the keys and values belong to vLLM's cache, the store holds none."""

@@ -1,0 +1,41 @@
+"""The vLLM setting ``decode_graphs``: each request's decode step replays one graph per layer (kvdex's per-layer
+step graphs, :mod:`kvdex.engine.graphs.layer_graphs`, over the request's :class:`~kvdex.vllm.store.PagedStore`
+under static sizing). On the CPU the graphs are the tests' stand-in (``tests/step_graph_stand_in.py``), which
+fails on a device value read on the host inside a capture and replays the recorded operations on the same
+tensors, as a CUDA graph would. The simulated engine's scenario (joins, chunked prefill, reordered rows, page
+joins, a preemption with recompute, freed blocks reused) must give the outputs it gives without graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from step_graph_stand_in import StepGraphStandIn
+from vllm_sim import ATOL, run_scenario
+
+import kvdex.engine.graphs.capture as graphs_mod
+from kvdex.vllm import SUPPORTED, settings_from
+
+SMALL = dict(budget=96, page_size=16, sink=16, window=32, dense_layers=1)
+VARIANTS = {"prkv": "prkv:static_ratio=0.5:refresh=8", "chess": "chess:interval=8"}
+SPECS = [VARIANTS.get(p, p) for p in SUPPORTED] + ["quest:select_every=4", "prkv"]
+
+
+@pytest.mark.parametrize("policy", SPECS)
+def test_decode_graphs_give_the_eager_outputs(policy, monkeypatch):
+    eager, _ = run_scenario(settings_from({"kvdex": {"policy": policy, **SMALL}}))
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    graphed, _ = run_scenario(settings_from({"kvdex": {"policy": policy, **SMALL, "decode_graphs": True}}))
+    assert graphed.out.keys() == eager.out.keys()
+    for key, o in eager.out.items():
+        assert torch.allclose(graphed.out[key], o, atol=ATOL, rtol=1e-4), (policy, key)
+    states = set(graphed.state_of.values())
+    counts = {k: sum(s.step_graphs.counts[k] for s in states) for k in ("eager", "captures", "replays")}
+    assert all(s.step_graphs.reason is None for s in states if s.step_graphs.counts["replays"]), policy
+    assert counts["replays"] > counts["eager"], (policy, counts)  # most decode steps replay
+
+
+def test_decode_graphs_setting():
+    assert settings_from({"kvdex": {"decode_graphs": True}}).decode_graphs
+    assert not settings_from({"kvdex": {}}).decode_graphs
+    with pytest.raises(ValueError, match="decode_graphs must be true or false"):
+        settings_from({"kvdex": {"decode_graphs": "yes"}})
