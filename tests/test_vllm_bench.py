@@ -133,6 +133,8 @@ def test_serve_command_of_a_kvdex_row(tmp_path):
     assert cmd[-2:] == ["--max-num-seqs", "16"]
     config = json.loads(_flag(serve_command(tmp_path, "quest", settings("--budget", "4096")), "--additional-config"))
     assert config == {"kvdex": {"policy": "quest", "budget": 4096}}
+    graphs = json.loads(_flag(serve_command(tmp_path, "quest", settings("--decode-graphs")), "--additional-config"))
+    assert graphs == {"kvdex": {"policy": "quest", "budget": 2048, "decode_graphs": True}}
 
 
 def test_bench_command(tmp_path):
@@ -279,6 +281,12 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
     assert fake_vllm == [(DEFAULT_ROW, 2048, 4), ("prkv", 2048, 4)]  # the grid grew: only the new rows
     with pytest.raises(ValueError, match="other settings.*budget 2048 -> 1024"):
         bench.run(settings("--contexts", "1k", "--budget", "1024"), out, out / "model")
+    with pytest.raises(ValueError, match="other settings.*decode_graphs False -> True"):
+        bench.run(settings("--contexts", "1k", "--decode-graphs"), out, out / "model")
+    saved = json.loads((out / "bench.json").read_text())
+    del saved["settings"]["decode_graphs"]  # a record from before the setting: it ran without it
+    (out / "bench.json").write_text(json.dumps(saved))
+    bench.run(settings("--contexts", "1k", "--concurrency", "1,4", "--policies", "quest,prkv"), out, out / "model")
 
 
 def test_rows_of_another_gpu_or_recorded_as_errors(fake_vllm, tmp_path):

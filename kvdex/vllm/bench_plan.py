@@ -20,7 +20,8 @@ DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttentio
 METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
 # settings a resumed run shares with the rows already recorded (the grid itself may grow)
 SAME = ("shape", "budget", "output_len", "prompts_per_concurrency", "request_rate", "gpu_memory_utilization",
-        "enforce_eager", "seed", "serve_args")  # fmt: skip
+        "enforce_eager", "seed", "serve_args", "decode_graphs")  # fmt: skip
+UNSET = {"decode_graphs": False}  # what a record written before a setting existed ran with
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -40,9 +41,9 @@ def parse_lengths(text: str, option: str) -> list[int]:
         raise ValueError(f"{option} {text!r}: {e}") from None
 
 
-def kvdex_settings(policy: str, budget: int) -> dict[str, Any]:
+def kvdex_settings(policy: str, budget: int, decode_graphs: bool = False) -> dict[str, Any]:
     """``additional_config["kvdex"]`` of a kvdex row."""
-    return {"policy": policy, "budget": budget}
+    return {"policy": policy, "budget": budget, **({"decode_graphs": True} if decode_graphs else {})}
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,6 +75,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
             "prompts_per_concurrency": args.prompts_per_concurrency, "request_rate": rate,
             "block_size": BLOCK_SIZE, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.enforce_eager, "seed": args.seed, "serve_args": args.serve_args,
+            "decode_graphs": bool(getattr(args, "decode_graphs", False)),
             "port": args.port}  # fmt: skip
 
 
@@ -136,7 +138,7 @@ def serve_command(model: Path, policy: str | None, s: dict[str, Any]) -> list[st
     if s["enforce_eager"]:
         cmd.append("--enforce-eager")
     if policy is not None:
-        config = {"kvdex": kvdex_settings(policy, s["budget"])}
+        config = {"kvdex": kvdex_settings(policy, s["budget"], s.get("decode_graphs", False))}
         cmd += ["--attention-backend", "CUSTOM", "--additional-config", json.dumps(config)]
     return cmd + shlex.split(s["serve_args"])
 
@@ -202,7 +204,7 @@ def load(out: Path, s: dict[str, Any]) -> dict[str, Any]:
         return {"settings": s, "rows": []}
     record = json.loads(path.read_text())
     old = record.get("settings", {})
-    diff = [f"{k} {old.get(k)!r} -> {s[k]!r}" for k in SAME if old.get(k) != s[k]]
+    diff = [f"{k} {old.get(k, UNSET.get(k))!r} -> {s[k]!r}" for k in SAME if old.get(k, UNSET.get(k)) != s[k]]
     if diff:
         raise ValueError(f"{path} holds rows measured with other settings ({'; '.join(diff)}): pass another --out, "
                          "or that run's settings to continue it")  # fmt: skip
