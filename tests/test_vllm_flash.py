@@ -1,7 +1,9 @@
 """vLLM's FlashAttention as kvdex's prompt-chunk attention, on a GPU (``-m gpu``; skipped without vLLM or CUDA):
 :func:`kvdex.vllm.backend.flash_prefill` on a random paged cache equals the PyTorch reference
 (:func:`kvdex.vllm.paged.prefill_attention_reference`) for chunks at the start, the middle and the end of a prompt,
-blocks scattered and in any order, query heads grouped over kv heads."""
+blocks scattered and in any order, query heads grouped over kv heads; and vLLM's cache-write kernel
+(:func:`kvdex.vllm.backend.vllm_cache_write`) writes what kvdex's PyTorch write (:func:`kvdex.vllm.paged.write_kv`)
+writes."""
 
 from __future__ import annotations
 
@@ -32,3 +34,21 @@ def test_flash_prefill_is_the_reference(seq_len, n):
     want = prefill_attention_reference(q, blocks, seq_len, k_cache, v_cache, d**-0.5)
     assert got.shape == want.shape == (n, hq, d)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_vllms_cache_write_is_kvdex_write():
+    from kvdex.vllm.backend import vllm_cache_write
+    from kvdex.vllm.paged import PAD_SLOT_ID, write_kv
+
+    write = vllm_cache_write("cuda")
+    if write is None:
+        pytest.skip("this vLLM has no reshape_and_cache_flash kernel with kvdex's contract here")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc, vc = (torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(40, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[:40]
+    slots[::7] = PAD_SLOT_ID
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(want_k, want_v, slots, k, v)
+    write(kc, vc, slots, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)

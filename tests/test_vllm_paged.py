@@ -1,12 +1,14 @@
 """vLLM's paged layout as kvdex writes it (``kvdex.vllm.paged``), without vLLM: the cache write reads nothing back
-to the host, whatever the padding."""
+to the host, whatever the padding, and any write keeping its contract (vLLM's kernel on a GPU) is a drop-in."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from vllm_sim import run_scenario
 
+from kvdex.vllm import settings_from
 from kvdex.vllm.paged import PAD_SLOT_ID, kv_cache_shape, split_kv, write_slots
 
 PS, H, D = 16, 2, 8
@@ -51,3 +53,20 @@ def test_write_slots_of_nothing():
     kv = torch.zeros(kv_cache_shape(2, PS, H, D))
     write_slots(split_kv(kv)[0], torch.zeros(0, dtype=torch.long), torch.zeros(0, H, D))
     assert kv.abs().sum() == 0
+
+
+def _write_by_loop(k_cache, v_cache, slots, key, value):
+    """The cache write's contract computed row by row."""
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            k_cache[s // k_cache.shape[1], s % k_cache.shape[1]] = key[i]
+            v_cache[s // v_cache.shape[1], s % v_cache.shape[1]] = value[i]
+
+
+def test_the_cache_write_is_a_drop_in():
+    st = settings_from({"kvdex": {"policy": "quest", "budget": 96, "sink": 16, "window": 32, "dense_layers": 1}})
+    want, _ = run_scenario(st)
+    got, _ = run_scenario(st, write=_write_by_loop)
+    assert all(torch.equal(got.out[key], o) for key, o in want.out.items())
+    wrong, _ = run_scenario(st, write=lambda kc, vc, slots, k, v: _write_by_loop(kc, vc, slots, k, 2 * v))
+    assert not all(torch.equal(wrong.out[key], o) for key, o in want.out.items())

@@ -48,8 +48,9 @@ class Req:
 class Sim:
     """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
 
-    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None) -> None:
+    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None) -> None:
         self.prefill = prefill  # the prompt chunks' attention forward_layer gets (None: its default)
+        self.write = write  # the cache write forward_layer gets (None: its default)
         self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D), device=DEV) for _ in range(LAYERS)]
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
@@ -93,7 +94,8 @@ class Sim:
             v = torch.cat([r.v[layer, r.computed : r.computed + n] for r, n in batch])
             out = torch.full_like(q, float("nan"))
             kc, vc = self.kv[layer]
-            forward_layer(rows, layer, q, k, v, kc, vc, slot_mapping, SCALE, out, prefill=self.prefill)
+            hooks = dict(prefill=self.prefill, write=self.write)
+            forward_layer(rows, layer, q, k, v, kc, vc, slot_mapping, SCALE, out, **hooks)
             for (req, n), s in zip(batch, starts, strict=False):
                 for j in range(n):
                     self.out[(req.name, req.life, layer, req.computed + j)] = out[s + j]
@@ -113,11 +115,11 @@ class Sim:
         req.steps.append([])
 
 
-def run_scenario(settings: VllmSettings, prefill=None) -> tuple[Sim, list[Req]]:
+def run_scenario(settings: VllmSettings, prefill=None, write=None) -> tuple[Sim, list[Req]]:
     """Three requests: a joins with a 150-token prompt, b with a 230-token prompt in chunks of 96 while a decodes,
     c (a 40-token prompt) later; rows shuffled every step; c is preempted and recomputed; a finishes and its blocks
     go to c's recompute."""
-    sim = Sim(settings, prefill=prefill)
+    sim = Sim(settings, prefill=prefill, write=write)
     a, b, c = Req("a", 230, 1), Req("b", 300, 2), Req("c", 120, 3)
     sim.step([(a, 150)])
     sim.step([(a, 1), (b, 96)])

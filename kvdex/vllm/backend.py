@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from kvdex.vllm.config import settings_from
-from kvdex.vllm.forward import PrefillAttention, forward_layer
-from kvdex.vllm.paged import check_block_size, kv_cache_shape, split_kv, write_slots
+from kvdex.vllm.forward import CacheWrite, PrefillAttention, forward_layer
+from kvdex.vllm.paged import PAD_SLOT_ID, check_block_size, kv_cache_shape, split_kv, write_kv
 from kvdex.vllm.requests import Geometry, RequestState, RequestTable, Row
 
 # vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
@@ -68,6 +68,7 @@ class KvdexMetadata:
     block_table: torch.Tensor | None = None
     causal: Any = True  # bool, or a per-request tensor in recent vLLM (kvdex attends causally)
     prefill: PrefillAttention | None = None  # prompt chunks' attention (None: kvdex's PyTorch path)
+    write: CacheWrite | None = None  # the step's cache write (None: kvdex's PyTorch path)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,6 +100,36 @@ def flash_prefill() -> PrefillAttention | None:
         return out
 
     return prefill
+
+
+def vllm_cache_write(device: torch.device | str) -> CacheWrite | None:
+    """vLLM's own cache-write kernel (``reshape_and_cache_flash``: keys and values in one launch, padding slots
+    skipped, nothing read back to the host) as the step's cache write, with the contract of
+    :func:`~kvdex.vllm.paged.write_kv`; None where this vLLM has none, or where it does not write what
+    :func:`~kvdex.vllm.paged.write_kv` writes on a small cache of ``device`` (checked once, here)."""
+    try:
+        from vllm.v1.attention.backends import fa_utils
+
+        op = fa_utils.reshape_and_cache_flash
+    except (ImportError, AttributeError):
+        return None
+    one = torch.ones((), dtype=torch.float32, device=device)  # the fp8 scales, unused for a bf16 / fp16 cache
+
+    def write(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> None:  # fmt: skip
+        op(key, value, k_cache, v_cache, slots, "auto", one, one)
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kc, vc = (torch.randn(4, 16, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(3, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([5, PAD_SLOT_ID, 37], device=device)
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(want_k, want_v, slots, k, v)
+    try:
+        write(kc, vc, slots, k, v)
+    except Exception:  # another signature in this vLLM: kvdex's own write
+        return None
+    return write if torch.equal(kc, want_k) and torch.equal(vc, want_v) else None
 
 
 def geometry_of(vllm_config: Any, kv_cache_spec: Any) -> Geometry:
@@ -147,6 +178,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             if self.prefill is None:
                 raise ValueError("kvdex setting prefill_attention=flash needs vLLM's FlashAttention varlen kernel, "
                                  "which this vLLM or device does not have: use prefill_attention=torch")  # fmt: skip
+        self.write = vllm_cache_write(device) if torch.device(device).type == "cuda" else None
         self.table = RequestTable(
             lambda caches: RequestState(settings, geometry, caches=caches), geometry.block_size, settings.max_idle_steps
         )
@@ -163,7 +195,7 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             rows=rows, num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, causal=getattr(cm, "causal", True),
-            prefill=self.prefill,
+            prefill=self.prefill, write=self.write,
         )  # fmt: skip
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> KvdexMetadata:
@@ -252,7 +284,7 @@ class KvdexImpl(AttentionImpl):
         k_cache, v_cache = split_kv(kv_cache)
         slots = attn_metadata.slot_mapping[:n]
         forward_layer(attn_metadata.rows, self.layer_of(layer), q, k, v, k_cache, v_cache, slots, self.scale, out[:n],
-                      prefill=attn_metadata.prefill)  # fmt: skip
+                      prefill=attn_metadata.prefill, write=attn_metadata.write)  # fmt: skip
         return output
 
     def do_kv_cache_update(
@@ -261,8 +293,8 @@ class KvdexImpl(AttentionImpl):
         """The cache write alone (for a vLLM that asks for it separately; ``forward`` writes too, the same rows)."""
         k_cache, v_cache = split_kv(kv_cache)
         n = slot_mapping.shape[0]
-        write_slots(k_cache, slot_mapping, key.view(-1, self.num_kv_heads, self.head_size)[:n])
-        write_slots(v_cache, slot_mapping, value.view(-1, self.num_kv_heads, self.head_size)[:n])
+        shape = (-1, self.num_kv_heads, self.head_size)
+        write_kv(k_cache, v_cache, slot_mapping, key.view(shape)[:n], value.view(shape)[:n])
 
 
 class KvdexBackend(AttentionBackend):

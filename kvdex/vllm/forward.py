@@ -20,12 +20,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvdex.vllm.paged import prefill_attention_reference, write_slots
+from kvdex.vllm.paged import prefill_attention_reference, write_kv
 from kvdex.vllm.requests import Row
 
 #: ``(q [n, Hq, D], block-table row, seq_len, k_cache, v_cache, scale) -> [n, Hq, D]``: a prompt chunk's attention
 #: over the paged cache (:func:`~kvdex.vllm.paged.prefill_attention_reference` is its PyTorch form)
 PrefillAttention = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
+#: ``(k_cache, v_cache, slot_mapping [T], key [T, H, D], value [T, H, D]) -> None``: the step's cache write
+#: (:func:`~kvdex.vllm.paged.write_kv` is its PyTorch form)
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def forward_layer(
@@ -40,15 +43,16 @@ def forward_layer(
     scale: float,
     out: torch.Tensor,
     prefill: PrefillAttention | None = None,
+    write: CacheWrite | None = None,
 ) -> torch.Tensor:
     """Layer ``layer`` of a step: query [T, Hq, D], key / value [T, H, D] of the step's T tokens (the rows' tokens
     at ``row.start ...``), k_cache / v_cache [num_blocks, block_size, H, D], slot_mapping [T]. Writes the
     attention output into ``out`` [T, Hq, D] and returns it (rows of tokens no row covers are left as they are).
     ``prefill``: the attention of prompt chunks (default :func:`~kvdex.vllm.paged.prefill_attention_reference`;
-    the backend passes vLLM's FlashAttention where vLLM has it)."""
+    the backend passes vLLM's FlashAttention where vLLM has it); ``write``: the cache write (default
+    :func:`~kvdex.vllm.paged.write_kv`; the backend passes vLLM's kernel where it has it)."""
     t = query.shape[0]
-    write_slots(k_cache, slot_mapping[:t], key[:t])
-    write_slots(v_cache, slot_mapping[:t], value[:t])
+    (write or write_kv)(k_cache, v_cache, slot_mapping[:t], key[:t], value[:t])
     for row in rows:
         s, n = row.start, row.query_len
         row.state.caches[layer] = (k_cache, v_cache)

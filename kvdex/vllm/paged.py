@@ -89,6 +89,15 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
     flat.index_put_((target,), src)
 
 
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """A step's keys and values [T, H, D] into the caches at the flat ``slots`` [T] (padding skipped): the PyTorch
+    form of the cache write (:func:`kvdex.vllm.backend.vllm_cache_write` is vLLM's own kernel, one launch)."""
+    write_slots(k_cache, slots, key)
+    write_slots(v_cache, slots, value)
+
+
 def prefill_attention_reference(
     q: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
 ) -> torch.Tensor:
