@@ -332,7 +332,7 @@ class Cache(HFCache):
                 f"a kvdex.Cache that has decoded ({self.step} steps) cannot be deep-copied: copy it right after the "
                 "prefill (copy.deepcopy(cache) then is cache.fork()), or prefill the prompt again"
             )
-        new = self.fork() if self.step == 0 and self.layers[0].store is not None else self._sibling()
+        new = self.fork() if self.layers[0].store is not None else self._sibling()  # prefilled, or empty
         memo[id(self)] = new
         return new
 

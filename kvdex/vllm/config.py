@@ -7,8 +7,7 @@ Keys: ``policy`` (a policy spec, ``"name:KEY=VALUE:..."``, as everywhere in kvde
 ``prefill_chunk``, ``max_idle_steps`` (engine steps a request's state is kept while the request is not in the
 batch, :mod:`kvdex.vllm.requests`), ``prefill_attention`` (:data:`PREFILL_ATTENTION`) and ``decode_graphs``
 (each request's decode step replays one CUDA graph per layer, kvdex's per-layer step graphs over the request's
-blocks; off by default). ``offload`` /
-``page_cache`` are refused: the KV lives in vLLM's blocks.
+blocks; off by default). ``offload`` / ``page_cache`` are refused: the KV lives in vLLM's blocks.
 
 Policies: every registered policy but those in :data:`REFUSED` (none) runs (:data:`SUPPORTED`). CHESS's default trigger
 (``uncertainty``) measures the next-token distribution, which an attention backend never sees: under vLLM a plain

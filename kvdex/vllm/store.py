@@ -23,7 +23,7 @@ import torch
 
 from kvdex.selection import Selection
 from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats
-from kvdex.vllm.paged import gather_heads, token_slots, write_slots
+from kvdex.vllm.paged import gather_heads, token_slots, write_kv
 
 
 class BlockRow:
@@ -99,6 +99,11 @@ class PagedStore(LayerStore):
         buf = self.row.buffer
         return buf if self.static and buf is not None else self.row.blocks
 
+    def _addressable(self) -> int:
+        """Tokens the block-table row reads go through can address (under static sizing: the whole persistent row,
+        so that no length of this step is baked into a captured step)."""
+        return self._blocks().shape[0] * self.block_size
+
     def _flat(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat cache slots [H, N], positions [1, H, N]) of store slots [1, H, N] (``-1``: none)."""
         pos = self.slot_positions(slots.long())
@@ -123,8 +128,7 @@ class PagedStore(LayerStore):
         slots = token_slots(self.row.blocks, pos, self.block_size)
         if bool((slots < 0).any()):
             raise ValueError(f"positions {first}..{first + k.shape[1] - 1} lie past the request's blocks")
-        write_slots(self.k_cache, slots, k.transpose(0, 1))
-        write_slots(self.v_cache, slots, v.transpose(0, 1))
+        write_kv(self.k_cache, self.v_cache, slots, k.transpose(0, 1), v.transpose(0, 1))
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> MiddleUpdate:
         """The request's first ``lengths[0]`` tokens, k/v [1, H, L, D] in position order (in the blocks already
@@ -169,8 +173,7 @@ class PagedStore(LayerStore):
         fixed = torch.where(fixed_valid, fixed, -1)[:, None, :].expand(1, h, -1)
         fixed_valid = fixed_valid[:, None, :].expand(1, h, -1)
         if sel.everything:  # static: every middle token the persistent row can address, masked past the length
-            end = self._blocks().shape[0] * self.block_size if self.static else None
-            end = int(g.window_start(self.lengths_host).max()) if end is None else end
+            end = self._addressable() if self.static else int(g.window_start(self.lengths_host).max())
             mid = torch.arange(g.sink, max(end, g.sink), device=dev).expand(1, h, -1)
             mid_valid = mid < g.window_start(self.lengths)[:, None, None]
         elif sel.empty:
@@ -188,8 +191,8 @@ class PagedStore(LayerStore):
         return AttendSet(k, v, idx, valid, torch.where(valid, pos, 0))
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # static: every token the persistent row can address (rows past the length are masked by the kernels)
-        n = self._blocks().shape[0] * self.block_size if self.static else int(self.lengths_host.max())
+        # static: every addressable token (rows past the length are masked by the kernels)
+        n = self._addressable() if self.static else int(self.lengths_host.max())
         k, v, _ = self.read(self._range(0, n))
         assert v is not None
         return k, v
@@ -250,8 +253,7 @@ class PagedStore(LayerStore):
             raise ValueError(f"append_join takes one token per sequence, got {k.shape[2]}")
         if self.writes:
             at = token_slots(self._blocks(), self.lengths.long(), self.block_size)
-            write_slots(self.k_cache, at, k[0].transpose(0, 1))
-            write_slots(self.v_cache, at, v[0].transpose(0, 1))
+            write_kv(self.k_cache, self.v_cache, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
         joins, start = self._join_pages(self.lengths)
         pos = self.grid.page_positions(start)  # [1, ps]: a joining page lies past the relocation map
         slots = pos[:, None, :].expand(1, self.kv_heads, -1)
