@@ -194,6 +194,54 @@ def test_prefill_attention_is_a_drop_in(policy):
         assert _same_sel(a, b)
 
 
+def _loop_decode(q, blocks, lengths, capacity, k_cache, v_cache, scale):
+    """decode_attention_reference's contract, computed token by token from the blocks in float64."""
+    n, bs = int(lengths[0]), k_cache.shape[1]
+    assert n <= capacity <= blocks.shape[0] * bs
+    slots = [int(blocks[p // bs]) * bs + p % bs for p in range(n)]
+    k, v = (c.flatten(0, 1)[slots].double() for c in (k_cache, v_cache))  # [n, H, D]
+    g = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q, dtype=torch.float64)
+    for h in range(q.shape[1]):
+        w = torch.softmax(k[:, h // g] @ q[0, h].double() * scale, 0)
+        out[0, h] = w @ v[:, h // g]
+    _loop_decode.calls += 1
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("policy", ["full", "quest", "prkv:static_ratio=0.5:refresh=8"])
+def test_dense_decode_is_a_drop_in(policy):
+    """A request state's ``decode`` (the backend passes vLLM's FlashAttention on the blocks): any dense decode that
+    keeps the contract of paged.decode_attention_reference -- here one computed token by token in float64 -- gives
+    the scenario's every output and selection as kvdex's gather + kernel does; it runs for the dense layers."""
+    st = settings(policy, SMALL)
+    base, _ = run_scenario(st)
+    _loop_decode.calls = 0
+    other, _ = run_scenario(st, decode=_loop_decode)
+    assert _loop_decode.calls > 0
+    assert base.out.keys() == other.out.keys()
+    for key, o in base.out.items():
+        assert torch.allclose(other.out[key], o, atol=ATOL, rtol=1e-4), key
+    for a, b in zip(base.selections.values(), other.selections.values(), strict=True):
+        assert _same_sel(a, b)
+
+
+def test_paged_decode_reference_masks_past_the_length():
+    """decode_attention_reference reads at most ``capacity`` tokens of the row and attends the first ``lengths``."""
+    from kvdex.vllm.paged import decode_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(8, 4, 2, 8, generator=g) for _ in range(2))
+    q, blocks = torch.randn(1, 4, 8, generator=g), torch.tensor([6, 1, 3])
+    for n in (1, 5, 12):
+        got = decode_attention_reference(q, blocks, torch.tensor([n]), 12, kc, vc, 0.3)
+        torch.testing.assert_close(got, _loop_decode(q, blocks, torch.tensor([n]), 12, kc, vc, 0.3))
+    kc2 = kc.clone()
+    kc2[3, 1:] = 1e4  # past a length of 9 (block 3 holds positions 8..11): never attended
+    got = decode_attention_reference(q, blocks, torch.tensor([9]), 12, kc2, vc, 0.3)
+    torch.testing.assert_close(got, _loop_decode(q, blocks, torch.tensor([9]), 12, kc, vc, 0.3))
+
+
 def test_prefill_attention_setting():
     assert settings_from(None).prefill_attention == "torch"
     assert settings_from({"kvdex": {"prefill_attention": "flash"}}).prefill_attention == "flash"
@@ -436,6 +484,9 @@ def test_check_stops_before_any_engine_on_a_bad_setup(monkeypatch):
     monkeypatch.setattr(check, "_tokens", lambda *a: pytest.fail("an engine started"))
     with pytest.raises(ValueError, match="unknown policy 'qeust'"):
         check.run_check("model", ["quest", "qeust"], args)
+    args.settings = '{"prefill_attention": "fast"}'
+    with pytest.raises(ValueError, match="prefill_attention"):
+        check.run_check("model", ["quest"], args)
 
 
 def test_only_the_backend_imports_vllm():

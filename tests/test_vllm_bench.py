@@ -135,6 +135,10 @@ def test_serve_command_of_a_kvdex_row(tmp_path):
     assert config == {"kvdex": {"policy": "quest", "budget": 4096}}
     graphs = json.loads(_flag(serve_command(tmp_path, "quest", settings("--decode-graphs")), "--additional-config"))
     assert graphs == {"kvdex": {"policy": "quest", "budget": 2048, "decode_graphs": True}}
+    more = settings("--settings", '{"prefill_attention": "flash", "window": 64}')
+    config = json.loads(_flag(serve_command(tmp_path, "prkv", more), "--additional-config"))
+    assert config == {"kvdex": {"policy": "prkv", "budget": 2048, "prefill_attention": "flash", "window": 64}}
+    assert "--additional-config" not in serve_command(tmp_path, None, more)  # vLLM's row: no kvdex settings
 
 
 def test_bench_command(tmp_path):
@@ -283,8 +287,10 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
         bench.run(settings("--contexts", "1k", "--budget", "1024"), out, out / "model")
     with pytest.raises(ValueError, match="other settings.*decode_graphs False -> True"):
         bench.run(settings("--contexts", "1k", "--decode-graphs"), out, out / "model")
+    with pytest.raises(ValueError, match="other settings.*kvdex_settings {} -> {'window': 64}"):
+        bench.run(settings("--contexts", "1k", "--settings", '{"window": 64}'), out, out / "model")
     saved = json.loads((out / "bench.json").read_text())
-    del saved["settings"]["decode_graphs"]  # a record from before the setting: it ran without it
+    del saved["settings"]["decode_graphs"], saved["settings"]["kvdex_settings"]  # a record from before them
     (out / "bench.json").write_text(json.dumps(saved))
     bench.run(settings("--contexts", "1k", "--concurrency", "1,4", "--policies", "quest,prkv"), out, out / "model")
 
@@ -351,6 +357,11 @@ def test_defaults():
         (["--request-rate", "fast"], "inf"),
         (["--gpu-memory-utilization", "1.5"], r"\(0, 1\]"),
         (["--output-len", "0"], ">= 1"),
+        (["--settings", "prefill_attention=flash"], "JSON object"),
+        (["--settings", "[1]"], "JSON object"),
+        (["--settings", '{"budget": 512}'], "--budget"),
+        (["--settings", '{"prefill_attention": "fast"}'], "prefill_attention"),
+        (["--settings", '{"offload": true}'], "no offload"),
     ],
 )
 def test_bad_arguments_name_the_fix(extra, message):

@@ -1,7 +1,9 @@
 """vLLM's FlashAttention as kvdex's prompt-chunk attention, on a GPU (``-m gpu``; skipped without vLLM or CUDA):
 :func:`kvdex.vllm.backend.flash_prefill` on a random paged cache equals the PyTorch reference
 (:func:`kvdex.vllm.paged.prefill_attention_reference`) for chunks at the start, the middle and the end of a prompt,
-blocks scattered and in any order, query heads grouped over kv heads; and vLLM's cache-write kernel
+blocks scattered and in any order, query heads grouped over kv heads; :func:`kvdex.vllm.backend.flash_decode` (a
+dense layer's decode step on the blocks in place) equals :func:`kvdex.vllm.paged.decode_attention_reference`, also
+replayed from a CUDA graph after the length changed; and vLLM's cache-write kernel
 (:func:`kvdex.vllm.backend.vllm_cache_write`) writes what kvdex's PyTorch write (:func:`kvdex.vllm.paged.write_kv`)
 writes."""
 
@@ -52,3 +54,32 @@ def test_vllms_cache_write_is_kvdex_write():
     write_kv(want_k, want_v, slots, k, v)
     write(kc, vc, slots, k, v)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("length", [1, 37, 1000])
+def test_flash_decode_is_the_reference_and_captures(length):
+    from kvdex.vllm.backend import flash_decode
+    from kvdex.vllm.paged import decode_attention_reference
+
+    decode = flash_decode("cuda")
+    if decode is None:
+        pytest.skip("this vLLM has no FlashAttention varlen kernel with kvdex's contract here")
+    g = torch.Generator(device="cuda").manual_seed(length)
+    kc, vc = (torch.randn(128, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    blocks = torch.randperm(128, device="cuda", generator=g)[:80]  # a row of 1280 tokens, blocks in any order
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    lengths = torch.tensor([length], device="cuda")
+    want = decode_attention_reference(q, blocks, lengths, 1280, kc, vc, 128**-0.5)
+    torch.testing.assert_close(decode(q, blocks, lengths, 1280, kc, vc, 128**-0.5).float(), want.float(),
+                               atol=2e-2, rtol=2e-2)  # fmt: skip
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode(q, blocks, lengths, 1280, kc, vc, 128**-0.5)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = decode(q, blocks, lengths, 1280, kc, vc, 128**-0.5)
+    lengths.fill_(length + 200)  # the replay reads the new length from the device
+    graph.replay()
+    want = decode_attention_reference(q, blocks, lengths, 1280, kc, vc, 128**-0.5)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

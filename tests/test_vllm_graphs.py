@@ -34,6 +34,24 @@ def test_decode_graphs_give_the_eager_outputs(policy, monkeypatch):
     assert counts["replays"] > counts["eager"], (policy, counts)  # most decode steps replay
 
 
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_decode_graphs_with_the_dense_decode_on_the_blocks(policy, monkeypatch):
+    """The dense layers' decode over the blocks in place (a request state's ``decode``; here its PyTorch form,
+    paged.decode_attention_reference) inside the step graphs: captured with no host read, the eager outputs."""
+    from kvdex.vllm.paged import decode_attention_reference
+
+    st = {"policy": policy, **SMALL}
+    eager, _ = run_scenario(settings_from({"kvdex": st}), decode=decode_attention_reference)
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    graphed, _ = run_scenario(
+        settings_from({"kvdex": {**st, "decode_graphs": True}}), decode=decode_attention_reference
+    )
+    for key, o in eager.out.items():
+        assert torch.allclose(graphed.out[key], o, atol=ATOL, rtol=1e-4), (policy, key)
+    states = set(graphed.state_of.values())
+    assert sum(s.step_graphs.counts["replays"] for s in states) > sum(s.step_graphs.counts["eager"] for s in states)
+
+
 def test_decode_graphs_setting():
     assert settings_from({"kvdex": {"decode_graphs": True}}).decode_graphs
     assert not settings_from({"kvdex": {}}).decode_graphs

@@ -48,7 +48,7 @@ class Req:
 class Sim:
     """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
 
-    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None) -> None:
+    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None, decode=None) -> None:
         self.prefill = prefill  # the prompt chunks' attention forward_layer gets (None: its default)
         self.write = write  # the cache write forward_layer gets (None: its default)
         self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D), device=DEV) for _ in range(LAYERS)]
@@ -56,7 +56,9 @@ class Sim:
         random.Random(seed).shuffle(self.free)
         self.rng = random.Random(seed + 1)
         self.table = RequestTable(
-            lambda caches: self.recorded(RequestState(settings, GEO, caches=caches)), PS, settings.max_idle_steps
+            lambda caches: self.recorded(RequestState(settings, GEO, caches=caches, decode=decode)),
+            PS,
+            settings.max_idle_steps,
         )
         self.out: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (req, life, layer, position) -> [Hq, D]
         self.selections: dict[tuple[int, int, int], tuple] = {}  # (state id, layer, step) -> selection tensors
@@ -115,11 +117,11 @@ class Sim:
         req.steps.append([])
 
 
-def run_scenario(settings: VllmSettings, prefill=None, write=None) -> tuple[Sim, list[Req]]:
+def run_scenario(settings: VllmSettings, prefill=None, write=None, decode=None) -> tuple[Sim, list[Req]]:
     """Three requests: a joins with a 150-token prompt, b with a 230-token prompt in chunks of 96 while a decodes,
     c (a 40-token prompt) later; rows shuffled every step; c is preempted and recomputed; a finishes and its blocks
     go to c's recompute."""
-    sim = Sim(settings, prefill=prefill, write=write)
+    sim = Sim(settings, prefill=prefill, write=write, decode=decode)
     a, b, c = Req("a", 230, 1), Req("b", 300, 2), Req("c", 120, 3)
     sim.step([(a, 150)])
     sim.step([(a, 1), (b, 96)])

@@ -275,10 +275,12 @@ class LayerEngine:
         assert store is not None
         counters, timing = host.counters, host.config.timing
         with counters.timed("attention", timing):
-            k, v = store.dense()
-            # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
-            n = None if store.static else int(store.lengths_host.max())  # static: graph capture
-            out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=n)
+            out = store.dense_decode(q, scale)  # the store's own way over its tokens in place, where it has one
+            if out is None:
+                k, v = store.dense()
+                # Triton on CUDA (slot == position, ragged lengths), else dense_attention at lengths - 1
+                n = None if store.static else int(store.lengths_host.max())  # static: graph capture
+                out = dense_decode_attention(q, k, v, store.lengths, scale, max_len=n)
         if not self.dense:
             counters.count(store.lengths.sum() * store.kv_heads)
         return out

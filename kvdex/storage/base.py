@@ -97,6 +97,12 @@ class LayerStore(ABC):
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All tokens on the device, left-aligned: k/v [B, H, Lmax, D] (rows past a length are junk)."""
 
+    def dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """One query per sequence, q [B, Hq, D], attending every token the store holds -> [B, Hq, D], computed by
+        the store where it has a way that reads its tokens in place (e.g. vLLM's paged cache through its block
+        table); None: the engine attends :meth:`dense` instead (the default)."""
+        return None
+
     def middle_keys(self) -> torch.Tensor:
         """Keys of the middle region on the device, [B, H, Pmax*ps, D] (slot j == position sink+j)."""
         k, _ = self.dense()

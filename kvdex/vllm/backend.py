@@ -25,7 +25,15 @@ import torch
 
 from kvdex.vllm.config import settings_from
 from kvdex.vllm.forward import CacheWrite, PrefillAttention, forward_layer
-from kvdex.vllm.paged import PAD_SLOT_ID, check_block_size, kv_cache_shape, split_kv, write_kv
+from kvdex.vllm.paged import (
+    PAD_SLOT_ID,
+    PagedDecode,
+    check_block_size,
+    decode_attention_reference,
+    kv_cache_shape,
+    split_kv,
+    write_kv,
+)
 from kvdex.vllm.requests import Geometry, RequestState, RequestTable, Row
 
 # vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
@@ -100,6 +108,47 @@ def flash_prefill() -> PrefillAttention | None:
         return out
 
     return prefill
+
+
+def flash_decode(device: torch.device | str) -> PagedDecode | None:
+    """vLLM's FlashAttention (its varlen kernel on the paged cache) as the dense decode of a request's layer
+    (:meth:`PagedStore.dense_decode <kvdex.vllm.store.PagedStore.dense_decode>`: every token read in place, none
+    gathered), with the contract of :func:`~kvdex.vllm.paged.decode_attention_reference`: the length a device
+    tensor and the bound a host int, so a decode graph captures it; None where this vLLM has no such kernel, or
+    where it does not compute the reference on a small cache of ``device`` (checked once, here)."""
+    try:
+        from vllm.v1.attention.backends import fa_utils
+    except ImportError:
+        return None
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        return None
+    first = torch.tensor([0, 1], dtype=torch.int32, device=device)  # cu_seqlens_q of one query, made once
+    versions: dict[int, int | None] = {}
+
+    def decode(q: torch.Tensor, blocks: torch.Tensor, lengths: torch.Tensor, capacity: int, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        d = q.shape[-1]
+        if d not in versions:
+            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
+        version = {} if versions[d] is None else {"fa_version": versions[d]}
+        out = torch.empty_like(q)
+        fa_utils.flash_attn_varlen_func(
+            q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=1, max_seqlen_k=capacity, softmax_scale=scale,
+            cu_seqlens_q=first, seqused_k=lengths.to(torch.int32), causal=False,
+            block_table=blocks[None].to(torch.int32), **version,
+        )  # fmt: skip
+        return out
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kc, vc = (torch.randn(8, 16, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 8, 64, generator=g).to(device, torch.bfloat16)
+    blocks, lengths = torch.tensor([5, 2, 7, 0], device=device), torch.tensor([37], device=device)
+    want = decode_attention_reference(q, blocks, lengths, 64, kc, vc, 0.125)
+    try:
+        got = decode(q, blocks, lengths, 64, kc, vc, 0.125)
+    except Exception:  # another signature in this vLLM: kvdex's gather and kernel
+        return None
+    return decode if torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2) else None
 
 
 def vllm_cache_write(device: torch.device | str) -> CacheWrite | None:
@@ -178,10 +227,13 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             if self.prefill is None:
                 raise ValueError("kvdex setting prefill_attention=flash needs vLLM's FlashAttention varlen kernel, "
                                  "which this vLLM or device does not have: use prefill_attention=torch")  # fmt: skip
-        self.write = vllm_cache_write(device) if torch.device(device).type == "cuda" else None
+        cuda = torch.device(device).type == "cuda"
+        self.write = vllm_cache_write(device) if cuda else None
+        decode = flash_decode(device) if cuda else None
         self.table = RequestTable(
-            lambda caches: RequestState(settings, geometry, caches=caches), geometry.block_size, settings.max_idle_steps
-        )
+            lambda caches: RequestState(settings, geometry, caches=caches, decode=decode),
+            geometry.block_size, settings.max_idle_steps,
+        )  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> KvdexMetadata:
         cm = common_attn_metadata

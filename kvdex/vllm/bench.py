@@ -345,6 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", help="no CUDA graphs, both backends (default: vLLM's graph mode)")
     graphs = "kvdex rows with the setting decode_graphs (each request's decode step replays one graph per layer)"
     a("--decode-graphs", action="store_true", help=graphs)
+    a("--settings", default="", help='more kvdex settings for every kvdex row, a JSON object '
+      '(--settings \'{"prefill_attention": "flash"}\'; docs/vllm.md lists them)')  # fmt: skip
     a("--seed", type=int, default=0, help="prompts and servers (default %(default)s)")
     a("--port", type=int, default=8000, help="the servers' port (default %(default)s)")
     a("--serve-args", default="", help="more vllm serve arguments, both backends (--serve-args='--max-num-seqs 16')")

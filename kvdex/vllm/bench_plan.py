@@ -20,8 +20,8 @@ DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttentio
 METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
 # settings a resumed run shares with the rows already recorded (the grid itself may grow)
 SAME = ("shape", "budget", "output_len", "prompts_per_concurrency", "request_rate", "gpu_memory_utilization",
-        "enforce_eager", "seed", "serve_args", "decode_graphs")  # fmt: skip
-UNSET = {"decode_graphs": False}  # what a record written before a setting existed ran with
+        "enforce_eager", "seed", "serve_args", "decode_graphs", "kvdex_settings")  # fmt: skip
+UNSET: dict[str, Any] = {"decode_graphs": False, "kvdex_settings": {}}  # what a record made before a setting ran with
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -41,9 +41,30 @@ def parse_lengths(text: str, option: str) -> list[int]:
         raise ValueError(f"{option} {text!r}: {e}") from None
 
 
-def kvdex_settings(policy: str, budget: int, decode_graphs: bool = False) -> dict[str, Any]:
-    """``additional_config["kvdex"]`` of a kvdex row."""
-    return {"policy": policy, "budget": budget, **({"decode_graphs": True} if decode_graphs else {})}
+def kvdex_settings(
+    policy: str, budget: int, decode_graphs: bool = False, more: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``additional_config["kvdex"]`` of a kvdex row: the policy, the budget, ``decode_graphs`` when set and the
+    other settings of ``--settings``."""
+    return {"policy": policy, "budget": budget, **({"decode_graphs": True} if decode_graphs else {}), **(more or {})}
+
+
+def more_settings(text: str) -> dict[str, Any]:
+    """``--settings``: a JSON object of kvdex settings (docs/vllm.md) for every kvdex row, other than the policy and
+    budget, which have their own options (ValueError: the fix)."""
+    if not text.strip():
+        return {}
+    example = """'{"prefill_attention": "flash"}'"""
+    try:
+        more = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--settings must be a JSON object such as {example}: {e}") from None
+    if not isinstance(more, dict):
+        raise ValueError(f"--settings must be a JSON object such as {example}, got {text!r}")
+    own = sorted({"policy", "budget", "decode_graphs"} & set(more))
+    if own:
+        raise ValueError(f"--settings: give {', '.join(own)} through --policies / --budget / --decode-graphs")
+    return more
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,9 +80,10 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if len(set(policies)) != len(policies) or DEFAULT_ROW in policies:
         raise ValueError(f"--policies {args.policies!r}: name each policy spec once ({DEFAULT_ROW!r} is vLLM's row)")
+    more = more_settings(getattr(args, "settings", ""))
     for p in policies:  # the engine's own check, so a bad spec or budget fails now, not after a server start
         try:
-            settings_from({"kvdex": kvdex_settings(p, args.budget)})
+            settings_from({"kvdex": kvdex_settings(p, args.budget, more=more)})
         except (ValueError, TypeError) as e:
             raise ValueError(f"--policies {p!r}: {e}") from None
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -75,7 +97,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
             "prompts_per_concurrency": args.prompts_per_concurrency, "request_rate": rate,
             "block_size": BLOCK_SIZE, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.enforce_eager, "seed": args.seed, "serve_args": args.serve_args,
-            "decode_graphs": bool(getattr(args, "decode_graphs", False)),
+            "decode_graphs": bool(getattr(args, "decode_graphs", False)), "kvdex_settings": more,
             "port": args.port}  # fmt: skip
 
 
@@ -138,7 +160,8 @@ def serve_command(model: Path, policy: str | None, s: dict[str, Any]) -> list[st
     if s["enforce_eager"]:
         cmd.append("--enforce-eager")
     if policy is not None:
-        config = {"kvdex": kvdex_settings(policy, s["budget"], s.get("decode_graphs", False))}
+        more = s.get("kvdex_settings", {})
+        config = {"kvdex": kvdex_settings(policy, s["budget"], s.get("decode_graphs", False), more)}
         cmd += ["--attention-backend", "CUSTOM", "--additional-config", json.dumps(config)]
     return cmd + shlex.split(s["serve_args"])
 

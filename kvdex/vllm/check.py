@@ -207,6 +207,7 @@ def _transformers_reference(
     ids: list[list[int]],
     args: argparse.Namespace,
     follow: dict[str, list[list[int]]],
+    more: dict[str, Any],
 ) -> dict[str, dict[str, tuple[list[list[int]], Top]]]:
     """Per policy, :func:`transformers_tokens` free-running (``"free"``) and teacher-forced on that policy's vLLM
     tokens ``follow[policy]`` (``"forced"``), the model loaded once (bf16, on the GPU where there is one)."""
@@ -219,7 +220,7 @@ def _transformers_reference(
     hf, _ = kvdex.load(model_dir, dtype=torch.bfloat16, device=device)
     out = {}
     for policy in policies:
-        kv = {"policy": policy, "budget": budget, "page_size": args.block_size}
+        kv = {"policy": policy, "budget": budget, "page_size": args.block_size, **more}
         settings = settings_from({"kvdex": kv})
         out[policy] = {
             "free": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs),
@@ -235,12 +236,15 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     compares the two position by position after the same context. Every engine runs in its own process."""
     import importlib.util
 
-    from kvdex.vllm.config import check_policy
+    from kvdex.vllm.bench_plan import more_settings
+    from kvdex.vllm.config import check_policy, settings_from
 
+    more = more_settings(getattr(args, "settings", ""))
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("vLLM is not installed in this environment: pip install 'kvdex[vllm]' (vllm>=0.26)")
     for policy in policies:
         check_policy(policy)  # before any engine starts: a mistake stops the check at once
+        settings_from({"kvdex": {"policy": policy, **more}})
     n = args.prompt_tokens
     ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
@@ -251,11 +255,11 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
         base, base_top = _tokens(model, None, ids, args)
         report |= {"baseline": base, "baseline_top": base_top}
     graphs = bool(getattr(args, "decode_graphs", False))
-    report["decode_graphs"] = graphs
-    sizes = {"budget": budget, "page_size": args.block_size, **({"decode_graphs": True} if graphs else {})}
+    report["decode_graphs"], report["settings"] = graphs, more
+    sizes = {"budget": budget, "page_size": args.block_size, **({"decode_graphs": True} if graphs else {}), **more}
     got = {p: _tokens(model, {"policy": p, **sizes}, ids, args) for p in policies}
     if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
-        refs = _transformers_reference(model, policies, budget, ids, args, {p: got[p][0] for p in policies})
+        refs = _transformers_reference(model, policies, budget, ids, args, {p: got[p][0] for p in policies}, more)
     for policy in policies:
         tokens, top = got[policy]
         if reference == "transformers":
@@ -337,6 +341,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="vLLM's default CUDA-graph mode instead of eager")
     graphs = "kvdex's setting decode_graphs: each request's decode step replays one graph per layer"
     p.add_argument("--decode-graphs", action="store_true", help=graphs)
+    p.add_argument("--settings", default="", help='more kvdex settings, a JSON object (\'{"prefill_attention": '
+                   '"flash"}\'; docs/vllm.md lists them)')  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprobs", type=int, default=5,
                    help="top log-probabilities kept per token: a first difference passes where each token is among the "

@@ -14,6 +14,8 @@ the sink a whole number of pages, so that kvdex's middle page ``g`` is exactly t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 PAD_SLOT_ID = -1
@@ -110,6 +112,35 @@ def prefill_attention_reference(
 
     k, v = request_kv(blocks, seq_len, k_cache, v_cache)
     return causal_chunk_attention(q.transpose(0, 1).unsqueeze(0), k, v, scale)[0]
+
+
+#: ``(q [1, Hq, D], block-table row, lengths [1] (device), capacity, k_cache, v_cache, scale) -> [1, Hq, D]``: a
+#: decode query's attention over all of its request's tokens in the paged cache, read in place
+#: (:func:`decode_attention_reference` is its PyTorch form)
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    lengths: torch.Tensor,
+    capacity: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query q [1, Hq, D] of a request attending all of its ``lengths[0]`` tokens (a device tensor [1])
+    in the paged cache, whose block-table row is ``blocks``; ``capacity`` (a host int) bounds the length, so that
+    no host read of the length is needed. Returns [1, Hq, D]. PyTorch: the first ``capacity`` tokens of the row
+    gathered, those at or past the length masked; vLLM's FlashAttention on the paged cache computes the same
+    (:func:`kvdex.vllm.backend.flash_decode`)."""
+    from kvdex.kernels.attention import dense_decode_attention
+
+    pos = torch.arange(capacity, device=k_cache.device)
+    slots = token_slots(blocks.to(k_cache.device), pos, k_cache.shape[1]).clamp(min=0)  # past the row: masked
+    k = gather_tokens(k_cache, slots).transpose(0, 1).unsqueeze(0)
+    v = gather_tokens(v_cache, slots).transpose(0, 1).unsqueeze(0)
+    return dense_decode_attention(q, k, v, lengths.to(k.device).long(), scale, max_len=None)
 
 
 def request_kv(

@@ -57,7 +57,7 @@ from kvdex.engine.graphs.plan import StepHost
 from kvdex.policies import PolicyInfo
 from kvdex.storage import Grid, LayerStore, TransferStats
 from kvdex.vllm.config import VllmSettings
-from kvdex.vllm.paged import request_kv
+from kvdex.vllm.paged import PagedDecode, request_kv
 from kvdex.vllm.store import BlockRow, PagedStore
 
 Caches = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_cache, v_cache), shared by a table's states
@@ -90,6 +90,7 @@ class RequestState:
         geometry: Geometry,
         store_factory: StoreFactory | None = None,
         caches: Caches | None = None,
+        decode: PagedDecode | None = None,
     ) -> None:
         cfg = settings.config
         self.config = cfg
@@ -118,6 +119,7 @@ class RequestState:
         self.step_graphs = StepGraphs(cast(StepHost, self)) if settings.decode_graphs else None
         self.caches: Caches = {} if caches is None else caches  # the layers' vLLM caches, as forward sees them
         self.store_factory = store_factory
+        self.decode = decode  # dense decode in place over the blocks (PagedStore.dense_decode), where there is one
         self.queries: dict[int, torch.Tensor] = {}  # layer -> the prompt's last queries [1, Hq, <= OBS_KEEP, D]
         self.adopted = False  # the prompt is stored and indexed (every layer's engine has its store)
         self.step = 0  # 0: the prompt; then one per decode step
@@ -133,7 +135,7 @@ class RequestState:
         if layer_idx not in self.caches:
             raise RuntimeError(f"layer {layer_idx}'s KV cache was not handed to the request state before its store")
         kc, vc = self.caches[layer_idx]
-        return PagedStore(*args, k_cache=kc, v_cache=vc, row=self.row)
+        return PagedStore(*args, k_cache=kc, v_cache=vc, row=self.row, decode=self.decode)
 
     @property
     def stores(self) -> list[LayerStore | None]:

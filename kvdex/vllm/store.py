@@ -23,7 +23,7 @@ import torch
 
 from kvdex.selection import Selection
 from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats
-from kvdex.vllm.paged import gather_heads, token_slots, write_kv
+from kvdex.vllm.paged import PagedDecode, gather_heads, token_slots, write_kv
 
 
 class BlockRow:
@@ -66,6 +66,7 @@ class PagedStore(LayerStore):
         v_cache: torch.Tensor,
         row: BlockRow,
         writes: bool = False,
+        decode: PagedDecode | None = None,
     ) -> None:
         super().__init__(grid, batch, kv_heads, head_dim, dtype, device, stats)
         if batch != 1:
@@ -76,6 +77,7 @@ class PagedStore(LayerStore):
                 f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
             )
         self.k_cache, self.v_cache, self.row, self.writes = k_cache, v_cache, row, writes
+        self.decode = decode  # dense decode in place over the blocks (vLLM's FlashAttention), else gather + kernel
         self.order: torch.Tensor | None = None  # [1, H, M]: middle slot j holds position sink + order[..., j]
 
     @property
@@ -196,6 +198,15 @@ class PagedStore(LayerStore):
         k, v, _ = self.read(self._range(0, n))
         assert v is not None
         return k, v
+
+    def dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """With ``decode`` (the backend passes vLLM's FlashAttention): the query over the request's tokens in the
+        blocks through its block-table row, no gather (every token: order-free, so a relocation map changes
+        nothing). Under static sizing the bound is the whole row, the length a device tensor (capturable)."""
+        if self.decode is None:
+            return None
+        n = self._addressable() if self.static else int(self.lengths_host.max())
+        return self.decode(q, self._blocks(), self.lengths, n, self.k_cache, self.v_cache, scale)
 
     def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
         g = self.grid
