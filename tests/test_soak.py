@@ -62,7 +62,7 @@ def test_soak_without_reserve_subtracts_the_kv_growth(tiny):
 def test_full_offloaded_grows_by_its_working_set_alone(tiny):
     """``full`` offloaded attends the whole middle: its device working set and the host staging that carries it
     grow by the sparse layers' KV per token (one memory on a CPU: twice), whatever was reserved; nothing else."""
-    res = soak.run_row(tiny, _cfg(steps=300), "full/offload")
+    res = soak.run_row(tiny, _cfg(steps=150), "full/offload")
     per_token = 2 * 2 * 16 * 2 * 4  # 2 sparse layers x kv heads x head dim x (K, V) x float32
     assert res["fits"]["device"]["expected_per_step"] == 2 * per_token
     assert res["flat"]["device"] and res["flat"]["tensors"] and res["flat"]["objects"], res["fits"]
