@@ -7,7 +7,7 @@ check`` runs): three prompts of different lengths served together with chunked p
 * with a budget covering every prompt and its new tokens, each of full, quest, prkv, chess and pariskv gives the
   tokens of vLLM's default backend, up to a near-tie as vLLM's own backend tests allow (``close``: the first
   differing tokens each among the other engine's top log-probabilities), eager and under vLLM's default
-  CUDA-graph mode;
+  CUDA-graph mode (also with kvdex's decode graphs and vLLM's FlashAttention for prompt chunks);
 * at budget 256 the sparse policies decode every requested token.
 """
 
@@ -53,6 +53,18 @@ def test_covering_budget_under_cuda_graphs():
     """vLLM's default mode: the model's pieces replay CUDA graphs, kvdex's attention runs between them."""
     report = run_check(MODEL, ["quest", "prkv"], check_args(prompt_tokens=1024, max_tokens=24, cuda_graphs=True))
     for p in ("quest", "prkv"):
+        assert report[p]["close"], f"{p}: {verdict(report[p])}"
+
+
+def test_covering_budget_with_decode_graphs_and_flash_prefill():
+    """vLLM's CUDA-graph mode with kvdex's own per-request decode graphs (the dense layers' decode on the blocks
+    through vLLM's FlashAttention inside them) and vLLM's FlashAttention for prompt chunks: vLLM's tokens."""
+    policies = ["full", "prkv", "chess"]
+    args = check_args(prompt_tokens=1024, max_tokens=24, cuda_graphs=True, decode_graphs=True,
+                      settings='{"prefill_attention": "flash"}')  # fmt: skip
+    report = run_check(MODEL, policies, args)
+    assert report["decode_graphs"] and report["settings"] == {"prefill_attention": "flash"}
+    for p in policies:
         assert report[p]["close"], f"{p}: {verdict(report[p])}"
 
 
