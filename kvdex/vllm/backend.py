@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,20 @@ class KvdexMetadata:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _fa_version(fa_utils: Any) -> Callable[[int], dict[str, int]]:
+    """``head_size -> {"fa_version": v}`` (or ``{}`` where vLLM leaves it to the kernel), looked up once per head
+    size: the keyword vLLM's FlashAttention calls take."""
+    versions: dict[int, int | None] = {}
+
+    def version(d: int) -> dict[str, int]:
+        if d not in versions:
+            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
+        v = versions[d]
+        return {} if v is None else {"fa_version": v}
+
+    return version
+
+
 def flash_prefill() -> PrefillAttention | None:
     """vLLM's FlashAttention (its varlen kernel, straight on the paged cache through the block table) as the
     attention of prompt chunks, with the contract of :func:`~kvdex.vllm.paged.prefill_attention_reference`; None
@@ -90,20 +105,17 @@ def flash_prefill() -> PrefillAttention | None:
         return None
     if not fa_utils.is_flash_attn_varlen_func_available():
         return None
-    versions: dict[int, int | None] = {}
+    version = _fa_version(fa_utils)
 
     def prefill(q: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float) -> torch.Tensor:  # fmt: skip
-        n, d = q.shape[0], q.shape[-1]
-        if d not in versions:
-            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
-        version = {} if versions[d] is None else {"fa_version": versions[d]}
+        n = q.shape[0]
         out = torch.empty_like(q)
         fa_utils.flash_attn_varlen_func(
             q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=n, max_seqlen_k=seq_len, softmax_scale=scale,
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=q.device),
             seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=q.device),
-            causal=True, block_table=blocks[None].to(device=q.device, dtype=torch.int32), **version,
+            causal=True, block_table=blocks[None].to(device=q.device, dtype=torch.int32), **version(q.shape[-1]),
         )  # fmt: skip
         return out
 
@@ -123,19 +135,15 @@ def flash_decode(device: torch.device | str) -> PagedDecode | None:
     if not fa_utils.is_flash_attn_varlen_func_available():
         return None
     first = torch.tensor([0, 1], dtype=torch.int32, device=device)  # cu_seqlens_q of one query, made once
-    versions: dict[int, int | None] = {}
+    version = _fa_version(fa_utils)
 
     def decode(q: torch.Tensor, blocks: torch.Tensor, lengths: torch.Tensor, capacity: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-        d = q.shape[-1]
-        if d not in versions:
-            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
-        version = {} if versions[d] is None else {"fa_version": versions[d]}
         out = torch.empty_like(q)
         fa_utils.flash_attn_varlen_func(
             q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=1, max_seqlen_k=capacity, softmax_scale=scale,
             cu_seqlens_q=first, seqused_k=lengths.to(torch.int32), causal=False,
-            block_table=blocks[None].to(torch.int32), **version,
+            block_table=blocks[None].to(torch.int32), **version(q.shape[-1]),
         )  # fmt: skip
         return out
 

@@ -202,15 +202,14 @@ def transformers_tokens(
 
 def _transformers_reference(
     model_dir: str,
-    policies: list[str],
-    budget: int,
+    kv: dict[str, dict[str, Any]],
     ids: list[list[int]],
     args: argparse.Namespace,
     follow: dict[str, list[list[int]]],
-    more: dict[str, Any],
 ) -> dict[str, dict[str, tuple[list[list[int]], Top]]]:
-    """Per policy, :func:`transformers_tokens` free-running (``"free"``) and teacher-forced on that policy's vLLM
-    tokens ``follow[policy]`` (``"forced"``), the model loaded once (bf16, on the GPU where there is one)."""
+    """Per policy of ``kv`` (its kvdex settings, as its vLLM engine got them), :func:`transformers_tokens`
+    free-running (``"free"``) and teacher-forced on that policy's vLLM tokens ``follow[policy]`` (``"forced"``), the
+    model loaded once (bf16, on the GPU where there is one)."""
     import torch
 
     import kvdex
@@ -219,9 +218,8 @@ def _transformers_reference(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf, _ = kvdex.load(model_dir, dtype=torch.bfloat16, device=device)
     out = {}
-    for policy in policies:
-        kv = {"policy": policy, "budget": budget, "page_size": args.block_size, **more}
-        settings = settings_from({"kvdex": kv})
+    for policy, settings_of in kv.items():
+        settings = settings_from({"kvdex": settings_of})
         out[policy] = {
             "free": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs),
             "forced": transformers_tokens(hf, settings, ids, args.max_tokens, args.logprobs, follow[policy]),
@@ -236,30 +234,30 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
     compares the two position by position after the same context. Every engine runs in its own process."""
     import importlib.util
 
-    from kvdex.vllm.bench_plan import more_settings
-    from kvdex.vllm.config import check_policy, settings_from
+    from kvdex.vllm.bench_plan import kvdex_settings, more_settings
+    from kvdex.vllm.config import settings_from
 
     more = more_settings(getattr(args, "settings", ""))
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("vLLM is not installed in this environment: pip install 'kvdex[vllm]' (vllm>=0.26)")
-    for policy in policies:
-        check_policy(policy)  # before any engine starts: a mistake stops the check at once
-        settings_from({"kvdex": {"policy": policy, **more}})
     n = args.prompt_tokens
-    ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     longest = n + args.max_tokens
     budget = args.budget or -(-longest // args.block_size) * args.block_size + args.block_size
+    graphs = bool(getattr(args, "decode_graphs", False))
+    # each policy's engine settings, checked before any engine starts: a mistake stops the check at once
+    kv = {p: {"page_size": args.block_size, **kvdex_settings(p, budget, graphs, more)} for p in policies}
+    for settings in kv.values():
+        settings_from({"kvdex": settings})
+    ids = prompts([n, max(1, 3 * n // 4), max(1, n // 2)][: args.requests], seed=args.seed)
     reference = getattr(args, "reference", "vllm")
     report: dict[str, Any] = {"budget": budget, "covering": not args.budget, "reference": reference}
     if reference != "transformers":
         base, base_top = _tokens(model, None, ids, args)
         report |= {"baseline": base, "baseline_top": base_top}
-    graphs = bool(getattr(args, "decode_graphs", False))
     report["decode_graphs"], report["settings"] = graphs, more
-    sizes = {"budget": budget, "page_size": args.block_size, **({"decode_graphs": True} if graphs else {}), **more}
-    got = {p: _tokens(model, {"policy": p, **sizes}, ids, args) for p in policies}
+    got = {p: _tokens(model, kv[p], ids, args) for p in policies}
     if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
-        refs = _transformers_reference(model, policies, budget, ids, args, {p: got[p][0] for p in policies}, more)
+        refs = _transformers_reference(model, kv, ids, args, {p: got[p][0] for p in policies})
     for policy in policies:
         tokens, top = got[policy]
         if reference == "transformers":

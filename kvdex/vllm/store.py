@@ -106,6 +106,11 @@ class PagedStore(LayerStore):
         so that no length of this step is baked into a captured step)."""
         return self._blocks().shape[0] * self.block_size
 
+    def _dense_span(self) -> int:
+        """Tokens a read of every token covers: the whole persistent row under static sizing (past the length:
+        masked by the kernels), else the longest length."""
+        return self._addressable() if self.static else int(self.lengths_host.max())
+
     def _flat(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat cache slots [H, N], positions [1, H, N]) of store slots [1, H, N] (``-1``: none)."""
         pos = self.slot_positions(slots.long())
@@ -193,9 +198,7 @@ class PagedStore(LayerStore):
         return AttendSet(k, v, idx, valid, torch.where(valid, pos, 0))
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # static: every addressable token (rows past the length are masked by the kernels)
-        n = self._addressable() if self.static else int(self.lengths_host.max())
-        k, v, _ = self.read(self._range(0, n))
+        k, v, _ = self.read(self._range(0, self._dense_span()))
         assert v is not None
         return k, v
 
@@ -205,8 +208,7 @@ class PagedStore(LayerStore):
         nothing). Under static sizing the bound is the whole row, the length a device tensor (capturable)."""
         if self.decode is None:
             return None
-        n = self._addressable() if self.static else int(self.lengths_host.max())
-        return self.decode(q, self._blocks(), self.lengths, n, self.k_cache, self.v_cache, scale)
+        return self.decode(q, self._blocks(), self.lengths, self._dense_span(), self.k_cache, self.v_cache, scale)
 
     def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
         g = self.grid
