@@ -52,6 +52,30 @@ def test_decode_graphs_with_the_dense_decode_on_the_blocks(policy, monkeypatch):
     assert sum(s.step_graphs.counts["replays"] for s in states) > sum(s.step_graphs.counts["eager"] for s in states)
 
 
+def test_a_request_that_decodes_once_holds_no_graphs(monkeypatch):
+    """vLLM's start-up warm-up prefills as many short requests as one step takes and decodes each once. Under
+    ``decode_graphs`` such a request runs its one decode step eagerly and sets nothing up for graphs (no plan, its
+    stores not under static sizing, no capture); a request that goes on decoding replays from its third step."""
+    from vllm_sim import Req, Sim
+
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    sim = Sim(settings_from({"kvdex": {"policy": "quest", **SMALL, "decode_graphs": True}}))
+    short = [Req(f"w{i}", 8, 10 + i) for i in range(12)]
+    sim.step([(r, 2) for r in short])  # the warm-up's prompts
+    sim.step([(r, 1) for r in short])  # and its one decode step each
+    states = [sim.state_of[(r.name, 0)] for r in short]
+    assert all(s.adopted and s.step == 1 for s in states)
+    for s in states:
+        assert s.step_graphs.plan is None and s.step_graphs.counts == {"eager": 0, "captures": 0, "replays": 0}
+        assert not any(st.static for st in s.stores)
+    long = Req("long", 140, 99)
+    sim.step([(long, 100)])
+    for _ in range(6):
+        sim.step([(long, 1)])
+    counts = sim.state_of[("long", 0)].step_graphs.counts
+    assert counts["replays"] > 0 and counts["eager"] < 5, counts  # steps 2-6 under the plan: most replay
+
+
 def test_decode_graphs_setting():
     assert settings_from({"kvdex": {"decode_graphs": True}}).decode_graphs
     assert not settings_from({"kvdex": {}}).decode_graphs

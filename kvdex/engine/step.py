@@ -228,6 +228,15 @@ class LayerEngine:
             host.observer(self.layer_idx, q, store, aset, scale)
         return out
 
+    def held_buffers(self) -> tuple:
+        """(id, shape) of the held selection's buffers (``select_every``): a captured reuse step reads them by
+        address, so a step plan's graph key holds them (:meth:`_hold` allocates new ones when a selection's shape
+        changes, e.g. a middle's first page)."""
+        held = self._held
+        if held is None:
+            return ()
+        return tuple((id(t), tuple(t.shape)) for t in (held.pages, held.tokens) if t is not None)
+
     def _hold(self, sel: Selection) -> Selection:
         """``sel`` copied into the layer's held selection: into its buffers when they have its shapes (a
         captured select step writes where a captured reuse step reads), else into new ones."""

@@ -40,7 +40,7 @@ the reuse decision before the first layer, the append and the sparse attention i
 kvdex's per-layer step graphs (:class:`~kvdex.engine.graphs.layer_graphs.StepGraphs`): at a decode step the plan
 decides eager, capture or replay before the first layer, and each layer's append + decode is one replay. Its
 block-table row is kept in a persistent buffer (:class:`~kvdex.vllm.store.BlockRow`) that its stores read under
-static sizing.
+static sizing. The graphs start at the request's second decode step (:data:`GRAPHS_FROM_STEP`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ from kvdex.vllm.paged import PagedDecode, request_kv
 from kvdex.vllm.store import BlockRow, PagedStore
 
 Caches = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_cache, v_cache), shared by a table's states
+# decode_graphs: a request's step graphs are set up (static sizing, the index's room for page joins, a graph pool)
+# at its second decode step; its first runs eagerly. A request that decodes once holds none of that memory: vLLM's
+# start-up warm-up runs one decode step of as many short requests as a step takes (hundreds), each a state here.
+GRAPHS_FROM_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,10 @@ class RequestState:
         if row.kind == "decode" and first is not None:
             for lay in self.layers:
                 lay.seen = row.computed
-            if self.step_graphs is not None and all(s is not None for s in self.stores):
-                self.step_graphs.begin()  # eager, capture or replay (the plan runs before_step and the reuse first)
+            graphs = self.step_graphs is not None and self.step >= GRAPHS_FROM_STEP
+            if graphs and all(s is not None for s in self.stores):
+                # eager, capture or replay (the plan runs before_step and the reuse first)
+                cast(StepGraphs, self.step_graphs).begin()
             self.policy.before_step(cast(list[LayerStore], self.stores))  # by layer index, as kvdex.Cache passes them
             self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
         else:

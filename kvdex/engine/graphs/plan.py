@@ -217,6 +217,8 @@ class StepPlan:
         key: list = []
         for s in stores:
             key.extend(s.graph_buffers())  # an offloaded store: also the host buffer the UVA gather reads
+        for lay in self.cache.layers:
+            key.extend(lay.engine.held_buffers())  # select_every: the held selections a reuse step attends
         pk = self.cache.policy.graph_key(stores)
         if pk is None:
             return None
