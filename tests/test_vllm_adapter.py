@@ -489,6 +489,38 @@ def test_check_stops_before_any_engine_on_a_bad_setup(monkeypatch):
         check.run_check("model", ["quest"], args)
 
 
+def test_check_reports_each_engine_as_it_finishes(monkeypatch):
+    """A check stopped part-way (a time limit on a GPU machine) has said how each finished engine did: the callback
+    gets each policy's verdict right after its engine, before the next one starts."""
+    import argparse
+    import importlib.util
+
+    from kvdex.vllm import check
+
+    args = argparse.Namespace(prompt_tokens=32, requests=2, seed=0, max_tokens=3, block_size=16, budget=0, logprobs=2)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    base = [[5, 6, 7], [8, 9, 10]]
+    top = [[{t: -0.1, 1: -3.0} for t in row] for row in base]
+    served: list[str | None] = []
+    lines: list[tuple[str, str]] = []
+
+    def tokens(model, kvdex, ids, a):
+        served.append(None if kvdex is None else kvdex["policy"])
+        assert len(lines) == max(0, len(served) - 2)  # every earlier policy reported before this engine
+        out = [list(r) for r in base]
+        if kvdex is not None and kvdex["policy"] == "prkv":
+            out[1][2] = 11
+        return out, top
+
+    monkeypatch.setattr(check, "_tokens", tokens)
+    report = check.run_check("model", ["quest", "prkv"], args, lambda p, line: lines.append((p, line)))
+    assert served == [None, "quest", "prkv"]
+    assert [p for p, _ in lines] == ["quest", "prkv"]
+    assert lines[0][1].startswith("same") and "DIFFERENT" in lines[1][1]
+    assert report["quest"]["match"] and not report["prkv"]["match"]
+
+
 def test_only_the_backend_imports_vllm():
     """Importing kvdex.vllm (and the check command) loads no vLLM: only backend.py reads vLLM at load time (vLLM
     imports that module by the path the plugin registers)."""

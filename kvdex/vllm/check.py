@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 DEFAULT_POLICIES = "full,quest,prkv,chess,pariskv"
@@ -227,11 +228,14 @@ def _transformers_reference(
     return out
 
 
-def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def run_check(model: str, policies: list[str], args: argparse.Namespace,
+              done: Callable[[str, str], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """{"baseline": tokens, policy: {"tokens", "match", "agree", "budget"}} for each policy; with ``--reference
     transformers`` each policy's baseline is kvdex's transformers path at the same policy and budget
     (``reference_tokens`` per policy) instead of vLLM's default backend, and ``forced`` (:func:`compare_forced`)
-    compares the two position by position after the same context. Every engine runs in its own process."""
+    compares the two position by position after the same context. Every engine runs in its own process;
+    ``done(policy, line)`` is called as each policy's engine finishes (its verdict against vLLM's default backend,
+    or, with the transformers reference, which comes after every engine, that it served)."""
     import importlib.util
 
     from kvdex.vllm.bench_plan import kvdex_settings, more_settings
@@ -255,7 +259,11 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace) -> dict
         base, base_top = _tokens(model, None, ids, args)
         report |= {"baseline": base, "baseline_top": base_top}
     report["decode_graphs"], report["settings"] = graphs, more
-    got = {p: _tokens(model, kv[p], ids, args) for p in policies}
+    got = {}
+    for p in policies:
+        got[p] = _tokens(model, kv[p], ids, args)
+        if done is not None:
+            done(p, "served" if reference == "transformers" else verdict(compare(base, base_top, *got[p])))
     if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
         refs = _transformers_reference(model, kv, ids, args, {p: got[p][0] for p in policies})
     for policy in policies:
@@ -306,8 +314,8 @@ def verdict(r: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
-    report = run_check(args.model, policies, args)
     width = max(len(p) for p in policies)
+    report = run_check(args.model, policies, args, lambda p, line: print(f"[{p}] {line}", flush=True))
     what = "covering the context" if report["covering"] else "sparse"
     against = ("kvdex's transformers path, same policy and budget" if report["reference"] == "transformers"
                else "vLLM's default backend")  # fmt: skip
