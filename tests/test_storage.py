@@ -267,3 +267,21 @@ def test_selection_token_positions():
         Selection(pages=torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="empty Selection"):
         Selection().token_positions(4, 4)
+
+
+def test_grown_capacity_keeps_a_short_index_about_its_size():
+    """A policy index re-allocates to :func:`kvdex.storage.grown_capacity`: a first allocation holds what it must,
+    a small one doubles, a large one grows by the step or a quarter; filled one entry at a time it re-allocates
+    a logarithmic number of times."""
+    from kvdex.storage import grown_capacity
+
+    assert grown_capacity(3, 0, 256) == 3
+    assert grown_capacity(4, 3, 256) == 7
+    assert grown_capacity(300, 0, 256) == 300
+    assert grown_capacity(301, 300, 256) == 556
+    assert grown_capacity(2001, 2000, 256) == 2500
+    cap, grown = 0, 0
+    for need in range(1, 100_001):
+        if need > cap:
+            cap, grown = grown_capacity(need, cap, 256), grown + 1
+    assert grown < 40, grown

@@ -489,6 +489,21 @@ def test_check_stops_before_any_engine_on_a_bad_setup(monkeypatch):
         check.run_check("model", ["quest"], args)
 
 
+def test_many_short_requests_hold_indexes_of_their_size():
+    """A serving batch of many short requests: each request's index (here quest's page bounds) holds about its own
+    middle pages, not a fixed room of thousands of tokens per layer (memory outside vLLM's KV budget)."""
+    from vllm_sim import Req, Sim
+
+    sim = Sim(settings_from({"kvdex": {"policy": "quest", "budget": 96, "page_size": 16, "sink": 16, "window": 32}}))
+    reqs = [Req(f"r{i}", 90, 40 + i) for i in range(10)]
+    sim.step([(r, 80) for r in reqs])  # sink + window + two middle pages each
+    for _ in range(3):
+        sim.step([(r, 1) for r in reqs])
+    for r in reqs:
+        policy = sim.state_of[(r.name, 0)].policy
+        assert policy.kmin and all(t.shape[2] <= 8 for t in policy.kmin.values()), r.name  # 3 pages, not 256
+
+
 def test_check_reports_each_engine_as_it_finishes(monkeypatch):
     """A check stopped part-way (a time limit on a GPU machine) has said how each finished engine did: the callback
     gets each policy's verdict right after its engine, before the next one starts."""

@@ -23,9 +23,10 @@ import torch
 
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.scoring import digest_page_scores, digest_scores, digest_summary
+from kvdex.storage import grown_capacity
 
 DIGESTS = ("cuboid-mean", "cuboid-max", "cuboid-center", "sphere-mean", "sphere-max", "sphere-center")
-_GROW = 256  # pages of index capacity added at a time
+_GROW = 256  # pages of index capacity added at a time (less below it: storage.grown_capacity)
 
 
 def check_digest(kind: str) -> None:
@@ -63,7 +64,7 @@ class DigestIndex:
         if pages <= cap:
             return
         b, h, _, d = c.shape
-        new_cap = max(pages, cap + max(_GROW, cap // 4))
+        new_cap = grown_capacity(pages, cap, _GROW)
         centre = c.new_zeros(b, h, new_cap, d)
         radius = r.new_zeros(b, h, new_cap, r.shape[-1])
         if cur is not None:

@@ -35,10 +35,10 @@ from kvdex.policies.observation import attention_mass, obs_rows
 from kvdex.policies.registry import register_policy
 from kvdex.policies.snapkv import prompt_rows
 from kvdex.selection import Selection
-from kvdex.storage import AttendSet, LayerStore, MiddleUpdate
+from kvdex.storage import AttendSet, LayerStore, MiddleUpdate, grown_capacity
 from kvdex.view import LayerView
 
-_GROW = 1024  # positions of score capacity added at a time
+_GROW = 1024  # positions of score capacity added at a time (less below it: storage.grown_capacity)
 
 
 @register_policy
@@ -84,7 +84,7 @@ class H2OPolicy(JoinFreePolicy):
         if n <= cap:
             return
         b, h = like.shape[:2]
-        new_cap = max(n, cap + max(_GROW, cap // 4))
+        new_cap = grown_capacity(n, cap, _GROW)
         score = torch.zeros(b, h, new_cap, device=like.device)
         evicted = torch.zeros(b, h, new_cap, dtype=torch.bool, device=like.device)
         if cur is not None:

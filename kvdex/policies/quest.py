@@ -30,12 +30,12 @@ from kvdex.kernels.scoring import mask_pages, page_bounds, quest_page_scores
 from kvdex.policies.base import PolicyInfo
 from kvdex.policies.page_scoring import PageScoringPolicy
 from kvdex.policies.registry import register_policy
-from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin, grown_capacity
 from kvdex.view import LayerView
 
 __all__ = ["QuestPolicy", "page_bounds"]
 
-_GROW = 256  # pages of index capacity added at a time
+_GROW = 256  # pages of index capacity added at a time (less below it: storage.grown_capacity)
 
 
 @register_policy
@@ -87,7 +87,7 @@ class QuestPolicy(PageScoringPolicy):
         cap = 0 if cur is None else cur.shape[2]
         if pages > cap:
             b, h, _, d = like.shape
-            new_cap = max(pages, cap + max(_GROW, cap // 4))
+            new_cap = grown_capacity(pages, cap, _GROW)
             kmin = like.new_zeros(b, h, new_cap, d)
             kmax = like.new_zeros(b, h, new_cap, d)
             if cur is not None:

@@ -48,6 +48,14 @@ class Grid:
         return self.page_start(page)[..., None] + torch.arange(self.page_size, device=page.device)
 
 
+def grown_capacity(need: int, cap: int, step: int) -> int:
+    """The capacity a buffer of ``cap`` entries is re-allocated to when it must hold ``need``: ``need`` at least,
+    growing by a quarter of ``cap`` or by ``step``, whichever is more -- but by no more than ``need`` itself below
+    ``step``, so that a short sequence's index stays about its own size (doubling while small) instead of taking
+    ``step`` entries per layer. Many short requests at once (a serving engine's batch) then hold little."""
+    return max(need, cap + max(min(step, need), cap // 4))
+
+
 def left_padding(attention_mask: torch.Tensor | None, batch: int, width: int) -> torch.Tensor:
     """Number of leading padding positions per sequence from a 2D 0/1 mask [B, >=width].
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from kvdex.policies.chess.levels import top_down, window_anchor, window_keys
-from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin, grown_capacity
 
-_GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time
+_GROW_GRIDS = 16  # index capacity grows by this many grids (and >= 25%) at a time (storage.grown_capacity)
 
 
 class Hierarchy:
@@ -96,7 +96,7 @@ class Hierarchy:
         if need <= self.gcap:
             return
         old, (og, oc, op) = self.vall, (self.gcap, self.ccap, self.pcap)
-        self.gcap = max(need, self.gcap + max(_GROW_GRIDS, self.gcap // 4))
+        self.gcap = grown_capacity(need, self.gcap, _GROW_GRIDS)
         b = like.shape[0]
         self.vall = torch.zeros(b, self.gcap + self.ccap + self.pcap, self.dim, device=like.device)
         if old is not None:

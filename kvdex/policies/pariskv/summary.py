@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvdex.kernels import pariskv as K
-from kvdex.storage import LayerStore, MiddleUpdate, PageJoin
+from kvdex.storage import LayerStore, MiddleUpdate, PageJoin, grown_capacity
 
-_GROW = 4096  # tokens of summary capacity added at a time
+_GROW = 4096  # tokens of summary capacity added at a time (less below it: storage.grown_capacity)
 
 
 @dataclass
@@ -50,12 +50,13 @@ class KeySummary:
 
     # ---- capacity ------------------------------------------------------------------------------------
     def reserve(self, layer: int, tokens: int, batch: int, heads: int, device: torch.device) -> LayerSummary:
-        """``layer``'s summary with room for ``tokens`` middle tokens per sequence (grown by at least
-        ``_GROW`` tokens or a quarter at a time; the keys-per-centroid counts and ``n`` carry over)."""
+        """``layer``'s summary with room for ``tokens`` middle tokens per sequence (grown by ``_GROW`` tokens or
+        a quarter at a time, less while small: :func:`~kvdex.storage.grown_capacity`; the keys-per-centroid counts
+        and ``n`` carry over)."""
         cur = self.layers.get(layer)
         cap = 0 if cur is None else cur.ids.shape[2]
         if tokens > cap:
-            new_cap = max(tokens, cap + max(_GROW, cap // 4))
+            new_cap = grown_capacity(tokens, cap, _GROW)
             new = LayerSummary(
                 ids=torch.zeros(batch, heads, new_cap, self.num_sub, dtype=torch.uint8, device=device),
                 codes=torch.zeros(batch, heads, new_cap, self.code_bytes, dtype=torch.uint8, device=device),
