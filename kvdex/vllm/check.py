@@ -261,20 +261,21 @@ def run_check(model: str, policies: list[str], args: argparse.Namespace,
     report["decode_graphs"], report["settings"] = graphs, more
     got = {}
     for p in policies:
-        got[p] = _tokens(model, kv[p], ids, args)
+        got[p] = tokens, top = _tokens(model, kv[p], ids, args)
+        if reference != "transformers":
+            report[p] = compare(base, base_top, tokens, top) | {"top": top}
         if done is not None:
-            done(p, "served" if reference == "transformers" else verdict(compare(base, base_top, *got[p])))
-    if reference == "transformers":  # after the engines: each ran in its own process, which gave its memory back
-        refs = _transformers_reference(model, kv, ids, args, {p: got[p][0] for p in policies})
+            done(p, "served" if reference == "transformers" else verdict(report[p]))
+    if reference != "transformers":
+        return report
+    # after the engines: each ran in its own process, which gave its memory back
+    refs = _transformers_reference(model, kv, ids, args, {p: got[p][0] for p in policies})
     for policy in policies:
         tokens, top = got[policy]
-        if reference == "transformers":
-            base, base_top = refs[policy]["free"]
-            forced = compare_forced(tokens, top, *refs[policy]["forced"])
-            report[policy] = compare(base, base_top, tokens, top) | {"top": top, "forced": forced}
-            report[policy] |= {"reference_tokens": base, "reference_top": base_top}
-        else:
-            report[policy] = compare(base, base_top, tokens, top) | {"top": top}
+        base, base_top = refs[policy]["free"]
+        forced = compare_forced(tokens, top, *refs[policy]["forced"])
+        report[policy] = compare(base, base_top, tokens, top) | {"top": top, "forced": forced}
+        report[policy] |= {"reference_tokens": base, "reference_top": base_top}
     return report
 
 

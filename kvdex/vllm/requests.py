@@ -198,10 +198,9 @@ class RequestState:
         if row.kind == "decode" and first is not None:
             for lay in self.layers:
                 lay.seen = row.computed
-            graphs = self.step_graphs is not None and self.step >= GRAPHS_FROM_STEP
-            if graphs and all(s is not None for s in self.stores):
-                # eager, capture or replay (the plan runs before_step and the reuse first)
-                cast(StepGraphs, self.step_graphs).begin()
+            steps = self.step_graphs
+            if steps is not None and self.step >= GRAPHS_FROM_STEP and all(s is not None for s in self.stores):
+                steps.begin()  # eager, capture or replay (the plan runs before_step and the reuse first)
             self.policy.before_step(cast(list[LayerStore], self.stores))  # by layer index, as kvdex.Cache passes them
             self.reuse.decide(self.policy.reuse_steps(), row.computed, first, self.policy.must_select)
         else:
