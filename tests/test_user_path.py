@@ -229,3 +229,28 @@ def test_whole_step_backend_on_cuda(spec):
     assert torch.equal(ref, got)
     n = c.whole_step.counts
     assert c.whole_step.reason is None and n["captures"] >= 1 and n["replays"] >= c.step - 10, n
+
+
+@pytest.mark.parametrize("spec", ["quest:select_every=4", "prkv:refresh=8:select_every=3"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_graphs_on_cuda_outlive_a_held_selection_reallocated(spec):
+    """A prompt whose middle gets its first pages while decoding: the held selection (``select_every``) changes
+    shape inside a capture, so it is allocated in the graphs' memory pool, and the next step drops every graph of
+    the old key. Capturing into that pool again (no graph holds it, the held selection still lives in it) is an
+    internal assertion of PyTorch's caching allocator; the step graphs take a new pool instead. Per-layer graphs
+    without compile, fp32: the eager tokens."""
+    m = tiny_llama(layers=4).to("cuda")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 250, (2, 50), device="cuda")  # sink 16 + window 32: the middle starts below a page
+
+    def run(step_graphs):
+        cache = kvdex.Cache(m, spec, budget=64, dense_layers=1, step_graphs=step_graphs)
+        out = m.generate(ids, **kvdex.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False, disable_compile=True)
+        return out, cache
+
+    ref, _ = run(False)
+    got, c = run(True)
+    assert torch.equal(ref, got)
+    n = c.step_graphs.counts
+    assert c.step_graphs.reason is None and n["captures"] > len(c.layers) and n["replays"] > 0, n

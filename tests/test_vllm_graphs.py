@@ -7,6 +7,10 @@ joins, a preemption with recompute, freed blocks reused) must give the outputs i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from step_graph_stand_in import StepGraphStandIn
@@ -81,3 +85,15 @@ def test_decode_graphs_setting():
     assert not settings_from({"kvdex": {}}).decode_graphs
     with pytest.raises(ValueError, match="decode_graphs must be true or false"):
         settings_from({"kvdex": {"decode_graphs": "yes"}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_graphs_on_cuda():
+    """This file's scenarios on a GPU (``KVDEX_SIM_DEVICE=cuda``), where every capture is a real CUDA graph in the
+    request's memory pool: page joins, index growth and refreshes drop a request's graphs and capture anew many
+    times (the pool then changes, see ``StepGraphs.begin``), with kvdex's Triton kernels on both paths."""
+    env = {**os.environ, "KVDEX_SIM_DEVICE": "cuda"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

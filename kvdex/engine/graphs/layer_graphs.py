@@ -116,6 +116,8 @@ class StepGraphs:
             base = plan.base(key)
             for k in [k for k in self.graphs if plan.base(k[0]) != base]:
                 del self.graphs[k]  # over buffers re-allocated since: never replayed again
+            if not self.graphs:  # a pool no graph holds may still hold tensors (a held selection allocated in a
+                self._pool = None  # capture); PyTorch refuses to capture into it again: new graphs take a new pool
             self._captured = {k for k in self._captured if plan.base(k) == base}
             c.counters.count_in_place(c.layers[0].store.device)
             self.mode = "capture"
