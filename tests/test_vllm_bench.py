@@ -218,7 +218,7 @@ class FakeServer:
     started: list[list[str]] = []
 
     def __init__(self, cmd, port, log, deadline, timeout=0.0):
-        self.cmd, self.startup_s = cmd, 1.0
+        self.cmd, self.log, self.startup_s = cmd, log, 1.0
 
     def __enter__(self):
         FakeServer.started.append(self.cmd)
@@ -234,6 +234,10 @@ class FakeServer:
         return "CUSTOM" if "--attention-backend" in self.cmd else "FLASH_ATTN"
 
 
+WARMUPS: list[tuple[str, int, int]] = []  # the warm-up requests fake_vllm served: (label, context, concurrency)
+SHORT: dict[str, int] = {}  # output tokens a backend's stand-in leaves out of each row (a server that stopped)
+
+
 @pytest.fixture
 def fake_vllm(smollm2, monkeypatch):
     """``run`` with a stand-in server and a stand-in ``vllm bench serve`` that saves a result JSON; returns the
@@ -245,14 +249,17 @@ def fake_vllm(smollm2, monkeypatch):
         name = json.loads(_flag(served, "--additional-config"))["kvdex"]["policy"] if "--attention-backend" in served \
             else DEFAULT_ROW  # fmt: skip
         ctx, conc = int(_flag(cmd, "--random-input-len")), int(_flag(cmd, "--max-concurrency"))
-        measured.append((name, ctx, conc))
-        speed = 100.0 if name == DEFAULT_ROW else 50.0
         result = Path(_flag(cmd, "--result-dir")) / _flag(cmd, "--result-filename")
-        result.write_text(json.dumps(fake_result(speed * conc, 1000 / speed, 100.0)))
+        (WARMUPS if result.name.startswith("warmup-") else measured).append((name, ctx, conc))
+        speed = 100.0 if name == DEFAULT_ROW else 50.0
+        tokens = int(_flag(cmd, "--num-prompts")) * int(_flag(cmd, "--random-output-len")) - SHORT.get(name, 0)
+        result.write_text(json.dumps(fake_result(speed * conc, 1000 / speed, 100.0, total_output_tokens=tokens)))
         log.write_text("done\n")
         return 0
 
     FakeServer.started = []
+    WARMUPS.clear()
+    SHORT.clear()
     monkeypatch.setattr(bench, "Server", FakeServer)
     monkeypatch.setattr(bench, "_bench", fake_bench)
     monkeypatch.setattr(bench, "gpu_name", lambda: "Fake GPU")
@@ -295,6 +302,33 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
     bench.run(settings("--contexts", "1k", "--concurrency", "1,4", "--policies", "quest,prkv"), out, out / "model")
 
 
+def test_each_server_serves_one_warm_up_request_before_its_rows(fake_vllm, tmp_path, capsys):
+    """The grid's longest prompt with --warmup-len output tokens, outside every row; --warmup-len 0: none."""
+    out = tmp_path / "out"
+    bench.run(settings("--contexts", "1k,2k", "--concurrency", "1,4", "--policies", "quest"), out, out / "model")
+    assert WARMUPS == [(DEFAULT_ROW, 2048, 1), ("quest", 2048, 1)] and len(fake_vllm) == 8
+    assert (out / "logs" / "bench-warmup-quest.log").is_file() and "warm-up request" in capsys.readouterr().out
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["settings"]["warmup_len"] == 64 and len(saved["rows"]) == 8
+    WARMUPS.clear()
+    bench.run(settings("--contexts", "1k", "--concurrency", "1", "--policies", "quest", "--warmup-len", "0"),
+              tmp_path / "none", tmp_path / "none" / "model")  # fmt: skip
+    assert WARMUPS == []
+    with pytest.raises(ValueError, match="other settings.*warmup_len 64 -> 0"):
+        bench.run(settings("--contexts", "1k", "--warmup-len", "0"), out, out / "model")
+
+
+def test_a_row_whose_requests_came_back_short_is_an_error(fake_vllm, tmp_path):
+    """--ignore-eos: every request returns --output-len tokens; fewer (a server that stopped mid-row, its stream
+    closed without an error) is recorded as an error, not as a fast row."""
+    SHORT["quest"] = 100
+    out = tmp_path / "out"
+    record = bench.run(settings("--contexts", "1k", "--concurrency", "1", "--policies", "quest"), out, out / "model")
+    bad = next(r for r in record["rows"] if r["label"] == "quest")
+    assert bad["status"] == "error" and "156 of 256 output tokens" in bad["error"]
+    assert next(r for r in record["rows"] if r["label"] == DEFAULT_ROW)["status"] == "ok" and not record["complete"]
+
+
 def test_rows_of_another_gpu_or_recorded_as_errors(fake_vllm, tmp_path):
     s = settings("--contexts", "1k", "--concurrency", "1", "--policies", "quest")
     other = row(DEFAULT_ROW, 1024, 1, 1, 1, 1, gpu="Other GPU")
@@ -309,7 +343,7 @@ def test_rows_of_another_gpu_or_recorded_as_errors(fake_vllm, tmp_path):
 
 
 def test_the_time_limit_stops_between_rows(fake_vllm, tmp_path, monkeypatch, capsys):
-    s = settings("--contexts", "1k", "--concurrency", "1,2", "--policies", "quest")
+    s = settings("--contexts", "1k", "--concurrency", "1,2", "--policies", "quest", "--warmup-len", "0")
     clock = iter(range(0, 10_000, 100))  # 100 s per look at the clock
     monkeypatch.setattr(bench, "_clock", lambda: float(next(clock)))
     record = bench.run(s, tmp_path, tmp_path / "model", max_minutes=5)
@@ -319,16 +353,21 @@ def test_the_time_limit_stops_between_rows(fake_vllm, tmp_path, monkeypatch, cap
 
 def test_a_row_cut_by_the_time_limit_is_not_recorded(fake_vllm, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "_bench", lambda cmd, log, timeout: None)  # timed out
-    record = bench.run(settings("--contexts", "1k", "--concurrency", "1"), tmp_path, tmp_path / "m", max_minutes=5)
+    s = settings("--contexts", "1k", "--concurrency", "1", "--warmup-len", "0")
+    record = bench.run(s, tmp_path, tmp_path / "m", max_minutes=5)
     assert record["rows"] == [] and not record["complete"]
     assert "not recorded" in capsys.readouterr().out
+    s = settings("--contexts", "1k", "--concurrency", "1")
+    record = bench.run(s, tmp_path / "w", tmp_path / "m", max_minutes=5)
+    assert record["rows"] == [] and "during the warm-up of default" in capsys.readouterr().out
 
 
 def test_dry_run_prints_the_commands(smollm2, tmp_path, capsys):
     bench.run(settings("--contexts", "1k", "--concurrency", "2", "--policies", "quest"), tmp_path, tmp_path / "m",
               dry_run=True)  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and "--attention-backend CUSTOM" in lines[2] and "bench serve" in lines[3]
+    assert len(lines) == 6 and "--attention-backend CUSTOM" in lines[3] and "bench serve" in lines[5]
+    assert "--random-output-len 64 " in lines[4] and "--num-prompts 1 " in lines[4]  # the warm-up request
     assert not (tmp_path / "bench.json").exists()
 
 

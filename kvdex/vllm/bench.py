@@ -34,6 +34,7 @@ from kvdex.vllm.bench_plan import (
     DEFAULT_ROW,
     METRICS,
     bench_command,
+    expected_requests,
     label,
     load,
     max_model_len,
@@ -204,6 +205,9 @@ def run(s: dict[str, Any], out: Path, model_dir: Path, max_minutes: float = 0, r
     if dry_run:
         for policy in backends:
             print(shlex.join(serve_command(model, policy, s)))
+            if s.get("warmup_len"):
+                warm = out / "results" / f"warmup-{_slug(label(policy))}.json"
+                print("  " + shlex.join(bench_command(model, max(s["contexts"]), 1, s, warm, warmup=True)))
             for _, c, n in (t for t in todo if t[0] == policy):
                 result = out / "results" / f"{_slug(label(policy))}_{ctx(c)}_c{n}.json"
                 print("  " + shlex.join(bench_command(model, c, n, s, result)))
@@ -221,7 +225,8 @@ def run(s: dict[str, Any], out: Path, model_dir: Path, max_minutes: float = 0, r
         try:
             with Server(cmd, s["port"], out / "logs" / f"serve-{_slug(label(policy))}.log", deadline) as server:
                 startup = max(startup, server.startup_s)
-                for _, c, n in (t for t in todo if t[0] == policy):
+                stopped = _warm_up(out, model, policy, s, deadline)
+                for _, c, n in (t for t in todo if t[0] == policy and not stopped):
                     stopped = _row(record, out, model, (policy, c, n), s, gpu, server, deadline)
                     save(out, record)
                     if stopped or not server.alive():
@@ -260,6 +265,26 @@ def _bench(cmd: list[str], log: Path, timeout: float) -> int | None:
             return None
 
 
+def _warm_up(out: Path, model: Path, policy: str | None, s: dict[str, Any], deadline: float) -> str:
+    """Before a server's rows, one request of the grid's longest prompt and ``s["warmup_len"]`` output tokens, so
+    that first-use costs (Triton compiling kvdex's kernels, the first captures) fall outside the measured rows.
+    Returns why the run stops ('' to go on); a failed warm-up is a :class:`ServerError`."""
+    if not s.get("warmup_len"):
+        return ""
+    stem = f"warmup-{_slug(label(policy))}"
+    result, log = out / "results" / f"{stem}.json", out / "logs" / f"bench-{stem}.log"
+    for folder in (result.parent, log.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    t0 = _clock()
+    rc = _bench(bench_command(model, max(s["contexts"]), 1, s, result, warmup=True), log, max(1.0, deadline - t0))
+    if rc is None:
+        return f"--max-minutes came during the warm-up of {label(policy)}"
+    if rc:
+        raise ServerError(f"its warm-up request failed (vllm bench serve exited with {rc}): {_tail(log)}")
+    print(f"  warm-up request: {_clock() - t0:.0f} s", flush=True)
+    return ""
+
+
 def _row(record: dict[str, Any], out: Path, model: Path, row: tuple[str | None, int, int], s: dict[str, Any],
          gpu: str | None, server: Server, deadline: float) -> str:  # fmt: skip
     """Measure one row into ``record``; returns why the run stops ('' to go on)."""
@@ -289,8 +314,12 @@ def _row(record: dict[str, Any], out: Path, model: Path, row: tuple[str | None, 
         if rc:
             raise ValueError(f"vllm bench serve exited with {rc}: {_tail(log)}")
         entry |= read_result(result) | {"status": "ok", "result_file": str(result.relative_to(out))}
+        got, want = entry["raw"].get("total_output_tokens"), expected_requests(conc, s) * s["output_len"]
         if entry["raw"].get("failed"):
             entry |= {"status": "error", "error": f"{entry['raw']['failed']} request(s) failed (log {log})"}
+        elif (got is not None and got < want) or not server.alive():  # --ignore-eos: every request its output_len
+            entry |= {"status": "error", "error": f"{got} of {want} output tokens came back; server alive: "
+                      f"{server.alive()} (log {server.log})"}  # fmt: skip
     except (ValueError, OSError) as e:
         entry |= {"status": "error", "error": str(e)}
     put(record, entry)
@@ -336,6 +365,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--policies", default="quest,prkv,chess", help="kvdex policy specs, comma separated (default %(default)s)")
     a("--budget", type=int, default=2048, help="kvdex budget, tokens per kv head and step (default %(default)s)")
     a("--output-len", type=int, default=128, help="output tokens per request (default %(default)s)")
+    warm = "output tokens of a warm-up request per server (the longest context) before its rows: first-use compiles "
+    a("--warmup-len", type=int, default=64, help=warm + "outside them; 0: none (default %(default)s)")
     a("--prompts-per-concurrency", type=int, default=2,
       help="requests per row: max(concurrency x this, concurrency) (default %(default)s)")  # fmt: skip
     a("--request-rate", default="inf", help="requests/s; inf: every request at once (default %(default)s)")

@@ -20,8 +20,9 @@ DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttentio
 METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
 # settings a resumed run shares with the rows already recorded (the grid itself may grow)
 SAME = ("shape", "budget", "output_len", "prompts_per_concurrency", "request_rate", "gpu_memory_utilization",
-        "enforce_eager", "seed", "serve_args", "decode_graphs", "kvdex_settings")  # fmt: skip
-UNSET: dict[str, Any] = {"decode_graphs": False, "kvdex_settings": {}}  # what a record made before a setting ran with
+        "enforce_eager", "seed", "serve_args", "decode_graphs", "kvdex_settings", "warmup_len")  # fmt: skip
+# what a record made before a setting ran with
+UNSET: dict[str, Any] = {"decode_graphs": False, "kvdex_settings": {}, "warmup_len": 0}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -77,6 +78,9 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in (("--output-len", args.output_len), ("--prompts-per-concurrency", args.prompts_per_concurrency)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    warmup = getattr(args, "warmup_len", 0)
+    if warmup < 0:
+        raise ValueError(f"--warmup-len must be >= 0 (0: no warm-up request), got {warmup}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if len(set(policies)) != len(policies) or DEFAULT_ROW in policies:
         raise ValueError(f"--policies {args.policies!r}: name each policy spec once ({DEFAULT_ROW!r} is vLLM's row)")
@@ -98,11 +102,15 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
             "block_size": BLOCK_SIZE, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.enforce_eager, "seed": args.seed, "serve_args": args.serve_args,
             "decode_graphs": bool(getattr(args, "decode_graphs", False)), "kvdex_settings": more,
-            "port": args.port}  # fmt: skip
+            "warmup_len": warmup, "port": args.port}  # fmt: skip
 
 
 def num_prompts(concurrency: int, per: int) -> int:
     return max(concurrency * per, concurrency)
+
+
+def expected_requests(concurrency: int, s: dict[str, Any]) -> int:
+    return num_prompts(concurrency, s["prompts_per_concurrency"])
 
 
 def max_model_len(s: dict[str, Any]) -> int:
@@ -166,12 +174,15 @@ def serve_command(model: Path, policy: str | None, s: dict[str, Any]) -> list[st
     return cmd + shlex.split(s["serve_args"])
 
 
-def bench_command(model: Path, context: int, concurrency: int, s: dict[str, Any], result: Path) -> list[str]:
-    """``vllm bench serve`` of one row, its result JSON saved as ``result``."""
+def bench_command(model: Path, context: int, concurrency: int, s: dict[str, Any], result: Path,
+                  warmup: bool = False) -> list[str]:  # fmt: skip
+    """``vllm bench serve`` of one row, its result JSON saved as ``result``; ``warmup``: instead the server's
+    warm-up, one request of ``context`` tokens and ``s["warmup_len"]`` output tokens."""
+    out_len, prompts = (s["warmup_len"], 1) if warmup else (s["output_len"], expected_requests(concurrency, s))
     return [*_vllm(), "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(s["port"]),
             "--model", SERVED, "--tokenizer", str(model), "--dataset-name", "random",
-            "--random-input-len", str(context), "--random-output-len", str(s["output_len"]),
-            "--random-range-ratio", "0", "--num-prompts", str(num_prompts(concurrency, s["prompts_per_concurrency"])),
+            "--random-input-len", str(context), "--random-output-len", str(out_len),
+            "--random-range-ratio", "0", "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--request-rate", s["request_rate"], "--ignore-eos",
             "--temperature", "0", "--seed", str(s["seed"]), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result",
