@@ -80,6 +80,23 @@ def test_a_request_that_decodes_once_holds_no_graphs(monkeypatch):
     assert counts["replays"] > 0 and counts["eager"] < 5, counts  # steps 2-6 under the plan: most replay
 
 
+def test_a_block_row_growing_a_block_at_a_time_keeps_its_buffer():
+    """A block table cut to the batch's longest row grows a block every page: the persistent buffer the captured
+    steps read (and key on) is re-allocated by a quarter at a time, not at every page; its front is the row."""
+    from kvdex.vllm.store import BlockRow
+
+    row = BlockRow(torch.zeros(0, dtype=torch.long), persistent=True)
+    buffers = []
+    for width in range(8, 60):
+        table = torch.arange(100, 100 + width)
+        row.assign(table, width - 1)
+        assert torch.equal(row.buffer[:width], table) and torch.equal(row.blocks, table[: width - 1])
+        buffers.append(id(row.buffer))
+    assert len(set(buffers)) <= 10 and row.buffer.shape[0] >= 59  # 52 widths
+    row.assign(torch.arange(5), 5)  # a narrower table: copied into the same buffer
+    assert id(row.buffer) == buffers[-1] and torch.equal(row.buffer[:5], torch.arange(5))
+
+
 def test_decode_graphs_setting():
     assert settings_from({"kvdex": {"decode_graphs": True}}).decode_graphs
     assert not settings_from({"kvdex": {}}).decode_graphs

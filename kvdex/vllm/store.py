@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvdex.selection import Selection
-from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats
+from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats, grown_capacity
 from kvdex.vllm.paged import PagedDecode, gather_heads, token_slots, write_kv
 
 
@@ -30,8 +30,11 @@ class BlockRow:
     """A request's block-table row: ``blocks`` [n] (long, on the cache's device), the vLLM blocks that hold its
     tokens in order. One object per request, shared by its stores; the metadata builder replaces ``blocks`` at
     every step (the row grows as the request does). ``persistent``: the whole row is also copied, in place, into
-    ``buffer`` (vLLM's block-table width; entries past the request's blocks are whatever vLLM holds there), which
-    the stores read under static sizing: a captured decode step reads it by address."""
+    the front of ``buffer`` (at least vLLM's block-table width; entries past the request's blocks are whatever
+    vLLM or an earlier step left there, never read unmasked), which the stores read under static sizing: a
+    captured decode step reads it by address. A table narrower than the buffer (vLLM versions that cut it to the
+    batch's longest row) is copied into it as it is; a wider one re-allocates it, growing by at least a quarter,
+    so that a row growing a block at a time does not change the graphs' key at every page."""
 
     def __init__(self, blocks: torch.Tensor, persistent: bool = False) -> None:
         self.blocks = blocks
@@ -43,9 +46,11 @@ class BlockRow:
         self.blocks = row[:n].clone()
         if not self.persistent:
             return
-        if self.buffer is None or self.buffer.shape != row.shape or self.buffer.device != row.device:
-            self.buffer = torch.zeros_like(row)  # a new buffer: a new graph key (PagedStore.graph_buffers)
-        self.buffer.copy_(row)
+        buf, width = self.buffer, row.shape[0]
+        if buf is None or buf.shape[0] < width or buf.device != row.device or buf.dtype != row.dtype:
+            cap = width if buf is None or buf.device != row.device else grown_capacity(width, buf.shape[0], 1)
+            self.buffer = buf = row.new_zeros(cap)  # a new buffer: a new graph key (PagedStore.graph_buffers)
+        buf[:width].copy_(row)
 
 
 class PagedStore(LayerStore):
