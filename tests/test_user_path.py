@@ -125,6 +125,37 @@ def test_step_graphs_without_compile_equal_eager(model, spec, monkeypatch):
     assert torch.equal(ref, got) and c.step_graphs.counts["replays"] > 0
 
 
+def failing_captures(monkeypatch, after: int) -> list:
+    """``capture_step`` of the step graphs raising before it begins, from its ``after``-th call on (as PyTorch's
+    caching allocator does for a pool it refuses); returns the list of calls."""
+    from kvdex.engine.graphs import layer_graphs
+
+    real, calls = layer_graphs.capture_step, []
+
+    def capture_step(*args, **kw):
+        calls.append(1)
+        if len(calls) > after:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a stand-in)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layer_graphs, "capture_step", capture_step)
+    return calls
+
+
+@pytest.mark.parametrize("after", [0, 5])
+def test_a_capture_that_cannot_begin_decodes_eagerly_with_one_warning(model, monkeypatch, after):
+    """A capture refused before anything of the layer ran (at the first layer of a step, or midway through one):
+    that layer and the rest of generation decode eagerly, the same tokens, one warning naming the failure."""
+    ref, _, _ = _eager(model, "prkv:refresh=8:select_every=3")
+    calls = failing_captures(monkeypatch, after)
+    with pytest.warns(UserWarning, match="capture failed.*INTERNAL ASSERT") as rec:
+        got, c, _ = _generate(model, "prkv:refresh=8:select_every=3", stand_in=True, monkeypatch=monkeypatch)
+    assert torch.equal(ref, got)
+    assert len([w for w in rec if "capture failed" in str(w.message)]) == 1 and len(calls) == after + 1
+    assert "INTERNAL ASSERT" in c.step_graphs.reason and c.step_graphs.counts["captures"] == after
+    assert c.step_graphs.counts["eager"] > NEW // 2 and not c.step_graphs.graphs
+
+
 def test_inductor_compiled_generate_equals_eager(model, monkeypatch):
     """The compiler transformers uses on CUDA (inductor; CUDA graphs are CUDA-only): the same tokens."""
     ref, _, _ = _eager(model, "quest")

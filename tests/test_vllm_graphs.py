@@ -80,6 +80,23 @@ def test_a_request_that_decodes_once_holds_no_graphs(monkeypatch):
     assert counts["replays"] > 0 and counts["eager"] < 5, counts  # steps 2-6 under the plan: most replay
 
 
+def test_a_capture_that_cannot_begin_leaves_the_request_eager(monkeypatch):
+    """Under vLLM a refused capture must not stop the server: the request's decode goes on eagerly, the same
+    outputs, its other requests' graphs untouched."""
+    from test_user_path import failing_captures
+
+    policy = "prkv:static_ratio=0.5:refresh=8"
+    eager, _ = run_scenario(settings_from({"kvdex": {"policy": policy, **SMALL}}))
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    failing_captures(monkeypatch, 4)
+    with pytest.warns(UserWarning, match="capture failed"):
+        graphed, _ = run_scenario(settings_from({"kvdex": {"policy": policy, **SMALL, "decode_graphs": True}}))
+    for key, o in eager.out.items():
+        assert torch.allclose(graphed.out[key], o, atol=ATOL, rtol=1e-4), key
+    reasons = [s.step_graphs.reason for s in set(graphed.state_of.values())]
+    assert any(r is not None and "capture failed" in r for r in reasons)
+
+
 def test_a_block_row_growing_a_block_at_a_time_keeps_its_buffer():
     """A block table cut to the batch's longest row grows a block every page: the persistent buffer the captured
     steps read (and key on) is re-allocated by a quarter at a time, not at every page; its front is the row."""

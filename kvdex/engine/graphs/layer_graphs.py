@@ -155,12 +155,13 @@ class StepGraphs:
         i = layer.layer_idx
         ent = self.graphs.get((self.key, i))
         if ent is None:
-            ent = self._capture(layer, q, scale)
+            out = self._capture(layer, q, scale)
         else:
             ent.q.copy_(q)
             self._replay(ent)
             self._host_side(layer, ent.delta)
-        out = ent.out.clone()
+            out = ent.out
+        out = out.clone()
         if i == self._last_layer:
             self.end()
         return out
@@ -177,9 +178,10 @@ class StepGraphs:
             store.count_join(self._count)
         delta.add_to(self.cache)
 
-    def _capture(self, layer: StepLayer, q: torch.Tensor, scale: float) -> LayerGraph:
+    def _capture(self, layer: StepLayer, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Capture the layer's append + decode (its Python runs once, here: this step's host side), then
-        replay the graph for this step's device work."""
+        replay the graph for this step's device work; its output. A capture that fails to begin (nothing of the
+        layer ran) gives up the graphs: this layer and every later step run eagerly, with one warning."""
         c = self.cache
         eng = layer.engine
         sq = q.clone()
@@ -191,15 +193,33 @@ class StepGraphs:
         if cuda and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # one memory pool for every layer's graphs
         host = [lay.store.lengths_host for lay in c.layers]
+        begun = False
         try:
             with capture_step(sq.device, sq, host, pool=self._pool) as g:
+                begun = True
                 eng.append(sk, sv)
                 out = eng.decode(sq[:, :, 0], scale).unsqueeze(1)
         except RuntimeError as e:
-            raise CaptureError(f"layer {layer.layer_idx}: {e}") from e
+            if begun:  # the layer's work ran in part, under capture: its state cannot be trusted
+                raise CaptureError(f"layer {layer.layer_idx}: {e}") from e
+            return self._give_up(layer, sk, sv, sq, scale, e)
         ent = LayerGraph(g, sq, sk, sv, out, before.since(c))
         self.graphs[(self.key, layer.layer_idx)] = ent
         self.counts["captures"] += 1
         if cuda:  # a CUDA capture launches nothing (the stand-in ran the ops while recording them)
             self._replay(ent)
-        return ent
+        return out
+
+    def _give_up(self, layer: StepLayer, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, scale: float,
+                 err: Exception) -> torch.Tensor:  # fmt: skip
+        """A capture that could not begin: no graph from now on (the later layers of this step and every later
+        step run eagerly, as a step the plan keeps eager does); this layer's append + decode, eagerly."""
+        self.reason = f"a capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        warnings.warn(f"kvdex: per-layer step graphs are off from here on, kvdex's decode step runs eagerly: "
+                      f"{self.reason}", stacklevel=5)  # fmt: skip
+        self.graphs.clear()
+        self._captured.clear()
+        self.mode = "eager"
+        eng = layer.engine
+        eng.append(k, v)
+        return eng.decode(q[:, :, 0], scale).unsqueeze(1)
