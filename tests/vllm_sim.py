@@ -48,15 +48,20 @@ class Req:
 class Sim:
     """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
 
-    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None, decode=None) -> None:
+    def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None, decode=None,
+                 tp: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
         self.prefill = prefill  # the prompt chunks' attention forward_layer gets (None: its default)
         self.write = write  # the cache write forward_layer gets (None: its default)
-        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, H, D), device=DEV) for _ in range(LAYERS)]
+        rank, ranks = tp  # tensor parallelism: this rank's share of the heads, as vLLM gives each rank its own
+        hq, h = HQ // ranks, H // ranks
+        self.q_heads, self.kv_heads = slice(rank * hq, (rank + 1) * hq), slice(rank * h, (rank + 1) * h)
+        geo = Geometry(LAYERS, hq, h, D, PS, head_offset=rank * h, model_kv_heads=H)
+        self.kv = [torch.zeros(kv_cache_shape(NUM_BLOCKS, PS, h, D), device=DEV) for _ in range(LAYERS)]
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
         self.rng = random.Random(seed + 1)
         self.table = RequestTable(
-            lambda caches: self.recorded(RequestState(settings, GEO, caches=caches, decode=decode)),
+            lambda caches: self.recorded(RequestState(settings, geo, caches=caches, decode=decode)),
             PS,
             settings.max_idle_steps,
         )
@@ -91,9 +96,10 @@ class Sim:
             self.state_of[(req.name, req.life)] = row.state
         slot_mapping = torch.cat(slots).to(DEV)
         for layer in range(LAYERS):
-            q = torch.cat([r.q[layer, r.computed : r.computed + n] for r, n in batch])
-            k = torch.cat([r.k[layer, r.computed : r.computed + n] for r, n in batch])
-            v = torch.cat([r.v[layer, r.computed : r.computed + n] for r, n in batch])
+            qh, kh = self.q_heads, self.kv_heads
+            q = torch.cat([r.q[layer, r.computed : r.computed + n, qh] for r, n in batch])
+            k = torch.cat([r.k[layer, r.computed : r.computed + n, kh] for r, n in batch])
+            v = torch.cat([r.v[layer, r.computed : r.computed + n, kh] for r, n in batch])
             out = torch.full_like(q, float("nan"))
             kc, vc = self.kv[layer]
             hooks = dict(prefill=self.prefill, write=self.write)
@@ -117,11 +123,11 @@ class Sim:
         req.steps.append([])
 
 
-def run_scenario(settings: VllmSettings, prefill=None, write=None, decode=None) -> tuple[Sim, list[Req]]:
+def run_scenario(settings: VllmSettings, prefill=None, write=None, decode=None, tp=(0, 1)) -> tuple[Sim, list[Req]]:
     """Three requests: a joins with a 150-token prompt, b with a 230-token prompt in chunks of 96 while a decodes,
     c (a 40-token prompt) later; rows shuffled every step; c is preempted and recomputed; a finishes and its blocks
     go to c's recompute."""
-    sim = Sim(settings, prefill=prefill, write=write, decode=decode)
+    sim = Sim(settings, prefill=prefill, write=write, decode=decode, tp=tp)
     a, b, c = Req("a", 230, 1), Req("b", 300, 2), Req("c", 120, 3)
     sim.step([(a, 150)])
     sim.step([(a, 1), (b, 96)])

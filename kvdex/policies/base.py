@@ -61,7 +61,8 @@ from kvdex.view import LayerView
 class PolicyInfo:
     """What a policy knows about its cache. ``q_heads`` / ``kv_heads``: the heads this process holds
     (under tensor parallelism a rank's share); its kv head ``h`` is the model's head ``head_offset + h``;
-    ``tp``: the tensor-parallel group (:class:`kvdex.hf.distributed.TensorParallel`, None: one process)."""
+    ``tp``: the tensor-parallel group (:class:`kvdex.hf.distributed.TensorParallel`, None: one process or a
+    serving engine's rank, which shares nothing); ``model_kv_heads``: the model's kv heads (0: from ``tp``)."""
 
     config: CacheConfig
     num_layers: int
@@ -71,6 +72,12 @@ class PolicyInfo:
     head_dim: int
     head_offset: int = 0
     tp: Any = None
+    model_kv_heads: int = 0
+
+    @property
+    def all_kv_heads(self) -> int:
+        """The model's kv heads, every rank's."""
+        return self.model_kv_heads or self.kv_heads * (self.tp.size if self.tp else 1)
 
     @property
     def group(self) -> int:

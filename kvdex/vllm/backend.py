@@ -35,7 +35,7 @@ from kvdex.vllm.paged import (
     split_kv,
     write_kv,
 )
-from kvdex.vllm.requests import Geometry, RequestState, RequestTable, Row
+from kvdex.vllm.requests import RequestState, RequestTable, Row, geometry_of
 
 # vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
 _INTERFACES = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract", "vllm.v1.attention.backends.utils")
@@ -187,23 +187,6 @@ def vllm_cache_write(device: torch.device | str) -> CacheWrite | None:
     except Exception:  # another signature in this vLLM: kvdex's own write
         return None
     return write if torch.equal(kc, want_k) and torch.equal(vc, want_v) else None
-
-
-def geometry_of(vllm_config: Any, kv_cache_spec: Any) -> Geometry:
-    """This process's :class:`Geometry` from vLLM's config and the KV-cache group's spec."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    q_heads = int(mc.get_num_attention_heads(pc))
-    kv_heads = int(getattr(kv_cache_spec, "num_kv_heads", 0) or mc.get_num_kv_heads(pc))
-    head = int(getattr(kv_cache_spec, "head_size", 0) or mc.get_head_size())
-    text = getattr(mc, "hf_text_config", None) or mc.hf_config
-    layers = int(getattr(text, "num_hidden_layers", 0) or mc.get_num_layers(pc))
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        rank = int(get_tensor_model_parallel_rank())
-    except Exception:  # no distributed state (tests, a single process without it)
-        rank = 0
-    return Geometry(layers, q_heads, kv_heads, head, int(kv_cache_spec.block_size), head_offset=rank * kv_heads)
 
 
 class KvdexMetadataBuilder(AttentionMetadataBuilder):

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -70,7 +70,8 @@ GRAPHS_FROM_STEP = 2
 @dataclass(frozen=True)
 class Geometry:
     """The model as this process sees it: attention layers (numbered as in the model), this rank's query and kv
-    heads, the head size, the offset of its first kv head (tensor parallelism) and vLLM's block size."""
+    heads, the head size, vLLM's block size, and under tensor parallelism the model's index of this rank's first
+    kv head and the model's kv heads (0: ``kv_heads``, one process)."""
 
     num_layers: int
     q_heads: int
@@ -78,6 +79,36 @@ class Geometry:
     head_dim: int
     block_size: int
     head_offset: int = 0
+    model_kv_heads: int = 0
+
+
+def rank_head_offset(rank: int, ranks: int, kv_heads: int, model_kv_heads: int) -> int:
+    """The model's index of tensor-parallel rank ``rank``'s first kv head: ``rank * kv_heads``, or, where the ranks
+    outnumber the model's kv heads, vLLM's replication (each head on ``ranks // model_kv_heads`` consecutive
+    ranks)."""
+    replicas = max(1, kv_heads * ranks // max(model_kv_heads, 1))
+    return rank * kv_heads // replicas
+
+
+def geometry_of(vllm_config: Any, kv_cache_spec: Any) -> Geometry:
+    """This process's :class:`Geometry` from vLLM's config and the KV-cache group's spec (duck-typed; the rank
+    from ``vllm.distributed`` where it is set up)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    q_heads = int(mc.get_num_attention_heads(pc))
+    kv_heads = int(getattr(kv_cache_spec, "num_kv_heads", 0) or mc.get_num_kv_heads(pc))
+    head = int(getattr(kv_cache_spec, "head_size", 0) or mc.get_head_size())
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    layers = int(getattr(text, "num_hidden_layers", 0) or mc.get_num_layers(pc))
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, ranks = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # no distributed state (tests, a single process without it)
+        rank, ranks = 0, 1
+    total = getattr(mc, "get_total_num_kv_heads", None)
+    total = int(total()) if callable(total) else kv_heads * ranks
+    offset = rank_head_offset(rank, ranks, kv_heads, total)
+    return Geometry(layers, q_heads, kv_heads, head, int(kv_cache_spec.block_size), offset, total)
 
 
 StoreFactory = Callable[["RequestState", int, tuple], LayerStore]
@@ -102,7 +133,8 @@ class RequestState:
         self.policy = settings.make_policy()
         n = geometry.num_layers
         sparse = tuple(i for i in range(n) if i >= cfg.dense_layers)
-        info = PolicyInfo(cfg, n, sparse, geometry.q_heads, geometry.kv_heads, geometry.head_dim, geometry.head_offset)
+        g = geometry
+        info = PolicyInfo(cfg, n, sparse, g.q_heads, g.kv_heads, g.head_dim, g.head_offset, None, g.model_kv_heads)
         self.policy.bind(info)
         self.grid = Grid(cfg.sink, cfg.page_size, cfg.window_pages)
         self.transfer = TransferStats()

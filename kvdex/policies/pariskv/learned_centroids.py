@@ -105,7 +105,7 @@ class ParisKVKMeansPolicy(ParisKVPolicy):
             c = None if self._memo is None else self._memo.get(key)
             if c is None:
                 w = valid[:, None, None, :].expand(sub.shape[:-1])  # padding of a ragged batch does not count
-                heads = (self.info.head_offset, self.info.kv_heads * (self.info.tp.size if self.info.tp else 1))
+                heads = (self.info.head_offset, self.info.all_kv_heads)
                 c = kmeans(sub, 1 << self.m, self.kmeans_iters, self.seed, w, heads=heads)
                 if self._memo is not None:
                     self._memo[key] = c
