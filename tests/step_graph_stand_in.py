@@ -99,3 +99,20 @@ class StepGraphStandIn:
                 if isinstance(o, torch.Tensor) and not (o.shape == r.shape and o.data_ptr() == r.data_ptr()):
                     o.copy_(r)
         self.replays += 1
+
+
+def failing_captures(monkeypatch, after: int) -> list:
+    """``capture_step`` of the step graphs raising before it begins, from its ``after``-th call on (as PyTorch's
+    caching allocator does for a pool it refuses); returns the list of calls."""
+    from kvdex.engine.graphs import layer_graphs
+
+    real, calls = layer_graphs.capture_step, []
+
+    def capture_step(*args, **kw):
+        calls.append(1)
+        if len(calls) > after:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a stand-in)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layer_graphs, "capture_step", capture_step)
+    return calls

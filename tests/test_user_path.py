@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from step_graph_stand_in import StepGraphStandIn
+from step_graph_stand_in import StepGraphStandIn, failing_captures
 from transformers import CompileConfig, StoppingCriteria, StoppingCriteriaList
 
 import kvdex
@@ -123,23 +123,6 @@ def test_step_graphs_without_compile_equal_eager(model, spec, monkeypatch):
     ref, _, _ = _eager(model, spec)
     got, c, _ = _generate(model, spec, stand_in=True, monkeypatch=monkeypatch)
     assert torch.equal(ref, got) and c.step_graphs.counts["replays"] > 0
-
-
-def failing_captures(monkeypatch, after: int) -> list:
-    """``capture_step`` of the step graphs raising before it begins, from its ``after``-th call on (as PyTorch's
-    caching allocator does for a pool it refuses); returns the list of calls."""
-    from kvdex.engine.graphs import layer_graphs
-
-    real, calls = layer_graphs.capture_step, []
-
-    def capture_step(*args, **kw):
-        calls.append(1)
-        if len(calls) > after:
-            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a stand-in)")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(layer_graphs, "capture_step", capture_step)
-    return calls
 
 
 @pytest.mark.parametrize("after", [0, 5])

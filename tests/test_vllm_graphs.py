@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from step_graph_stand_in import StepGraphStandIn
+from step_graph_stand_in import StepGraphStandIn, failing_captures
 from vllm_sim import ATOL, run_scenario
 
 import kvdex.engine.graphs.capture as graphs_mod
@@ -83,8 +83,6 @@ def test_a_request_that_decodes_once_holds_no_graphs(monkeypatch):
 def test_a_capture_that_cannot_begin_leaves_the_request_eager(monkeypatch):
     """Under vLLM a refused capture must not stop the server: the request's decode goes on eagerly, the same
     outputs, its other requests' graphs untouched."""
-    from test_user_path import failing_captures
-
     policy = "prkv:static_ratio=0.5:refresh=8"
     eager, _ = run_scenario(settings_from({"kvdex": {"policy": policy, **SMALL}}))
     monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
