@@ -62,7 +62,7 @@ def forward_layer(
             attend = prefill or prefill_attention_reference
             out[s : s + n] = attend(q, row.state.row.blocks, row.seq_len, k_cache, v_cache, scale).to(out.dtype)
             continue
-        q = query[s : s + n].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, n, D]
+        q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D], a view
         o = _request(row, layer, q, key[s : s + n], value[s : s + n], k_cache, v_cache, scale)
         out[s : s + n] = o[0].to(out.dtype)
     return out
@@ -78,18 +78,20 @@ def _request(
     v_cache: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One request's decode or extend tokens of one layer -> [1, n, Hq, D]."""
+    """One request's decode or extend tokens of one layer -> [1, n, Hq, D] (``q`` [1, Hq, n, D], any strides; under
+    ``decode_graphs`` the views go straight into the graph's inputs and its output buffer comes back uncopied)."""
     state = row.state
     engine = state.engines[layer]
     if engine.store is None:  # the layer's cache was unknown when the step began: its prompt is indexed now
         state.adopt_layer(layer, row.computed)
-    k = key.transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, n, D]
-    v = value.transpose(0, 1).unsqueeze(0).contiguous()
+    k = key.transpose(0, 1).unsqueeze(0)  # [1, H, n, D], a view
+    v = value.transpose(0, 1).unsqueeze(0)
     steps = state.step_graphs if row.decode else None
     if steps is not None and steps.deferred():  # decode_graphs: the layer's append + decode as one graph replay
         lay = state.layers[layer]
         steps.stash(lay, k, v)
-        return steps.attend(lay, q, scale)
+        return steps.attend(lay, q, scale, clone=False)  # forward_layer copies it into the step's output at once
+    k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
     engine.append(k, v)
     out = engine.attention(q, k, v, None, scale)
     if steps is not None and steps.in_step and layer == len(state.layers) - 1:

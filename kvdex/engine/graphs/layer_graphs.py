@@ -142,16 +142,19 @@ class StepGraphs:
         return self.mode != "eager"
 
     def stash(self, layer: StepLayer, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``update`` of a graph step: the new k/v into the layer's static inputs."""
+        """``update`` of a graph step: the new k/v (any strides) into the layer's static inputs."""
         ent = self.graphs.get((self.key, layer.layer_idx))
         if ent is None:
-            self._pending = (k.clone(), v.clone())
+            self._pending = (k.clone(memory_format=torch.contiguous_format),
+                             v.clone(memory_format=torch.contiguous_format))  # fmt: skip
         else:
             ent.k.copy_(k)
             ent.v.copy_(v)
 
-    def attend(self, layer: StepLayer, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hq, 1, D] -> [B, 1, Hq, D] through the layer's graph (captured first where it has none)."""
+    def attend(self, layer: StepLayer, q: torch.Tensor, scale: float, clone: bool = True) -> torch.Tensor:
+        """q [B, Hq, 1, D] (any strides) -> [B, 1, Hq, D] through the layer's graph (captured first where it has
+        none). ``clone=False``: the graph's own output buffer, which the layer's next replay overwrites (for a
+        caller that copies it out at once)."""
         i = layer.layer_idx
         ent = self.graphs.get((self.key, i))
         if ent is None:
@@ -161,7 +164,7 @@ class StepGraphs:
             self._replay(ent)
             self._host_side(layer, ent.delta)
             out = ent.out
-        out = out.clone()
+        out = out.clone() if clone else out
         if i == self._last_layer:
             self.end()
         return out
@@ -184,7 +187,7 @@ class StepGraphs:
         layer ran) gives up the graphs: this layer and every later step run eagerly, with one warning."""
         c = self.cache
         eng = layer.engine
-        sq = q.clone()
+        sq = q.clone(memory_format=torch.contiguous_format)
         assert self._pending is not None  # stash() of this layer's update
         sk, sv = self._pending
         self._pending = None
