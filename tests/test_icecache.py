@@ -477,9 +477,7 @@ def test_eval_harness_runs_icecache_by_name_in_both_storage_modes(tmp_path):
     model = tiny_llama(vocab_size=len(tok))
     got = []
     for offload in (False, True):
-        cfg = EvalConfig(
-            "tiny", [TREE], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False
-        )
+        cfg = EvalConfig("tiny", [TREE], [64], [384], out=str(tmp_path / str(offload)), offload=offload, progress=False)
         got.append({(r.policy, r.budget): r.metrics for r in run_task(RecallTask(steps=2), model, tok, cfg)})
     ice = got[0][(TREE, 64)]
     assert 0 < ice["recall"] < 1

@@ -150,4 +150,3 @@ class TreeSearch:
         services = self.services.values()
         return {"pages": pages, "tokens": tokens, "graph_captures": sum(g.captures for g in services),
                 "graph_replays": sum(g.replays for g in services)}  # fmt: skip
-
