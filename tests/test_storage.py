@@ -218,6 +218,30 @@ def _selections(grid, lengths, g):
     }
 
 
+def test_host_permute_moves_whole_token_rows_and_leaves_spare_pages():
+    """PRKV's relocation on the host (``HostPages.permute_tokens``): slot j of every (sequence, head) takes the key
+    and value of token ``order[j]``, bit for bit; pages past the permuted ones (the buffer's spare room) stay."""
+    from kvdex.storage.host import HostPages
+
+    g = torch.Generator().manual_seed(3)
+    b, h, ps, m, spare = 2, 3, 4, 24, 2
+    host = HostPages(b, h, ps, D, torch.bfloat16, "cpu", TransferStats())
+    host.reserve(m // ps + spare)
+    host.data.copy_(torch.randn(host.data.shape, generator=g).to(torch.bfloat16))
+    before = host.data.clone()
+    order = torch.stack([torch.stack([torch.randperm(m, generator=g) for _ in range(h)]) for _ in range(b)])
+    host.permute_tokens(order)
+    cap = host.capacity
+    assert cap >= m // ps + spare
+    for s in range(b):
+        for k in range(h):
+            for j, o in enumerate(order[s, k].tolist()):
+                for kv in range(2):
+                    got = host.data[s, k, j // ps, kv, j % ps]
+                    assert torch.equal(got, before[s, k, o // ps, kv, o % ps]), (s, k, j, kv)
+            assert torch.equal(host.data[s, k, m // ps :], before[s, k, m // ps :])
+
+
 @pytest.mark.parametrize("kind", ["pages", "tokens", "both", "everything", "empty"])
 def test_attend_set_identical_between_device_and_offload(kind):
     grid, truth, dev, off, g = _filled(seed=11)

@@ -267,10 +267,18 @@ class HostPages:
         p, ps, d = m // self.page_size, self.page_size, self.head_dim
         if self.pin:  # a copy or kernel may still be reading these pages: let it finish first
             torch.cuda.current_stream(self.device).synchronize()
-        blocks = self.data[:, :, :p]  # [B, H, p, 2, ps, D]
-        tokens = blocks.permute(0, 1, 3, 2, 4, 5).reshape(b, h, 2, m, d)  # a copy: [B, H, 2, M, D]
-        moved = tokens.gather(3, order[:, :, None, :, None].expand(b, h, 2, m, d))
-        blocks.copy_(moved.view(b, h, 2, p, ps, d).permute(0, 1, 3, 2, 4, 5))
+        # Whole rows move (one token's key or value, D values; row (page * 2 + kv) * ps + t of a (sequence, head)'s
+        # pages), one (sequence, head) at a time through one scratch buffer: an index_select of its rows in the
+        # order its first p pages take them, then a copy back (a gather of single elements over a fresh copy of
+        # the whole middle took 40 times as long on a CPU: docs/benchmarks.md, "Offloaded").
+        key_row = (order // ps) * (2 * ps) + order % ps  # [B, H, M]: the row of each source token's key
+        src = key_row.view(b, h, p, 1, ps) + torch.tensor([0, ps]).view(1, 1, 1, 2, 1)  # [B, H, p, 2, ps]
+        scratch = torch.empty(p * 2 * ps, d, dtype=self.data.dtype)
+        for s in range(b):
+            for k in range(h):
+                rows = self.data[s, k].view(-1, d)  # the (sequence, head)'s pages as rows, spare pages included
+                torch.index_select(rows, 0, src[s, k].reshape(-1), out=scratch)
+                rows[: p * 2 * ps].copy_(scratch)
 
     # ---- host -> device ------------------------------------------------------------------
     def fetch_pages(self, pages: torch.Tensor, keys_only: bool = False) -> torch.Tensor:
