@@ -270,7 +270,7 @@ class HostPages:
         # Whole rows move (one token's key or value, D values; row (page * 2 + kv) * ps + t of a (sequence, head)'s
         # pages), one (sequence, head) at a time through one scratch buffer: an index_select of its rows in the
         # order its first p pages take them, then a copy back (a gather of single elements over a fresh copy of
-        # the whole middle took 40 times as long on a CPU: docs/benchmarks.md, "Offloaded").
+        # the whole middle took 17 times as long or more on a CPU: docs/benchmarks.md, "Offloaded").
         key_row = (order // ps) * (2 * ps) + order % ps  # [B, H, M]: the row of each source token's key
         src = key_row.view(b, h, p, 1, ps) + torch.tensor([0, ps]).view(1, 1, 1, 2, 1)  # [B, H, p, 2, ps]
         scratch = torch.empty(p * 2 * ps, d, dtype=self.data.dtype)
