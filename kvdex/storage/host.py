@@ -145,6 +145,12 @@ def _aligned_offset(t: torch.Tensor) -> int:
     return (-t.untyped_storage().data_ptr()) % _HOST_PAGE
 
 
+def _key_rows(page: torch.Tensor, offset: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The row of each token's key in host pages [..., 2, page_size, D] viewed as rows of D values: ``page``
+    counted from the first page of the view, ``offset`` within it; the value's row is ``page_size`` further."""
+    return page * (2 * page_size) + offset
+
+
 def store_pages_reference(dst: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor) -> None:
     """The spec of :func:`kvdex.kernels.uva.store_pages` (PyTorch, on ``dst``'s device; no host read of ``pages``)."""
     b = dst.shape[0]
@@ -267,11 +273,10 @@ class HostPages:
         p, ps, d = m // self.page_size, self.page_size, self.head_dim
         if self.pin:  # a copy or kernel may still be reading these pages: let it finish first
             torch.cuda.current_stream(self.device).synchronize()
-        # Whole rows move (one token's key or value, D values; row (page * 2 + kv) * ps + t of a (sequence, head)'s
-        # pages), one (sequence, head) at a time through one scratch buffer: an index_select of its rows in the
-        # order its first p pages take them, then a copy back (a gather of single elements over a fresh copy of
-        # the whole middle took 17 times as long or more on a CPU: docs/benchmarks.md, "Offloaded").
-        key_row = (order // ps) * (2 * ps) + order % ps  # [B, H, M]: the row of each source token's key
+        # Whole rows move (one token's key or value, D values), one (sequence, head) at a time through one scratch
+        # buffer: an index_select of its rows in the order its first p pages take them, then a copy back (not a
+        # gather of single elements over a fresh copy of the whole middle, many times slower on a CPU).
+        key_row = _key_rows(order // ps, order % ps, ps)  # [B, H, M]: the row of each source token's key
         src = key_row.view(b, h, p, 1, ps) + torch.tensor([0, ps]).view(1, 1, 1, 2, 1)  # [B, H, p, 2, ps]
         scratch = torch.empty(p * 2 * ps, d, dtype=self.data.dtype)
         for s in range(b):
@@ -308,9 +313,9 @@ class HostPages:
             return out
         rel = positions.cpu() - sink
         page, off = rel // self.page_size, rel % self.page_size
-        base = ((torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity + page) * 2
-        ids_k = (base * self.page_size + off).reshape(-1)
-        ids_v = ((base + 1) * self.page_size + off).reshape(-1)
+        page = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * self.capacity + page
+        ids_k = _key_rows(page, off, self.page_size).reshape(-1)
+        ids_v = ids_k + self.page_size
         src = self.data.view(-1, self.head_dim)
         stage = self._stage((2, ids_k.numel(), self.head_dim))
         torch.index_select(src, 0, ids_k, out=stage[0])
