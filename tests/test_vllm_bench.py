@@ -302,6 +302,17 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
     bench.run(settings("--contexts", "1k", "--concurrency", "1,4", "--policies", "quest,prkv"), out, out / "model")
 
 
+def test_skipped_rows_are_left_out_of_the_grid(fake_vllm, tmp_path):
+    out = tmp_path / "out"
+    s = settings("--contexts", "1k,2k", "--concurrency", "1,4", "--policies", "quest", "--skip", "2k:4, 1k:1")
+    assert s["skip"] == [[2048, 4], [1024, 1]]
+    bench.run(s, out, out / "model")
+    assert fake_vllm == [(DEFAULT_ROW, 1024, 4), (DEFAULT_ROW, 2048, 1), ("quest", 1024, 4), ("quest", 2048, 1)]
+    fake_vllm.clear()
+    bench.run(settings("--contexts", "1k,2k", "--concurrency", "1,4", "--policies", "quest"), out, out / "model")
+    assert fake_vllm == [(DEFAULT_ROW, 1024, 1), (DEFAULT_ROW, 2048, 4), ("quest", 1024, 1), ("quest", 2048, 4)]
+
+
 def test_each_server_serves_one_warm_up_request_before_its_rows(fake_vllm, tmp_path, capsys):
     """The grid's longest prompt with --warmup-len output tokens, outside every row; --warmup-len 0: none."""
     out = tmp_path / "out"
@@ -392,6 +403,9 @@ def test_defaults():
         (["--contexts", "32q"], "--contexts '32q'.*32k,128k"),
         (["--contexts", "0"], "positive"),
         (["--concurrency", "one"], "--concurrency"),
+        (["--skip", "128k"], "CONTEXT:CONCURRENCY"),
+        (["--skip", "64k:1"], "not a row of the grid"),
+        (["--skip", "128k:2"], "not a row of the grid"),
         (["--shape", "llama9"], "shapes: "),
         (["--request-rate", "fast"], "inf"),
         (["--gpu-memory-utilization", "1.5"], r"\(0, 1\]"),

@@ -362,6 +362,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--shape", default="llama3-8b", help="model shape (kvdex/bench/shapes.py), dummy weights (default %(default)s)")
     a("--contexts", default="32k,128k", help="prompt lengths in tokens (default %(default)s)")
     a("--concurrency", default="1,8", help="vllm bench serve --max-concurrency values (default %(default)s)")
+    a("--skip", default="", help="CONTEXT:CONCURRENCY rows of the grid not to run (--skip 128k:8)")
     a("--policies", default="quest,prkv,chess", help="kvdex policy specs, comma separated (default %(default)s)")
     a("--budget", type=int, default=2048, help="kvdex budget, tokens per kv head and step (default %(default)s)")
     a("--output-len", type=int, default=128, help="output tokens per request (default %(default)s)")

@@ -42,6 +42,23 @@ def parse_lengths(text: str, option: str) -> list[int]:
         raise ValueError(f"{option} {text!r}: {e}") from None
 
 
+def parse_skip(text: str, contexts: list[int], concurrency: list[int]) -> list[list[int]]:
+    """``--skip "128k:8,32k:1"`` -> [[131072, 8], [32768, 1]]: rows of the grid that are not run (ValueError: the
+    fix; each pair must name a context of ``--contexts`` and a concurrency of ``--concurrency``)."""
+    pairs = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        c, sep, n = item.partition(":")
+        if not sep:
+            raise ValueError(f"--skip {text!r}: give CONTEXT:CONCURRENCY pairs such as 128k:8")
+        pair = [parse_lengths(c, "--skip")[0], parse_lengths(n, "--skip")[0]]
+        if pair[0] not in contexts or pair[1] not in concurrency:
+            raise ValueError(f"--skip {item!r} is not a row of the grid (--contexts x --concurrency)")
+        pairs.append(pair)
+    return pairs
+
+
 def kvdex_settings(
     policy: str, budget: int, decode_graphs: bool = False, more: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -95,8 +112,10 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     rate = str(args.request_rate)
     if rate != "inf" and not (re.fullmatch(r"[0-9]*\.?[0-9]+", rate) and float(rate) > 0):
         raise ValueError(f"--request-rate must be inf (every request at once) or requests/s > 0, got {rate!r}")
-    return {"shape": args.shape, "contexts": parse_lengths(args.contexts, "--contexts"),
-            "concurrency": parse_lengths(args.concurrency, "--concurrency"), "policies": policies,
+    contexts = parse_lengths(args.contexts, "--contexts")
+    concurrency = parse_lengths(args.concurrency, "--concurrency")
+    skip = parse_skip(getattr(args, "skip", ""), contexts, concurrency)
+    return {"shape": args.shape, "contexts": contexts, "concurrency": concurrency, "skip": skip, "policies": policies,
             "budget": args.budget, "output_len": args.output_len,
             "prompts_per_concurrency": args.prompts_per_concurrency, "request_rate": rate,
             "block_size": BLOCK_SIZE, "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -258,12 +277,13 @@ def label(policy: str | None) -> str:
 
 
 def pending(record: dict[str, Any], s: dict[str, Any], gpu: str | None, retry: bool = False) -> list[Row]:
-    """The rows of grid ``s`` not yet in ``record`` for ``gpu`` (rows recorded as errors too where ``retry``),
-    backend by backend: the default backend, then each policy."""
+    """The rows of grid ``s`` (less its ``skip`` pairs) not yet in ``record`` for ``gpu`` (rows recorded as errors
+    too where ``retry``), backend by backend: the default backend, then each policy."""
     done = {(r["label"], r["context"], r["concurrency"]) for r in record["rows"]
             if r.get("gpu") == gpu and (r["status"] == "ok" or not retry)}  # fmt: skip
+    skip = {(c, n) for c, n in s.get("skip", [])}
     return [(p, c, n) for p in [None, *s["policies"]] for c in s["contexts"] for n in s["concurrency"]
-            if (label(p), c, n) not in done]  # fmt: skip
+            if (label(p), c, n) not in done and (c, n) not in skip]  # fmt: skip
 
 
 def put(record: dict[str, Any], row: dict[str, Any]) -> None:
