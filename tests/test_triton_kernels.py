@@ -117,6 +117,26 @@ def test_dense_decode_ragged_matches_twin_and_seam_reference():
 
 
 @run_kernels
+@pytest.mark.parametrize("length", [1, 37, 70])
+def test_block_table_decode_reads_the_paged_cache_in_place(length):
+    """vLLM's layout ([num_blocks, block_size, H, D], a request's blocks scattered and in any order, GQA): the
+    Triton kernel over the block table equals the reference that gathers; the bound only sizes the grid."""
+    from kvdex.vllm.paged import decode_attention_reference
+
+    g = torch.Generator().manual_seed(length)
+    kc, vc = (torch.randn(12, 8, 2, 16, generator=g).to(DEV) for _ in "kv")
+    blocks = torch.tensor([7, 2, 11, 0, 5, 9, 3, 1, 4, 10], device=DEV)  # room for 80 positions
+    q = torch.randn(1, 4, 16, generator=g).to(DEV)
+    lengths = torch.tensor([length], device=DEV)
+    want = decode_attention_reference(q, blocks, lengths, 80, kc, vc, 0.25)
+    for capacity in (72, 80):
+        got = ta.block_table_decode_attention(q, blocks, lengths, capacity, kc, vc, 0.25)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="capacity"):
+        ta.block_table_decode_attention(q, blocks, lengths, 81, kc, vc, 0.25)
+
+
+@run_kernels
 def test_bad_inputs_raise_value_error():
     q, k, v, idx, valid = _inputs(1, 2, 2, 20, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="GQA"):

@@ -1,10 +1,10 @@
 """vLLM's FlashAttention as kvdex's prompt-chunk attention, on a GPU (``-m gpu``; skipped without vLLM or CUDA):
-:func:`kvdex.vllm.backend.flash_prefill` on a random paged cache equals the PyTorch reference
+:func:`kvdex.vllm.kernels.flash_prefill` on a random paged cache equals the PyTorch reference
 (:func:`kvdex.vllm.paged.prefill_attention_reference`) for chunks at the start, the middle and the end of a prompt,
-blocks scattered and in any order, query heads grouped over kv heads; :func:`kvdex.vllm.backend.flash_decode` (a
+blocks scattered and in any order, query heads grouped over kv heads; :func:`kvdex.vllm.kernels.flash_decode` (a
 dense layer's decode step on the blocks in place) equals :func:`kvdex.vllm.paged.decode_attention_reference`, also
 replayed from a CUDA graph after the length changed; and vLLM's cache-write kernel
-(:func:`kvdex.vllm.backend.vllm_cache_write`) writes what kvdex's PyTorch write (:func:`kvdex.vllm.paged.write_kv`)
+(:func:`kvdex.vllm.kernels.vllm_cache_write`) writes what kvdex's PyTorch write (:func:`kvdex.vllm.paged.write_kv`)
 writes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("seq_len,n", [(40, 40), (700, 128), (1000, 1), (1537, 513)])
 def test_flash_prefill_is_the_reference(seq_len, n):
-    from kvdex.vllm.backend import flash_prefill
+    from kvdex.vllm.kernels import flash_prefill
     from kvdex.vllm.paged import prefill_attention_reference
 
     prefill = flash_prefill()
@@ -39,7 +39,7 @@ def test_flash_prefill_is_the_reference(seq_len, n):
 
 
 def test_vllms_cache_write_is_kvdex_write():
-    from kvdex.vllm.backend import vllm_cache_write
+    from kvdex.vllm.kernels import vllm_cache_write
     from kvdex.vllm.paged import PAD_SLOT_ID, write_kv
 
     write = vllm_cache_write("cuda")
@@ -56,12 +56,16 @@ def test_vllms_cache_write_is_kvdex_write():
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "triton"])
 @pytest.mark.parametrize("length", [1, 37, 1000])
-def test_flash_decode_is_the_reference_and_captures(length):
-    from kvdex.vllm.backend import flash_decode
+def test_flash_decode_is_the_reference_and_captures(length, kernel):
+    """vLLM's FlashAttention decode and kvdex's Triton decode over the block table (what a layer that attends
+    every token runs where vLLM's kernel is refused) on vLLM's layout, eager and in a CUDA graph."""
+    from kvdex.kernels.triton_attention import block_table_decode_attention
+    from kvdex.vllm.kernels import Probe, flash_decode
     from kvdex.vllm.paged import decode_attention_reference
 
-    decode = flash_decode("cuda")
+    decode = flash_decode("cuda", Probe(32, 8, 128, 16)) if kernel == "flash" else block_table_decode_attention
     if decode is None:
         pytest.skip("this vLLM has no FlashAttention varlen kernel with kvdex's contract here")
     g = torch.Generator(device="cuda").manual_seed(length)

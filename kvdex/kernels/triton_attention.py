@@ -87,6 +87,9 @@ def _split_kernel(
     HAS_TOK: tl.constexpr = False,
     CNT=None,  # with HAS_CNT: a 0-dim int64 counter, += the valid slots this program attended
     HAS_CNT: tl.constexpr = False,
+    BT=None,  # MODE 1 with HAS_BT: [B, n] block table (position p of sequence b: row BT[b, p // PS] * PS + p % PS)
+    stride_bt=0,
+    HAS_BT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -125,6 +128,9 @@ def _split_kernel(
         if MODE == 1:
             slot = offs_n
             ok = in_range
+            if HAS_BT:  # a paged cache read in place: the position's row of its block
+                blk = tl.load(BT + b * stride_bt + slot // PS, mask=ok, other=0).to(tl.int64)
+                slot = blk * PS + slot % PS
         elif MODE == 2:
             i = offs_n - (SINK + WP * PS)  # index into the expanded page selection (then the tokens)
             ic = tl.maximum(i, 0)
@@ -229,7 +235,8 @@ def _check(q, k, v):
         raise ValueError("k/v must be contiguous in the head dimension")
 
 
-def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None, count=None):
+def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None, count=None,
+            bt=None):  # fmt: skip
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -266,6 +273,7 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
         **({} if tokens is None else dict(TOK=tokens, stride_tb=tokens.stride(0), stride_th=tokens.stride(1),
                                           NPAGES=idx.shape[2], HAS_TOK=True)),
         **({} if count is None else dict(CNT=count, HAS_CNT=True)),
+        **({} if bt is None else dict(BT=bt, stride_bt=bt.stride(0), HAS_BT=True)),
     )  # fmt: skip
     _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
@@ -320,6 +328,21 @@ def dense_decode_attention(
         raise ValueError(f"max_len ({n}) exceeds the slot buffer ({k.shape[2]})")
     lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
+
+
+def block_table_decode_attention(q: torch.Tensor, blocks: torch.Tensor, lengths: torch.Tensor, capacity: int,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's decode over its tokens in a paged cache, read in place: q [1, Hq, D]; k/v_cache [num_blocks,
+    block_size, H, D]; ``blocks`` [n] its block-table row (position p lies in block ``blocks[p // block_size]``);
+    the first ``lengths[0]`` positions attended, ``capacity`` (a host int, <= n * block_size) sizing the grid, so
+    that a CUDA graph captures it. Twin: :func:`kvdex.vllm.paged.decode_attention_reference`."""
+    nb, bs, h, d = k_cache.shape
+    if capacity > blocks.shape[0] * bs:
+        raise ValueError(f"capacity {capacity} exceeds the row's {blocks.shape[0]} blocks of {bs}")
+    k, v = (c.view(1, nb * bs, h, d).transpose(1, 2) for c in (k_cache, v_cache))  # [1, H, rows, D], views
+    _check(q, k, v)
+    return _launch(q, k, v, None, None, lengths.to(q.device), capacity, scale, 1, None, None, (0, bs, 1),
+                   bt=blocks.to(q.device).reshape(1, -1))  # fmt: skip
 
 
 def paged_decode_attention(

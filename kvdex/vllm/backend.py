@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +25,8 @@ import torch
 
 from kvdex.vllm.config import settings_from
 from kvdex.vllm.forward import CacheWrite, PrefillAttention, forward_layer
-from kvdex.vllm.paged import (
-    PAD_SLOT_ID,
-    PagedDecode,
-    check_block_size,
-    decode_attention_reference,
-    kv_cache_shape,
-    split_kv,
-    write_kv,
-)
+from kvdex.vllm.kernels import Probe, flash_decode, flash_prefill, vllm_cache_write
+from kvdex.vllm.paged import check_block_size, kv_cache_shape, split_kv, write_kv
 from kvdex.vllm.requests import RequestState, RequestTable, Row, geometry_of
 
 # vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
@@ -81,112 +73,13 @@ class KvdexMetadata:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _fa_version(fa_utils: Any) -> Callable[[int], dict[str, int]]:
-    """``head_size -> {"fa_version": v}`` (or ``{}`` where vLLM leaves it to the kernel), looked up once per head
-    size: the keyword vLLM's FlashAttention calls take."""
-    versions: dict[int, int | None] = {}
-
-    def version(d: int) -> dict[str, int]:
-        if d not in versions:
-            versions[d] = fa_utils.get_flash_attn_version(head_size=d)
-        v = versions[d]
-        return {} if v is None else {"fa_version": v}
-
-    return version
-
-
-def flash_prefill() -> PrefillAttention | None:
-    """vLLM's FlashAttention (its varlen kernel, straight on the paged cache through the block table) as the
-    attention of prompt chunks, with the contract of :func:`~kvdex.vllm.paged.prefill_attention_reference`; None
-    where this vLLM or platform has no such kernel."""
-    try:
-        from vllm.v1.attention.backends import fa_utils
-    except ImportError:
-        return None
-    if not fa_utils.is_flash_attn_varlen_func_available():
-        return None
-    version = _fa_version(fa_utils)
-
-    def prefill(q: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                scale: float) -> torch.Tensor:  # fmt: skip
-        n = q.shape[0]
-        out = torch.empty_like(q)
-        fa_utils.flash_attn_varlen_func(
-            q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=n, max_seqlen_k=seq_len, softmax_scale=scale,
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=q.device),
-            seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=q.device),
-            causal=True, block_table=blocks[None].to(device=q.device, dtype=torch.int32), **version(q.shape[-1]),
-        )  # fmt: skip
-        return out
-
-    return prefill
-
-
-def flash_decode(device: torch.device | str) -> PagedDecode | None:
-    """vLLM's FlashAttention (its varlen kernel on the paged cache) as the dense decode of a request's layer
-    (:meth:`PagedStore.dense_decode <kvdex.vllm.store.PagedStore.dense_decode>`: every token read in place, none
-    gathered), with the contract of :func:`~kvdex.vllm.paged.decode_attention_reference`: the length a device
-    tensor and the bound a host int, so a decode graph captures it; None where this vLLM has no such kernel, or
-    where it does not compute the reference on a small cache of ``device`` (checked once, here)."""
-    try:
-        from vllm.v1.attention.backends import fa_utils
-    except ImportError:
-        return None
-    if not fa_utils.is_flash_attn_varlen_func_available():
-        return None
-    first = torch.tensor([0, 1], dtype=torch.int32, device=device)  # cu_seqlens_q of one query, made once
-    version = _fa_version(fa_utils)
-
-    def decode(q: torch.Tensor, blocks: torch.Tensor, lengths: torch.Tensor, capacity: int, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-        out = torch.empty_like(q)
-        fa_utils.flash_attn_varlen_func(
-            q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=1, max_seqlen_k=capacity, softmax_scale=scale,
-            cu_seqlens_q=first, seqused_k=lengths.to(torch.int32), causal=False,
-            block_table=blocks[None].to(torch.int32), **version(q.shape[-1]),
-        )  # fmt: skip
-        return out
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    kc, vc = (torch.randn(8, 16, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
-    q = torch.randn(1, 8, 64, generator=g).to(device, torch.bfloat16)
-    blocks, lengths = torch.tensor([5, 2, 7, 0], device=device), torch.tensor([37], device=device)
-    want = decode_attention_reference(q, blocks, lengths, 64, kc, vc, 0.125)
-    try:
-        got = decode(q, blocks, lengths, 64, kc, vc, 0.125)
-    except Exception:  # another signature in this vLLM: kvdex's gather and kernel
-        return None
-    return decode if torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2) else None
-
-
-def vllm_cache_write(device: torch.device | str) -> CacheWrite | None:
-    """vLLM's own cache-write kernel (``reshape_and_cache_flash``: keys and values in one launch, padding slots
-    skipped, nothing read back to the host) as the step's cache write, with the contract of
-    :func:`~kvdex.vllm.paged.write_kv`; None where this vLLM has none, or where it does not write what
-    :func:`~kvdex.vllm.paged.write_kv` writes on a small cache of ``device`` (checked once, here)."""
-    try:
-        from vllm.v1.attention.backends import fa_utils
-
-        op = fa_utils.reshape_and_cache_flash
-    except (ImportError, AttributeError):
-        return None
-    one = torch.ones((), dtype=torch.float32, device=device)  # the fp8 scales, unused for a bf16 / fp16 cache
-
-    def write(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor) -> None:  # fmt: skip
-        op(key, value, k_cache, v_cache, slots, "auto", one, one)
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    kc, vc = (torch.randn(4, 16, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(3, 2, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
-    slots = torch.tensor([5, PAD_SLOT_ID, 37], device=device)
-    want_k, want_v = kc.clone(), vc.clone()
-    write_kv(want_k, want_v, slots, k, v)
-    try:
-        write(kc, vc, slots, k, v)
-    except Exception:  # another signature in this vLLM: kvdex's own write
-        return None
-    return write if torch.equal(kc, want_k) and torch.equal(vc, want_v) else None
+def cache_dtype(vllm_config: Any, kv_cache_spec: Any) -> torch.dtype:
+    """The KV cache's dtype: the KV-cache spec's, else the model's (bf16 where neither says)."""
+    model = getattr(vllm_config, "model_config", None)
+    for d in (getattr(kv_cache_spec, "dtype", None), getattr(model, "dtype", None)):
+        if isinstance(d, torch.dtype):
+            return d
+    return torch.bfloat16
 
 
 class KvdexMetadataBuilder(AttentionMetadataBuilder):
@@ -219,8 +112,10 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
                 raise ValueError("kvdex setting prefill_attention=flash needs vLLM's FlashAttention varlen kernel, "
                                  "which this vLLM or device does not have: use prefill_attention=torch")  # fmt: skip
         cuda = torch.device(device).type == "cuda"
-        self.write = vllm_cache_write(device) if cuda else None
-        decode = flash_decode(device) if cuda else None
+        probe = Probe(geometry.q_heads, geometry.kv_heads, geometry.head_dim, geometry.block_size,
+                      cache_dtype(vllm_config, kv_cache_spec))  # fmt: skip
+        self.write = vllm_cache_write(device, probe) if cuda else None
+        decode = flash_decode(device, probe) if cuda else None
         self.table = RequestTable(
             lambda caches: RequestState(settings, geometry, caches=caches, decode=decode),
             geometry.block_size, settings.max_idle_steps,

@@ -95,7 +95,7 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
     """A step's keys and values [T, H, D] into the caches at the flat ``slots`` [T] (padding skipped): the PyTorch
-    form of the cache write (:func:`kvdex.vllm.backend.vllm_cache_write` is vLLM's own kernel, one launch)."""
+    form of the cache write (:func:`kvdex.vllm.kernels.vllm_cache_write` is vLLM's own kernel, one launch)."""
     write_slots(k_cache, slots, key)
     write_slots(v_cache, slots, value)
 
@@ -107,7 +107,7 @@ def prefill_attention_reference(
     positions ``seq_len - n ... seq_len - 1``, attending causally to the request's first ``seq_len`` tokens, whose
     block-table row is ``blocks``. Returns [n, Hq, D]. PyTorch: the keys and values gathered from the blocks, then
     fused SDPA with a lower-right causal mask; vLLM's FlashAttention on the paged cache computes the same
-    (:func:`kvdex.vllm.backend.flash_prefill`)."""
+    (:func:`kvdex.vllm.kernels.flash_prefill`)."""
     from kvdex.kernels.attention import causal_chunk_attention
 
     k, v = request_kv(blocks, seq_len, k_cache, v_cache)
@@ -133,7 +133,7 @@ def decode_attention_reference(
     in the paged cache, whose block-table row is ``blocks``; ``capacity`` (a host int) bounds the length, so that
     no host read of the length is needed. Returns [1, Hq, D]. PyTorch: the first ``capacity`` tokens of the row
     gathered, those at or past the length masked; vLLM's FlashAttention on the paged cache computes the same
-    (:func:`kvdex.vllm.backend.flash_decode`)."""
+    (:func:`kvdex.vllm.kernels.flash_decode`)."""
     from kvdex.kernels.attention import dense_decode_attention
 
     pos = torch.arange(capacity, device=k_cache.device)

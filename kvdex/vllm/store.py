@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats, grown_capacity
 from kvdex.vllm.paged import PagedDecode, gather_heads, token_slots, write_kv
@@ -208,12 +209,15 @@ class PagedStore(LayerStore):
         return k, v
 
     def dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """With ``decode`` (the backend passes vLLM's FlashAttention): the query over the request's tokens in the
-        blocks through its block-table row, no gather (every token: order-free, so a relocation map changes
-        nothing). Under static sizing the bound is the whole row, the length a device tensor (capturable)."""
-        if self.decode is None:
+        """With ``decode`` (the backend passes vLLM's FlashAttention), else on CUDA kvdex's Triton decode over the
+        block table (:func:`~kvdex.kernels.triton_attention.block_table_decode_attention`): the query over the
+        request's tokens in the blocks through its block-table row, no gather (every token: order-free, so a
+        relocation map changes nothing). Under static sizing the bound is the whole row, the length a device
+        tensor (capturable)."""
+        decode = self.decode or triton_kernel("triton_attention", "block_table_decode_attention", on=q)
+        if decode is None:  # the CPU: the tokens are gathered and attended by kvdex's decode (LayerEngine)
             return None
-        return self.decode(q, self._blocks(), self.lengths, self._dense_span(), self.k_cache, self.v_cache, scale)
+        return decode(q, self._blocks(), self.lengths, self._dense_span(), self.k_cache, self.v_cache, scale)
 
     def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
         g = self.grid
