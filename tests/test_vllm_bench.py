@@ -233,6 +233,9 @@ class FakeServer:
     def attention_backend(self):
         return "CUSTOM" if "--attention-backend" in self.cmd else "FLASH_ATTN"
 
+    def kvdex_messages(self):
+        return ["kvdex: a message"] if "--attention-backend" in self.cmd else []
+
 
 WARMUPS: list[tuple[str, int, int]] = []  # the warm-up requests fake_vllm served: (label, context, concurrency)
 SHORT: dict[str, int] = {}  # output tokens a backend's stand-in leaves out of each row (a server that stopped)
@@ -283,6 +286,7 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
     quest4 = next(r for r in saved["rows"] if (r["label"], r["concurrency"]) == ("quest", 4))
     assert quest4["vs_default"]["output_throughput"] == 0.5 and quest4["raw"]["completed"] == 2
     assert quest4["attention_backend"] == "CUSTOM" and (out / quest4["result_file"]).is_file()
+    assert quest4["kvdex_messages"] == ["kvdex: a message"]
     assert "kvdex quest" in capsys.readouterr().out
 
     fake_vllm.clear()
@@ -462,6 +466,15 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_servers_kvdex_warnings_are_read_from_its_log_once_each(tmp_path):
+    log = tmp_path / "serve.log"
+    server = bench.Server(["vllm"], 8000, log, deadline=0.0)
+    assert server.kvdex_messages() == []
+    warn = "kvdex: vLLM's FlashAttention decode failed on a cache of this engine's shape (RuntimeError: no kernel)"
+    log.write_text(f"(EngineCore pid=1) INFO started\n(EngineCore pid=1) {warn}\nINFO x\n{warn}\n")
+    assert server.kvdex_messages() == [warn]
 
 
 def _running(pid: int) -> bool:

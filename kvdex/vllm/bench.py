@@ -155,6 +155,11 @@ class Server:
         found = re.findall(r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+)(?: attention)? backend", text)
         return found[-1] if found else None
 
+    def kvdex_messages(self) -> list[str]:
+        """kvdex's warnings in the server's log so far (a kernel of vLLM's refused, decode graphs off...), once each."""
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return list(dict.fromkeys(m.strip() for m in re.findall(r"kvdex: [^\n]+", text)))
+
 
 def versions() -> dict[str, str | None]:
     """Installed versions (package metadata: nothing is imported)."""
@@ -308,6 +313,7 @@ def _row(record: dict[str, Any], out: Path, model: Path, row: tuple[str | None, 
         "label": label(policy), "policy": policy, "context": context, "concurrency": conc, "gpu": gpu,
         "num_prompts": num_prompts(conc, s["prompts_per_concurrency"]), "wall_s": round(_clock() - t0, 1),
         "max_model_len": max_model_len(s), "attention_backend": server.attention_backend(),
+        "kvdex_messages": server.kvdex_messages(),
         "vllm": record["versions"].get("vllm"), "serve_command": server.cmd, "bench_command": cmd,
     }  # fmt: skip
     try:
