@@ -211,14 +211,15 @@ def test_s1_is_snapkv_plus_in_a_model(offload):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("static_ratio", [0.25, 0.5, 0.75])
-def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
+@pytest.mark.parametrize("static_ratio,relocate", [(0.25, "shift"), (0.5, "shift"), (0.75, "shift"), (0.25, "swap"),
+                                                   (0.75, "swap")])  # fmt: skip
+def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, relocate, offload):
     model, _ = shared_pair("qwen2")
     T, W = 7, 16
     lengths = [150, 110]
     ids, mask, _ = left_padded(lengths, seed=12)
     budget = 112  # 64 retrieval tokens: S = 0.25 / 0.5 / 0.75 -> 1 / 2 / 3 static pages
-    opts = dict(static_ratio=static_ratio, refresh=T, obs=W)
+    opts = dict(static_ratio=static_ratio, refresh=T, obs=W, relocate=relocate)
     cache = kvdex.Cache(model, "prkv", budget=budget, offload=offload, dense_layers=1, **opts)
     pol = cache.policy
     n_static, n_dyn = split_budget(budget - SINK - WINDOW, PAGE, static_ratio)
@@ -268,6 +269,33 @@ def test_refresh_every_T_static_front_dynamic_disjoint(static_ratio, offload):
     for layer in layers:
         assert pol.schedule.refreshes[layer] == [7, 14, 21, 28, 35, 42]  # exactly every T decode steps
     assert pol.static_set.counts[1].tolist() == [n_static, n_static]
+
+
+def test_swap_order_moves_the_static_tokens_to_the_front_and_little_else():
+    """relocate="swap": the static slots take the front in position order, each token they displace takes a slot
+    one of them left, every other slot keeps its token (at most twice the static count move); a sequence's slots
+    past its middle stay."""
+    from kvdex.policies.prkv.static_set import swap_order
+
+    g = torch.Generator().manual_seed(5)
+    b, h, m = 2, 3, 48
+    origin = torch.stack([torch.stack([torch.randperm(m, generator=g) for _ in range(h)]) for _ in range(b)])
+    own = torch.tensor([48, 32]).view(b, 1, 1)
+    is_static = torch.rand(b, h, m, generator=g) < 0.2
+    is_static[..., :3] = True  # some statics already in the front
+    order = swap_order(is_static, origin, own)
+    for s in range(b):
+        for k in range(h):
+            o, live = order[s, k], int(own[s])
+            st = [j for j in range(live) if is_static[s, k, j]]
+            n = len(st)
+            assert sorted(o.tolist()) == list(range(m))  # a permutation
+            assert o[:n].tolist() == sorted(st, key=lambda j: int(origin[s, k, j]))  # statics first, by position
+            moved = [j for j in range(m) if o[j] != j]
+            assert len(moved) <= 2 * n and all(j < live for j in moved)
+            for j in moved:
+                if j >= n:  # a vacated static slot takes a token displaced from the front
+                    assert is_static[s, k, j] and o[j] < n and not is_static[s, k, o[j]]
 
 
 def _window_scores(pol, layer, store, scale, per_query_head=False, ring=None):
@@ -414,6 +442,7 @@ CONFIGS = [
     {"static_ratio": 0.0},
     {"static_ratio": 0.25},
     {"static_ratio": 0.5, "refresh": 8},
+    {"static_ratio": 0.5, "refresh": 8, "relocate": "swap"},
     {"static_ratio": 1.0, "refresh": 1},
     {"static_ratio": 1.0, "refresh": 1, "obs_tokens": "last"},
 ]

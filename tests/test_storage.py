@@ -218,9 +218,19 @@ def _selections(grid, lengths, g):
     }
 
 
-def test_host_permute_moves_whole_token_rows_and_leaves_spare_pages():
+def _few_swaps(m: int, g: torch.Generator) -> torch.Tensor:
+    """A permutation of m slots that swaps two pairs (a few rows move: the sparse path)."""
+    order = torch.arange(m)
+    a = torch.randperm(m, generator=g)[:4]
+    order[a[0]], order[a[1]], order[a[2]], order[a[3]] = a[1], a[0], a[3], a[2]
+    return order
+
+
+@pytest.mark.parametrize("moves", ["all", "few"])
+def test_host_permute_moves_whole_token_rows_and_leaves_spare_pages(moves):
     """PRKV's relocation on the host (``HostPages.permute_tokens``): slot j of every (sequence, head) takes the key
-    and value of token ``order[j]``, bit for bit; pages past the permuted ones (the buffer's spare room) stay."""
+    and value of token ``order[j]``, bit for bit; pages past the permuted ones (the buffer's spare room) stay.
+    ``few``: a permutation that moves a few tokens (PRKV's ``relocate="swap"``), which moves those rows alone."""
     from kvdex.storage.host import HostPages
 
     g = torch.Generator().manual_seed(3)
@@ -229,7 +239,8 @@ def test_host_permute_moves_whole_token_rows_and_leaves_spare_pages():
     host.reserve(m // ps + spare)
     host.data.copy_(torch.randn(host.data.shape, generator=g).to(torch.bfloat16))
     before = host.data.clone()
-    order = torch.stack([torch.stack([torch.randperm(m, generator=g) for _ in range(h)]) for _ in range(b)])
+    perm = (lambda: torch.randperm(m, generator=g)) if moves == "all" else (lambda: _few_swaps(m, g))
+    order = torch.stack([torch.stack([perm() for _ in range(h)]) for _ in range(b)])
     host.permute_tokens(order)
     cap = host.capacity
     assert cap >= m // ps + spare

@@ -276,13 +276,23 @@ class HostPages:
         # Whole rows move (one token's key or value, D values), one (sequence, head) at a time through one scratch
         # buffer: an index_select of its rows in the order its first p pages take them, then a copy back (not a
         # gather of single elements over a fresh copy of the whole middle, many times slower on a CPU).
-        key_row = _key_rows(order // ps, order % ps, ps)  # [B, H, M]: the row of each source token's key
-        src = key_row.view(b, h, p, 1, ps) + torch.tensor([0, ps]).view(1, 1, 1, 2, 1)  # [B, H, p, 2, ps]
-        scratch = torch.empty(p * 2 * ps, d, dtype=self.data.dtype)
+        # A permutation that moves few tokens (PRKV's relocate="swap") moves only those rows.
+        slots = torch.arange(m)
+        both = torch.tensor([0, ps]).view(1, 2, 1)  # a token's key row, then its value row
+        scratch: torch.Tensor | None = None
         for s in range(b):
             for k in range(h):
                 rows = self.data[s, k].view(-1, d)  # the (sequence, head)'s pages as rows, spare pages included
-                torch.index_select(rows, 0, src[s, k].reshape(-1), out=scratch)
+                o = order[s, k]
+                moved = torch.nonzero(o != slots).flatten()
+                if 4 * moved.numel() < m:  # those rows alone: read every source first, then write
+                    dst, frm = _key_rows(moved // ps, moved % ps, ps), _key_rows(o[moved] // ps, o[moved] % ps, ps)
+                    rows.index_copy_(0, torch.cat([dst, dst + ps]), rows.index_select(0, torch.cat([frm, frm + ps])))
+                    continue
+                src = _key_rows(o // ps, o % ps, ps).view(p, 1, ps) + both  # [p, 2, ps]: rows in page order
+                if scratch is None:
+                    scratch = torch.empty(p * 2 * ps, d, dtype=self.data.dtype)
+                torch.index_select(rows, 0, src.reshape(-1), out=scratch)
                 rows[: p * 2 * ps].copy_(scratch)
 
     # ---- host -> device ------------------------------------------------------------------

@@ -124,6 +124,10 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
     # and the static tokens -- "mean" (Algorithm 1's group average) or "heads" (the same union)
     group: Literal["max", "sum", "heads"] = "max"  # resolved with the selection options below ("max" in both)
     static_group: Literal["mean", "heads"] = "mean"  # the group's mean score (Algorithm 1) or each head's own top
+    # the relocation (kvdex option): "shift" -- the static tokens first by position, the others after them in
+    # their order (every middle token moves); "swap" -- the static tokens first, each token they displace into a
+    # slot one of them left (about twice the static count move: an offloaded refresh rewrites that much of the host)
+    relocate: Literal["shift", "swap"] = "shift"
     # the dynamic part's selection (kvdex's default, not the paper's; resolved by resolve_selection_options): none
     # of them named -> DEFAULT_SELECTION (the defaults below); any of them named -> the others from PAPER_SELECTION
     rerank: int = 4
@@ -164,7 +168,7 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
         self.static_set = StaticSet(
             n_static=self.n_static, n_dynamic=self.n_dynamic, auto=self.auto, retrieval_tokens=r,
             static_group=self.static_group, kernel=self.kernel, pooling=self.pooling, obs_tokens=self.obs_tokens,
-            digests=self.digests,
+            digests=self.digests, relocate=self.relocate,
         )  # fmt: skip
         # the refresh schedule, the prompt's observation rows and the query rings (observation.RefreshSchedule):
         # Algorithm 1 every refresh steps when the budget has a static part

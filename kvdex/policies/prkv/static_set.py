@@ -30,6 +30,26 @@ def split_budget(retrieval: int, page_size: int, static_ratio: float) -> tuple[i
     return static, (retrieval - static) // page_size
 
 
+def swap_order(is_static: torch.Tensor, origin: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The ``relocate="swap"`` order [B, H, m] (slot j takes the token in slot ``order[..., j]``): the static slots
+    (``is_static`` [B, H, m], within each sequence's middle of ``own`` [B, 1, 1] slots) move to the front in
+    position order (``origin``: the position - sink each slot holds), each token they displace from the front takes
+    a slot a static token left (both in slot order), and every other token stays where it is."""
+    b, h, m = is_static.shape
+    j = torch.arange(m, device=is_static.device)
+    st = is_static & (j < own)
+    cnt = st.sum(-1, keepdim=True)
+    far = 2 * m + j  # past every origin: sorts last, each value once
+    front = j < cnt
+    order = torch.where(front, torch.where(st, origin, far).argsort(-1), j)  # the front takes the statics
+    displaced = torch.where(front & ~st, j, far).argsort(-1)  # front slots of other tokens, first
+    vacated = torch.where(~front & st, j, far).argsort(-1)  # static slots past the front, first
+    pair = j < (front & ~st).sum(-1, keepdim=True)
+    out = torch.cat([order, order.new_zeros(b, h, 1)], -1)  # a spare column takes the unpaired scatters
+    out.scatter_(-1, torch.where(pair, vacated, m), torch.where(pair, displaced, 0))
+    return out[..., :m]
+
+
 class StaticSet:
     """The static sets of one PRKV policy's sparse layers. ``n_static`` / ``n_dynamic``: the split of the
     retrieval budget (``auto``: per layer, :meth:`auto_split` at its first restructure); the scoring options
@@ -48,6 +68,7 @@ class StaticSet:
         pooling: str,
         obs_tokens: str,
         digests: DigestIndex,
+        relocate: str = "shift",
     ) -> None:
         self.n_static = n_static
         self.n_dynamic = n_dynamic
@@ -58,6 +79,7 @@ class StaticSet:
         self.pooling = pooling
         self.obs_tokens = obs_tokens
         self.digests = digests
+        self.relocate = relocate
         self.split: dict[int, tuple[int, int]] = {}  # layer -> (static tokens, dynamic pages) under "auto"
         self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
         self.restructured: dict[int, int] = {}  # layer -> middle slots its last restructure ordered
@@ -124,20 +146,22 @@ class StaticSet:
         is_static = is_static[:, :, :m].gather(2, origin)  # per slot
         j = torch.arange(m, device=k.device)
         own = (g.num_middle_pages(store.lengths) * g.page_size)[:, None, None]
-        # new slot order: static tokens by position, then the rest in their current order, then the
-        # slots past a sequence's middle in place
-        key = torch.where(is_static, origin, m + j)
-        key = torch.where(j < own, key, 2 * m + j)
-        order = key.argsort(dim=-1, stable=True)
+        if self.relocate == "swap":  # static tokens to the front, the tokens there into the slots they left
+            order = swap_order(is_static, origin, own)
+        else:  # static tokens by position, then the rest in their current order, then the slots past a
+            # sequence's middle in place
+            key = torch.where(is_static, origin, m + j)
+            key = torch.where(j < own, key, 2 * m + j)
+            order = key.argsort(dim=-1, stable=True)
         # page representations of the restructured pages, from the keys already on the device: a store whose
         # buffers hold every token (dense() is a view of them) holds the moved keys once permute_middle has
         # reordered them in place; from another store's dense copy they are gathered before.
         if store.positional_slots:
-            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
+            store.permute_middle(order, validate=False)  # a permutation, tails in place
             moved = store.k[:, :, g.sink : g.sink + m]
         else:
             moved = k[:, :, g.sink : g.sink + m].gather(2, order[..., None].expand(-1, -1, -1, k.shape[-1]))
-            store.permute_middle(order, validate=False)  # a stable argsort: a permutation, tails in place
+            store.permute_middle(order, validate=False)  # a permutation, tails in place
         origin.copy_(origin.gather(2, order))  # in the layer's buffer (origin is a view of it)
         self.restructured[layer] = m
         count = (top >= 0).sum(-1)[:, 0]  # same count for every kv head of a sequence
