@@ -147,6 +147,21 @@ def _filled(sink=16, page=16, window=32, lengths=(40, 90, 130, 200), appends=37,
     return grid, truth, dev, off, g
 
 
+def test_dense_keys_are_dense_keys_and_the_offloaded_store_reads_no_values():
+    """``dense_keys()`` (what scoring the whole context reads: PRKV's refresh, SnapKV, H2O, oracle) equals
+    ``dense()``'s keys on both stores; offloaded, half the bytes of ``dense()`` cross from the host."""
+    _, truth, dev, off, _ = _filled(seed=4)
+    before = off.stats.h2d_bytes
+    k = off.dense_keys().clone()
+    keys_bytes = off.stats.h2d_bytes - before
+    full_k, _ = off.dense()
+    both_bytes = off.stats.h2d_bytes - before - keys_bytes
+    assert keys_bytes > 0 and 2 * keys_bytes == both_bytes
+    for b, n in enumerate(truth.lengths()):  # rows past a length are junk
+        for got in (k, full_k, dev.dense_keys()):
+            assert torch.equal(got[b, :, :n], dev.dense()[0][b, :, :n])
+
+
 def test_fetch_pages_and_rows_are_exact():
     grid, truth, _, off, g = _filled()
     nmid = grid.num_middle_pages(off.lengths_host)

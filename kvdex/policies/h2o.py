@@ -115,7 +115,7 @@ class H2OPolicy(JoinFreePolicy):
         self._static = static
         k = None
         if layer in self.pending:
-            k = store.dense()[0]
+            k = store.dense_keys()
         self._reserve(layer, int(view.lengths_host.max()) + 1, q.new_zeros(view.batch, h))
         if k is not None:  # prefill scores from the prompt's last queries (the prompt is lengths - 1 tokens)
             qo, pos, valid = prompt_rows(self.pending.pop(layer), view.lengths - 1)

@@ -54,7 +54,7 @@ class OraclePolicy(SelectEveryOption, IndexFreePolicy):
         return ()
 
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
-        k, _ = view.store.dense()
+        k = view.store.dense_keys()
         p = group_reduce(true_attention(q, k, view.lengths, view.scale), view.kv_heads, "sum")  # [B, H, L]
         pos = torch.arange(k.shape[2], device=k.device)
         middle = (pos[None, :] >= view.sink) & (pos[None, :] < view.window_start[:, None])

@@ -134,7 +134,7 @@ class SnapKVPolicy(JoinFreePolicy):
 
     def _choose(self, layer, store, scale) -> None:
         ring_q, ring_pos, ring_valid = self.schedule.rings[layer].buffers()
-        s = middle_scores(ring_q, ring_pos, ring_valid, store.dense()[0], store.lengths, store.grid, scale,
+        s = middle_scores(ring_q, ring_pos, ring_valid, store.dense_keys(), store.lengths, store.grid, scale,
                           self.kernel, self.pooling, lengths_host=store.lengths_host)  # fmt: skip
         if self.refresh == 0 and layer in self.kept_from:
             # SnapKV compresses the prompt's middle only: positions from kept_from on are kept by _kept

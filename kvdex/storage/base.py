@@ -97,6 +97,11 @@ class LayerStore(ABC):
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All tokens on the device, left-aligned: k/v [B, H, Lmax, D] (rows past a length are junk)."""
 
+    def dense_keys(self) -> torch.Tensor:
+        """Every token's key on the device, left-aligned [B, H, Lmax, D], as :meth:`dense` gives it: what scoring
+        the whole context reads (a store that reads the middle from the host reads no values for it)."""
+        return self.dense()[0]
+
     def dense_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor | None:
         """One query per sequence, q [B, Hq, D], attending every token the store holds -> [B, Hq, D], computed by
         the store where it has a way that reads its tokens in place (e.g. vLLM's paged cache through its block

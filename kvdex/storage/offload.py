@@ -332,19 +332,34 @@ class OffloadStore(PageCacheMixin, LayerStore):
 
     def dense(self):
         """Rebuild every token on the device (oracle scoring, multi-token extends): copies the middle."""
+        k, v = self._rebuild(values=True)
+        assert v is not None
+        return k, v
+
+    def dense_keys(self) -> torch.Tensor:
+        """The keys alone (half the bytes of :meth:`dense` cross from the host)."""
+        return self._rebuild(values=False)[0]
+
+    def _rebuild(self, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         g = self.grid
         n = int(self.lengths_host.max())
         shape = (self.batch, self.kv_heads, n + 1, self.head_dim)  # row n: where invalid window rows land
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        v = torch.zeros_like(k) if values else None
         s = min(g.sink, n)
-        k[:, :, :s], v[:, :, :s] = self.k[:, :, :s], self.v[:, :, :s]
+        k[:, :, :s] = self.k[:, :, :s]
+        if v is not None:
+            v[:, :, :s] = self.v[:, :, :s]
         nmid = int(g.num_middle_pages(self.lengths_host).max())
         if nmid:
-            blocks = self.host.read_prefix(nmid)  # one DMA per (sequence, head); counts the bytes
             m = nmid * g.page_size
+            if v is not None:
+                blocks = self.host.read_prefix(nmid)  # one DMA per (sequence, head); counts the bytes
+                v[:, :, g.sink : g.sink + m] = blocks[:, :, :, 1].reshape(self.batch, self.kv_heads, m, -1)
+            else:  # the pages' keys alone (UVA on CUDA)
+                ids = torch.arange(nmid, device=self.device).expand(self.batch, self.kv_heads, nmid)
+                blocks = self.host.fetch_pages(ids, keys_only=True)
             k[:, :, g.sink : g.sink + m] = blocks[:, :, :, 0].reshape(self.batch, self.kv_heads, m, -1)
-            v[:, :, g.sink : g.sink + m] = blocks[:, :, :, 1].reshape(self.batch, self.kv_heads, m, -1)
             del blocks
         pos = self._window_slots_positions()
         ok = pos < self.lengths[:, None]
@@ -352,8 +367,9 @@ class OffloadStore(PageCacheMixin, LayerStore):
         tgt = torch.where(ok, pos, n)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         ix = slots[:, None, :, None].expand_as(tgt)
         for dst, buf in ((k, self.k), (v, self.v)):
-            dst.scatter_(2, tgt, buf.gather(2, ix))  # invalid rows land in the extra row n
-        return k[:, :, :n], v[:, :, :n]
+            if dst is not None:
+                dst.scatter_(2, tgt, buf.gather(2, ix))  # invalid rows land in the extra row n
+        return k[:, :, :n], None if v is None else v[:, :, :n]
 
     def device_bytes(self) -> int:
         # the sink + window ring and the working set the selected middle is fetched into: sized by the

@@ -126,7 +126,7 @@ class StaticSet:
         if m == 0 or ((not self.auto or layer in self.split) and not self.layer_split(layer)[0]):
             return
         origin = self._origin(layer, store, m)  # the keys are scored where they are, by their positions
-        k, _ = store.dense()
+        k = store.dense_keys()
         assert ring is not None, "a restructure before the layer's query ring"
         if self.auto and layer not in self.split:
             self.split[layer] = self.auto_split(ring, k, origin, store, scale)
