@@ -287,7 +287,9 @@ def test_a_rerun_skips_the_rows_already_measured(fake_vllm, tmp_path, capsys):
     assert quest4["vs_default"]["output_throughput"] == 0.5 and quest4["raw"]["completed"] == 2
     assert quest4["attention_backend"] == "CUSTOM" and (out / quest4["result_file"]).is_file()
     assert quest4["kvdex_messages"] == ["kvdex: a message"]
-    assert "kvdex quest" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.count("  kvdex: a message") == 2  # once per kvdex server (quest, prkv), before its rows
+    assert "kvdex quest" in printed
 
     fake_vllm.clear()
     bench.run(settings("--contexts", "1k", "--concurrency", "1,4", "--policies", "quest,prkv"), out, out / "model")

@@ -46,6 +46,7 @@ from kvdex.vllm.bench_plan import (
     serve_command,
     settings_of,
     table,
+    versions,
     with_ratios,
     write_model_dir,
 )
@@ -149,27 +150,17 @@ class Server:
             sig = 0  # sent once; from here on only: is any process of the group left (vLLM's engine core)?
             time.sleep(0.5)
 
+    def _found(self, pattern: str) -> list[str]:
+        return re.findall(pattern, self.log.read_text(errors="replace") if self.log.is_file() else "")
+
     def attention_backend(self) -> str | None:
         """The attention backend vLLM's log names (``CUSTOM`` for kvdex's, ``FLASH_ATTN``...), None if unnamed."""
-        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        found = re.findall(r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+)(?: attention)? backend", text)
+        found = self._found(r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+)(?: attention)? backend")
         return found[-1] if found else None
 
     def kvdex_messages(self) -> list[str]:
         """kvdex's warnings in the server's log so far (a kernel of vLLM's refused, decode graphs off...), once each."""
-        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        return list(dict.fromkeys(m.strip() for m in re.findall(r"kvdex: [^\n]+", text)))
-
-
-def versions() -> dict[str, str | None]:
-    """Installed versions (package metadata: nothing is imported)."""
-    out: dict[str, str | None] = {}
-    for name in ("vllm", "torch", "transformers", "kvdex"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+        return list(dict.fromkeys(m.strip() for m in self._found(r"kvdex: [^\n]+")))
 
 
 def gpu_name() -> str | None:
@@ -231,6 +222,7 @@ def run(s: dict[str, Any], out: Path, model_dir: Path, max_minutes: float = 0, r
             with Server(cmd, s["port"], out / "logs" / f"serve-{_slug(label(policy))}.log", deadline) as server:
                 startup = max(startup, server.startup_s)
                 stopped = _warm_up(out, model, policy, s, deadline)
+                print("".join(f"  {m}\n" for m in server.kvdex_messages()), end="", flush=True)  # before the rows
                 for _, c, n in (t for t in todo if t[0] == policy and not stopped):
                     stopped = _row(record, out, model, (policy, c, n), s, gpu, server, deadline)
                     save(out, record)

@@ -6,6 +6,7 @@ result, the ratios to the default backend, the table and the resumable record (`
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import re
 import shlex
@@ -122,6 +123,17 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
             "enforce_eager": args.enforce_eager, "seed": args.seed, "serve_args": args.serve_args,
             "decode_graphs": bool(getattr(args, "decode_graphs", False)), "kvdex_settings": more,
             "warmup_len": warmup, "port": args.port}  # fmt: skip
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions (package metadata: nothing is imported)."""
+    out: dict[str, str | None] = {}
+    for name in ("vllm", "torch", "transformers", "kvdex"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def num_prompts(concurrency: int, per: int) -> int:
