@@ -8,8 +8,8 @@ starts, on a small cache of the engine's own shape (its heads, head size, block 
 * :func:`vllm_cache_write`: vLLM's cache write, one launch (:func:`~kvdex.vllm.paged.write_kv`).
 
 A kernel this vLLM lacks, or one that does not compute its PyTorch form on the check's cache, is not used, and the
-reason is logged once (a warning): kvdex then runs its own path, which is correct but slower (a decode that attends
-every token gathers them from the blocks first).
+reason is logged once (a warning): kvdex then runs its own path (a decode that attends every token: kvdex's Triton
+decode over the block table on CUDA, :func:`~kvdex.kernels.triton_attention.block_table_decode_attention`).
 
 vLLM is imported inside each function, so this module imports without vLLM.
 """
@@ -27,6 +27,8 @@ from kvdex.vllm.forward import CacheWrite, PrefillAttention
 from kvdex.vllm.paged import PAD_SLOT_ID, PagedDecode, decode_attention_reference, write_kv
 
 log = logging.getLogger(__name__)
+# what runs instead of a refused FlashAttention decode (kvdex.vllm.store.PagedStore.dense_decode)
+_OWN_DECODE = "layers that attend every token run kvdex's own decode over the block table instead"
 
 
 @dataclass(frozen=True)
@@ -125,15 +127,13 @@ def flash_decode(device: torch.device | str, probe: Probe | None = None) -> Page
     try:
         got = decode(q, blocks, lengths, 4 * bs, kc, vc, scale)
     except Exception as e:  # another signature in this vLLM, or a shape its build leaves out
-        log.warning("kvdex: vLLM's FlashAttention decode failed on a cache of this engine's shape (%s: %s); layers "
-                    "that attend every token gather their tokens from the blocks instead (slower)",
-                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")  # fmt: skip
+        log.warning("kvdex: vLLM's FlashAttention decode failed on a cache of this engine's shape (%s: %s); %s",
+                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", _OWN_DECODE)  # fmt: skip
         return None
     err = (got.float() - want.float()).abs().max().item()
     if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
         log.warning("kvdex: vLLM's FlashAttention decode differs from kvdex's reference by %.3g on a cache of this "
-                    "engine's shape; layers that attend every token gather their tokens from the blocks instead",
-                    err)  # fmt: skip
+                    "engine's shape; %s", err, _OWN_DECODE)  # fmt: skip
         return None
     return decode
 
