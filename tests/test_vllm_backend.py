@@ -59,13 +59,16 @@ SPEC = SimpleNamespace(block_size=PS, num_kv_heads=H, head_size=D)
 SIZES = {"budget": 1024, "page_size": PS, "sink": 16, "window": 32, "dense_layers": 1}
 
 
-def test_a_batch_through_the_backend_is_dense_attention(backend):
+@pytest.mark.parametrize("policy", ["quest", "full"])
+def test_a_batch_through_the_backend_is_dense_attention(backend, policy):
     """Two requests (prompts of 70 and 40 tokens, then 20 decode steps each) through the builder and the
-    implementation, each step's rows reversed; every output equals dense causal attention."""
+    implementation, each step's rows reversed; every output equals dense causal attention. ``full`` keeps no
+    per-request state: each step is one batched attention over the blocks (forward_dense)."""
     kb = backend.KvdexBackend
     assert kb.get_name() == "CUSTOM" and kb.get_builder_cls() is backend.KvdexMetadataBuilder
-    builder = kb.get_builder_cls()(SPEC, ["model.layers.0.self_attn.attn"], vllm_config({"policy": "quest", **SIZES}),
+    builder = kb.get_builder_cls()(SPEC, ["model.layers.0.self_attn.attn"], vllm_config({"policy": policy, **SIZES}),
                                    torch.device("cpu"))  # fmt: skip
+    assert builder.dense == (policy == "full")
     impl = kb.get_impl_cls()(HQ, D, SCALE, H)
     caches = [torch.zeros(kb.get_kv_cache_shape(32, PS, H, D)) for _ in range(LAYERS)]
     layers = [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(LAYERS)]
@@ -102,7 +105,7 @@ def test_a_batch_through_the_backend_is_dense_attention(backend):
                 got[r][lay, done[r] : done[r] + step[r]] = out[starts[j] : starts[j + 1]].view(-1, HQ, D)
         for r in order:
             done[r] += step[r]
-    assert len(builder.table) == 2 and builder.table.made == 2
+    assert (len(builder.table), builder.table.made) == ((0, 0) if policy == "full" else (2, 2))
     for r, n in done.items():  # dense causal attention over each request's tokens
         for lay in range(LAYERS):
             x = qkv[r][lay][:n]

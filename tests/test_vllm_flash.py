@@ -87,3 +87,27 @@ def test_flash_decode_is_the_reference_and_captures(length, kernel):
     graph.replay()
     want = decode_attention_reference(q, blocks, lengths, 1280, kc, vc, 128**-0.5)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_flash_batch_is_the_reference():
+    """A step of four requests (two decode tokens, a prompt chunk in the middle of its prompt, a whole prompt) in
+    one call of vLLM's FlashAttention (:func:`kvdex.vllm.kernels.flash_batch`, a policy that attends every token)
+    equals the reference, one request at a time."""
+    from kvdex.vllm.kernels import Probe, flash_batch
+    from kvdex.vllm.paged import DenseBatch, batch_attention_reference
+
+    attend = flash_batch("cuda", Probe(32, 8, 128, 16))
+    if attend is None:
+        pytest.skip("this vLLM has no FlashAttention varlen kernel here")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    bs, h, hq, d = 16, 8, 32, 128
+    kc, vc = (torch.randn(400, bs, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lens, queries = [1000, 37, 700, 90], [1, 1, 128, 90]
+    rows = torch.randperm(400, device="cuda", generator=g)[: 4 * 70].view(4, 70).int()
+    qsl = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    batch = DenseBatch(qsl, torch.tensor(lens, dtype=torch.int32, device="cuda"), rows, max(queries), max(lens))
+    q = torch.randn(sum(queries), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    got, want = torch.zeros_like(q), torch.zeros_like(q)
+    attend(q, batch, kc, vc, d**-0.5, got)
+    batch_attention_reference(q, batch, kc, vc, d**-0.5, want)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from kvdex.vllm.config import settings_from
-from kvdex.vllm.forward import CacheWrite, PrefillAttention, forward_layer
-from kvdex.vllm.kernels import Probe, flash_decode, flash_prefill, vllm_cache_write
-from kvdex.vllm.paged import check_block_size, kv_cache_shape, split_kv, write_kv
+from kvdex.vllm.forward import CacheWrite, PrefillAttention, forward_dense, forward_layer
+from kvdex.vllm.kernels import Probe, flash_batch, flash_decode, flash_prefill, vllm_cache_write
+from kvdex.vllm.paged import BatchAttention, DenseBatch, check_block_size, kv_cache_shape, split_kv, write_kv
 from kvdex.vllm.requests import RequestState, RequestTable, Row, geometry_of
 
 # vLLM's attention interfaces: vllm.v1.attention.backend in recent vLLM, earlier spread over these modules
@@ -70,6 +70,8 @@ class KvdexMetadata:
     causal: Any = True  # bool, or a per-request tensor in recent vLLM (kvdex attends causally)
     prefill: PrefillAttention | None = None  # prompt chunks' attention (None: kvdex's PyTorch path)
     write: CacheWrite | None = None  # the step's cache write (None: kvdex's PyTorch path)
+    dense: DenseBatch | None = None  # a policy that attends every token: the whole batch, no rows (forward_dense)
+    attend: BatchAttention | None = None  # the dense batch's attention (None: kvdex's PyTorch path)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -115,7 +117,12 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         probe = Probe(geometry.q_heads, geometry.kv_heads, geometry.head_dim, geometry.block_size,
                       cache_dtype(vllm_config, kv_cache_spec))  # fmt: skip
         self.write = vllm_cache_write(device, probe) if cuda else None
-        decode = flash_decode(device, probe) if cuda else None
+        # a policy that attends every token (full) needs no per-request state: the whole batch in one call, with
+        # vLLM's FlashAttention on CUDA (where it is refused there, the requests run one by one, as other policies)
+        everything = not settings.make_policy().uses_budget
+        self.attend = flash_batch(device, probe) if cuda and everything else None
+        self.dense = everything and (self.attend is not None or not cuda)
+        decode = flash_decode(device, probe) if cuda and not self.dense else None
         self.table = RequestTable(
             lambda caches: RequestState(settings, geometry, caches=caches, decode=decode),
             geometry.block_size, settings.max_idle_steps,
@@ -125,6 +132,8 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
         cm = common_attn_metadata
         n = int(cm.num_reqs)
         qsl = cm.query_start_loc_cpu[: n + 1]
+        if self.dense:
+            return self._dense(cm, n)
         seq_lens = cm.seq_lens[:n].cpu()  # exact lengths (a host copy; the CPU mirror may be an upper bound)
         prefilling = getattr(cm, "is_prefilling", None)  # recent vLLM: requests with prompt tokens left
         prefilling = None if prefilling is None else prefilling[:n].cpu()
@@ -134,6 +143,18 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
             max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len), query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, causal=getattr(cm, "causal", True),
             prefill=self.prefill, write=self.write,
+        )  # fmt: skip
+
+    def _dense(self, cm: Any, n: int) -> KvdexMetadata:
+        """A dense policy's step: vLLM's own batch tensors (on the device, as its FlashAttention takes them)."""
+        qsl = cm.query_start_loc if cm.query_start_loc is not None else cm.query_start_loc_cpu
+        qsl, lens, table = (x.to(device=self.device, dtype=torch.int32)
+                            for x in (qsl[: n + 1], cm.seq_lens[:n], cm.block_table_tensor[:n]))  # fmt: skip
+        batch = DenseBatch(qsl, lens, table, int(cm.max_query_len), int(cm.max_seq_len))
+        return KvdexMetadata(
+            rows=[], num_actual_tokens=int(cm.num_actual_tokens), slot_mapping=cm.slot_mapping,
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, query_start_loc=qsl,
+            seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, write=self.write, dense=batch, attend=self.attend,
         )  # fmt: skip
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any) -> KvdexMetadata:
@@ -212,7 +233,8 @@ class KvdexImpl(AttentionImpl):
             output = torch.zeros(query.shape[0], width, dtype=query.dtype, device=query.device)
         if isinstance(attn_metadata, dict):
             attn_metadata = attn_metadata.get(getattr(layer, "layer_name", ""))
-        if attn_metadata is None or not attn_metadata.rows:  # vLLM's profiling and dummy runs: no request
+        dense = None if attn_metadata is None else attn_metadata.dense
+        if attn_metadata is None or not (attn_metadata.rows or dense):  # vLLM's profiling and dummy runs
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         out = output.view(-1, self.num_heads, self.head_size)
@@ -221,6 +243,10 @@ class KvdexImpl(AttentionImpl):
         v = value.view(-1, self.num_kv_heads, self.head_size)[:n]
         k_cache, v_cache = split_kv(kv_cache)
         slots = attn_metadata.slot_mapping[:n]
+        if dense is not None:
+            forward_dense(dense, q, k, v, k_cache, v_cache, slots, self.scale, out[:n], attend=attn_metadata.attend,
+                          write=attn_metadata.write)  # fmt: skip
+            return output
         forward_layer(attn_metadata.rows, self.layer_of(layer), q, k, v, k_cache, v_cache, slots, self.scale, out[:n],
                       prefill=attn_metadata.prefill, write=attn_metadata.write)  # fmt: skip
         return output

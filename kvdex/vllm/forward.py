@@ -12,6 +12,10 @@ own state:
   window + the selection from vLLM's blocks and kvdex's decode attention runs over it;
 * ``extend`` (several tokens after the indexed prompt): appended (pages that join the middle are indexed) and
   attended densely, as kvdex's own multi-token step does (``LayerEngine.attention``).
+
+A policy that attends every token (``full``: no index, no selection) keeps no per-request state: its layers run
+:func:`forward_dense`, the whole step's batch in one attention call over the blocks (vLLM's FlashAttention where
+the backend passes it), as vLLM's own backend does.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvdex.vllm.paged import prefill_attention_reference, write_kv
+from kvdex.vllm.paged import (
+    BatchAttention,
+    DenseBatch,
+    batch_attention_reference,
+    prefill_attention_reference,
+    write_kv,
+)
 from kvdex.vllm.requests import Row
 
 #: ``(q [n, Hq, D], block-table row, seq_len, k_cache, v_cache, scale) -> [n, Hq, D]``: a prompt chunk's attention
@@ -96,4 +106,27 @@ def _request(
     out = engine.attention(q, k, v, None, scale)
     if steps is not None and steps.in_step and layer == len(state.layers) - 1:
         steps.end()  # an eager step the step graphs planned
+    return out
+
+
+def forward_dense(
+    batch: DenseBatch,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    attend: BatchAttention | None = None,
+    write: CacheWrite | None = None,
+) -> torch.Tensor:
+    """A layer of a step of a policy that attends every token, for the whole batch at once: the step's keys and
+    values written at ``slot_mapping``, then each request's queries attend causally to its tokens in the blocks
+    (``attend``: default :func:`~kvdex.vllm.paged.batch_attention_reference`; the backend passes vLLM's
+    FlashAttention). Shapes as :func:`forward_layer`; returns ``out``."""
+    t = query.shape[0]
+    (write or write_kv)(k_cache, v_cache, slot_mapping[:t], key[:t], value[:t])
+    (attend or batch_attention_reference)(query, batch, k_cache, v_cache, scale, out)
     return out

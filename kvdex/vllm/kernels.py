@@ -5,6 +5,8 @@ starts, on a small cache of the engine's own shape (its heads, head size, block 
   (:func:`~kvdex.vllm.paged.prefill_attention_reference` is its PyTorch form);
 * :func:`flash_decode`: vLLM's FlashAttention as the decode of a layer that attends every token, in place over the
   request's blocks (:func:`~kvdex.vllm.paged.decode_attention_reference`);
+* :func:`flash_batch`: vLLM's FlashAttention over a whole step's batch, for a policy that attends every token
+  (:func:`~kvdex.vllm.paged.batch_attention_reference`);
 * :func:`vllm_cache_write`: vLLM's cache write, one launch (:func:`~kvdex.vllm.paged.write_kv`).
 
 A kernel this vLLM lacks, or one that does not compute its PyTorch form on the check's cache, is not used, and the
@@ -24,11 +26,21 @@ from typing import Any
 import torch
 
 from kvdex.vllm.forward import CacheWrite, PrefillAttention
-from kvdex.vllm.paged import PAD_SLOT_ID, PagedDecode, decode_attention_reference, write_kv
+from kvdex.vllm.paged import (
+    PAD_SLOT_ID,
+    BatchAttention,
+    DenseBatch,
+    PagedDecode,
+    batch_attention_reference,
+    decode_attention_reference,
+    write_kv,
+)
 
 log = logging.getLogger(__name__)
 # what runs instead of a refused FlashAttention decode (kvdex.vllm.store.PagedStore.dense_decode)
 _OWN_DECODE = "layers that attend every token run kvdex's own decode over the block table instead"
+# what runs instead of a refused batched FlashAttention (kvdex.vllm.backend: a policy that attends every token)
+_OWN_BATCH = "the policy's requests run one by one through kvdex's engine instead"
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,49 @@ def flash_decode(device: torch.device | str, probe: Probe | None = None) -> Page
                     "engine's shape; %s", err, _OWN_DECODE)  # fmt: skip
         return None
     return decode
+
+
+def flash_batch(device: torch.device | str, probe: Probe | None = None) -> BatchAttention | None:
+    """vLLM's FlashAttention varlen kernel over a whole step's batch on the paged cache (prompt chunks and decode
+    tokens alike, each request's queries causal over its tokens), with the contract of
+    :func:`~kvdex.vllm.paged.batch_attention_reference`: what vLLM's own backend runs, for a policy that attends
+    every token. None, with the reason logged, where this vLLM has no such kernel or where it does not compute the
+    reference on a small two-request cache of ``device`` shaped as ``probe`` says (checked once, here)."""
+    fa_utils = _fa_utils()
+    if fa_utils is None:
+        return None
+    version = _fa_version(fa_utils)
+
+    def attend(q: torch.Tensor, batch: DenseBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:  # fmt: skip
+        fa_utils.flash_attn_varlen_func(
+            q=q, k=k_cache, v=v_cache, out=out, max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len,
+            softmax_scale=scale, cu_seqlens_q=batch.query_start_loc, seqused_k=batch.seq_lens, causal=True,
+            block_table=batch.block_table, **version(q.shape[-1]),
+        )  # fmt: skip
+
+    p = probe or Probe()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bs, scale = p.block_size, p.head_dim**-0.5
+    kc, vc = (torch.randn(8, bs, p.kv_heads, p.head_dim, generator=g).to(device, p.dtype) for _ in range(2))
+    q = torch.randn(4, p.q_heads, p.head_dim, generator=g).to(device, p.dtype)  # 1 decode token, a 3-token chunk
+    qsl, lens, table = (torch.tensor(x, dtype=torch.int32, device=device)
+                        for x in ([0, 1, 4], [2 * bs + 5, bs + 3], [[5, 2, 7], [1, 6, 0]]))  # fmt: skip
+    batch = DenseBatch(qsl, lens, table, 3, 2 * bs + 5)
+    want, got = torch.zeros_like(q), torch.zeros_like(q)
+    batch_attention_reference(q, batch, kc, vc, scale, want)
+    try:
+        attend(q, batch, kc, vc, scale, got)
+    except Exception as e:  # another signature in this vLLM, or a shape its build leaves out
+        log.warning("kvdex: vLLM's FlashAttention failed on a batch of this engine's shape (%s: %s); %s",
+                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", _OWN_BATCH)  # fmt: skip
+        return None
+    if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+        err = (got.float() - want.float()).abs().max().item()
+        log.warning("kvdex: vLLM's FlashAttention differs from kvdex's reference by %.3g on a batch of this "
+                    "engine's shape; %s", err, _OWN_BATCH)  # fmt: skip
+        return None
+    return attend
 
 
 def vllm_cache_write(device: torch.device | str, probe: Probe | None = None) -> CacheWrite | None:

@@ -15,6 +15,7 @@ the sink a whole number of pages, so that kvdex's middle page ``g`` is exactly t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -112,6 +113,40 @@ def prefill_attention_reference(
 
     k, v = request_kv(blocks, seq_len, k_cache, v_cache)
     return causal_chunk_attention(q.transpose(0, 1).unsqueeze(0), k, v, scale)[0]
+
+
+@dataclass(frozen=True)
+class DenseBatch:
+    """A step's batch as a policy that attends every token needs it: vLLM's per-request query offsets [n + 1],
+    lengths after the step [n] and block-table rows [n, max_blocks] (device tensors, as vLLM's own FlashAttention
+    takes them), with the bounds ``max_query_len`` / ``max_seq_len``."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+#: ``(q [T, Hq, D], batch, k_cache, v_cache, scale, out [T, Hq, D]) -> None``: every request's queries of the step
+#: attending causally to its tokens in the paged cache, written into ``out`` (:func:`batch_attention_reference` is
+#: its PyTorch form, vLLM's FlashAttention varlen kernel its CUDA form)
+BatchAttention = Callable[[torch.Tensor, DenseBatch, torch.Tensor, torch.Tensor, float, torch.Tensor], None]
+
+
+def batch_attention_reference(
+    q: torch.Tensor, batch: DenseBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """Each request's queries ``q[start:end]`` (its offsets in ``batch.query_start_loc``) attending causally to its
+    first ``seq_lens`` tokens (:func:`prefill_attention_reference`, one request at a time), into ``out``; rows
+    with no query or no token are left as they are."""
+    qsl = batch.query_start_loc.tolist()
+    lens = batch.seq_lens.tolist()
+    for i, n in enumerate(lens):
+        s, e = int(qsl[i]), int(qsl[i + 1])
+        if e > s and n > 0:
+            o = prefill_attention_reference(q[s:e], batch.block_table[i], int(n), k_cache, v_cache, scale)
+            out[s:e] = o.to(out.dtype)
 
 
 #: ``(q [1, Hq, D], block-table row, lengths [1] (device), capacity, k_cache, v_cache, scale) -> [1, Hq, D]``: a
