@@ -34,6 +34,8 @@ LAYER_Q = "chess:anchor_from=query:scope=layer"
         "rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=0.25",
         "units=digest:trigger=always",
         "units=digest:rerank=4:rerank_unit=page:rerank_group=weight:rerank_share=0.25",
+        "refine=digest",
+        "refine=exact",
     ],  # fmt: skip
 )
 def test_covering_budget_is_dense(family, opts, offload):
@@ -229,6 +231,9 @@ def test_no_all_reduce_and_heads_select_independently():
         (dict(units="digest", scope="shared"), "units='digest' .* needs scope='layer' and anchor_from='query'"),
         (dict(units="digest", anchor_from="window"), "units='digest' .* needs scope='layer' and anchor_from="),
         (dict(units="digest", group="sum"), "units='digest' reduces .* by their max .*: drop group='sum'"),
+        (dict(refine="topk"), "refine must be one of none, digest, exact"),
+        (dict(refine="exact", rerank=0), "refine='exact' picks among .* needs rerank >= 1 and rerank_unit='page'"),
+        (dict(refine="digest", units="mean", rerank=4, rerank_unit="page"), "refine='digest' .* needs units='digest'"),
     ],
 )
 def test_bad_layer_options(opts, pattern):
@@ -241,6 +246,8 @@ def test_bad_layer_options(opts, pattern):
 GRAPH_SPECS = [
     f"{LAYER_Q}:trigger=interval:interval=5",
     f"{LAYER_Q}:units=digest:trigger=interval:interval=5",
+    f"{LAYER_Q}:refine=digest:trigger=interval:interval=5",
+    f"{LAYER_Q}:refine=exact:trigger=interval:interval=5",
     f"{LAYER_Q}:trigger=uncertainty:check_every=4:entropy_threshold=0.0:varentropy_threshold=0.0",
     f"{LAYER_Q}:trigger=always",
     f"{LAYER_Q}:preset=moderate:trigger=interval:interval=7",
@@ -286,7 +293,8 @@ def test_rebuild_steps_are_eager(tiny):
 @pytest.mark.parametrize("storage", ["device", "offload"])
 @pytest.mark.parametrize(
     "spec",
-    [f"{LAYER_Q}:trigger=interval:interval=5", f"{LAYER_Q}:check_every=4", f"{LAYER_Q}:units=digest:check_every=4"],
+    [f"{LAYER_Q}:trigger=interval:interval=5", f"{LAYER_Q}:check_every=4", f"{LAYER_Q}:units=digest:check_every=4",
+     f"{LAYER_Q}:refine=digest:check_every=4", f"{LAYER_Q}:refine=exact:trigger=interval:interval=5"],  # fmt: skip
 )
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -366,6 +374,24 @@ def test_digest_units_flat_hierarchy_attends_arkvales_pages():
         layers = len(cache.policy.info.sparse_layers)
         assert chess[:layers] == ark[:layers], extra  # the first decode step: the same pages
         _assert_kept_between_rebuilds(chess, layers)  # trigger=never
+
+
+@pytest.mark.parametrize("refine,other", [("digest", "arkvale"), ("exact", f"quest:{PAGE_UNIT}")])
+def test_refine_picks_each_steps_best_candidates(refine, other):
+    """``refine`` (kvdex option): a build keeps its candidates (here, with the share 1.0 and a flat hierarchy,
+    every middle page) and every decode step picks their best pages for its own queries: by the digests
+    (``arkvale``'s pages, which it scores every step) or by the keys' exact softmax weights (``quest``'s page
+    unit over every page). Never rebuilt, unlike the default (the pages kept since the build), it follows them
+    at every step."""
+    model, _ = shared_pair("llama_gqa")
+    ids, mask, _ = left_padded([300, 230], seed=4)
+    spec = f"{LAYER_Q}:units=digest:chunk_pages=1:grid_chunks=1:trigger=never:{PAGE_UNIT}"
+    cache, got = _attended(model, ids, mask, f"{spec}:refine={refine}")
+    _, want = _attended(model, ids, mask, other)
+    _, kept = _attended(model, ids, mask, spec)
+    assert cache.policy.rebuilds == 0
+    assert got == want
+    assert got != kept  # the default keeps the build's pages: some later step differs
 
 
 def test_max_levels_bound_their_pages():

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from kvdex.kernels.scoring import group_reduce
+from kvdex.kernels.scoring import digest_scores, group_reduce, topk_ids
 from kvdex.policies.arkvale import _ids
 from kvdex.policies.chess.hierarchy import Hierarchy
 from kvdex.policies.chess.levels import mask_to_ids, max_levels, pad, trim, window_anchor, window_keys
@@ -69,6 +69,7 @@ class LayerScope:
         self.pages: dict[int, torch.Tensor] = {}  # layer -> [B, H, W] page ids, -1 padded (the layer's device)
         self.static: dict[int, torch.Tensor] = {}  # layer -> persistent [B, H, W'] buffer (CUDA-graph decoding)
         self.covering: dict[int, torch.Tensor] = {}  # layer -> [B] bool (CPU): the last build kept every page
+        self.filled: dict[int, torch.Tensor] = {}  # refine: layer -> [B] (CPU) columns of candidates in use
         self.pending: torch.Tensor | None = None  # [B] bool (CPU): sequences rebuilt at the next select
         self.todo: set[int] = set()  # layers that have not rebuilt the pending sequences yet
 
@@ -120,8 +121,8 @@ class LayerScope:
             mask = hier.select_pages(flat[0], flat[1], flat[2], npages.repeat_interleave(h), k=k)[2]
             ids = mask_to_ids(mask).view(b, h, -1).to(store.device)
             kept = mask.sum(1).view(b, h)
-            if page_unit:  # the candidates' best pages by their keys' exact scores (a set, -1 padded)
-                best = rerank_pages(q, view, ids, st.retrieval_pages, st.rerank_group)
+            if page_unit and st.refine == "none":  # the candidates' best pages by their keys' exact scores
+                best = rerank_pages(q, view, ids, st.retrieval_pages, st.rerank_group)  # (a set, -1 padded)
                 ids = trim(best.sort(dim=-1, descending=True).values)  # the chosen ids first
                 kept = (ids >= 0).sum(-1)
             kept = kept.cpu()
@@ -134,6 +135,8 @@ class LayerScope:
         covering = (kept.min(1).values >= npages) & (not st.ratio_mode)
         prev = self.covering.get(layer)
         self.covering[layer] = covering if prev is None or rows is None else torch.where(rows, covering, prev)
+        if st.refine != "none":
+            self.filled[layer] = (ids >= 0).sum(-1).amax(1).cpu()  # ids are left-packed
         self._publish(layer, ids)
         self.log.selected_pages.append(float(kept[rows].float().mean()) if rows is not None and rows.any() else 0.0)
         self.todo.discard(layer)
@@ -145,21 +148,28 @@ class LayerScope:
             sync()
             self.log.rebuild_ms += (time.perf_counter() - t0) * 1e3
 
-    def _publish(self, layer: int, ids: torch.Tensor) -> None:
+    def _publish(self, layer: int, ids: torch.Tensor, refill: bool = True) -> None:
+        """``ids`` become the layer's pages, copied into its persistent buffer (``refill``: cleared first; a
+        wider ``ids`` drops the buffer: a new one at the next static select, an eager step)."""
         self.pages[layer] = ids
         buf = self.static.get(layer)
         if buf is None:
             return
         if ids.shape[2] > buf.shape[2]:
-            del self.static[layer]  # wider than the buffer: a new one at the next static select (eager)
+            del self.static[layer]
             return
-        buf.fill_(-1)
+        if refill:
+            buf.fill_(-1)
         buf[..., : ids.shape[2]] = ids.to(buf.device)
 
     # ---- between rebuilds ----------------------------------------------------------------------------
     def cover(self, layer: int, update: MiddleUpdate) -> None:
         """Budget mode: a sequence whose last build kept every middle page of ``layer`` keeps every
-        page that joins it while the budget has room (the layer-scope twin of ``SharedScope.cover``)."""
+        page that joins it while the budget has room (the layer-scope twin of ``SharedScope.cover``).
+        With ``refine`` every page that joins the middle becomes a candidate of its sequence instead."""
+        if self.settings.refine != "none":
+            self._join_candidates(layer, update)
+            return
         cov = self.covering.get(layer)
         if cov is None or not bool(cov.any()) or layer not in self.pages:
             return
@@ -182,6 +192,23 @@ class LayerScope:
             out = torch.stack([pad(r, width) for r in rows])
             self._publish(layer, out.to(self.pages[layer].device))
 
+    def _join_candidates(self, layer: int, update: MiddleUpdate) -> None:
+        """``refine``: the pages of ``update`` join their sequences' candidates (every head's) until the next
+        build, written in place into the persistent buffer while it has room (else it is dropped: the next
+        step runs eagerly and allocates a wider one)."""
+        ids, filled = self.pages.get(layer), self.filled.get(layer)
+        rows = torch.nonzero(update.count > 0).flatten().tolist()
+        if ids is None or filled is None or not rows:
+            return
+        need = max(int(filled[b] + update.count[b]) for b in rows)
+        if need > ids.shape[2]:
+            ids = pad(ids, need + max(1, need // 4))
+        for b in rows:
+            start, count, col = int(update.start[b]), int(update.count[b]), int(filled[b])
+            ids[b, :, col : col + count] = torch.arange(start, start + count, device=ids.device)
+            filled[b] = col + count
+        self._publish(layer, ids, refill=False)
+
     # ---- select / CUDA graphs ------------------------------------------------------------------------
     def select(self, q: torch.Tensor, view: LayerView) -> Selection:
         layer, store = view.layer, view.store
@@ -190,17 +217,38 @@ class LayerScope:
         ids = self.pages.get(layer)
         if ids is None:
             return Selection(pages=view.no_ids(q.device))
+        st = self.settings
         if view.static:
             buf = self.static.get(layer)
             if buf is None:  # allocated in an eager step (the graph key changes)
                 w = ids.shape[2]
-                st = self.settings
-                width = max(w, st.budget_pages) if not st.ratio_mode else w + max(1, w // 4)
+                wide = st.ratio_mode or st.refine != "none"  # room for a wider next build
+                width = w + max(1, w // 4) if wide else max(w, st.budget_pages)
                 buf = torch.full((*ids.shape[:2], width), -1, dtype=torch.long, device=store.device)
                 buf[..., :w] = ids
                 self.static[layer] = buf
-            return Selection(pages=buf)
+            ids = buf
+        if st.refine != "none":  # the held ids are a build's candidates: this step's best of them
+            return Selection(pages=self.refine(layer, q, view, ids))
         return Selection(pages=ids)
+
+    def refine(self, layer: int, q: torch.Tensor, view: LayerView, pages: torch.Tensor) -> torch.Tensor:
+        """``refine``: the best ``retrieval_pages`` of the held candidate ``pages`` [B, H, C] (-1 padded) for this
+        step's queries q [B, Hq, D]: by ArkVale's digest estimate (``digest``; the group's max, as a build scores
+        pages) or by their keys' exact softmax weights (``exact``, :func:`rerank_pages`). Fixed shapes, no host
+        read: a captured step replays it."""
+        st = self.settings
+        if st.refine == "exact":
+            return rerank_pages(q, view, pages, st.retrieval_pages, st.rerank_group)
+        assert self.digests is not None, "refine=digest scores the pages' digests (units='digest')"
+        b, h, c = pages.shape
+        at = pages.clamp(min=0)[..., None]
+        centre, radius = self.digests.centre[layer], self.digests.radius[layer]
+        centre = centre.gather(2, at.expand(-1, -1, -1, centre.shape[-1]))
+        radius = radius.gather(2, at.expand(-1, -1, -1, radius.shape[-1]))
+        score = digest_scores(q, centre, radius).view(b, h, -1, c).amax(2)  # [B, H, C]
+        best = topk_ids(score.masked_fill(pages < 0, float("-inf")), st.retrieval_pages, ordered=False)
+        return torch.where(best >= 0, pages.gather(2, best.clamp(min=0)), -1)
 
     def graph_key(self) -> tuple | None:
         if self.pending is not None:

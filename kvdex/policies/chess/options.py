@@ -50,3 +50,51 @@ def resolve_selection_options(policy: _ModeHost) -> None:
     ratio_mode = bool(policy.preset) or any(r is not None for r in (policy.rho_g, policy.rho_c, policy.rho_p))
     kvdex_mode = policy.scope == "layer" and policy.anchor_from == "query" and not ratio_mode
     resolve_selection(policy, DEFAULT_SELECTION, PLAIN_SELECTION, allowed=kvdex_mode)
+
+
+class _Checked(_ModeHost, Protocol):
+    """What :func:`check_selection_options` reads of a ``chess`` policy."""
+
+    @property
+    def group(self) -> str: ...
+    @property
+    def units(self) -> str: ...
+    @property
+    def rerank(self) -> int: ...
+    @property
+    def rerank_unit(self) -> str: ...
+    @property
+    def rerank_share(self) -> float: ...
+    @property
+    def refine(self) -> str: ...
+
+
+def check_selection_options(policy: _Checked) -> None:
+    """ValueError (with the fix) for a combination of selection options that does not go together."""
+    if policy.group != "max" and not (policy.scope == "layer" and policy.anchor_from == "query"):
+        raise ValueError(
+            f"group={policy.group!r} reduces query heads' scores per kv head: it needs scope='layer' and "
+            "anchor_from='query' (the shared scope scores with each group's mean query)"
+        )
+    if policy.units == "digest" and not (policy.scope == "layer" and policy.anchor_from == "query"):
+        raise ValueError(
+            "units='digest' scores each layer's pages by its decode queries against the pages' digests: it "
+            "needs scope='layer' and anchor_from='query'"
+        )
+    if policy.units == "digest" and policy.group != "max":
+        raise ValueError(f"units='digest' reduces a group's digest estimates by their max (ArkVale's rule): "
+                         f"drop group={policy.group!r}")  # fmt: skip
+    if policy.rerank_unit == "page" and policy.scope != "layer":
+        raise ValueError("rerank_unit='page' picks each layer's pages at its build: it needs scope='layer'")
+    if policy.rerank_share and policy.rerank_unit != "page":
+        raise ValueError(
+            "chess keeps its token rerank's candidate pages between rebuilds, sized once by its budget: "
+            "rerank_share needs rerank_unit='page' (the candidates sized at each build), or use rerank=N "
+            "to widen chess's pool"
+        )
+    if policy.refine != "none" and not (policy.rerank and policy.rerank_unit == "page"):
+        raise ValueError(f"refine={policy.refine!r} picks among a build's candidate pages at every step: it needs "
+                         "rerank >= 1 and rerank_unit='page' (kvdex's default selection)")  # fmt: skip
+    if policy.refine == "digest" and policy.units != "digest":
+        raise ValueError("refine='digest' scores the candidates by their pages' digests: it needs units='digest' "
+                         "(kvdex's default selection), or use refine='exact'")  # fmt: skip

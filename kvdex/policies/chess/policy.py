@@ -60,6 +60,7 @@ from kvdex.policies.chess.options import (
     DEFAULT_CHUNK_PAGES,
     DEFAULT_GRID_CHUNKS,
     DEFAULT_INTERVAL_PAGES,
+    check_selection_options,
     resolve_selection_options,
 )
 from kvdex.policies.chess.scope import BuildLog, ScopeSettings
@@ -127,6 +128,10 @@ class ChessPolicy(NamedOptions, RerankOption, Policy):  # rerank: budget mode on
     rerank_group: Literal["max", "weight"] = "weight"
     rerank_share: float = 0.25
     rerank_unit: Literal["token", "page"] = "page"
+    # none: a build's chosen pages are attended until the next build; digest / exact: a build keeps its candidates
+    # and every decode step picks their best pages by this step's queries (ArkVale's digest estimate, or the keys'
+    # exact softmax weights): a kvdex option (layer_scope.py), not in the paper
+    refine: Literal["none", "digest", "exact"] = "none"
 
     def __post_init__(self) -> None:
         resolve_selection_options(self)
@@ -148,27 +153,7 @@ class ChessPolicy(NamedOptions, RerankOption, Policy):  # rerank: budget mode on
             v = getattr(self, n)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{n} must be an int >= 0 (0: the default), got {v!r}")
-        if self.group != "max" and not (self.scope == "layer" and self.anchor_from == "query"):
-            raise ValueError(
-                f"group={self.group!r} reduces query heads' scores per kv head: it needs scope='layer' and "
-                "anchor_from='query' (the shared scope scores with each group's mean query)"
-            )
-        if self.units == "digest" and not (self.scope == "layer" and self.anchor_from == "query"):
-            raise ValueError(
-                "units='digest' scores each layer's pages by its decode queries against the pages' digests: it "
-                "needs scope='layer' and anchor_from='query'"
-            )
-        if self.units == "digest" and self.group != "max":
-            raise ValueError(f"units='digest' reduces a group's digest estimates by their max (ArkVale's rule): "
-                             f"drop group={self.group!r}")  # fmt: skip
-        if self.rerank_unit == "page" and self.scope != "layer":
-            raise ValueError("rerank_unit='page' picks each layer's pages at its build: it needs scope='layer'")
-        if self.rerank_share and self.rerank_unit != "page":
-            raise ValueError(
-                "chess keeps its token rerank's candidate pages between rebuilds, sized once by its budget: "
-                "rerank_share needs rerank_unit='page' (the candidates sized at each build), or use rerank=N "
-                "to widen chess's pool"
-            )
+        check_selection_options(self)
         if self.rerank and self.ratios is not None:
             raise ValueError(
                 "rerank > 0 needs budget mode (its candidates are rerank x the budget's pages): "
@@ -208,7 +193,7 @@ class ChessPolicy(NamedOptions, RerankOption, Policy):  # rerank: budget mode on
             sparse_layers=info.sparse_layers, page_size=ps, retrieval_tokens=r, retrieval_pages=cfg.retrieval_pages,
             timing=cfg.timing, budget_pages=self.budget_pages, ratio_mode=self.ratios is not None,
             anchor_from=self.anchor_from, group=self.group, rerank=self.rerank, rerank_unit=self.rerank_unit,
-            rerank_group=self.rerank_group, rerank_share=float(self.rerank_share),
+            rerank_group=self.rerank_group, rerank_share=float(self.rerank_share), refine=self.refine,
         )  # fmt: skip
         self.digests = DigestIndex("cuboid-mean") if self.units == "digest" else None  # units="digest"
         self.layer_scope = (

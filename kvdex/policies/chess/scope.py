@@ -30,6 +30,7 @@ class ScopeSettings:
     rerank_unit: str
     rerank_group: str
     rerank_share: float
+    refine: str = "none"  # none | digest | exact: how each step picks among a build's candidates
 
 
 @dataclass
