@@ -10,7 +10,8 @@ request states (:mod:`kvdex.vllm.requests`) and the per-layer forward (:mod:`kvd
   :class:`KvdexMetadata`. Its CUDA-graph support is ``NEVER``: vLLM runs kvdex's attention eagerly, between the
   pieces of its piecewise CUDA graphs (the rest of the model stays captured);
 * :class:`KvdexImpl` runs one layer: the step's keys and values are written into the layer's cache at the slot
-  mapping, then each request prefills densely or decodes over its policy's selection;
+  mapping, then each request prefills densely or decodes over its policy's selection (a policy that attends
+  every token, ``full``: the whole batch in one attention call, no per-request state, ``forward_dense``);
 * the KV cache layout is :func:`kvdex.vllm.paged.kv_cache_shape`.
 """
 
