@@ -207,6 +207,10 @@ def test_ratios_are_to_the_default_row_of_the_same_context_concurrency_and_gpu()
     assert len(text) == 7
     line = next(t for t in text if t.startswith("kvdex quest") and " 8 " in t)
     assert line.split()[-3:] == ["2.00", "0.50", "1.00"] and "800.0" in line
+    assert line.split()[-5:-3] == ["-", "-"]  # no whole result: no inter-token latencies
+    with_itl = row("quest", 32768, 8, 800.0, 10.0, 4000.0, raw=fake_result(800.0, 10.0, 4000.0, p99_itl_ms=250.0))
+    line = next(t for t in table([rows[2], with_itl]).splitlines() if t.startswith("kvdex quest"))
+    assert line.split()[-5:-3] == ["10.0", "250.0"]
     errored = row("chess", 32768, 1, 0, 0, 0) | {"status": "error", "metrics": None}
     assert next(t for t in table([*rows[:2], errored]).splitlines() if "chess" in t).split()[5] == "error"
 

@@ -19,6 +19,7 @@ from kvdex.bench.report import ctx, fmt
 
 DEFAULT_ROW = "default"  # vLLM's default attention backend (dense FlashAttention on a Hopper GPU)
 METRICS = ("output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms")  # keys of vLLM's result JSON
+ITL = ("median_itl_ms", "p99_itl_ms")  # printed from a row's whole result where it has them
 # settings a resumed run shares with the rows already recorded (the grid itself may grow)
 SAME = ("shape", "budget", "output_len", "prompts_per_concurrency", "request_rate", "gpu_memory_utilization",
         "enforce_eager", "seed", "serve_args", "decode_graphs", "kvdex_settings", "warmup_len")  # fmt: skip
@@ -247,7 +248,7 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as text; ``x``: over the default backend's row (tok/s above 1, TPOT and TTFT below 1: faster)."""
     head = ("backend", "context", "conc", "prompts", "out tok/s", "TPOT med ms", "TPOT mean ms", "TTFT med ms",
-            "tok/s x", "TPOT med x", "TTFT med x")  # fmt: skip
+            "ITL med ms", "ITL p99 ms", "tok/s x", "TPOT med x", "TTFT med x")  # fmt: skip
     lines: list[tuple[str, ...]] = [head]
     gpus = {r.get("gpu") for r in rows}
     for r in sorted(with_ratios(rows), key=lambda r: (str(r.get("gpu")), r["context"], r["concurrency"],
@@ -256,6 +257,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         name += f" ({r.get('gpu')})" if len(gpus) > 1 else ""
         m, x = r.get("metrics") or {}, r.get("vs_default") or {}
         cells = [fmt(m.get(k), ".1f") for k in METRICS] if r["status"] == "ok" else [r["status"], "", "", ""]
+        raw = r.get("raw") or {}  # the inter-token latencies: a TPOT mean far above its median is a few slow steps
+        cells += [fmt(raw.get(k), ".1f") if r["status"] == "ok" else "" for k in ITL]
         ratios = [fmt(x.get(k), ".2f") for k in ("output_throughput", "median_tpot_ms", "median_ttft_ms")]
         lines.append((name, ctx(r["context"]), str(r["concurrency"]), str(r["num_prompts"]), *cells, *ratios))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
