@@ -182,6 +182,21 @@ def test_read_result(tmp_path):
         read_result(path)
 
 
+def test_read_result_keeps_the_slowest_tokens_and_drops_the_texts(tmp_path):
+    """``--save-detailed``'s per-request inter-token latencies (seconds) give the row's slowest output tokens (index
+    in the request's output, the first token 0; the slowest gap over the requests), slowest first; the generated
+    texts are not kept."""
+    from kvdex.vllm.bench_plan import slow_steps
+
+    itls = [[0.01, 0.5, 0.01, 0.01, 0.2], [0.01, 0.01, 0.9, 0.01, 0.3]]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(fake_result(73.0, 13.5, 1900.0, itls=itls, generated_texts=["a b", "c d"])))
+    got = read_result(path)
+    assert got["slow_steps"] == [[3, 900.0], [2, 500.0], [5, 300.0], [1, 10.0], [4, 10.0]]
+    assert "generated_texts" not in got["raw"] and got["raw"]["itls"] == itls
+    assert slow_steps(None) == [] and slow_steps(itls, top=1) == [[3, 900.0]]
+
+
 def row(name: str, ctx: int, conc: int, tok_s: float, tpot: float, ttft: float, gpu: str = "H100", **more) -> dict:
     metrics = {"output_throughput": tok_s, "median_tpot_ms": tpot, "mean_tpot_ms": tpot, "median_ttft_ms": ttft}
     return {"label": name, "policy": None if name == DEFAULT_ROW else name, "context": ctx, "concurrency": conc,

@@ -322,8 +322,10 @@ def _row(record: dict[str, Any], out: Path, model: Path, row: tuple[str | None, 
         entry |= {"status": "error", "error": str(e)}
     put(record, entry)
     m = entry.get("metrics") or {}
-    print(f"    {entry['status']}: {m.get('output_throughput', 0):.1f} tok/s, TPOT median "
-          f"{m.get('median_tpot_ms', 0):.2f} ms, {entry['wall_s']:.0f} s", flush=True)  # fmt: skip
+    slow = ", ".join(f"#{i} {ms:.0f} ms" for i, ms in entry.get("slow_steps") or [])
+    tpot = m.get("median_tpot_ms", 0)
+    print(f"    {entry['status']}: {m.get('output_throughput', 0):.1f} tok/s, TPOT median {tpot:.2f} ms, "
+          f"{entry['wall_s']:.0f} s" + (f"; slowest tokens {slow}" if slow else ""), flush=True)  # fmt: skip
     return ""
 
 

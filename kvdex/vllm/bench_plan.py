@@ -217,17 +217,31 @@ def bench_command(model: Path, context: int, concurrency: int, s: dict[str, Any]
             "--random-range-ratio", "0", "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--request-rate", s["request_rate"], "--ignore-eos",
             "--temperature", "0", "--seed", str(s["seed"]), "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result",
+            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result", "--save-detailed",
             "--result-dir", str(result.parent), "--result-filename", result.name]  # fmt: skip
 
 
 def read_result(path: Path) -> dict[str, Any]:
-    """``{"metrics": the four reported, "raw": the whole saved result}`` of a ``vllm bench serve`` result JSON."""
+    """``{"metrics": the four reported, "raw": the saved result, "slow_steps": :func:`slow_steps`}`` of a ``vllm
+    bench serve`` result JSON (``--save-detailed``: with each request's inter-token latencies; its generated texts
+    are left out)."""
     raw = json.loads(Path(path).read_text())
     missing = [k for k in METRICS if raw.get(k) is None]
     if missing:
         raise ValueError(f"{path}: vllm bench serve saved no {', '.join(missing)}")
-    return {"metrics": {k: float(raw[k]) for k in METRICS}, "raw": raw}
+    raw.pop("generated_texts", None)
+    return {"metrics": {k: float(raw[k]) for k in METRICS}, "raw": raw, "slow_steps": slow_steps(raw.get("itls"))}
+
+
+def slow_steps(itls: list[list[float]] | None, top: int = 5) -> list[list[float]]:
+    """The ``top`` slowest output tokens of a row: ``[token, ms]`` (``token``: its index in its request's output, the
+    first token being 0; ``ms``: its gap after the token before, the slowest over the row's requests), slowest
+    first, from ``vllm bench serve``'s per-request inter-token latencies in seconds ([] without them)."""
+    worst: dict[int, float] = {}
+    for gaps in itls or []:
+        for i, gap in enumerate(gaps, start=1):
+            worst[i] = max(worst.get(i, 0.0), float(gap) * 1e3)
+    return [[i, round(ms, 1)] for i, ms in sorted(worst.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
