@@ -22,6 +22,7 @@ from kvdex.vllm import SUPPORTED, settings_from
 SMALL = dict(budget=96, page_size=16, sink=16, window=32, dense_layers=1)
 VARIANTS = {"prkv": "prkv:static_ratio=0.5:refresh=8", "chess": "chess:interval=8"}
 SPECS = [VARIANTS.get(p, p) for p in SUPPORTED] + ["quest:select_every=4", "prkv"]
+SPECS += ["chess:trigger=interval:interval=8:refine=digest", "chess:trigger=interval:interval=8:refine=exact"]
 
 
 @pytest.mark.parametrize("policy", SPECS)

@@ -241,6 +241,8 @@ class LayerScope:
         if st.refine == "exact":
             return rerank_pages(q, view, pages, st.retrieval_pages, st.rerank_group)
         assert self.digests is not None, "refine=digest scores the pages' digests (units='digest')"
+        if pages.shape[-1] == 0 or layer not in self.digests:  # no page indexed yet: no candidate to pick
+            return pages
         b, h, c = pages.shape
         at = pages.clamp(min=0)[..., None]
         centre, radius = self.digests.centre[layer], self.digests.radius[layer]
