@@ -132,9 +132,9 @@ class KvdexMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> KvdexMetadata:
         cm = common_attn_metadata
         n = int(cm.num_reqs)
-        qsl = cm.query_start_loc_cpu[: n + 1]
         if self.dense:
             return self._dense(cm, n)
+        qsl = cm.query_start_loc_cpu[: n + 1]
         seq_lens = cm.seq_lens[:n].cpu()  # exact lengths (a host copy; the CPU mirror may be an upper bound)
         prefilling = getattr(cm, "is_prefilling", None)  # recent vLLM: requests with prompt tokens left
         prefilling = None if prefilling is None else prefilling[:n].cpu()

@@ -82,6 +82,31 @@ def _fa_utils() -> Any | None:
     return fa_utils
 
 
+def _probe_cache(p: Probe, device: torch.device | str, queries: int) -> tuple[torch.Tensor, ...]:
+    """``(q [queries, Hq, D], k_cache, v_cache [8 blocks])``: random (seeded) tensors of ``p``'s shape on
+    ``device``, the small cache a kernel is checked on."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kc, vc = (torch.randn(8, p.block_size, p.kv_heads, p.head_dim, generator=g).to(device, p.dtype) for _ in "kv")
+    return torch.randn(queries, p.q_heads, p.head_dim, generator=g).to(device, p.dtype), kc, vc
+
+
+def _computes(kernel: str, probe: str, run: Callable[[], torch.Tensor], want: torch.Tensor, instead: str) -> bool:
+    """Whether ``run()`` (vLLM's ``kernel`` on ``probe``, a small stand-in of this engine's shape) computes ``want``
+    (its PyTorch form); where it fails or differs, a warning says so and what runs ``instead``."""
+    try:
+        got = run()
+    except Exception as e:  # another signature in this vLLM, or a shape its build leaves out
+        log.warning("kvdex: vLLM's %s failed on %s of this engine's shape (%s: %s); %s", kernel, probe,
+                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", instead)  # fmt: skip
+        return False
+    if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+        err = (got.float() - want.float()).abs().max().item()
+        log.warning("kvdex: vLLM's %s differs from kvdex's reference by %.3g on %s of this engine's shape; %s",
+                    kernel, err, probe, instead)  # fmt: skip
+        return False
+    return True
+
+
 def flash_prefill() -> PrefillAttention | None:
     """vLLM's FlashAttention (its varlen kernel, straight on the paged cache through the block table) as the
     attention of prompt chunks, with the contract of :func:`~kvdex.vllm.paged.prefill_attention_reference`; None
@@ -130,24 +155,15 @@ def flash_decode(device: torch.device | str, probe: Probe | None = None) -> Page
         return out
 
     p = probe or Probe()
-    g = torch.Generator(device="cpu").manual_seed(0)
     bs, scale = p.block_size, p.head_dim**-0.5
-    kc, vc = (torch.randn(8, bs, p.kv_heads, p.head_dim, generator=g).to(device, p.dtype) for _ in range(2))
-    q = torch.randn(1, p.q_heads, p.head_dim, generator=g).to(device, p.dtype)
+    q, kc, vc = _probe_cache(p, device, 1)
     blocks, lengths = torch.tensor([5, 2, 7, 1], device=device), torch.tensor([2 * bs + 5], device=device)
     want = decode_attention_reference(q, blocks, lengths, 4 * bs, kc, vc, scale)
-    try:
-        got = decode(q, blocks, lengths, 4 * bs, kc, vc, scale)
-    except Exception as e:  # another signature in this vLLM, or a shape its build leaves out
-        log.warning("kvdex: vLLM's FlashAttention decode failed on a cache of this engine's shape (%s: %s); %s",
-                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", _OWN_DECODE)  # fmt: skip
-        return None
-    err = (got.float() - want.float()).abs().max().item()
-    if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
-        log.warning("kvdex: vLLM's FlashAttention decode differs from kvdex's reference by %.3g on a cache of this "
-                    "engine's shape; %s", err, _OWN_DECODE)  # fmt: skip
-        return None
-    return decode
+
+    def run() -> torch.Tensor:
+        return decode(q, blocks, lengths, 4 * bs, kc, vc, scale)
+
+    return decode if _computes("FlashAttention decode", "a cache", run, want, _OWN_DECODE) else None
 
 
 def flash_batch(device: torch.device | str, probe: Probe | None = None) -> BatchAttention | None:
@@ -170,27 +186,19 @@ def flash_batch(device: torch.device | str, probe: Probe | None = None) -> Batch
         )  # fmt: skip
 
     p = probe or Probe()
-    g = torch.Generator(device="cpu").manual_seed(0)
     bs, scale = p.block_size, p.head_dim**-0.5
-    kc, vc = (torch.randn(8, bs, p.kv_heads, p.head_dim, generator=g).to(device, p.dtype) for _ in range(2))
-    q = torch.randn(4, p.q_heads, p.head_dim, generator=g).to(device, p.dtype)  # 1 decode token, a 3-token chunk
+    q, kc, vc = _probe_cache(p, device, 4)  # 1 decode token, a 3-token chunk
     qsl, lens, table = (torch.tensor(x, dtype=torch.int32, device=device)
                         for x in ([0, 1, 4], [2 * bs + 5, bs + 3], [[5, 2, 7], [1, 6, 0]]))  # fmt: skip
     batch = DenseBatch(qsl, lens, table, 3, 2 * bs + 5)
     want, got = torch.zeros_like(q), torch.zeros_like(q)
     batch_attention_reference(q, batch, kc, vc, scale, want)
-    try:
+
+    def run() -> torch.Tensor:
         attend(q, batch, kc, vc, scale, got)
-    except Exception as e:  # another signature in this vLLM, or a shape its build leaves out
-        log.warning("kvdex: vLLM's FlashAttention failed on a batch of this engine's shape (%s: %s); %s",
-                    type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", _OWN_BATCH)  # fmt: skip
-        return None
-    if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
-        err = (got.float() - want.float()).abs().max().item()
-        log.warning("kvdex: vLLM's FlashAttention differs from kvdex's reference by %.3g on a batch of this "
-                    "engine's shape; %s", err, _OWN_BATCH)  # fmt: skip
-        return None
-    return attend
+        return got
+
+    return attend if _computes("FlashAttention", "a batch", run, want, _OWN_BATCH) else None
 
 
 def vllm_cache_write(device: torch.device | str, probe: Probe | None = None) -> CacheWrite | None:
