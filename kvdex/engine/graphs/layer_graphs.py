@@ -57,8 +57,9 @@ class StepGraphs:
         self.mode = "eager"  # this step: eager / capture / replay
         self.key: tuple | None = None
         self._captured: set[tuple] = set()  # keys whose every layer holds a graph
-        self.graphs: dict[tuple, LayerGraph] = {}  # (key, layer) -> its graph
+        self.graphs: dict[tuple, dict[int, LayerGraph]] = {}  # key -> layer -> its graph
         free_with(self, self.graphs)  # never destroyed inside a capture
+        self._now: dict[int, LayerGraph] = {}  # this step's key's graphs (the key is hashed once a step)
         self._pool: Any = None
         self._last_layer = -1
         self.in_step = False  # between begin() and end() of a step whose decisions were taken here
@@ -114,7 +115,7 @@ class StepGraphs:
         assert key is not None
         if decision.mode == "capture":
             base = plan.base(key)
-            for k in [k for k in self.graphs if plan.base(k[0]) != base]:
+            for k in [k for k in self.graphs if plan.base(k) != base]:
                 del self.graphs[k]  # over buffers re-allocated since: never replayed again
             if not self.graphs:  # a pool no graph holds may still hold tensors (a held selection allocated in a
                 self._pool = None  # capture); PyTorch refuses to capture into it again: new graphs take a new pool
@@ -123,6 +124,7 @@ class StepGraphs:
             self.mode = "capture"
         else:
             self.mode = "replay"
+        self._now = self.graphs.setdefault(key, {})
 
     def end(self) -> None:
         """After the last layer's attention: the step's host side, and page joins decided by the cache again."""
@@ -143,7 +145,7 @@ class StepGraphs:
 
     def stash(self, layer: StepLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         """``update`` of a graph step: the new k/v (any strides) into the layer's static inputs."""
-        ent = self.graphs.get((self.key, layer.layer_idx))
+        ent = self._now.get(layer.layer_idx)
         if ent is None:
             self._pending = (k.clone(memory_format=torch.contiguous_format),
                              v.clone(memory_format=torch.contiguous_format))  # fmt: skip
@@ -156,7 +158,7 @@ class StepGraphs:
         none). ``clone=False``: the graph's own output buffer, which the layer's next replay overwrites (for a
         caller that copies it out at once)."""
         i = layer.layer_idx
-        ent = self.graphs.get((self.key, i))
+        ent = self._now.get(i)
         if ent is None:
             out = self._capture(layer, q, scale)
         else:
@@ -207,7 +209,7 @@ class StepGraphs:
                 raise CaptureError(f"layer {layer.layer_idx}: {e}") from e
             return self._give_up(layer, sk, sv, sq, scale, e)
         ent = LayerGraph(g, sq, sk, sv, out, before.since(c))
-        self.graphs[(self.key, layer.layer_idx)] = ent
+        self._now[layer.layer_idx] = ent
         self.counts["captures"] += 1
         if cuda:  # a CUDA capture launches nothing (the stand-in ran the ops while recording them)
             self._replay(ent)
@@ -221,6 +223,7 @@ class StepGraphs:
         warnings.warn(f"kvdex: per-layer step graphs are off from here on, kvdex's decode step runs eagerly: "
                       f"{self.reason}", stacklevel=5)  # fmt: skip
         self.graphs.clear()
+        self._now = {}
         self._captured.clear()
         self.mode = "eager"
         eng = layer.engine
