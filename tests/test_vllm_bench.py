@@ -339,18 +339,19 @@ def test_skipped_rows_are_left_out_of_the_grid(fake_vllm, tmp_path):
 
 
 def test_each_server_serves_one_warm_up_request_before_its_rows(fake_vllm, tmp_path, capsys):
-    """The grid's longest prompt with --warmup-len output tokens, outside every row; --warmup-len 0: none."""
+    """The grid's longest prompt with --warmup-len output tokens (default: --output-len), outside every row;
+    --warmup-len 0: none."""
     out = tmp_path / "out"
     bench.run(settings("--contexts", "1k,2k", "--concurrency", "1,4", "--policies", "quest"), out, out / "model")
     assert WARMUPS == [(DEFAULT_ROW, 2048, 1), ("quest", 2048, 1)] and len(fake_vllm) == 8
     assert (out / "logs" / "bench-warmup-quest.log").is_file() and "warm-up request" in capsys.readouterr().out
     saved = json.loads((out / "bench.json").read_text())
-    assert saved["settings"]["warmup_len"] == 64 and len(saved["rows"]) == 8
+    assert saved["settings"]["warmup_len"] == saved["settings"]["output_len"] == 128 and len(saved["rows"]) == 8
     WARMUPS.clear()
     bench.run(settings("--contexts", "1k", "--concurrency", "1", "--policies", "quest", "--warmup-len", "0"),
               tmp_path / "none", tmp_path / "none" / "model")  # fmt: skip
     assert WARMUPS == []
-    with pytest.raises(ValueError, match="other settings.*warmup_len 64 -> 0"):
+    with pytest.raises(ValueError, match="other settings.*warmup_len 128 -> 0"):
         bench.run(settings("--contexts", "1k", "--warmup-len", "0"), out, out / "model")
 
 
@@ -403,7 +404,7 @@ def test_dry_run_prints_the_commands(smollm2, tmp_path, capsys):
               dry_run=True)  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6 and "--attention-backend CUSTOM" in lines[3] and "bench serve" in lines[5]
-    assert "--random-output-len 64 " in lines[4] and "--num-prompts 1 " in lines[4]  # the warm-up request
+    assert "--random-output-len 128 " in lines[4] and "--num-prompts 1 " in lines[4]  # the warm-up request
     assert not (tmp_path / "bench.json").exists()
 
 

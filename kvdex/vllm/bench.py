@@ -366,8 +366,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--policies", default="quest,prkv,chess", help="kvdex policy specs, comma separated (default %(default)s)")
     a("--budget", type=int, default=2048, help="kvdex budget, tokens per kv head and step (default %(default)s)")
     a("--output-len", type=int, default=128, help="output tokens per request (default %(default)s)")
-    warm = "output tokens of a warm-up request per server (the longest context) before its rows: first-use compiles "
-    a("--warmup-len", type=int, default=64, help=warm + "outside them; 0: none (default %(default)s)")
+    warm = ("output tokens of a warm-up request per server (the longest context) before its rows, so that every kind "
+            "of step they meet (a page join, prkv's refresh every 128 steps) has compiled and captured once outside "
+            "them; 0: none (default: --output-len)")
+    a("--warmup-len", type=int, default=None, help=warm)
     a("--prompts-per-concurrency", type=int, default=2,
       help="requests per row: max(concurrency x this, concurrency) (default %(default)s)")  # fmt: skip
     a("--request-rate", default="inf", help="requests/s; inf: every request at once (default %(default)s)")

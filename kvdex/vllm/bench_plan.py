@@ -98,6 +98,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     warmup = getattr(args, "warmup_len", 0)
+    warmup = args.output_len if warmup is None else warmup  # default: as long as the rows' requests
     if warmup < 0:
         raise ValueError(f"--warmup-len must be >= 0 (0: no warm-up request), got {warmup}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
