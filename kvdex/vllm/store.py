@@ -26,6 +26,10 @@ from kvdex.selection import Selection
 from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats, grown_capacity
 from kvdex.vllm.paged import PagedDecode, gather_heads, token_slots, write_kv
 
+# slots of room past the middle in a new relocation map (besides a quarter of the middle): the middle grows by
+# a page every page_size decode steps, and a map that must grow is a new buffer, which recaptures the graphs
+RELOCATION_ROOM = 1024
+
 
 class BlockRow:
     """A request's block-table row: ``blocks`` [n] (long, on the cache's device), the vLLM blocks that hold its
@@ -84,7 +88,8 @@ class PagedStore(LayerStore):
             )
         self.k_cache, self.v_cache, self.row, self.writes = k_cache, v_cache, row, writes
         self.decode = decode  # dense decode in place over the blocks (vLLM's FlashAttention), else gather + kernel
-        self.order: torch.Tensor | None = None  # [1, H, M]: middle slot j holds position sink + order[..., j]
+        # [1, H, M]: middle slot j holds position sink + order[..., j] (identity past the relocated slots)
+        self.order: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -239,10 +244,14 @@ class PagedStore(LayerStore):
             return
         cur = self.order
         have = 0 if cur is None else cur.shape[2]
-        ident = torch.arange(have, max(m, have), device=self.device).expand(1, self.kv_heads, -1)
-        full = ident if cur is None else torch.cat([cur, ident], dim=2)
-        head = full[:, :, :m].gather(2, order.to(self.device).long())
-        self.order = torch.cat([head, full[:, :, m:]], dim=2)
+        if m > have:  # a wider map (a new buffer, a new graph key): identity past the old one, room to grow
+            cap = m + max(m // 4, RELOCATION_ROOM)
+            full = torch.arange(cap, device=self.device).expand(1, self.kv_heads, -1).clone()
+            if cur is not None:
+                full[:, :, :have] = cur
+            self.order = cur = full
+        # in place: a captured decode step reads the map by address, so a refresh keeps the request's graphs
+        cur[:, :, :m] = cur[:, :, :m].gather(2, order.to(self.device).long())
 
     # ---- sink and window keys (CHESS's window anchor reads them through ``k`` / ``window_slots``) --------
     def _window_positions(self) -> torch.Tensor:
