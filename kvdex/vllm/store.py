@@ -250,6 +250,7 @@ class PagedStore(LayerStore):
             if cur is not None:
                 full[:, :, :have] = cur
             self.order = cur = full
+        assert cur is not None  # m > 0: made above where there was none
         # in place: a captured decode step reads the map by address, so a refresh keeps the request's graphs
         cur[:, :, :m] = cur[:, :, :m].gather(2, order.to(self.device).long())
 
