@@ -96,6 +96,28 @@ def test_a_capture_that_cannot_begin_leaves_the_request_eager(monkeypatch):
     assert any(r is not None and "capture failed" in r for r in reasons)
 
 
+def test_a_refresh_keeps_the_request_graphs(monkeypatch):
+    """PRKV's refresh (every 8 steps here) rewrites the paged store's relocation map in place: the request's graphs
+    stay valid, so a refresh step costs at most its own variant's warm-up, not a warm-up and capture of every
+    variant (which a replaced map forced: 17 eager steps in this scenario, against its 8 refreshes)."""
+    from vllm_sim import Req, Sim
+
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    sim = Sim(settings_from({"kvdex": {"policy": VARIANTS["prkv"], **SMALL, "decode_graphs": True}}))
+    a = Req("a", 400, 1)
+    sim.step([(a, 120)])
+    maps = set()
+    for _ in range(70):
+        sim.step([(a, 1)])
+        store = sim.state_of[("a", 0)].engines[1].store
+        if store is not None and store.order is not None:
+            maps.add(id(store.order))
+    st = sim.state_of[("a", 0)]
+    refreshes = st.policy.schedule.refreshes[1]
+    assert len(refreshes) == 8 and len(maps) == 1, (refreshes, maps)
+    assert st.step_graphs.counts["eager"] <= len(refreshes), st.step_graphs.counts
+
+
 def test_a_block_row_growing_a_block_at_a_time_keeps_its_buffer():
     """A block table cut to the batch's longest row grows a block every page: the persistent buffer the captured
     steps read (and key on) is re-allocated by a quarter at a time, not at every page; its front is the row."""
