@@ -8,7 +8,9 @@ on the host after a device synchronisation. The model's own layers are not run, 
 layers' alone: kvdex's host work per request and layer, its graph replays and the selections' kernels. Prints the
 median, mean and 90th percentile per step and the slowest steps, each with what the requests' step graphs did in
 it (``E`` eager steps, ``C`` captures of a layer's graph), which names a step that warms up or captures
-(``--eager``: no decode graphs). The cache write is kvdex's PyTorch form, not vLLM's kernel.
+(``--eager``: no decode graphs). A warm-up request (one request, as many steps) runs first, as ``kvdex vllm bench``'s
+does, so that Triton's first-use compiles fall outside the timed steps. The cache write is kvdex's PyTorch form,
+not vLLM's kernel.
 
     python scripts/profile_vllm_path.py --policy prkv --context 32768 --requests 1 --steps 256
 """
@@ -81,6 +83,13 @@ class PagedRun:
         return out
 
 
+def _prefill(run: PagedRun, context: int) -> None:
+    """Each request's prompt, alone, in chunks."""
+    for r in range(len(run.computed)):
+        while run.computed[r] < context:
+            run.step({r: min(PROMPT_CHUNK, context - run.computed[r])})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b", choices=shape_names())
@@ -91,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--eager", action="store_true", help="no decode graphs (the vLLM setting decode_graphs off)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up request (one of --context tokens decoding --steps steps first)")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
@@ -99,10 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1")
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    run = PagedRun(a, dev, torch.bfloat16 if cuda else torch.float32)
-    for r in range(a.requests):  # each prompt alone, in chunks
-        while run.computed[r] < a.context:
-            run.step({r: min(PROMPT_CHUNK, a.context - run.computed[r])})
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not a.no_warmup:  # first-use costs (Triton compiling each kind of step's kernels) outside the timed steps
+        warm = PagedRun(argparse.Namespace(**{**vars(a), "requests": 1}), dev, dtype)
+        _prefill(warm, a.context)
+        for _ in range(a.steps):
+            warm.step({0: 1})
+        del warm
+    run = PagedRun(a, dev, dtype)
+    _prefill(run, a.context)
     times, events = [], []
     for _ in range(a.steps):
         before = run.graph_counts()
