@@ -7,6 +7,7 @@ attention, the other keeps transformers' own ``sdpa`` attention and is the refer
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -78,6 +79,16 @@ FAMILIES = {
 FAMILY_NAMES = list(FAMILIES)
 SPARSE_POLICIES = ["oracle", "streaming", "quest"]
 ALL_POLICIES = ["full", *SPARSE_POLICIES]
+
+
+def script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def make_config(family: str, **overrides):

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-
-def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import script
 
 
 def test_profile_step_reports_each_policy(capsys):
-    rc = _script().main(
+    rc = script("profile_step").main(
         "--shape tiny --device cpu --context 300 --budget 96 --dense-layers 1 --steps 2 --warmup 1 --top 3 "
         "--policies quest,quest:rerank=4".split()
     )
@@ -33,6 +24,6 @@ def test_profile_step_reports_each_policy(capsys):
 def test_captured_needs_cuda(capsys):
     """--captured replays CUDA graphs: on the CPU the command line refuses it and says what to do."""
     with pytest.raises(SystemExit) as err:
-        _script().main("--shape tiny --device cpu --captured".split())
+        script("profile_step").main("--shape tiny --device cpu --captured".split())
     assert err.value.code == 2
     assert "needs --device cuda" in capsys.readouterr().err

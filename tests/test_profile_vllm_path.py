@@ -3,29 +3,20 @@ the requests' step graphs warmed up or captured (the tests' stand-in for a CUDA 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
+from conftest import script
 from step_graph_stand_in import StepGraphStandIn
 
 import kvdex.engine.graphs.capture as graphs_mod
 
 
-def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_vllm_path.py"
-    spec = importlib.util.spec_from_file_location("profile_vllm_path", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_profile_vllm_path_reports_the_steps_and_their_graph_events(capsys, monkeypatch):
     monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
     steps = 20
-    rc = _script().main(f"--shape tiny --device cpu --policy quest --budget 96 --context 300 --requests 2 "
-                        f"--steps {steps} --top {steps}".split())  # fmt: skip
+    args = f"--shape tiny --device cpu --policy quest --budget 96 --context 300 --requests 2 --steps {steps} --top 20"
+    rc = script("profile_vllm_path").main(args.split())
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
     report = json.loads(out[0])
