@@ -366,10 +366,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--policies", default="quest,prkv,chess", help="kvdex policy specs, comma separated (default %(default)s)")
     a("--budget", type=int, default=2048, help="kvdex budget, tokens per kv head and step (default %(default)s)")
     a("--output-len", type=int, default=128, help="output tokens per request (default %(default)s)")
-    warm = ("output tokens of a warm-up request per server (the longest context) before its rows, so that every kind "
-            "of step they meet (a page join, prkv's refresh every 128 steps) has compiled and captured once outside "
-            "them; 0: none (default: --output-len)")
-    a("--warmup-len", type=int, default=None, help=warm)
+    a("--warmup-len", type=int, help="output tokens of a warm-up request per server (longest context) before its "
+      "rows, so each step kind they meet (page joins, prkv's refresh) compiles outside them; 0: none (default: "
+      "--output-len)")  # fmt: skip
     a("--prompts-per-concurrency", type=int, default=2,
       help="requests per row: max(concurrency x this, concurrency) (default %(default)s)")  # fmt: skip
     a("--request-rate", default="inf", help="requests/s; inf: every request at once (default %(default)s)")
