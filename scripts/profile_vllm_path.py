@@ -21,10 +21,12 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
-from kvdex.bench.shapes import SHAPES, shape_names
+from kvdex.bench.shapes import make_config, shape_names
+from kvdex.hf.model_parts import head_geometry
 from kvdex.vllm import Geometry, RequestState, RequestTable, forward_layer, settings_from
 from kvdex.vllm.paged import kv_cache_shape, token_slots
 
@@ -35,10 +37,9 @@ class PagedRun:
     """The requests' blocks, caches and lengths, and one engine step of kvdex's attention layers over them."""
 
     def __init__(self, a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> None:
-        fields = SHAPES[a.shape][1]
-        self.layers, self.hq = fields["num_hidden_layers"], fields["num_attention_heads"]
-        self.h = fields["num_key_value_heads"]
-        self.d = fields.get("head_dim") or fields["hidden_size"] // self.hq
+        cfg = make_config(a.shape)
+        self.layers = cfg.num_hidden_layers
+        self.hq, self.h, self.d = head_geometry(SimpleNamespace(config=cfg))  # (it reads a model's config)
         self.dev, self.dtype, self.ps = dev, dtype, a.page_size
         settings = settings_from({"kvdex": {"policy": a.policy, "budget": a.budget, "page_size": a.page_size,
                                             "decode_graphs": not a.eager}})  # fmt: skip
@@ -51,9 +52,15 @@ class PagedRun:
         self.rows = torch.arange(1, blocks, device=dev).view(a.requests, width)
         self.computed = [0] * a.requests
         self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.qkv: dict[int, tuple[torch.Tensor, ...]] = {}  # tokens in a step -> its q, k, v (made once, untimed)
 
-    def _randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=self.dev, dtype=self.dtype, generator=self.gen)
+    def _inputs(self, t: int) -> tuple[torch.Tensor, ...]:
+        """Random q [t, Hq, D], k, v [t, H, D] for a step of ``t`` tokens (the same for every layer and step of
+        that size: what they hold does not change the time)."""
+        if t not in self.qkv:
+            self.qkv[t] = tuple(torch.randn(t, h, self.d, device=self.dev, dtype=self.dtype, generator=self.gen)
+                                for h in (self.hq, self.h, self.h))  # fmt: skip
+        return self.qkv[t]
 
     def step(self, tokens: dict[int, int]) -> None:
         """One engine step: ``tokens[r]`` new tokens of request ``r`` (its rows in that order)."""
@@ -65,9 +72,9 @@ class PagedRun:
             starts.append(starts[-1] + tokens[r])
             lens.append(self.computed[r] + tokens[r])
         rows = self.table.plan(torch.tensor(starts), torch.tensor(lens), self.rows[reqs])
-        slot_mapping, t = torch.cat(slots), starts[-1]
+        slot_mapping = torch.cat(slots)
+        q, k, v = self._inputs(starts[-1])
         for layer in range(self.layers):
-            q, k, v = self._randn(t, self.hq, self.d), self._randn(t, self.h, self.d), self._randn(t, self.h, self.d)
             forward_layer(rows, layer, q, k, v, self.kv[layer][0], self.kv[layer][1], slot_mapping, self.d**-0.5,
                           torch.empty_like(q), prefill=lambda q, *_: torch.zeros_like(q))  # fmt: skip
         for r in reqs:
