@@ -118,6 +118,30 @@ def test_a_refresh_keeps_the_request_graphs(monkeypatch):
     assert st.step_graphs.counts["eager"] <= len(refreshes), st.step_graphs.counts
 
 
+def test_the_first_select_under_the_graphs_keeps_the_request_graphs(monkeypatch):
+    """``prkv`` at its defaults (``select_every=16``): the static region a select reads under static sizing and the
+    held selection have their static widths before the first capture, so the request's first select under the
+    graphs (its first page join) changes no graph key. Each variant of its step -- the reuse step, the select step
+    with its page join -- runs eagerly once and is captured once; a select that re-sized them (the region built at
+    that select, the held selection's token tail appearing) warmed up and captured the reuse step again and the
+    join step once more (4 eager steps and 3 captures per layer in this scenario)."""
+    from vllm_sim import NUM_BLOCKS, Req, Sim
+
+    monkeypatch.setattr(graphs_mod, "STAND_IN", StepGraphStandIn)
+    sim = Sim(
+        settings_from({"kvdex": {"policy": "prkv", **SMALL, "budget": 160, "decode_graphs": True}}),
+        table_width=NUM_BLOCKS,
+    )  # a static part of 16 tokens (a quarter of the retrieval budget)
+    a = Req("a", 400, 1)  # (a block table of vLLM's full width: no row buffer grows)
+    sim.step([(a, 200)])
+    for _ in range(60):  # page joins at decode steps 8, 24, 40, 56 (200 + 8 = 13 pages of 16)
+        sim.step([(a, 1)])
+    st = sim.state_of[("a", 0)]
+    layers = len(st.layers)
+    counts = st.step_graphs.counts
+    assert counts["eager"] == 2 and counts["captures"] == 2 * layers, (counts, layers)
+
+
 def test_a_block_row_growing_a_block_at_a_time_keeps_its_buffer():
     """A block table cut to the batch's longest row grows a block every page: the persistent buffer the captured
     steps read (and key on) is re-allocated by a quarter at a time, not at every page; its front is the row."""

@@ -49,7 +49,8 @@ class Sim:
     """vLLM's side: caches, a free list of blocks (LIFO: a freed block is reused first), batches, slot mappings."""
 
     def __init__(self, settings: VllmSettings, seed: int = 0, prefill=None, write=None, decode=None,
-                 tp: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
+                 tp: tuple[int, int] = (0, 1), table_width: int = 0) -> None:  # fmt: skip
+        self.table_width = table_width  # block-table columns at least (vLLM's full width); 0: the longest row + 2
         self.prefill = prefill  # the prompt chunks' attention forward_layer gets (None: its default)
         self.write = write  # the cache write forward_layer gets (None: its default)
         rank, ranks = tp  # tensor parallelism: this rank's share of the heads, as vLLM gives each rank its own
@@ -89,7 +90,7 @@ class Sim:
             starts.append(starts[-1] + n)
             lens.append(end)
             req.steps[req.life].append((req.computed, n))
-        width = max(len(r.blocks) for r, _ in batch) + 2
+        width = max(self.table_width, max(len(r.blocks) for r, _ in batch) + 2)
         table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in batch], device=DEV)
         rows = self.table.plan(torch.tensor(starts), torch.tensor(lens), table)
         for (req, _), row in zip(batch, rows, strict=True):

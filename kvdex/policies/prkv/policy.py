@@ -293,7 +293,7 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
         region = self._region(view.layer, view.grid) if view.static else None
         if region is None:
             n = self._static_count(view, q.device)  # [B]
-            region = StaticRegion.of(n, n_static, view.grid, tight=not view.static)
+            region = StaticRegion.of(n, n_static, view.grid)
         if self.rerank:
             first = view.sink + self._static_count(view, q.device)  # the static tokens are no candidates
             if self.rerank_unit == "page":  # the best candidate pages, composed below as PRKV's own
@@ -325,6 +325,8 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
                 if layer not in sched.rings or sched.due(layer, step):
                     return None
         rings = sched.graph_key()
+        for layer in self.static_set.counts:  # the static regions a select under static sizing reads, built now
+            self.static_set.region(layer, stores[layer].grid)  # (not at the first select: a new key, captured again)
         static = self.static_set.key()
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
         return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pools.key()

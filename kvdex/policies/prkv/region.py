@@ -16,7 +16,8 @@ class StaticRegion:
     ``pages`` [B, 1, f] (-1 padded; the same for every kv head), its ragged tail ``tokens`` [B, 1, t]
     (positions, -1 padded; None when t = 0) and ``partial`` [B], the index of its partly filled
     page (n // page_size; also the first dynamic candidate). Widths f = n_static // page_size and
-    t = min(page_size - 1, n_static) under static sizing, else (``tight``) the largest count's.
+    t = min(page_size - 1, n_static), from the split alone, eager or captured: a request's first select under
+    CUDA-graph decoding then re-sizes nothing that its captured steps read.
     ``positions`` [B, 1, f * page_size + t]: the region's token positions (-1 padded), a token rerank's prefix."""
 
     pages: torch.Tensor
@@ -25,13 +26,13 @@ class StaticRegion:
     positions: torch.Tensor
 
     @classmethod
-    def of(cls, n: torch.Tensor, n_static: int, grid, tight: bool = False) -> StaticRegion:
+    def of(cls, n: torch.Tensor, n_static: int, grid) -> StaticRegion:
         ps, b = grid.page_size, n.shape[0]
         full, tail = n // ps, n % ps
-        f = int(full.max()) if tight else n_static // ps
+        f = n_static // ps
         sp = torch.arange(f, device=n.device)[None, :].expand(b, -1)
         sp = torch.where(sp < full[:, None], sp, -1)[:, None, :]
-        t = int(tail.max()) if tight else min(ps - 1, n_static)
+        t = min(ps - 1, n_static)
         tokens = None
         if t:
             offs = torch.arange(t, device=n.device)[None, :]

@@ -169,7 +169,7 @@ class StaticSet:
             self.counts[layer].copy_(count)
         else:
             self.counts[layer] = count
-        if store.static:  # the static region's selection part, in place too
+        if store.static or layer in self.regions:  # the static region's selection part, in place too
             self.region(layer, g, refresh=True)
         pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
         nmid = g.num_middle_pages(store.lengths_host)
