@@ -192,6 +192,43 @@ def test_paged_decode_matches_device_store_attend(sink, ps, wp):
 
 
 @run_kernels
+@pytest.mark.parametrize("relocated", [False, True])
+def test_paged_decode_through_a_block_table_is_the_paged_store_attend(relocated):
+    """``block_table`` (+ ``order``): the fused kernel reads vLLM's paged cache in place through a request's block-
+    table row (and PRKV's relocation map) and equals ``PagedStore.attend`` + the reference decode, for pages, pages
+    and tokens, tokens alone; the attended slots counted as the twin counts them."""
+    from kvdex.selection import Selection
+    from kvdex.storage import Grid, TransferStats
+    from kvdex.vllm.paged import kv_cache_shape, request_kv
+    from kvdex.vllm.store import BlockRow, PagedStore
+
+    gen = torch.Generator().manual_seed(5)
+    sink, ps, wp, h, g, d, length = 16, 16, 2, 2, 2, 16, 150
+    kv = torch.randn(kv_cache_shape(20, ps, h, d), generator=gen).to(DEV)
+    row = BlockRow(torch.randperm(20, generator=gen)[: -(-length // ps)].to(DEV))
+    store = PagedStore(Grid(sink, ps, wp), 1, h, d, torch.float32, DEV, TransferStats(), k_cache=kv[0],
+                       v_cache=kv[1], row=row)  # fmt: skip
+    store.ingest(*request_kv(row.blocks, length, kv[0], kv[1]), torch.tensor([length]))
+    if relocated:
+        m = int(store.grid.num_middle_pages(torch.tensor([length]))) * ps
+        store.permute_middle(torch.stack([torch.randperm(m, generator=gen) for _ in range(h)])[None].to(DEV))
+    q = torch.randn(1, h * g, d, generator=gen).to(DEV)
+    pages = torch.tensor([[[0, 3, -1], [5, 1, 2]]], device=DEV)
+    toks = torch.tensor([[[20, -1, 61], [100, 99, -1]]], device=DEV)
+    for pg, tk in ((pages, None), (pages, toks), (pages[..., :0], toks)):
+        aset = store.attend(Selection(pages=pg if pg.shape[-1] else None, tokens=tk))
+        want = ref.sparse_decode_attention_reference(q, aset.k, aset.v, aset.idx, aset.valid, 0.3)
+        count = torch.zeros((), dtype=torch.long, device=DEV)
+        got = ta.paged_decode_attention(q, kv[0], kv[1], pg, store.lengths, sink, ps, wp, 0.3, tokens=tk, count=count,
+                                        block_table=row.blocks, order=store.order, block_n=16)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert int(count) == int(aset.valid.sum())
+    with pytest.raises(ValueError, match="order"):
+        ta.paged_decode_attention(q, kv[0], kv[1], pages, store.lengths, sink, ps, wp, 0.3,
+                                  block_table=row.blocks, order=torch.zeros(1, h + 1, 4, dtype=torch.long))  # fmt: skip
+
+
+@run_kernels
 @pytest.mark.parametrize("sink,ps,wp", [(4, 16, 1), (16, 32, 2), (0, 8, 1)])
 @pytest.mark.parametrize("b,h,p", [(1, 4, 12), (3, 2, 7), (2, 2, 0)])
 def test_paged_decode_count_equals_twin(sink, ps, wp, b, h, p):

@@ -163,6 +163,41 @@ def test_batched_paged_decoding_equals_kvdex_device_path(policy):
         assert any(s.order is not None for s in sim.state_of[("b", 0)].stores if isinstance(s, PagedStore))
 
 
+@pytest.mark.parametrize("policy", ["quest", "prkv:static_ratio=0.5:refresh=8", "chess:interval=8"])
+def test_the_fused_selection_decode_reads_the_blocks_as_attend_does(policy, monkeypatch):
+    """On CUDA a paged store decodes a selection with kvdex's fused kernel over the blocks
+    (``PagedStore.selection_decode``: the block-table row and PRKV's relocation map, ``tests/test_triton_kernels.py``
+    checks the kernel). Here its arguments go to a PyTorch twin of that kernel, which reads the blocks through
+    them: the scenario's outputs equal the gather path's (``attend``), the relocated middle included."""
+    from kvdex.kernels.reference import paged_decode_reference
+    from kvdex.vllm import store as store_mod
+
+    calls = []
+
+    def twin(q, k_cache, v_cache, pages, lengths, sink, ps, wp, scale, tokens=None, count=None, block_table=None,
+             order=None):  # fmt: skip
+        assert block_table is not None and count is None
+        calls.append(order is not None)
+        h = k_cache.shape[2]
+        pos = torch.arange(block_table.shape[0] * ps).expand(h, -1)  # store slots, per kv head
+        if order is not None:  # slot sink + j holds position sink + order[h, j]
+            j = pos - sink
+            mid = (j >= 0) & (j < order.shape[2])
+            pos = torch.where(mid, sink + order[0].gather(1, j.clamp(0, order.shape[2] - 1)), pos)
+        rows = block_table[pos // ps] * ps + pos % ps  # [H, slots]
+        heads = torch.arange(h)[:, None]
+        k, v = (c.reshape(-1, h, c.shape[-1])[rows, heads][None] for c in (k_cache, v_cache))
+        return paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, scale, tokens)
+
+    st = settings(policy, SMALL)
+    want, _ = run_scenario(st)
+    monkeypatch.setattr(store_mod, "paged_decode_attention", twin)
+    got, _ = run_scenario(st)
+    assert calls and (any(calls) == policy.startswith("prkv")), (policy, len(calls))
+    for key, o in want.out.items():
+        assert torch.allclose(got.out[key], o, atol=ATOL, rtol=1e-4), (policy, key)
+
+
 def _blockwise_prefill(q, blocks, seq_len, k_cache, v_cache, scale):
     """The prefill contract computed another way: block by block into a dense [L, H, D], then a masked softmax in
     float64 per query head (what vLLM's FlashAttention computes on the paged cache)."""

@@ -34,7 +34,7 @@ from kvdex.engine.counters import StepCounters
 from kvdex.engine.graphs.capture import as_current
 from kvdex.engine.graphs.service import GraphService
 from kvdex.engine.reuse import SelectionReuse
-from kvdex.kernels import dense_attention, dense_decode_attention, paged_decode_attention, sparse_decode_attention
+from kvdex.kernels import dense_attention, dense_decode_attention, sparse_decode_attention
 from kvdex.kernels.attention import causal_chunk_attention
 from kvdex.kernels.reference import paged_attended_count_reference as paged_attended_count
 from kvdex.policies.base import Policy
@@ -210,8 +210,9 @@ class LayerEngine:
                     sel = self._hold(sel)
         if sel.everything and store.positional_slots and host.observer is None:
             return self._dense_decode(q, scale)  # exact and faster; observed runs take the slot path
-        fused = store.positional_slots and host.observer is None and not policy.observes
-        # CUDA: the slot list (sink, window, the pages' tokens, the selected tokens) built inside the kernel
+        fused = host.observer is None and not policy.observes
+        # CUDA: the slot list (sink, window, the pages' tokens, the selected tokens) built inside the kernel, where
+        # the store has one (LayerStore.selection_decode: the resident store's slots, vLLM's blocks)
         if fused and not sel.empty and not sel.everything:
             out = self._paged_decode(q, sel, scale)
             if out is not None:
@@ -253,8 +254,9 @@ class LayerEngine:
         return held
 
     def _paged_decode(self, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor | None:
-        """DeviceStore + a page and / or token selection on CUDA: one kernel instead of attend() + the slot
-        kernel (the tokens listed after the pages, as ``Selection.token_positions`` lists them)."""
+        """A page and / or token selection through the store's fused kernel (``LayerStore.selection_decode``: the
+        resident store, vLLM's blocks; CUDA): one kernel instead of attend() + the slot kernel (the tokens listed
+        after the pages, as ``Selection.token_positions`` lists them); None where the store has none."""
         host, store = self.host, self.store
         assert store is not None
         counters, timing, g = host.counters, host.config.timing, store.grid
@@ -268,9 +270,7 @@ class LayerEngine:
         acc = counters.attended if static and counters.inplace else None
         acc = acc if acc is not None and acc.device == q.device else None  # counted by the kernel, in place
         with counters.timed("attention", timing):
-            out = paged_decode_attention(
-                q, store.k, store.v, pages, store.lengths, g.sink, g.page_size, g.window_pages, scale, tokens, acc
-            )
+            out = store.selection_decode(q, pages, tokens, scale, acc)
         if out is not None:  # attended tokens: sink + window rows below each length, the pages, the tokens
             if acc is not None:
                 counters.calls += 1

@@ -52,20 +52,24 @@ def paged_decode_attention(
     scale: float,
     tokens: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Decode over a GPU-resident store for a page and / or token selection, the slot list built in the kernel.
 
     Same result as ``DeviceStore.attend(Selection(pages=pages, tokens=tokens))`` + :func:`sparse_decode_attention`
     (see ``kvdex.kernels.triton_attention.paged_decode_attention``). Returns None when the fast
     kernel does not apply (not CUDA, no triton, ``KVDEX_TRITON=0``): the caller takes that path (and counts).
-    ``count``: a 0-dim int64 device counter the kernel adds the attended slots to, in place.
+    ``count``: a 0-dim int64 device counter the kernel adds the attended slots to, in place. ``block_table`` /
+    ``order``: k / v are a paged cache read through one sequence's block-table row (``PagedStore``).
     """
     fast = triton_kernel("triton_attention", on=q) if os.environ.get("KVDEX_PAGED", "1") != "0" else None
     if fast is None:
         return None
     return fast.paged_decode_attention(
-        q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=tokens, count=count
-    )
+        q, k, v, pages, lengths, sink, page_size, window_pages, scale, tokens=tokens, count=count,
+        block_table=block_table, order=order,
+    )  # fmt: skip
 
 
 def dense_decode_attention(

@@ -22,7 +22,8 @@ slots of sequence b are ``[0, lengths[b])`` (ragged batch), so no index tensor i
 it serves the dense layers and the ``full`` policy on a GPU-resident store.
 ``paged_decode_attention`` is the "paged" mode: the kernel builds ``DeviceStore.attend``'s slot list
 (sink | window | the selected pages, from the device lengths and page ids) itself, so a page policy
-on a GPU-resident store costs no index tensors either.
+on a GPU-resident store costs no index tensors either; with a block table it reads one request's tokens
+in vLLM's paged cache in place (``PagedStore``: its block-table row, PRKV's relocation map).
 
 Softmax statistics and accumulation are fp32. ``p`` is rounded to the value dtype before the
 ``p @ V`` product (as FlashAttention does); with fp32 inputs every product is exact IEEE fp32.
@@ -87,9 +88,13 @@ def _split_kernel(
     HAS_TOK: tl.constexpr = False,
     CNT=None,  # with HAS_CNT: a 0-dim int64 counter, += the valid slots this program attended
     HAS_CNT: tl.constexpr = False,
-    BT=None,  # MODE 1 with HAS_BT: [B, n] block table (position p of sequence b: row BT[b, p // PS] * PS + p % PS)
+    BT=None,  # MODE 1 / 2 with HAS_BT: [B, n] block table (position p of sequence b: row BT[b, p // PS] * PS + p % PS)
     stride_bt=0,
     HAS_BT: tl.constexpr = False,
+    ORD=None,  # MODE 2 with HAS_ORD: [1, H, NORD] relocation map (middle slot j holds position SINK + ORD[h, j])
+    stride_oh=0,
+    NORD=0,
+    HAS_ORD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sid = tl.program_id(1)
@@ -149,6 +154,14 @@ def _split_kernel(
                 tok = tok.to(tl.int32)
                 slot = tl.where(is_tok, tok, slot)
                 ok = tl.where(is_tok, in_range & (tok >= 0), ok)
+            if HAS_ORD:  # a store slot of the relocated middle -> the position it holds
+                j = slot - SINK
+                mid = (j >= 0) & (j < NORD)
+                moved = tl.load(ORD + h * stride_oh + tl.minimum(tl.maximum(j, 0), NORD - 1), mask=ok & mid, other=0)
+                slot = tl.where(mid, SINK + moved.to(tl.int32), slot)
+            if HAS_BT:  # a paged cache read in place: the position's row of its block
+                blk = tl.load(BT + b * stride_bt + tl.maximum(slot, 0) // PS, mask=ok, other=0).to(tl.int64)
+                slot = blk * PS + tl.maximum(slot, 0) % PS
         else:
             slot = tl.load(IDX + b * stride_ib + h * stride_ih + offs_n, mask=in_range, other=0)
             flag = tl.load(VALID + b * stride_lb + h * stride_lh + offs_n, mask=in_range, other=0)
@@ -236,7 +249,7 @@ def _check(q, k, v):
 
 
 def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0, 16, 1), tokens=None, count=None,
-            bt=None):  # fmt: skip
+            bt=None, order=None):  # fmt: skip
     b, hq, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -274,6 +287,7 @@ def _launch(q, k, v, idx, valid, lens, n, scale, mode, splits, block_n, grid=(0,
                                           NPAGES=idx.shape[2], HAS_TOK=True)),
         **({} if count is None else dict(CNT=count, HAS_CNT=True)),
         **({} if bt is None else dict(BT=bt, stride_bt=bt.stride(0), HAS_BT=True)),
+        **({} if order is None else dict(ORD=order, stride_oh=order.stride(1), NORD=order.shape[2], HAS_ORD=True)),
     )  # fmt: skip
     _combine_kernel[(b * hq,)](m_part, l_part, acc_part, out, splits, D=d, BLOCK_D=_pow2(d, 16), BLOCK_S=_pow2(splits))
     return out
@@ -330,8 +344,15 @@ def dense_decode_attention(
     return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
 
 
-def block_table_decode_attention(q: torch.Tensor, blocks: torch.Tensor, lengths: torch.Tensor, capacity: int,
-                                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def block_table_decode_attention(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    lengths: torch.Tensor,
+    capacity: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One sequence's decode over its tokens in a paged cache, read in place: q [1, Hq, D]; k/v_cache [num_blocks,
     block_size, H, D]; ``blocks`` [n] its block-table row (position p lies in block ``blocks[p // block_size]``);
     the first ``lengths[0]`` positions attended, ``capacity`` (a host int, <= n * block_size) sizing the grid, so
@@ -358,6 +379,8 @@ def paged_decode_attention(
     *,
     tokens: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
     splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -374,9 +397,24 @@ def paged_decode_attention(
     ``count`` (a 0-dim int64 tensor on q's device): the attended slots are added into it in place, as
     :func:`kvdex.kernels.reference.paged_attended_count_reference` counts them (``Cache.stats()``'s attended
     tokens, no extra launch).
+
+    ``block_table`` [n] (one sequence): ``k`` / ``v`` are a paged cache [num_blocks, page_size, H, D] (vLLM's
+    layout) read in place, position p in row ``block_table[p // page_size] * page_size + p % page_size``; with
+    ``order`` [1, H, M], the store's slots of the middle are relocated (slot ``sink + j`` holds position ``sink +
+    order[0, h, j]`` for j < M). The same result as ``kvdex.vllm.store.PagedStore.attend`` +
+    :func:`sparse_decode_attention`.
     """
+    bt = None
+    if block_table is not None:  # a paged cache: [1, H, rows, D] views of it, rows addressed through the table
+        nb, bs, hk, d = k.shape
+        if bs != page_size or q.shape[0] != 1:
+            raise ValueError(f"a block table needs one sequence and blocks of the page size, got {bs} != {page_size}")
+        k, v = (c.view(1, nb * bs, hk, d).transpose(1, 2) for c in (k, v))
+        bt = block_table.to(q.device).reshape(1, -1)
     _check(q, k, v)
     b, h = k.shape[:2]
+    if order is not None and (bt is None or order.dim() != 3 or order.shape[:2] != (1, h)):
+        raise ValueError(f"order must be [1, H, M] = [1, {h}, M] with a block table, got {tuple(order.shape)}")
     if pages.dim() != 3 or pages.shape[:2] != (b, h):
         raise ValueError(f"pages must be [B, H, P] = [{b}, {h}, P], got {tuple(pages.shape)}")
     if lengths.shape != (b,):
@@ -394,4 +432,4 @@ def paged_decode_attention(
         raise ValueError(f"count must be a 0-dim int64 tensor on {q.device}, got {count.dtype} {tuple(count.shape)}")
     lens = lengths.to(q.device)  # read as stored (int64): no conversion kernel
     return _launch(q, k, v, pages, None, lens, n, scale, 2, splits, block_n, (sink, page_size, window_pages),
-                   tokens=tokens, count=count)  # fmt: skip
+                   tokens=tokens, count=count, bt=bt, order=order)  # fmt: skip

@@ -108,6 +108,17 @@ class LayerStore(ABC):
         table); None: the engine attends :meth:`dense` instead (the default)."""
         return None
 
+    def selection_decode(
+        self, q: torch.Tensor, pages: torch.Tensor, tokens: torch.Tensor | None, scale: float,
+        count: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """One query per sequence, q [B, Hq, D], attending the sink, the window and a selection's middle ``pages``
+        [B, H, P] and ``tokens`` [B, H, T] (store slots, ``-1`` padded; T may be None) -> [B, Hq, D], in one kernel
+        that lists the slots and reads the tokens in place, where the store has one (``count``: a 0-dim device
+        counter the kernel adds the attended slots to); None: the engine gathers them with :meth:`attend` instead
+        (the default)."""
+        return None
+
     def middle_keys(self) -> torch.Tensor:
         """Keys of the middle region on the device, [B, H, Pmax*ps, D] (slot j == position sink+j)."""
         k, _ = self.dense()

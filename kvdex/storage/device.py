@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.kernels.attention import paged_decode_attention
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.kernels.reference import append_join_rows_reference, page_rows, permute_slots_reference
 from kvdex.selection import Selection
@@ -51,6 +52,13 @@ class DeviceStore(LayerStore):
         self.k, self.v = k, v
 
     # ---- capabilities ---------------------------------------------------------------------------
+    def selection_decode(self, q, pages, tokens, scale, count=None):
+        """The fused paged decode kernel over the slot buffers (CUDA; else None)."""
+        g = self.grid
+        return paged_decode_attention(
+            q, self.k, self.v, pages, self.lengths, g.sink, g.page_size, g.window_pages, scale, tokens, count
+        )
+
     @property
     def positional_slots(self) -> bool:
         return True

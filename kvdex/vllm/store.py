@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdex.kernels.attention import paged_decode_attention
 from kvdex.kernels.dispatch import triton_kernel
 from kvdex.selection import Selection
 from kvdex.storage import AttendSet, Grid, LayerStore, MiddleUpdate, PageJoin, TransferStats, grown_capacity
@@ -223,6 +224,16 @@ class PagedStore(LayerStore):
         if decode is None:  # the CPU: the tokens are gathered and attended by kvdex's decode (LayerEngine)
             return None
         return decode(q, self._blocks(), self.lengths, self._dense_span(), self.k_cache, self.v_cache, scale)
+
+    def selection_decode(self, q, pages, tokens, scale, count=None):
+        """On CUDA: kvdex's fused paged decode kernel reading the blocks in place through the block-table row
+        (the persistent row under static sizing) and the relocation map (``paged_decode_attention`` with
+        ``block_table`` and ``order``), in place of :meth:`attend`'s gathers + the decode kernel; else None."""
+        g = self.grid
+        return paged_decode_attention(
+            q, self.k_cache, self.v_cache, pages, self.lengths, g.sink, g.page_size, g.window_pages, scale, tokens,
+            count, block_table=self._blocks(), order=self.order,
+        )  # fmt: skip
 
     def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
         g = self.grid
