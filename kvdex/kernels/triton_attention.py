@@ -410,11 +410,13 @@ def paged_decode_attention(
         if bs != page_size or q.shape[0] != 1:
             raise ValueError(f"a block table needs one sequence and blocks of the page size, got {bs} != {page_size}")
         k, v = (c.view(1, nb * bs, hk, d).transpose(1, 2) for c in (k, v))
-        bt = block_table.to(q.device).reshape(1, -1)
+        bt = block_table.to(q.device).reshape(1, -1).contiguous()  # (a no-op for a row of a table)
     _check(q, k, v)
     b, h = k.shape[:2]
     if order is not None and (bt is None or order.dim() != 3 or order.shape[:2] != (1, h)):
         raise ValueError(f"order must be [1, H, M] = [1, {h}, M] with a block table, got {tuple(order.shape)}")
+    if order is not None and order.stride(-1) != 1:
+        order = order.contiguous()
     if pages.dim() != 3 or pages.shape[:2] != (b, h):
         raise ValueError(f"pages must be [B, H, P] = [{b}, {h}, P], got {tuple(pages.shape)}")
     if lengths.shape != (b,):
