@@ -268,7 +268,7 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
         first = None
         if self.layer_split(view.layer)[0]:  # candidates: the pages after the static region's whole pages
             # (a partly filled static page is one: its tokens after the static tail are not static)
-            region = self._region(view.layer, view.grid) if view.static else None
+            region = self._region(view.layer, view.grid)
             first = region.partial if region is not None else self._static_count(view, q.device) // view.page_size
         if self.group == "max":
             return self.digests.page_scores(view.layer, q, p, view, first)
@@ -289,9 +289,9 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
         n_static = self.layer_split(view.layer)[0]
         if not n_static:
             return super().chosen(q, view, pages, score)  # S = 0: ArkVale
-        # CUDA-graph decoding: widths from the split, not the counts, built when the count is
-        region = self._region(view.layer, view.grid) if view.static else None
-        if region is None:
+        # widths from the split, not the counts, built with the count (kept in place for CUDA-graph decoding)
+        region = self._region(view.layer, view.grid)
+        if region is None:  # no static set yet
             n = self._static_count(view, q.device)  # [B]
             region = StaticRegion.of(n, n_static, view.grid)
         if self.rerank:
@@ -325,8 +325,6 @@ class PRKVPolicy(NamedOptions, PageScoringPolicy):
                 if layer not in sched.rings or sched.due(layer, step):
                     return None
         rings = sched.graph_key()
-        for layer in self.static_set.counts:  # the static regions a select under static sizing reads, built now
-            self.static_set.region(layer, stores[layer].grid)  # (not at the first select: a new key, captured again)
         static = self.static_set.key()
         splits = tuple(self.layer_split(lay) for lay in self.info.sparse_layers)
         return ("prkv", rings, static, splits) + _ids(self.digests.centre, self.digests.radius) + self.pools.key()

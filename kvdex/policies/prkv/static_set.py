@@ -84,7 +84,7 @@ class StaticSet:
         self.origin: dict[int, torch.Tensor] = {}  # layer -> [B, H, M]: position - sink of the token in middle slot j
         self.restructured: dict[int, int] = {}  # layer -> middle slots its last restructure ordered
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [B] static tokens (at the front of the middle)
-        # layer -> its static region's part of a statically sized selection (StaticRegion), a function of
+        # layer -> its static region's part of a selection (StaticRegion), a function of
         # counts[layer] alone: built once, rewritten in place when a refresh rewrites the count
         self.regions: dict[int, StaticRegion] = {}
 
@@ -169,8 +169,7 @@ class StaticSet:
             self.counts[layer].copy_(count)
         else:
             self.counts[layer] = count
-        if store.static or layer in self.regions:  # the static region's selection part, in place too
-            self.region(layer, g, refresh=True)
+        self.region(layer, g, refresh=True)  # the static region's selection part, in place too
         pages = moved.reshape(store.batch, store.kv_heads, m // g.page_size, g.page_size, -1)
         nmid = g.num_middle_pages(store.lengths_host)
         self.digests.write(layer, torch.zeros_like(nmid), nmid, pages)
@@ -202,8 +201,9 @@ class StaticSet:
         return static, (r - static) // ps
 
     def region(self, layer: int, grid: Grid, refresh: bool = False) -> StaticRegion | None:
-        """The static region's part of a statically sized selection of ``layer`` (None before the layer
-        has a static count). Built from the count once; ``refresh``: rebuilt in place (the count changed)."""
+        """The static region's part of a selection of ``layer`` (None before the layer has a static count). Built
+        from the count at the layer's first restructure; ``refresh``: rebuilt in place (the count changed), so a
+        captured step that reads it stays valid."""
         n = self.counts.get(layer)
         if n is None:
             return None
