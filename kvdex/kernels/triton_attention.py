@@ -1,5 +1,8 @@
 """Triton decode attention over a per-(sequence, kv head) set of slots (flash-decoding).
 
+One split kernel serves every mode (idx/valid, dense, paged; a block table for vLLM's cache): the modes' wrappers
+stay in this file beside the kernel whose constexpr arguments they set, which puts it past 400 lines.
+
 One decode step attends, per (sequence b, kv head h), to the slots ``idx[b, h, :N]`` of the
 layer's slot buffers ``k/v [B, H, S, D]`` (only where ``valid``). The PyTorch twin is
 :func:`kvdex.kernels.reference.sparse_decode_attention_reference`; these kernels compute the same function:
@@ -344,6 +347,13 @@ def dense_decode_attention(
     return _launch(q, k, v, None, None, lens, n, scale, 1, splits, block_n)
 
 
+def _paged_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged cache [num_blocks, block_size, H, D] as the kernel's slot buffers [1, H, rows, D] (views; row r is
+    flat slot r, which a block table addresses)."""
+    nb, bs, h, d = k_cache.shape
+    return k_cache.view(1, nb * bs, h, d).transpose(1, 2), v_cache.view(1, nb * bs, h, d).transpose(1, 2)
+
+
 def block_table_decode_attention(
     q: torch.Tensor,
     blocks: torch.Tensor,
@@ -357,10 +367,10 @@ def block_table_decode_attention(
     block_size, H, D]; ``blocks`` [n] its block-table row (position p lies in block ``blocks[p // block_size]``);
     the first ``lengths[0]`` positions attended, ``capacity`` (a host int, <= n * block_size) sizing the grid, so
     that a CUDA graph captures it. Twin: :func:`kvdex.vllm.paged.decode_attention_reference`."""
-    nb, bs, h, d = k_cache.shape
+    bs = k_cache.shape[1]
     if capacity > blocks.shape[0] * bs:
         raise ValueError(f"capacity {capacity} exceeds the row's {blocks.shape[0]} blocks of {bs}")
-    k, v = (c.view(1, nb * bs, h, d).transpose(1, 2) for c in (k_cache, v_cache))  # [1, H, rows, D], views
+    k, v = _paged_views(k_cache, v_cache)
     _check(q, k, v)
     return _launch(q, k, v, None, None, lengths.to(q.device), capacity, scale, 1, None, None, (0, bs, 1),
                    bt=blocks.to(q.device).reshape(1, -1))  # fmt: skip
@@ -406,10 +416,10 @@ def paged_decode_attention(
     """
     bt = None
     if block_table is not None:  # a paged cache: [1, H, rows, D] views of it, rows addressed through the table
-        nb, bs, hk, d = k.shape
-        if bs != page_size or q.shape[0] != 1:
-            raise ValueError(f"a block table needs one sequence and blocks of the page size, got {bs} != {page_size}")
-        k, v = (c.view(1, nb * bs, hk, d).transpose(1, 2) for c in (k, v))
+        if k.shape[1] != page_size or q.shape[0] != 1:
+            raise ValueError(f"a block table needs one sequence and blocks of the page size, got {k.shape[1]} != "
+                             f"{page_size}")  # fmt: skip
+        k, v = _paged_views(k, v)
         bt = block_table.to(q.device).reshape(1, -1).contiguous()  # (a no-op for a row of a table)
     _check(q, k, v)
     b, h = k.shape[:2]
