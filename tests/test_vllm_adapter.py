@@ -169,7 +169,7 @@ def test_the_fused_selection_decode_reads_the_blocks_as_attend_does(policy, monk
     (``PagedStore.selection_decode``: the block-table row and PRKV's relocation map, ``tests/test_triton_kernels.py``
     checks the kernel). Here its arguments go to a PyTorch twin of that kernel, which reads the blocks through
     them: the scenario's outputs equal the gather path's (``attend``), the relocated middle included."""
-    from kvdex.kernels.reference import paged_decode_reference
+    from kvdex.kernels import reference as twins  # the resident store's twin (this module's is the blocks' dense one)
     from kvdex.vllm import store as store_mod
 
     calls = []
@@ -184,10 +184,9 @@ def test_the_fused_selection_decode_reads_the_blocks_as_attend_does(policy, monk
             j = pos - sink
             mid = (j >= 0) & (j < order.shape[2])
             pos = torch.where(mid, sink + order[0].gather(1, j.clamp(0, order.shape[2] - 1)), pos)
-        rows = block_table[pos // ps] * ps + pos % ps  # [H, slots]
-        heads = torch.arange(h)[:, None]
-        k, v = (c.reshape(-1, h, c.shape[-1])[rows, heads][None] for c in (k_cache, v_cache))
-        return paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, scale, tokens)
+        flat = token_slots(block_table, pos, ps)  # [H, slots]: their rows in the blocks
+        k, v = (gather_heads(c, flat)[None] for c in (k_cache, v_cache))
+        return twins.paged_decode_reference(q, k, v, pages, lengths, sink, ps, wp, scale, tokens)
 
     st = settings(policy, SMALL)
     want, _ = run_scenario(st)
